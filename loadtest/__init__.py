@@ -1,0 +1,1 @@
+"""Load generation, trace replay and simulation for kvroute."""

@@ -1,0 +1,94 @@
+"""Command line: ``python -m loadtest simulate ...``.
+
+Each subcommand is one ``add_parser`` call plus one handler in ``_COMMANDS``; add ``run``
+and ``soak`` the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+DEFAULT_TRACE = "../shared/traces/mooncake_synthetic_trace.jsonl"
+
+
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("simulate", help="discrete-event replay with the real router")
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N requests")
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument(
+        "--policies", default="prefix,round_robin,least_loaded,random", help="comma-separated"
+    )
+    p.add_argument("--slots", type=int, default=8, help="slots per backend")
+    p.add_argument("--ram-tokens", type=int, default=4_000_000, help="RAM cache per backend")
+    p.add_argument("--kv-bytes-per-token", type=int, default=131_072)
+    p.add_argument("--prefill-tps", type=float, default=20_000.0)
+    p.add_argument("--decode-tps", type=float, default=40.0, help="per slot")
+    p.add_argument("--time-scale", type=float, default=1.0, help=">1 replays faster")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--plan-p90",
+        type=float,
+        default=0.0,
+        help="capacity planner: fewest backends whose p90 TTFT (s) meets this target",
+    )
+    p.add_argument("--max-backends", type=int, default=64)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from loadtest.simulate import (
+        SimBackend,
+        format_table,
+        oracle_hit_ratio,
+        plan_capacity,
+        simulate,
+    )
+    from loadtest.trace import load_mooncake
+
+    trace = load_mooncake(args.trace)
+    if args.limit:
+        trace = trace[: args.limit]
+    be = SimBackend(
+        n_slots=args.slots,
+        ram_cache_tokens=args.ram_tokens,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        prefill_tps=args.prefill_tps,
+        decode_tps=args.decode_tps,
+    )
+    oracle = oracle_hit_ratio(trace)
+    if args.plan_p90 > 0:
+        n, runs = plan_capacity(
+            trace, args.plan_p90, be, max_backends=args.max_backends, time_scale=args.time_scale
+        )
+        for r in runs:
+            print(f"{r.n_backends:3d} backends: p90 ttft {r.ttft_p90:.3f} s, hit {r.hit_ratio:.3f}")
+        if n is None:
+            print(f"target p90 {args.plan_p90} s not met with {args.max_backends} backends")
+            return 1
+        print(f"{n} backends meet p90 TTFT <= {args.plan_p90} s")
+        return 0
+    results = [
+        simulate(trace, pol.strip(), args.backends, be, time_scale=args.time_scale, seed=args.seed)
+        for pol in args.policies.split(",")
+        if pol.strip()
+    ]
+    print(f"{len(trace)} requests, {args.backends} backends x {args.slots} slots")
+    print(format_table(results, oracle))
+    return 0
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"simulate": _simulate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_simulate(sub)
+    args = parser.parse_args(argv)
+    return _COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

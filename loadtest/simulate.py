@@ -1,0 +1,304 @@
+"""Discrete-event replay of a workload against modelled llama-server backends.
+
+Each backend is a :class:`~proxy.cache_model.BackendCache` (the same llama-server model
+the router uses, but its own instance: the "truth") plus a prefill queue and per-slot
+decode:
+
+- prefill is one FIFO compute queue per backend at ``prefill_tps`` (uncached tokens only;
+  tokens loaded from the RAM cache cost ``ram_load_s_per_token``);
+- decode runs in the slot at ``decode_tps`` per slot after the first token;
+- a request the server cannot place waits in the server's queue (FIFO) until a slot frees.
+
+The real :class:`~proxy.router.Router` decides every request and gets the truth back in
+``complete()`` (reused tokens, prompt timings, slot), exactly as the live proxy would.
+The oracle hit ratio assumes an unbounded cache and perfect routing: every prompt reuses
+the longest prefix any earlier prompt had.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from loadtest.trace import BLOCK, VOCAB_HI, VOCAB_LO, TraceRequest, block_start
+from proxy.cache_model import RAM, SLOT, BackendCache, BackendCapacity
+from proxy.router import Decision, Router, RouterSettings
+from proxy.tree import RadixTree
+
+
+@dataclass(frozen=True)
+class SimBackend:
+    n_slots: int = 8
+    slot_ctx: int = 262_144
+    ram_cache_tokens: int = 1_000_000  # host-RAM prompt cache size, in tokens of KV
+    kv_bytes_per_token: int = 131_072  # Llama-3-8B f16
+    prefill_tps: float = 20_000.0
+    decode_tps: float = 40.0  # per slot
+    ram_load_s_per_token: float = 2e-6
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    n_backends: int
+    requests: int
+    rejected: int
+    prompt_tokens: int
+    reused_tokens: int
+    ttft_mean: float
+    ttft_p90: float
+    imbalance: float  # max / mean of per-backend busy seconds (prefill + decode)
+    req_imbalance: float  # max / mean of requests per backend
+    wall_s: float
+    mispredicted: float  # share of completions whose reuse the router predicted wrong
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.wall_s if self.wall_s else 0.0
+
+
+class _Blocks:
+    """Prompt bytes per trace request; a block is a slice of one precomputed ramp."""
+
+    def __init__(self, block: int = BLOCK) -> None:
+        ramp = array("i", range(VOCAB_LO, VOCAB_HI))
+        self._ramp = (ramp + ramp[:block]).tobytes()  # wrap-around without modulo
+        self._block = block
+
+    def prompt(self, r: TraceRequest) -> bytes:
+        w = 4 * self._block
+        ramp = self._ramp
+        parts = [ramp[4 * block_start(h) : 4 * block_start(h) + w] for h in r.hash_ids]
+        return b"".join(parts)[: 4 * r.input_length]
+
+
+def oracle_hit_ratio(trace: Sequence[TraceRequest], block: int = BLOCK) -> float:
+    """Unbounded cache, perfect routing: reuse = longest prefix seen before (<= n - 1)."""
+    seen: dict[int, int] = {}  # chained block id -> tokens of it seen so far
+    reused = total = 0
+    for r in trace:
+        got = 0
+        for i, h in enumerate(r.hash_ids):
+            in_req = min(block, r.input_length - i * block)
+            have = seen.get(h, 0)
+            got += min(have, in_req)
+            if have < in_req:
+                break
+        for i, h in enumerate(r.hash_ids):
+            in_req = min(block, r.input_length - i * block)
+            if seen.get(h, 0) < in_req:
+                seen[h] = in_req
+        reused += min(got, r.input_length - 1)
+        total += r.input_length
+    return reused / total if total else 0.0
+
+
+@dataclass
+class _Req:
+    idx: int
+    arrival: float
+    prompt: bytes
+    n: int
+    out: int
+    decision: Decision
+    slot: int | None = None  # pinned slot, then the slot it runs in
+    reuse: int = 0
+    prefill_s: float = 0.0
+
+
+@dataclass
+class _Server:
+    cache: BackendCache
+    compute_free: float = 0.0
+    waiting: deque[_Req] = field(default_factory=deque)
+    busy_s: float = 0.0
+    served: int = 0
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    policy: str,
+    n_backends: int,
+    backend: SimBackend | None = None,
+    settings: RouterSettings | None = None,
+    time_scale: float = 1.0,
+    seed: int = 0,
+) -> SimResult:
+    """Replay ``trace`` (arrivals divided by ``time_scale``) through one policy."""
+    be = backend or SimBackend()
+    kvb = be.kv_bytes_per_token
+    caps = [
+        BackendCapacity(f"b{i}", be.n_slots, be.slot_ctx, be.ram_cache_tokens * kvb, kvb)
+        for i in range(n_backends)
+    ]
+    s = settings or RouterSettings(default_prefill_tps=be.prefill_tps)
+    router = Router(policy, settings=s, seed=seed)
+    truth_tree = RadixTree()
+    servers: dict[str, _Server] = {}
+    for cap in caps:
+        router.add_backend(cap)
+        servers[cap.name] = _Server(BackendCache(cap, truth_tree, s.rules))
+    blocks = _Blocks()
+    filler = bytes(4 * max((r.output_length for r in trace), default=0))  # token 0
+    events: list[tuple[float, int, int, _Req | None]] = []  # (t, order, kind, req)
+    for i, r in enumerate(trace):
+        events.append((r.timestamp_ms / 1000.0 / time_scale, i, 0, None))
+    heapq.heapify(events)
+    order = len(trace)
+    ttfts: list[float] = []
+    prompt_tokens = reused = rejected = 0
+
+    def lcps(name: str, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
+        slot_lcp: dict[int, int] = {}
+        ram_lcp: dict[int, int] = {}
+        for (b, kind, idx), got in truth_tree.match(q).held.items():  # type: ignore[misc]
+            if b == name:
+                if kind == SLOT:
+                    slot_lcp[idx] = got
+                elif kind == RAM:
+                    ram_lcp[idx] = got
+        return slot_lcp, ram_lcp
+
+    def try_start(srv: _Server, req: _Req, now: float) -> bool:
+        nonlocal order, prompt_tokens, reused
+        cache = srv.cache
+        slot = req.slot
+        if slot is not None and cache.slots[slot].busy:
+            return False
+        slot_lcp, ram_lcp = lcps(cache.cap.name, req.prompt)
+        p = cache.start(slot, req.prompt, slot_lcp, ram_lcp, req.n)
+        if p is None:
+            return False
+        req.slot, req.reuse = p.slot, p.reuse
+        req.prefill_s = (req.n - p.reuse) / be.prefill_tps
+        load = be.ram_load_s_per_token * p.reuse if p.tier == "ram" else 0.0
+        begin = max(now, srv.compute_free)
+        srv.compute_free = begin + req.prefill_s + load
+        first = srv.compute_free
+        ttfts.append(first - req.arrival)
+        decode = req.out / be.decode_tps
+        srv.busy_s += req.prefill_s + load + decode
+        srv.served += 1
+        prompt_tokens += req.n
+        reused += p.reuse
+        order += 1
+        heapq.heappush(events, (first + decode, order, 1, req))
+        return True
+
+    wall0 = time.perf_counter()
+    while events:
+        now, idx, kind, req = heapq.heappop(events)
+        if kind == 0:
+            r = trace[idx]
+            q = blocks.prompt(r)
+            d = router.decide(array("i", q), now=now)
+            if not isinstance(d, Decision):
+                rejected += 1
+                continue
+            req = _Req(idx, now, q, r.input_length, r.output_length, d, d.slot)
+            srv = servers[d.backend]
+            if srv.waiting or not try_start(srv, req, now):
+                srv.waiting.append(req)
+            continue
+        assert req is not None and req.slot is not None
+        srv = servers[req.decision.backend]
+        out = filler[: 4 * req.out]
+        srv.cache.finish(req.slot, req.prompt + out, req.n + req.out)
+        router.complete(
+            req.decision,
+            output_tokens=array("i", out),
+            reported_cached=req.reuse,
+            prompt_ms=req.prefill_s * 1000.0,
+            prompt_n=req.n - req.reuse,
+            reported_slot=req.slot,
+            now=now,
+        )
+        # the server retries its deferred tasks in order when a slot frees
+        if srv.waiting:
+            srv.waiting = deque(w for w in srv.waiting if not try_start(srv, w, now))
+    wall = time.perf_counter() - wall0
+
+    busy = [srv.busy_s for srv in servers.values()]
+    served = [srv.served for srv in servers.values()]
+    ttfts.sort()
+    done = len(ttfts)
+    return SimResult(
+        policy=policy,
+        n_backends=n_backends,
+        requests=done,
+        rejected=rejected,
+        prompt_tokens=prompt_tokens,
+        reused_tokens=reused,
+        ttft_mean=sum(ttfts) / done if done else math.nan,
+        ttft_p90=ttfts[min(done - 1, int(0.9 * done))] if done else math.nan,
+        imbalance=max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0,
+        req_imbalance=max(served) / (sum(served) / len(served)) if sum(served) else 1.0,
+        wall_s=wall,
+        mispredicted=router.mispredictions / max(1, router.completed),
+    )
+
+
+def plan_capacity(
+    trace: Sequence[TraceRequest],
+    target_p90_s: float,
+    backend: SimBackend | None = None,
+    policy: str = "prefix",
+    max_backends: int = 64,
+    time_scale: float = 1.0,
+) -> tuple[int | None, list[SimResult]]:
+    """Fewest backends whose modelled p90 TTFT meets the target (None: not within max).
+
+    Doubles until the target is met, then bisects; assumes more backends never hurt.
+    """
+    runs: dict[int, SimResult] = {}
+
+    def ok(n: int) -> bool:
+        if n not in runs:
+            runs[n] = simulate(trace, policy, n, backend, time_scale=time_scale)
+        return runs[n].ttft_p90 <= target_p90_s
+
+    hi = 1
+    while not ok(hi):
+        if hi >= max_backends:
+            return None, [runs[k] for k in sorted(runs)]
+        hi = min(max_backends, hi * 2)
+    lo = hi // 2  # lo fails (or is 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi, [runs[k] for k in sorted(runs)]
+
+
+def format_table(results: Sequence[SimResult], oracle: float) -> str:
+    """Policies side by side, one column each."""
+    rows = [
+        ("hit ratio", lambda r: f"{r.hit_ratio:.3f}"),
+        ("oracle hit ratio", lambda r: f"{oracle:.3f}"),
+        ("ttft mean s", lambda r: f"{r.ttft_mean:.3f}"),
+        ("ttft p90 s", lambda r: f"{r.ttft_p90:.3f}"),
+        ("imbalance (busy max/mean)", lambda r: f"{r.imbalance:.3f}"),
+        ("requests max/mean", lambda r: f"{r.req_imbalance:.3f}"),
+        ("requests", lambda r: str(r.requests)),
+        ("rejected", lambda r: str(r.rejected)),
+        ("mispredicted", lambda r: f"{r.mispredicted:.3f}"),
+        ("sim requests/s", lambda r: f"{r.requests_per_s:,.0f}"),
+    ]
+    head = ["metric", *[r.policy for r in results]]
+    body = [[name, *[fmt(r) for r in results]] for name, fmt in rows]
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in [head]]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body]
+    return "\n".join(lines)

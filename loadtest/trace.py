@@ -1,0 +1,74 @@
+"""Mooncake-format traces: loading, and deterministic token ids per 512-token block.
+
+A Mooncake trace line is ``{"timestamp": ms, "input_length": n, "output_length": m,
+"hash_ids": [...]}`` with one id per block of ``block`` tokens; requests sharing a leading
+run of ids share that prefix. Token ids are derived from the id alone, so any process
+(simulator, live replay) produces the same prompt for the same line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+BLOCK = 512
+# NOTE: the demo vocabulary has 151,936 ids with special tokens from 151,643: stay below
+VOCAB_LO = 1000
+VOCAB_HI = 150_000
+_STRIDE = 7919  # prime, coprime with the span: distinct block starts for ids < span
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_mooncake(path: str | Path) -> list[TraceRequest]:
+    """Read a Mooncake JSONL trace, sorted by timestamp (stable)."""
+    out: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            r = TraceRequest(
+                float(d["timestamp"]),
+                int(d["input_length"]),
+                int(d["output_length"]),
+                tuple(int(h) for h in d["hash_ids"]),
+            )
+            if r.input_length < 1 or r.input_length > len(r.hash_ids) * BLOCK:
+                raise ValueError(f"{path}:{i}: input_length does not fit its hash_ids")
+            out.append(r)
+    out.sort(key=lambda r: r.timestamp_ms)
+    return out
+
+
+def block_start(hash_id: int, vocab_lo: int = VOCAB_LO, vocab_hi: int = VOCAB_HI) -> int:
+    """Offset (from vocab_lo) of a block's first token; distinct for ids < vocab span."""
+    return (hash_id * _STRIDE) % (vocab_hi - vocab_lo)
+
+
+def block_tokens(
+    hash_id: int, block: int = BLOCK, vocab_lo: int = VOCAB_LO, vocab_hi: int = VOCAB_HI
+) -> list[int]:
+    """Deterministic token ids of one block: a run of consecutive ids from block_start.
+
+    Two different ids at the same position differ at their first token (for ids below
+    the vocabulary span), which is all prefix matching needs.
+    """
+    span = vocab_hi - vocab_lo
+    start = block_start(hash_id, vocab_lo, vocab_hi)
+    return [vocab_lo + (start + i) % span for i in range(block)]
+
+
+def request_tokens(r: TraceRequest, block: int = BLOCK) -> list[int]:
+    """The prompt of one trace request (blocks concatenated, cut to input_length)."""
+    out: list[int] = []
+    for h in r.hash_ids:
+        out.extend(block_tokens(h, block))
+    return out[: r.input_length]

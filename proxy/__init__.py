@@ -1,0 +1,1 @@
+"""kvroute: prefix-cache-aware routing in front of llama-server."""

@@ -1,0 +1,292 @@
+"""What one llama-server backend's slots and host-RAM prompt cache hold.
+
+Mirrors the pinned build (../shared/notes/llama-server.md, "Slots", "The prompt cache",
+"Observed on the pinned build"):
+
+- A slot holds one sequence (prompt + generated tokens). A new request reuses the longest
+  common prefix, but never the whole prompt (``reuse <= prompt - 1``).
+- If the new prompt keeps less than ``keep_threshold`` (0.5) of the slot's tokens, the
+  slot's state is *saved* to the RAM cache first (unless an entry already contains it;
+  entries that are prefixes of it are removed; an entry larger than the cache is
+  skipped) and the cache is LRU-evicted by bytes (tokens * kv_bytes_per_token).
+- Then the best RAM entry is *loaded* (moved out of the cache, not copied): candidates
+  share >= 25% of their own tokens with the prompt and must beat the slot's current
+  state on both kept fraction and similarity.
+- A request pinned to an *empty* slot does not consult the RAM cache (upstream #28139).
+- Unpinned: the idle slot with the highest LCP similarity (lcp / prompt) above 0.10,
+  otherwise the least recently used idle slot (never-used slots first).
+
+The sequences themselves live in a shared :class:`~proxy.tree.RadixTree` under holders
+``(backend, SLOT, i)`` and ``(backend, RAM, entry_id)``; this class keeps the lengths the
+server has (the tree may have evicted tails) and the RAM LRU order. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from proxy.tree import RadixTree
+
+SLOT = 0
+RAM = 1
+PENDING = 2  # a queued request's prompt, recorded before it has a slot (router-level)
+
+Holder = tuple[str, int, int]  # (backend, kind, index)
+
+
+@dataclass(frozen=True)
+class BackendCapacity:
+    name: str
+    n_slots: int
+    slot_ctx: int  # tokens per slot
+    ram_cache_bytes: int  # 0 = no RAM tier
+    kv_bytes_per_token: int
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name: must be non-empty")
+        if self.n_slots < 1:
+            raise ValueError("n_slots: must be >= 1")
+        if self.slot_ctx < 2:
+            raise ValueError("slot_ctx: must be >= 2")
+        if self.ram_cache_bytes < 0:
+            raise ValueError("ram_cache_bytes: must be >= 0")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError("kv_bytes_per_token: must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerRules:
+    """llama-server constants this model mirrors (defaults of the pinned build)."""
+
+    keep_threshold: float = 0.5  # below this kept fraction the slot state is saved to RAM
+    ram_min_share: float = 0.25  # a RAM entry must share this fraction of its own tokens
+    slot_similarity: float = 0.10  # --slot-prompt-similarity for unpinned requests
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request lands on one backend and what it reuses."""
+
+    slot: int  # slot the request runs in
+    reuse: int  # tokens reused (<= prompt - 1)
+    tier: str  # "slot" | "ram" | "none"
+    ram_entry: int | None  # RAM entry loaded into the slot, if any
+    displaced: int  # tokens of the slot's previous content it loses (saved to RAM or gone)
+
+
+@dataclass
+class _Slot:
+    busy: bool = False
+    n_tokens: int = 0  # tokens the server holds in this slot
+    last_used: int = -1  # logical clock; -1 = never used (picked first by LRU)
+
+
+class BackendCache:
+    """Model of one backend's slots and RAM prompt cache."""
+
+    def __init__(self, cap: BackendCapacity, tree: RadixTree, rules: ServerRules | None = None):
+        self.cap = cap
+        self.tree = tree
+        self.rules = rules or ServerRules()
+        self.slots = [_Slot() for _ in range(cap.n_slots)]
+        self.ram: OrderedDict[int, int] = OrderedDict()  # entry id -> tokens, oldest first
+        self.ram_bytes = 0
+        self._next_entry = 0
+        self._clock = 0
+
+    # ---------------------------------------------------------------- holders
+    def slot_holder(self, i: int) -> Holder:
+        return (self.cap.name, SLOT, i)
+
+    def ram_holder(self, e: int) -> Holder:
+        return (self.cap.name, RAM, e)
+
+    def idle_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if not s.busy]
+
+    # ------------------------------------------------------------- prediction
+    def server_pick(self, slot_lcp: dict[int, int], n_prompt: int) -> int | None:
+        """The idle slot the server picks for an unpinned request (None: all busy)."""
+        best, sim_best = None, 0.0
+        for i, s in enumerate(self.slots):
+            if s.busy or s.n_tokens == 0:
+                continue
+            sim = slot_lcp.get(i, 0) / n_prompt
+            if sim > sim_best and sim > self.rules.slot_similarity:
+                best, sim_best = i, sim
+        if best is not None:
+            return best
+        idle = [(s.last_used, i) for i, s in enumerate(self.slots) if not s.busy]
+        return min(idle)[1] if idle else None
+
+    def predict(
+        self,
+        slot: int | None,
+        slot_lcp: dict[int, int],
+        ram_lcp: dict[int, int],
+        n_prompt: int,
+    ) -> Placement | None:
+        """Where a request would land and what it would reuse; pure. None: no idle slot."""
+        pinned = slot is not None
+        if slot is None:
+            slot = self.server_pick(slot_lcp, n_prompt)
+            if slot is None:
+                return None
+        s = self.slots[slot]
+        assert not s.busy, "never place a request on a busy slot"
+        lcp = min(slot_lcp.get(slot, 0), s.n_tokens)
+        entry, got, displaced = None, lcp, 0
+        if s.n_tokens > 0 and lcp < self.rules.keep_threshold * s.n_tokens:
+            displaced = s.n_tokens - lcp
+            gone = self._evicted_by_save(s.n_tokens)
+            entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
+        elif s.n_tokens == 0 and not pinned:
+            entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
+        reuse = max(0, min(got, n_prompt - 1))
+        tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
+        return Placement(slot, reuse, tier, entry, displaced)
+
+    def best_ram(self, ram_lcp: dict[int, int], n_prompt: int) -> tuple[int | None, int]:
+        """The RAM entry a freshly displaced slot would load, and its reuse (0: none)."""
+        return self._best_ram(ram_lcp, n_prompt, 0, 0, set())
+
+    def _best_ram(
+        self, ram_lcp: dict[int, int], n_prompt: int, lcp: int, n_slot: int, gone: set[int]
+    ) -> tuple[int | None, int]:
+        """server_prompt_cache::load: the entry beating the slot on kept fraction and sim."""
+        f_best = lcp / n_slot if n_slot else 0.0
+        sim_best = lcp / n_prompt
+        best, got = None, lcp
+        for e, n_lcp in ram_lcp.items():
+            n_entry = self.ram.get(e)
+            if n_entry is None or e in gone:
+                continue
+            f = n_lcp / n_entry
+            if f < self.rules.ram_min_share:
+                continue
+            sim = n_lcp / n_prompt
+            if f > f_best and sim > sim_best:
+                best, got, f_best, sim_best = e, n_lcp, f, sim
+        return best, got
+
+    def _evicted_by_save(self, n_tokens: int) -> set[int]:
+        """RAM entries the LRU would drop to make room for a saved slot (approximate:
+        ignores entries the save removes as prefixes, so it may over-estimate)."""
+        new = n_tokens * self.cap.kv_bytes_per_token
+        limit = self.cap.ram_cache_bytes
+        if limit == 0 or new > limit or self.ram_bytes + new <= limit:
+            return set()
+        gone, freed, need = set(), 0, self.ram_bytes + new - limit
+        for e, n in self.ram.items():
+            if freed >= need:
+                break
+            gone.add(e)
+            freed += n * self.cap.kv_bytes_per_token
+        return gone
+
+    # ---------------------------------------------------------------- effects
+    def start(
+        self,
+        slot: int | None,
+        prompt: bytes,
+        slot_lcp: dict[int, int],
+        ram_lcp: dict[int, int],
+        n_prompt: int,
+    ) -> Placement | None:
+        """Apply a request starting now: the slot becomes busy and holds the prompt."""
+        p = self.predict(slot, slot_lcp, ram_lcp, n_prompt)
+        if p is None:
+            return None
+        s = self.slots[p.slot]
+        if p.displaced:
+            gone = self._save(p.slot)
+            lcp = min(slot_lcp.get(p.slot, 0), s.n_tokens)
+            entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
+            reuse = max(0, min(got, n_prompt - 1))
+            tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
+            p = Placement(p.slot, reuse, tier, entry, p.displaced)
+        if p.ram_entry is not None:
+            n = self.ram.pop(p.ram_entry)
+            self.ram_bytes -= n * self.cap.kv_bytes_per_token
+            self.tree.move(self.ram_holder(p.ram_entry), self.slot_holder(p.slot))
+        self.tree.assign(self.slot_holder(p.slot), prompt)
+        s.n_tokens = n_prompt
+        s.busy = True
+        self._clock += 1
+        s.last_used = self._clock
+        return p
+
+    def finish(self, slot: int, sequence: bytes | None, n_tokens: int) -> None:
+        """The request in ``slot`` ended; the slot now holds ``sequence`` (None: unknown)."""
+        s = self.slots[slot]
+        s.busy = False
+        self._clock += 1
+        s.last_used = self._clock
+        if sequence is None:
+            # NOTE: content unknown (aborted): claiming nothing is the safe error
+            self.tree.drop(self.slot_holder(slot))
+            s.n_tokens = 0
+            return
+        self.tree.assign(self.slot_holder(slot), sequence)
+        s.n_tokens = n_tokens
+
+    def _save(self, slot: int) -> set[int]:
+        """server_prompt_cache::alloc + update: save a slot's state; returns entries gone."""
+        s = self.slots[slot]
+        h = self.slot_holder(slot)
+        kvb = self.cap.kv_bytes_per_token
+        limit = self.cap.ram_cache_bytes
+        gone: set[int] = set()
+        new_bytes = s.n_tokens * kvb
+        if limit == 0 or new_bytes > limit:
+            return gone
+        ram_of_me = self._ram_relations(h)
+        if any(contains for _, contains in ram_of_me):
+            return gone  # "prompt is already in the cache, skipping"
+        for e, contains in ram_of_me:
+            if not contains:  # an entry that is a prefix of the slot state is obsolete
+                self._drop_entry(e)
+                gone.add(e)
+        e = self._next_entry
+        self._next_entry += 1
+        self.tree.move(h, self.ram_holder(e))
+        self.ram[e] = s.n_tokens
+        self.ram_bytes += new_bytes
+        while self.ram_bytes > limit and self.ram:
+            old = next(iter(self.ram))
+            self._drop_entry(old)
+            gone.add(old)
+        return gone
+
+    def _ram_relations(self, h: Holder) -> list[tuple[int, bool]]:
+        """RAM entries that contain slot ``h``'s sequence (True) or are a prefix of it."""
+        name = self.cap.name
+        containing, prefixes = self.tree.relations(h)
+        out = [(x[2], True) for x in containing if x[0] == name and x[1] == RAM]  # type: ignore[index]
+        out += [(x[2], False) for x in prefixes if x[0] == name and x[1] == RAM]  # type: ignore[index]
+        return [(e, c) for e, c in out if e in self.ram]
+
+    def _drop_entry(self, e: int) -> None:
+        n = self.ram.pop(e)
+        self.ram_bytes -= n * self.cap.kv_bytes_per_token
+        self.tree.drop(self.ram_holder(e))
+
+    def clear(self) -> None:
+        """Forget everything (backend gone or restarted)."""
+        for i in range(len(self.slots)):
+            self.tree.drop(self.slot_holder(i))
+        for e in list(self.ram):
+            self._drop_entry(e)
+        self.slots = [_Slot() for _ in range(self.cap.n_slots)]
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "slots": [
+                {"id": i, "busy": s.busy, "tokens": s.n_tokens} for i, s in enumerate(self.slots)
+            ],
+            "ram_entries": [{"id": e, "tokens": n} for e, n in self.ram.items()],
+            "ram_bytes": self.ram_bytes,
+            "ram_cache_bytes": self.cap.ram_cache_bytes,
+        }

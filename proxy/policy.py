@@ -1,0 +1,263 @@
+"""Routing policies: which backend (and slot) gets a request, and why.
+
+``prefix`` (default) picks the option with the lowest *expected time to first token*:
+
+    ttft(b, option) = backlog(b) + slot_wait(b) + (prompt - reuse) / rate(b)
+                      + ram_load_s_per_token * reuse   (only when reuse comes from RAM)
+
+- ``reuse`` comes from the cache model (proxy/cache_model.py), which mirrors llama-server:
+  which idle slot the request lands in, whether the slot's state is kept, saved to RAM or
+  replaced by a RAM entry. Options per backend: pin each idle slot, or let the server
+  pick (an unpinned request to an empty slot may load from RAM; a pinned one may not).
+- A prefix that every backend holds costs the same everywhere, so it gives no preference:
+  only the match *beyond* the best alternative moves the choice (reported as
+  ``beyond_alt``). A 20k-token system prompt shared by many sessions therefore does not
+  herd them, and the load bound below spreads them even when one backend holds it alone.
+- ``backlog(b)`` is the modelled prefill queue: each decision adds its uncached tokens /
+  rate to a per-backend virtual finish time; ``rate(b)`` is learned (EWMA,
+  ``rate_ewma_alpha``) from the ``prompt_n`` / ``prompt_ms`` the backend reports, starting
+  at ``default_prefill_tps``.
+- ``slot_wait(b)``: when no slot is idle the request is not pinned (a pinned request to a
+  busy slot would disturb it) and queues on the server; it waits about one mean service
+  time (EWMA of observed durations, ``default_service_s`` until learned) / n_slots.
+- Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
+  in-flight request. A backend is eligible only if its work after taking the request
+  stays within ``load_factor`` x the mean work after the request + ``load_slack_tokens``
+  (the slack keeps a nearly idle cluster from being forced around). If none is eligible,
+  the one with least work after the request is.
+- Among equal-cost options, the slot whose content is least valuable to lose wins:
+  ``displace_weight`` x displaced tokens / rate is added (empty and short slots first),
+  then least recently used. A ``session`` hint breaks remaining ties by rendezvous hash,
+  so new conversations of one session stick together while distinct sessions spread.
+- ``max_resident_tokens`` caps the router's token tree (LRU leaves evicted first);
+  ``slot_prompt_similarity``, ``keep_threshold`` and ``ram_min_share`` mirror the server's
+  constants (see proxy/cache_model.py) and must match its flags.
+- ``min_rate_sample_tokens``: smaller prefills are not used to learn the rate (noise).
+
+``round_robin``, ``least_loaded`` (fewest in-flight requests) and ``random`` are the
+baselines: they choose only the backend and let the server pick the slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from proxy.cache_model import BackendCache, Placement, ServerRules
+
+POLICIES = ("prefix", "round_robin", "least_loaded", "random")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    load_factor: float = 1.25  # max work of a backend / mean work (bounded load)
+    load_slack_tokens: int = 4096  # absolute slack on the bound, in tokens of work
+    max_resident_tokens: int = 64_000_000  # cap on tokens in the router's tree (LRU leaves)
+    default_prefill_tps: float = 1500.0  # prefill tokens/s until a backend reports timings
+    rate_ewma_alpha: float = 0.2  # weight of a new prefill-rate sample
+    ram_load_s_per_token: float = 2e-6  # cost of restoring one token of KV from host RAM
+    request_overhead_tokens: int = 256  # work units per request beyond its uncached prompt
+    default_service_s: float = 5.0  # request duration assumed until one is observed
+    displace_weight: float = 0.02  # fraction of displaced tokens' prefill time charged
+    min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
+    # llama-server behaviour mirrored by the cache model (defaults of the pinned build)
+    slot_prompt_similarity: float = 0.10  # --slot-prompt-similarity
+    keep_threshold: float = 0.5  # below this kept fraction the slot state goes to RAM
+    ram_min_share: float = 0.25  # RAM entries must share this fraction of their tokens
+
+    @property
+    def rules(self) -> ServerRules:
+        return ServerRules(self.keep_threshold, self.ram_min_share, self.slot_prompt_similarity)
+
+    def __post_init__(self) -> None:
+        positive = {
+            "load_factor": self.load_factor,
+            "max_resident_tokens": self.max_resident_tokens,
+            "default_prefill_tps": self.default_prefill_tps,
+            "default_service_s": self.default_service_s,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{name}: must be > 0, got {value!r}")
+        if self.load_factor < 1.0:
+            raise ValueError(f"load_factor: must be >= 1.0, got {self.load_factor!r}")
+        if not 0.0 < self.rate_ewma_alpha <= 1.0:
+            raise ValueError(f"rate_ewma_alpha: must be in (0, 1], got {self.rate_ewma_alpha!r}")
+        nonneg = {
+            "load_slack_tokens": self.load_slack_tokens,
+            "ram_load_s_per_token": self.ram_load_s_per_token,
+            "request_overhead_tokens": self.request_overhead_tokens,
+            "displace_weight": self.displace_weight,
+            "min_rate_sample_tokens": self.min_rate_sample_tokens,
+        }
+        for name, value in nonneg.items():
+            if value < 0:
+                raise ValueError(f"{name}: must be >= 0, got {value!r}")
+        fractions = {
+            "slot_prompt_similarity": self.slot_prompt_similarity,
+            "keep_threshold": self.keep_threshold,
+            "ram_min_share": self.ram_min_share,
+        }
+        for name, value in fractions.items():
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
+
+
+@dataclass
+class BackendState:
+    """Router-side state of one backend (mutable; owned by the Router)."""
+
+    cache: BackendCache
+    rate: float  # learned prefill tokens/s
+    rate_learned: bool = False
+    busy_until: float = 0.0  # virtual finish time of the modelled prefill queue
+    work: int = 0  # in-flight work, tokens
+    inflight: int = 0  # in-flight requests
+    service_s: float = 0.0  # EWMA of request durations (0 = not learned)
+    queued: deque[int] = field(default_factory=deque)  # request ids waiting on the server
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A policy's answer before the router applies it."""
+
+    backend: str
+    slot: int | None  # slot to pin (None: let the server pick or queue)
+    placement: Placement | None  # predicted landing (None: queued, no idle slot)
+    reasons: dict[str, object]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Per-backend inputs to a policy for one request."""
+
+    name: str
+    state: BackendState
+    slot_lcp: dict[int, int]  # slot -> tokens of the prompt that slot holds
+    ram_lcp: dict[int, int]  # RAM entry -> tokens of the prompt that entry holds
+
+
+def _hash_rank(session: str, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session}\0{name}".encode(), digest_size=8).digest())
+
+
+def _best_option(
+    c: Candidate, n: int, s: RouterSettings, now: float
+) -> tuple[float, float, Placement | None, int | None]:
+    """Cheapest way to run on backend ``c``: (score, ttft, placement, slot to pin).
+
+    The score adds the displacement penalty to the ttft, so that between otherwise equal
+    backends a new conversation lands where it evicts the least (spreading content)."""
+    st = c.state
+    backlog = max(0.0, st.busy_until - now)
+    cache = st.cache
+    idle = cache.idle_slots()
+    if not idle:
+        # queued on the server: the slot that frees first is displaced, so only RAM
+        # entries (any slot can load them) are expected to help
+        service = st.service_s or s.default_service_s
+        _, got = cache.best_ram(c.ram_lcp, n)
+        reuse = min(got, n - 1)
+        wait = service / cache.cap.n_slots
+        ttft = backlog + wait + (n - reuse) / st.rate + s.ram_load_s_per_token * reuse
+        return ttft, ttft, None, None
+    best: tuple[tuple[float, float, int], Placement, int | None] | None = None
+    # NOTE: empty idle slots are interchangeable: evaluate the first one only
+    empty = [i for i in idle if cache.slots[i].n_tokens == 0]
+    options: list[int | None] = [i for i in idle if cache.slots[i].n_tokens > 0]
+    if empty:
+        options.append(empty[0])
+        if cache.ram:
+            options.append(None)  # unpinned: an empty slot then consults the RAM cache
+    for opt in options:
+        p = cache.predict(opt, c.slot_lcp, c.ram_lcp, n)
+        assert p is not None, "idle slots exist"
+        ttft = backlog + (n - p.reuse) / st.rate
+        if p.tier == "ram":
+            ttft += s.ram_load_s_per_token * p.reuse
+        penalty = s.displace_weight * p.displaced / st.rate
+        key = (ttft + penalty, ttft, cache.slots[p.slot].last_used)
+        if best is None or key < best[0]:
+            best = (key, p, opt)
+    assert best is not None
+    return best[0][0], best[0][1], best[1], best[2]
+
+
+def choose_prefix(
+    cands: list[Candidate], n: int, s: RouterSettings, now: float, session: str | None
+) -> Choice:
+    evals = []
+    ttfts: dict[str, float] = {}
+    for c in cands:
+        score, ttft, p, pin = _best_option(c, n, s, now)
+        ttfts[c.name] = round(ttft, 4)
+        reuse = p.reuse if p is not None else 0
+        work_after = c.state.work + (n - reuse) + s.request_overhead_tokens
+        evals.append((c, score, p, pin, work_after))
+    total = sum(c.state.work for c in cands)
+    matched = {c.name: max([*c.slot_lcp.values(), *c.ram_lcp.values(), 0]) for c in cands}
+    allowed = []
+    for c, ttft, p, pin, work_after in evals:
+        new = work_after - c.state.work
+        bound = s.load_factor * (total + new) / len(cands) + s.load_slack_tokens
+        if work_after <= bound:
+            allowed.append((c, ttft, p, pin, work_after))
+    why = "lowest expected ttft"
+    if not allowed:
+        allowed = [min(evals, key=lambda e: e[4])]
+        why = "all above load bound: least work"
+
+    def key(e: tuple[Candidate, float, Placement | None, int | None, int]) -> tuple[float, int]:
+        rank = _hash_rank(session, e[0].name) if session else 0
+        return (e[1], rank)
+
+    c, ttft, p, pin, _ = min(allowed, key=key)
+    if len(allowed) < len(evals) and why == "lowest expected ttft":
+        best_any = min(evals, key=key)
+        if best_any[0].name != c.name:
+            why = f"lowest expected ttft within load bound ({best_any[0].name} over bound)"
+    alt = max((v for k, v in matched.items() if k != c.name), default=0)
+    reasons: dict[str, object] = {
+        "policy": "prefix",
+        "why": why,
+        "matched": matched,
+        "beyond_alt": matched[c.name] - alt,
+        "ttft_s": ttfts,
+        "work": {e[0].name: e[0].state.work for e in evals},
+        "eligible": [e[0].name for e in allowed],
+    }
+    return Choice(c.name, pin if p is not None else None, p, reasons)
+
+
+@dataclass
+class Baselines:
+    """State of the comparison policies."""
+
+    seed: int = 0
+    rr_next: int = 0
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def choose(self, policy: str, cands: list[Candidate], n: int) -> Choice:
+        if policy == "round_robin":
+            c = cands[self.rr_next % len(cands)]
+            self.rr_next += 1
+        elif policy == "least_loaded":
+            c = min(cands, key=lambda x: (x.state.inflight, x.state.work))
+        elif policy == "random":
+            c = self.rng.choice(cands)
+        else:
+            raise AssertionError(f"unknown policy {policy}")
+        p = c.state.cache.predict(None, c.slot_lcp, c.ram_lcp, n)
+        matched = {x.name: max([*x.slot_lcp.values(), *x.ram_lcp.values(), 0]) for x in cands}
+        reasons: dict[str, object] = {
+            "policy": policy,
+            "why": policy,
+            "matched": matched,
+            "inflight": {x.name: x.state.inflight for x in cands},
+        }
+        return Choice(c.name, None, p, reasons)

@@ -1,0 +1,291 @@
+"""The routing facade driven by both the simulator and the live proxy.
+
+Pure and synchronous: no I/O, no asyncio, no clock (callers pass ``now``). One
+:class:`Router` owns the token tree, one cache model per backend and the policy state.
+
+Life of a request: ``decide()`` -> (proxy forwards with ``id_slot``) -> ``complete()`` or
+``abort()``. ``decide`` records its choice in the tree at once (fallbacks included), so
+affinity starts with the first request of a conversation.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from proxy.cache_model import PENDING, RAM, SLOT, BackendCache, BackendCapacity
+from proxy.policy import POLICIES, BackendState, Baselines, Candidate, RouterSettings, choose_prefix
+from proxy.tree import RadixTree, to_token_bytes
+
+__all__ = [
+    "BackendCapacity",
+    "Decision",
+    "NoBackend",
+    "Router",
+    "RouterSettings",
+]
+
+
+@dataclass(frozen=True)
+class Decision:
+    request_id: int
+    backend: str
+    slot: int | None  # slot to pin via id_slot, or None = let the server pick
+    predicted_cached: int  # tokens we expect the backend to reuse
+    prompt_tokens: int
+    tier: str  # "slot" | "ram" | "none"
+    reasons: dict[str, object]  # JSON-serialisable, for one log line
+
+
+@dataclass(frozen=True)
+class NoBackend:
+    """No backend can take the request (a result, not an exception)."""
+
+    reason: str
+
+
+@dataclass
+class _Inflight:
+    backend: str
+    slot: int | None  # slot the model placed it in (None: queued on the server)
+    prompt: bytes
+    n: int
+    work: int
+    started: float
+
+
+class Router:
+    def __init__(
+        self, policy: str = "prefix", *, settings: RouterSettings | None = None, seed: int = 0
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {POLICIES}, got {policy!r}")
+        self._policy = policy
+        self.settings = settings or RouterSettings()
+        self.tree = RadixTree(max_resident=self.settings.max_resident_tokens)
+        self._backends: dict[str, BackendState] = {}
+        self._inflight: dict[int, _Inflight] = {}
+        self._baselines = Baselines(seed)
+        self._next_id = 0
+        self.mispredictions = 0  # completions whose reported reuse differed from ours
+        self.completed = 0
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    @property
+    def backends(self) -> list[str]:
+        return list(self._backends)
+
+    # ------------------------------------------------------------- membership
+    def add_backend(self, cap: BackendCapacity) -> None:
+        """Add a backend, or reset it (fresh and empty) when it comes back healthy."""
+        if cap.name in self._backends:
+            self.remove_backend(cap.name)
+        cache = BackendCache(cap, self.tree, self.settings.rules)
+        self._backends[cap.name] = BackendState(cache, rate=self.settings.default_prefill_tps)
+
+    def remove_backend(self, name: str) -> None:
+        """Forget everything a dead or unhealthy backend held."""
+        st = self._backends.pop(name, None)
+        if st is None:
+            return
+        st.cache.clear()
+        for rid in [r for r, f in self._inflight.items() if f.backend == name]:
+            del self._inflight[rid]
+            self.tree.drop((name, PENDING, rid))
+
+    # --------------------------------------------------------------- decision
+    def decide(
+        self, tokens: Sequence[int] | array, *, session: str | None = None, now: float = 0.0
+    ) -> Decision | NoBackend:
+        q = to_token_bytes(tokens)
+        n = len(q) // 4
+        if n == 0:
+            return NoBackend("empty prompt")
+        if not self._backends:
+            return NoBackend("no healthy backend")
+        # NOTE: the server needs room for the prompt and at least one generated token
+        names = [b for b, st in self._backends.items() if st.cache.cap.slot_ctx > n]
+        if not names:
+            return NoBackend(f"prompt of {n} tokens exceeds every backend's slot context")
+        held = self.tree.match(q).held
+        per: dict[str, tuple[dict[int, int], dict[int, int]]] = {b: ({}, {}) for b in names}
+        for (b, kind, idx), got in held.items():  # type: ignore[misc]
+            lcps = per.get(b)
+            if lcps is not None and kind != PENDING:
+                lcps[0 if kind == SLOT else 1][idx] = got
+        cands = [Candidate(b, self._backends[b], *per[b]) for b in names]
+        if self._policy == "prefix":
+            choice = choose_prefix(cands, n, self.settings, now, session)
+        else:
+            choice = self._baselines.choose(self._policy, cands, n)
+
+        rid = self._next_id
+        self._next_id += 1
+        st = self._backends[choice.backend]
+        slot_lcp, ram_lcp = per[choice.backend]
+        placed = None
+        if choice.placement is not None:
+            pin = choice.slot if choice.slot is not None else choice.placement.slot
+            placed = st.cache.start(pin, q, slot_lcp, ram_lcp, n)
+        if placed is None:
+            # queued on the server: record the prompt so the decision is in the tree
+            self.tree.assign((choice.backend, PENDING, rid), q)
+            st.queued.append(rid)
+            reuse, tier, slot = 0, "none", None
+        else:
+            reuse, tier, slot = placed.reuse, placed.tier, placed.slot
+        work = n - reuse + self.settings.request_overhead_tokens
+        st.work += work
+        st.inflight += 1
+        st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
+        self._inflight[rid] = _Inflight(choice.backend, slot, q, n, work, now)
+        reasons = dict(choice.reasons)
+        reasons.update({"chosen": choice.backend, "slot": slot, "tier": tier, "reuse": reuse})
+        return Decision(
+            request_id=rid,
+            backend=choice.backend,
+            slot=choice.slot if placed is not None else None,
+            predicted_cached=reuse,
+            prompt_tokens=n,
+            tier=tier,
+            reasons=reasons,
+        )
+
+    # --------------------------------------------------------------- feedback
+    def complete(
+        self,
+        decision: Decision,
+        *,
+        output_tokens: Sequence[int] | array = (),
+        reported_cached: int | None = None,
+        prompt_ms: float | None = None,
+        prompt_n: int | None = None,
+        reported_slot: int | None = None,
+        now: float = 0.0,
+    ) -> None:
+        """The request finished: its slot is free and holds prompt + output."""
+        f = self._inflight.pop(decision.request_id, None)
+        st = self._backends.get(decision.backend)
+        if f is None or st is None:
+            return  # backend was removed meanwhile: nothing to learn
+        self._release(st, f, now)
+        self.completed += 1
+        if reported_cached is not None and reported_cached != decision.predicted_cached:
+            self.mispredictions += 1
+        out = to_token_bytes(output_tokens)
+        seq = f.prompt + out
+        n_seq = f.n + len(out) // 4
+        cache = st.cache
+        slot = f.slot
+        if slot is None:
+            # still queued in our model: place it where the server says (or would)
+            self._unqueue(st, decision.backend, decision.request_id)
+            slot = reported_slot
+            if slot is None or not 0 <= slot < len(cache.slots) or cache.slots[slot].busy:
+                slot = self._server_pick_now(cache, f.prompt)
+            if slot is not None:
+                held = self._lcps(cache, f.prompt)
+                cache.start(slot, f.prompt, *held, f.n)
+        elif reported_slot is not None and reported_slot != slot:
+            # the server chose another slot than modelled: what ours holds is unknown
+            cache.finish(slot, None, 0)
+            slot = reported_slot if 0 <= reported_slot < len(cache.slots) else None
+            if slot is not None and not cache.slots[slot].busy:
+                cache.start(slot, f.prompt, *self._lcps(cache, f.prompt), f.n)
+            elif slot is not None:
+                slot = None  # busy in our model: leave it alone
+        if slot is not None:
+            cache.finish(slot, seq, n_seq)
+        self._learn_rate(st, prompt_ms, prompt_n)
+        self._drain_queue(st, decision.backend)
+
+    def _drain_queue(self, st: BackendState, backend: str) -> None:
+        """A slot freed: the server hands it to its oldest deferred request (unpinned)."""
+        while st.queued and st.cache.idle_slots():
+            rid = st.queued.popleft()
+            f = self._inflight[rid]
+            self.tree.drop((backend, PENDING, rid))
+            p = st.cache.start(None, f.prompt, *self._lcps(st.cache, f.prompt), f.n)
+            f.slot = None if p is None else p.slot
+
+    def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
+        self.tree.drop((backend, PENDING, rid))
+        if rid in st.queued:
+            st.queued.remove(rid)
+
+    def abort(self, decision: Decision) -> None:
+        """The request failed or was cancelled: free its slot, forget its content."""
+        f = self._inflight.pop(decision.request_id, None)
+        st = self._backends.get(decision.backend)
+        if f is None or st is None:
+            return
+        st.work -= f.work
+        st.inflight -= 1
+        if f.slot is None:
+            self._unqueue(st, decision.backend, decision.request_id)
+        else:
+            st.cache.finish(f.slot, None, 0)
+            self._drain_queue(st, decision.backend)
+
+    # ---------------------------------------------------------------- helpers
+    def _release(self, st: BackendState, f: _Inflight, now: float) -> None:
+        st.work -= f.work
+        st.inflight -= 1
+        if now > f.started:
+            dur = now - f.started
+            a = self.settings.rate_ewma_alpha
+            st.service_s = dur if st.service_s == 0 else (1 - a) * st.service_s + a * dur
+        if st.inflight == 0:
+            st.busy_until = min(st.busy_until, now)  # an idle backend has no backlog
+
+    def _learn_rate(self, st: BackendState, prompt_ms: float | None, prompt_n: int | None) -> None:
+        s = self.settings
+        if not prompt_ms or not prompt_n or prompt_n < s.min_rate_sample_tokens:
+            return
+        sample = prompt_n / (prompt_ms / 1000.0)
+        if st.rate_learned:
+            st.rate = (1 - s.rate_ewma_alpha) * st.rate + s.rate_ewma_alpha * sample
+        else:
+            st.rate, st.rate_learned = sample, True
+
+    def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
+        slot_lcp: dict[int, int] = {}
+        ram_lcp: dict[int, int] = {}
+        for (b, kind, idx), got in self.tree.match(q).held.items():  # type: ignore[misc]
+            if b == cache.cap.name:
+                if kind == SLOT:
+                    slot_lcp[idx] = got
+                elif kind == RAM:
+                    ram_lcp[idx] = got
+        return slot_lcp, ram_lcp
+
+    def _server_pick_now(self, cache: BackendCache, q: bytes) -> int | None:
+        return cache.server_pick(self._lcps(cache, q)[0], max(1, len(q) // 4))
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "policy": self._policy,
+            "tree": {
+                "resident_tokens": self.tree.resident_tokens,
+                "nodes": self.tree.node_count,
+                "evicted_tokens": self.tree.evicted_tokens,
+            },
+            "inflight": len(self._inflight),
+            "completed": self.completed,
+            "mispredictions": self.mispredictions,
+            "backends": {
+                name: {
+                    **st.cache.snapshot(),
+                    "prefill_tps": round(st.rate, 1),
+                    "rate_learned": st.rate_learned,
+                    "work_tokens": st.work,
+                    "inflight": st.inflight,
+                    "service_s": round(st.service_s, 4),
+                }
+                for name, st in self._backends.items()
+            },
+        }

@@ -1,0 +1,141 @@
+"""Policy: herding on a shared prefix, bounded load, cold start, busy slots, affinity."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from proxy.router import BackendCapacity, Decision, Router, RouterSettings
+
+SYSTEM = list(range(100_000, 120_000))  # a 20k-token shared system prompt
+
+
+def cluster(n: int = 4, slots: int = 4, policy: str = "prefix", **kw: object) -> Router:
+    r = Router(policy, settings=RouterSettings(**kw))  # type: ignore[arg-type]
+    for i in range(n):
+        r.add_backend(BackendCapacity(f"b{i}", slots, 65_536, 1 << 34, 8192))
+    return r
+
+
+def session(i: int, turn: int = 0) -> list[int]:
+    return SYSTEM + [i] * 50 + list(range(turn * 100))
+
+
+def decide(r: Router, tokens: list[int], **kw: object) -> Decision:
+    d = r.decide(tokens, **kw)  # type: ignore[arg-type]
+    assert isinstance(d, Decision), d
+    return d
+
+
+def test_cold_start_goes_to_an_empty_slot_with_reasons() -> None:
+    r = cluster()
+    d = decide(r, [1, 2, 3])
+    assert (d.predicted_cached, d.tier, d.prompt_tokens) == (0, "none", 3)
+    assert d.slot is not None
+    json.dumps(d.reasons)  # one JSON log line
+    for key in ("matched", "chosen", "why", "work", "ttft_s"):
+        assert key in d.reasons
+
+
+def test_concurrent_sessions_on_shared_system_prompt_spread() -> None:
+    r = cluster()
+    first = decide(r, session(0))
+    r.complete(first, now=1.0)  # one backend now holds the 20k system prompt
+    ds = [decide(r, session(i), now=1.0) for i in range(1, 9)]  # all in flight at once
+    per = Counter(d.backend for d in ds)
+    assert len(per) == 4, per  # no herding on the backend holding the prefix
+    assert max(per.values()) <= 3
+
+
+def test_shared_prefix_everywhere_gives_no_preference() -> None:
+    r = cluster()
+    warm = [decide(r, session(100 + i)) for i in range(4)]  # one per backend, in parallel
+    assert {d.backend for d in warm} == {"b0", "b1", "b2", "b3"}
+    for d in warm:
+        r.complete(d, now=1.0)
+    ds = [decide(r, session(i), now=2.0) for i in range(4)]
+    # every backend holds the prefix in one idle slot: the four spread, all reuse it
+    assert all(d.predicted_cached >= len(SYSTEM) for d in ds)
+    assert {d.backend for d in ds} == {"b0", "b1", "b2", "b3"}
+    assert ds[0].reasons["beyond_alt"] == 0
+
+
+def test_conversation_returns_to_its_backend() -> None:
+    r = cluster()
+    d = decide(r, session(7, 0))
+    r.complete(d, output_tokens=[9] * 20, now=1.0)
+    d2 = decide(r, session(7, 0) + [9] * 20 + [5] * 30, now=2.0)
+    assert (d2.backend, d2.slot, d2.tier) == (d.backend, d.slot, "slot")
+    assert d2.predicted_cached == len(session(7, 0)) + 20
+
+
+def test_bounded_load_overrides_match() -> None:
+    r = cluster(load_factor=1.25, load_slack_tokens=0)
+    d = decide(r, session(0))
+    r.complete(d, now=1.0)
+    ds = [decide(r, session(i), now=1.0) for i in range(1, 13)]
+    work = [st["work_tokens"] for st in r.snapshot()["backends"].values()]  # type: ignore[union-attr]
+    mean = sum(work) / len(work)
+    biggest = max(x.prompt_tokens for x in ds) + r.settings.request_overhead_tokens
+    assert max(work) <= 1.25 * mean + biggest
+
+
+def test_never_pins_a_busy_slot() -> None:
+    r = cluster(n=2, slots=1)
+    a = decide(r, session(0))
+    b = decide(r, session(1))
+    assert {a.backend, b.backend} == {"b0", "b1"}
+    c = decide(r, [*session(0), 1])  # both slots busy: queue on the server, unpinned
+    assert c.slot is None and c.tier == "none"
+    r.complete(a, now=5.0)  # the server hands the freed slot to the queued request
+    snap = r.snapshot()["backends"]
+    assert snap[a.backend]["slots"][0]["busy"] == (c.backend == a.backend)  # type: ignore[index]
+
+
+def test_prefers_idle_slot_least_valuable_to_lose() -> None:
+    r = cluster(n=1, slots=3)
+    for i in range(2):
+        d = decide(r, [i + 1] * 1000)  # two unrelated conversations fill slots 0 and 1
+        r.complete(d, now=1.0 + i)
+    d = decide(r, [5] * 100, now=3.0)  # new conversation: the empty slot, not a full one
+    snap = r.snapshot()["backends"]["b0"]  # type: ignore[index]
+    assert d.slot == 2, snap
+
+
+def test_session_hint_breaks_ties_deterministically() -> None:
+    picks = []
+    for _ in range(2):
+        r = cluster()
+        picks.append(decide(r, [1, 2, 3], session="alice").backend)
+    assert picks[0] == picks[1]
+    r = cluster()
+    spread = {decide(r, [1, 2, 3], session=f"s{i}").backend for i in range(16)}
+    assert len(spread) > 1
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "random"])
+def test_baselines_let_the_server_pick(policy: str) -> None:
+    r = cluster(policy=policy)
+    ds = [decide(r, [i] * 10) for i in range(8)]
+    assert all(d.slot is None for d in ds)
+    assert all(d.reasons["policy"] == policy for d in ds)
+    if policy == "round_robin":
+        assert [d.backend for d in ds[:4]] == ["b0", "b1", "b2", "b3"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("load_factor", 0.9),
+        ("default_prefill_tps", 0.0),
+        ("rate_ewma_alpha", 0.0),
+        ("load_slack_tokens", -1),
+        ("slot_prompt_similarity", 1.5),
+        ("max_resident_tokens", 0),
+    ],
+)
+def test_settings_validation_names_the_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        RouterSettings(**{field: value})  # type: ignore[arg-type]

@@ -1,0 +1,89 @@
+"""Simulator: oracle, policies side by side, capacity planner and the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from loadtest.__main__ import main
+from loadtest.simulate import SimBackend, oracle_hit_ratio, plan_capacity, simulate
+from loadtest.trace import TraceRequest, block_tokens, load_mooncake, request_tokens
+
+
+def conversations(n_conv: int = 12, turns: int = 6) -> list[TraceRequest]:
+    """Multi-turn sessions: each turn re-sends the history plus one new block."""
+    out = []
+    next_id = 0
+    hist: list[list[int]] = [[] for _ in range(n_conv)]
+    rng = random.Random(1)
+    for t in range(turns):
+        order = list(range(n_conv))
+        rng.shuffle(order)  # conversations interleave differently every turn
+        for k, c in enumerate(order):
+            for _ in range(4 if t == 0 else 1):
+                hist[c].append(next_id)
+                next_id += 1
+            ts = (t * n_conv + k) * 400.0
+            out.append(TraceRequest(ts, len(hist[c]) * 512 - 10, 20, tuple(hist[c])))
+    return out
+
+
+def test_oracle_by_hand() -> None:
+    trace = [
+        TraceRequest(0, 1024, 1, (1, 2)),
+        TraceRequest(1, 1500, 1, (1, 2, 3)),  # reuses 1024
+        TraceRequest(2, 600, 1, (1, 9)),  # reuses 512
+    ]
+    assert oracle_hit_ratio(trace) == pytest.approx((1024 + 512) / (1024 + 1500 + 600))
+
+
+def test_block_tokens_deterministic_and_distinct() -> None:
+    assert block_tokens(5) == block_tokens(5)
+    assert block_tokens(5)[0] != block_tokens(6)[0]
+    r = TraceRequest(0, 700, 1, (5, 6))
+    assert request_tokens(r) == (block_tokens(5) + block_tokens(6))[:700]
+
+
+def test_prefix_beats_round_robin_and_stays_below_oracle() -> None:
+    trace = conversations()
+    be = SimBackend(n_slots=2, ram_cache_tokens=20_000, prefill_tps=5_000.0)
+    pre = simulate(trace, "prefix", 3, be)
+    rr = simulate(trace, "round_robin", 3, be)
+    oracle = oracle_hit_ratio(trace)
+    assert pre.requests == rr.requests == len(trace)
+    assert rr.hit_ratio < pre.hit_ratio <= oracle
+    assert pre.hit_ratio >= 1.5 * rr.hit_ratio
+    assert pre.ttft_mean < rr.ttft_mean
+    assert pre.imbalance >= 1.0
+
+
+def test_capacity_planner_finds_smallest_count() -> None:
+    trace = conversations()
+    be = SimBackend(n_slots=2, ram_cache_tokens=20_000, prefill_tps=5_000.0)
+    n, runs = plan_capacity(trace, 1.0, be, max_backends=16)
+    assert n is not None
+    by_n = {r.n_backends: r for r in runs}
+    assert by_n[n].ttft_p90 <= 1.0
+    assert n == 1 or by_n[max(k for k in by_n if k < n)].ttft_p90 > 1.0
+
+
+def test_cli_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {
+            "timestamp": r.timestamp_ms,
+            "input_length": r.input_length,
+            "output_length": r.output_length,
+            "hash_ids": list(r.hash_ids),
+        }
+        for r in conversations(4, 3)
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in rows))
+    assert len(load_mooncake(path)) == 12
+    assert main(["simulate", "--trace", str(path), "--backends", "2"]) == 0
+    out = capsys.readouterr().out
+    for word in ("prefix", "round_robin", "least_loaded", "random", "oracle hit ratio"):
+        assert word in out
