@@ -1,0 +1,254 @@
+"""Proxy overhead against a fake backend (a real aiohttp server on a real loopback port).
+
+    python bench/bench_proxy.py [--quick]
+
+Three processes: the fake backend, one kvroute proxy (full pipeline: exact tokens with
+the demo model's vocabulary, prefix routing, feedback, metrics, one JSON log line per
+request to a file), and this client. Measured in one run:
+
+- added median latency of a small chat request (proxied - direct, interleaved);
+- added median latency of a 30k-token turn whose history was seen;
+- requests/s through the proxy (64 concurrent clients), and requests per proxy CPU-second
+  (what one core would carry: on this 2-core machine the client and the fake backend
+  compete with the proxy for CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CHAT_ANSWER = json.dumps({
+    "choices": [{"finish_reason": "stop", "index": 0,
+                 "message": {"role": "assistant", "content": "ok"}}],
+    "created": 0, "model": "fake", "object": "chat.completion", "id": "x",
+    "usage": {"completion_tokens": 1, "prompt_tokens": 10, "total_tokens": 11,
+              "prompt_tokens_details": {"cached_tokens": 0}},
+    "timings": {"cache_n": 0, "prompt_n": 10, "prompt_ms": 1.0, "predicted_n": 1,
+                "predicted_ms": 1.0},
+}).encode()
+PROPS = {"total_slots": 4, "default_generation_settings": {"n_ctx": 65536},
+         "model_alias": "fake", "model_path": "fake.gguf", "build_info": "fake",
+         "chat_template": ""}
+
+
+# ------------------------------------------------------------------------ fake backend
+def run_fake(port: int) -> None:
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=CHAT_ANSWER, content_type="application/json")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def props(_: web.Request) -> web.Response:
+        return web.json_response(PROPS)
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    app.router.add_get("/props", props)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# ------------------------------------------------------------------------------- proxy
+def run_proxy(port: int, backend_port: int, model: Path, log_path: Path) -> None:
+    from backends.binary import cache_dir
+    from backends.supervisor import Supervisor
+    from proxy.app import ProxySettings, create_app
+    from proxy.config import Config, ExternalBackendConfig, ProxyConfig, RoutingConfig
+    from proxy.logging import configure_logging
+
+    log_file = log_path.open("w")
+    configure_logging("info", stream=log_file)
+    cfg = Config(proxy=ProxyConfig(port=port), routing=RoutingConfig(),
+                 backends=(ExternalBackendConfig(
+                     name="fake", url=f"http://127.0.0.1:{backend_port}"),),
+                 llama_server=None, cache_dir=cache_dir(), log_dir=log_path.parent)
+
+    async def main() -> None:
+        sup = Supervisor(cfg)
+        await sup.start()
+        runner = web.AppRunner(create_app(cfg, sup, ProxySettings(tokenizer=model)),
+                               handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------ client
+def words(n: int, rng: random.Random) -> str:
+    vocab = ("apple", "river", "stone", "cloud", "music", "paper", "window", "garden",
+             "silver", "orange", "planet", "forest", "yellow", "rabbit", "engine", "pocket")
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+async def wait_up(session: aiohttp.ClientSession, url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(url + "/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def added_latency(session: aiohttp.ClientSession, direct: str, proxied: str,
+                        bodies: list[bytes], warmup: int) -> tuple[float, float, float]:
+    """Median direct and proxied latency (ms), interleaved so drift hits both alike."""
+    times: dict[str, list[float]] = {direct: [], proxied: []}
+    hdr = {"Content-Type": "application/json"}
+    for i, body in enumerate(bodies):
+        for base in ((direct, proxied) if i % 2 else (proxied, direct)):
+            t0 = time.perf_counter()
+            async with session.post(base + "/v1/chat/completions", data=body,
+                                    headers=hdr) as r:
+                await r.read()
+                assert r.status == 200, await r.text()
+            if i >= warmup:
+                times[base].append((time.perf_counter() - t0) * 1000)
+    d, p = statistics.median(times[direct]), statistics.median(times[proxied])
+    return d, p, p - d
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def throughput(url: str, pid: int, seconds: float, concurrency: int) -> tuple[float,
+                                                                                   float]:
+    body = json.dumps({"messages": [{"role": "user", "content": "hello there"}],
+                       "max_tokens": 1}).encode()
+    hdr = {"Content-Type": "application/json"}
+    done = 0
+    stop = time.perf_counter() + seconds
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < stop:
+                async with session.post(url + "/v1/chat/completions", data=body,
+                                        headers=hdr) as r:
+                    await r.read()
+                done += 1
+
+        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    return done / elapsed, done / cpu if cpu else float("nan")
+
+
+async def client_main(fake: str, proxy: str, proxy_pid: int, quick: bool) -> dict[str, Any]:
+    rng = random.Random(0)
+    async with aiohttp.ClientSession() as session:
+        await wait_up(session, fake)
+        await wait_up(session, proxy)
+        n_small = 200 if quick else 1000
+        small = [json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}],
+                             "max_tokens": 1}).encode() for i in range(n_small)]
+        s_direct, s_proxy, s_added = await added_latency(session, fake, proxy, small, 50)
+
+        history: list[dict[str, str]] = [{"role": "system", "content": words(300, rng)}]
+        while len(history) < 100:  # ~30k tokens: 99 turns of ~300 words
+            role = "user" if len(history) % 2 else "assistant"
+            history.append({"role": role, "content": words(300, rng)})
+        n_long = 30 if quick else 100
+        long_bodies = [json.dumps({"messages": [*history, {"role": "user",
+                                                           "content": words(40, rng)}],
+                                   "max_tokens": 1}).encode() for _ in range(n_long + 1)]
+        # the first one is the turn that makes the history "seen"
+        l_direct, l_proxy, l_added = await added_latency(session, fake, proxy,
+                                                         long_bodies, 1)
+        async with session.get(proxy + "/kvroute/status") as r:
+            status = await r.json()
+        prompt_tokens = status["router"]["tree"]["resident_tokens"]
+    rps, per_cpu = await throughput(proxy, proxy_pid, 3.0 if quick else 8.0, 64)
+    return {"small_direct_ms": s_direct, "small_proxied_ms": s_proxy,
+            "small_added_ms": s_added, "long_direct_ms": l_direct,
+            "long_proxied_ms": l_proxy, "long_added_ms": l_added,
+            "tree_tokens": prompt_tokens, "long_body_kib": len(long_bodies[0]) / 1024,
+            "rps": rps, "rps_per_proxy_cpu_s": per_cpu}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", choices=["client", "fake", "proxy"], default="client")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--backend-port", type=int, default=0)
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--log", type=Path)
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (CI smoke)")
+    args = ap.parse_args()
+    if args.role == "fake":
+        run_fake(args.port)
+        return 0
+    if args.role == "proxy":
+        run_proxy(args.port, args.backend_port, args.model, args.log)
+        return 0
+
+    from backends.demo_model import DemoModelParams, ensure_demo_model
+
+    model = ensure_demo_model(DemoModelParams())
+    fport, pport = free_port(), free_port()
+    me = [sys.executable, str(Path(__file__).resolve())]
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "proxy.log"
+        fake = subprocess.Popen([*me, "--role", "fake", "--port", str(fport)])
+        prox = subprocess.Popen([*me, "--role", "proxy", "--port", str(pport),
+                                 "--backend-port", str(fport), "--model", str(model),
+                                 "--log", str(log)])
+        try:
+            res = asyncio.run(client_main(f"http://127.0.0.1:{fport}",
+                                          f"http://127.0.0.1:{pport}", prox.pid, args.quick))
+            res["log_lines"] = sum(1 for _ in log.open())
+        finally:
+            for p in (prox, fake):
+                p.terminate()
+                p.wait(10)
+    print(f"small request : direct {res['small_direct_ms']:.3f} ms, proxied "
+          f"{res['small_proxied_ms']:.3f} ms, added {res['small_added_ms']:.3f} ms "
+          f"(target <= 1 ms: {res['small_added_ms'] / 1.0:.2f}x of budget)")
+    print(f"30k-token turn: body {res['long_body_kib']:.0f} KiB, tree "
+          f"{res['tree_tokens']} tokens; direct {res['long_direct_ms']:.3f} ms, proxied "
+          f"{res['long_proxied_ms']:.3f} ms, added {res['long_added_ms']:.3f} ms "
+          f"(target <= 3 ms: {res['long_added_ms'] / 3.0:.2f}x of budget)")
+    print(f"throughput    : {res['rps']:.0f} req/s through one proxy process "
+          f"({res['rps'] / 1500:.2f}x of 1,500), {res['rps_per_proxy_cpu_s']:.0f} req per "
+          f"proxy CPU-second; {res['log_lines']} log lines written")
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                      for k, v in res.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

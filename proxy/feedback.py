@@ -1,0 +1,178 @@
+"""What a backend's answer says about its cache, read from responses and stream chunks.
+
+llama-server reports reuse in two places (see shared notes): `timings.cache_n` (+
+`prompt_n`, `prompt_ms`) on non-streaming bodies and on the last stream chunk, and
+OpenAI `usage.prompt_tokens_details.cached_tokens` (streams: only with
+`stream_options.include_usage`). `timings` wins when both are present: it is the
+llama.cpp-native number and exists on every endpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from proxy.metrics import ProxyMetrics
+
+if TYPE_CHECKING:
+    from proxy.router import Decision
+
+
+@dataclass
+class Outcome:
+    """Everything the proxy learnt from one upstream exchange."""
+
+    started: float                      # perf_counter() when the request was sent
+    status: int = 0                     # upstream HTTP status (0: never answered)
+    reported_cached: int | None = None  # prompt tokens the backend reused
+    prompt_n: int | None = None         # prompt tokens it evaluated (uncached part)
+    prompt_ms: float | None = None
+    predicted_ms: float | None = None
+    predicted_n: int | None = None      # tokens the backend generated (sampled)
+    finish_reason: str | None = None
+    reported_slot: int | None = None    # `id_slot` echoed by /completion
+    first_token_at: float | None = None  # perf_counter() of the first generated text
+    finished_at: float | None = None
+    text: list[str] = field(default_factory=list)   # generated text, in order
+    tokens: list[int] | None = None     # exact generated ids, when the backend gave them
+    complete: bool = False              # the backend finished the answer normally
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds to the first generated token.
+
+        Streams: measured. Non-streaming answers arrive whole, so it is the latency less
+        the backend's generation time (queue + prompt processing + proxy overhead).
+        """
+        if self.first_token_at is not None:
+            return self.first_token_at - self.started
+        if self.finished_at is not None and self.predicted_ms is not None:
+            return max(0.0, self.finished_at - self.started - self.predicted_ms / 1000)
+        return None
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self.text)
+
+    def absorb(self, obj: Any, *, final: bool = False) -> None:
+        """Read one response body or stream chunk (OpenAI chat, completions, native)."""
+        if not isinstance(obj, dict):
+            return
+        timings = obj.get("timings")
+        if isinstance(timings, dict):
+            self._absorb_timings(timings)
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and self.reported_cached is None:
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.reported_cached = details["cached_tokens"]
+        slot = obj.get("id_slot")
+        if isinstance(slot, int) and slot >= 0:
+            self.reported_slot = slot
+        had_text = len(self.text)
+        self._absorb_text(obj)
+        if len(self.text) > had_text and self.first_token_at is None and not final:
+            self.first_token_at = time.perf_counter()
+
+    def _absorb_timings(self, t: dict[str, Any]) -> None:
+        if isinstance(t.get("cache_n"), int):
+            self.reported_cached = t["cache_n"]
+        if isinstance(t.get("prompt_n"), int):
+            self.prompt_n = t["prompt_n"]
+        if isinstance(t.get("prompt_ms"), int | float):
+            self.prompt_ms = float(t["prompt_ms"])
+        if isinstance(t.get("predicted_n"), int):
+            self.predicted_n = t["predicted_n"]
+        if isinstance(t.get("predicted_ms"), int | float):
+            self.predicted_ms = float(t["predicted_ms"])
+
+    def _absorb_text(self, obj: dict[str, Any]) -> None:
+        # llama-native /completion: {"content", "tokens"} per chunk or whole.
+        content = obj.get("content")
+        if isinstance(content, str) and "choices" not in obj:
+            if content:
+                self.text.append(content)
+            toks = obj.get("tokens")
+            if isinstance(toks, list) and toks:
+                self.tokens = (self.tokens or []) + [t for t in toks if isinstance(t, int)]
+            return
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices:
+            return
+        choice = choices[0]  # n > 1 is not routed differently; index 0 is what the slot holds
+        if not isinstance(choice, dict):
+            return
+        if isinstance(choice.get("finish_reason"), str):
+            self.finish_reason = choice["finish_reason"]
+        part = choice.get("delta") or choice.get("message")
+        if isinstance(part, dict):
+            # Reasoning precedes content in what the model generated.
+            for key in ("reasoning_content", "content"):
+                val = part.get(key)
+                if isinstance(val, str) and val:
+                    self.text.append(val)
+        elif isinstance(choice.get("text"), str) and choice["text"]:
+            self.text.append(choice["text"])
+
+
+def held_output(outcome: Outcome, tokenize: Callable[[str], Sequence[int]]) -> Sequence[int]:
+    """The generated tokens the slot keeps after this answer, as far as they are known.
+
+    The server caches every sampled token but the last (it is never decoded), so the slot
+    holds prompt + generated[:-1]. /completion gives the ids (`return_tokens`). Chat and
+    /v1/completions give text only: re-tokenized, it equals the sampled ids when the
+    model sampled the canonical split, which the count check below confirms
+    (`predicted_n` = sampled tokens, + 1 for the EOS when it stopped on one). Otherwise
+    (non-canonical samples, stop words, parsed tool calls or reasoning) only the prompt is
+    claimed: the next turn then reuses at least what was predicted.
+    """
+    if outcome.tokens is not None:
+        return outcome.tokens[:-1]
+    n = outcome.predicted_n
+    if n is None or not outcome.text:
+        return ()
+    ids = list(tokenize(outcome.output_text))
+    if outcome.finish_reason == "length" and len(ids) == n:
+        return ids[:-1]
+    if outcome.finish_reason == "stop" and len(ids) + 1 == n:
+        return ids
+    return ()
+
+
+class Recorder:
+    """Metrics and the one log line of each routed request."""
+
+    def __init__(self, metrics: ProxyMetrics, log: Any) -> None:
+        self.metrics = metrics
+        self.log = log
+
+    def begin(self, backend: str) -> None:
+        self.metrics.in_flight.labels(backend).inc()
+
+    def end(self, endpoint: str, decision: Decision, outcome: Outcome, started: float, *,
+            stream: bool) -> None:
+        """Called exactly once per `begin`, from a `finally`: must not raise."""
+        m = self.metrics
+        backend = decision.backend
+        latency = time.perf_counter() - started
+        status = str(outcome.status) if outcome.status else "error"
+        if outcome.status and not outcome.complete and outcome.status < 400:
+            status = "incomplete"  # client left or the stream broke
+        m.in_flight.labels(backend).dec()
+        m.requests.labels(endpoint, backend, status).inc()
+        m.latency.labels(endpoint).observe(latency)
+        ttft = outcome.ttft
+        if outcome.complete:
+            m.record_feedback(backend, decision.prompt_tokens, decision.predicted_cached,
+                              outcome.reported_cached)
+            if ttft is not None:
+                m.ttft.labels(backend).observe(ttft)
+        self.log.info(
+            "routed", request_id=decision.request_id, endpoint=endpoint, backend=backend,
+            slot=decision.slot, tier=decision.tier, status=status, stream=stream,
+            prompt_tokens=decision.prompt_tokens, predicted_cached=decision.predicted_cached,
+            reported_cached=outcome.reported_cached, prompt_n=outcome.prompt_n,
+            ttft_ms=None if ttft is None else round(ttft * 1000, 2),
+            latency_ms=round(latency * 1000, 2), reasons=decision.reasons)
