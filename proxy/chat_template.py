@@ -1,0 +1,275 @@
+"""Render a GGUF chat template in Python the way llama-server's own Jinja engine does.
+
+llama-server (`common/jinja/`) is not Python Jinja: it always runs with `trim_blocks` and
+`lstrip_blocks`, keeps a trailing newline, treats attribute access on undefined values as
+undefined, and its `tojson` writes `", "` / `": "` separators, raw UTF-8 and floats the
+way C++ `ostream << double` does (`%g`: `1.0` -> `1`). jinja2's builtin `tojson`
+HTML-escapes `<`, `>`, `&`, `'` and would change the prompt, so it is replaced.
+
+Template capabilities (`TemplateCaps`) decide how llama-server normalises messages before
+rendering (string vs typed content, string vs object tool-call arguments, ...). The server
+derives them by tracing which inputs the template touches; `probe_caps` approximates that
+by rendering marker inputs. The proxy may pass the backend's own `/props`
+`chat_template_caps` instead; the tests check both agree for our template.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# llama.cpp's fallback when a model has no template (common/chat.cpp CHATML_TEMPLATE_SRC).
+CHATML_TEMPLATE_SRC = (
+    "{%- for message in messages -%}\n"
+    "  {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "  {{- '<|im_start|>assistant\\n' -}}\n"
+    "{%- endif -%}"
+)
+
+
+class TemplateError(ValueError):
+    """The template failed to render these inputs (`raise_exception` or a runtime error)."""
+
+
+def _g(value: float) -> str:
+    # C++ `ostream << double` with default precision is printf("%g"); Python's %g agrees,
+    # including "inf"/"nan" spelling.
+    return f"{value:g}"
+
+
+def _needs_slow_json(value: Any) -> bool:
+    """True if `value` holds a float or an int json.dumps would print differently."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            continue
+        if isinstance(v, float):
+            return True
+        if isinstance(v, int):
+            if not -(2**63) <= v < 2**63:
+                return True
+        elif isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return False
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
+            "\t": "\\t"}
+_ESCAPE_RE = re.compile(r'["\\\x00-\x1f]')
+
+
+def _json_str(s: str) -> str:
+    return '"' + _ESCAPE_RE.sub(lambda m: _ESCAPES.get(m.group(), f"\\u{ord(m.group()):04x}"),
+                                s) + '"'
+
+
+def _slow_json(v: Any, item_sep: str, key_sep: str, indent: int, lvl: int) -> str:
+    # Mirrors value_to_json_internal (common/jinja/value.cpp) line by line.
+    nl = "\n" if indent >= 0 else ""
+    pad = " " * (lvl * indent) if indent > 0 else ""
+    step = " " * indent if indent > 0 else ""
+    if v is None or isinstance(v, jinja2.Undefined):
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v) if -(2**63) <= v < 2**63 else _g(float(v))
+    if isinstance(v, float):
+        return _g(v)
+    if isinstance(v, str):
+        return _json_str(v)
+    if isinstance(v, list | tuple):
+        if not v:
+            return "[]"
+        items = [pad + step + _slow_json(x, item_sep, key_sep, indent, lvl + 1) for x in v]
+        return "[" + nl + (item_sep + nl).join(items) + nl + pad + "]"
+    if isinstance(v, Mapping):
+        if not v:
+            return "{}"
+        items = [pad + step + _json_str(str(k)) + key_sep
+                 + _slow_json(x, item_sep, key_sep, indent, lvl + 1) for k, x in v.items()]
+        return "{" + nl + (item_sep + nl).join(items) + nl + pad + "}"
+    return "null"
+
+
+def llama_tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                 separators: Any = None, sort_keys: bool = False) -> str:
+    """`tojson` byte for byte as llama.cpp's Jinja engine writes it."""
+    if sort_keys:
+        raise TemplateError("tojson sort_keys=true not implemented")  # as llama.cpp
+    ind = indent if isinstance(indent, int) and not isinstance(indent, bool) else -1
+    seps = list(separators) if isinstance(separators, list | tuple) else []
+    item_sep = str(seps[0]) if seps else (", " if ind < 0 else ",")
+    key_sep = str(seps[1]) if len(seps) > 1 else ": "
+    if ind < 0 and not _needs_slow_json(value):
+        # Fast path (C encoder): identical output when there are no floats/huge ints.
+        try:
+            out = json.dumps(value, ensure_ascii=False, separators=(item_sep, key_sep),
+                             default=_undefined_to_none)
+        except (TypeError, ValueError):
+            out = _slow_json(value, item_sep, key_sep, ind, 0)
+    else:
+        out = _slow_json(value, item_sep, key_sep, ind, 0)
+    if ensure_ascii:
+        out = _ascii_preserving(out)
+    return out
+
+
+def _ascii_preserving(s: str) -> str:
+    # json_ensure_ascii_preserving_format: only non-ASCII inside strings is escaped, and the
+    # text is already valid JSON, so escaping every non-ASCII char is equivalent.
+    return "".join(c if ord(c) < 0x80 else _u_escape(c) for c in s)
+
+
+def _u_escape(c: str) -> str:
+    cp = ord(c)
+    if cp < 0x10000:
+        return f"\\u{cp:04x}"
+    cp -= 0x10000
+    return f"\\u{0xD800 + (cp >> 10):04x}\\u{0xDC00 + (cp & 0x3FF):04x}"
+
+
+def _undefined_to_none(o: Any) -> Any:
+    if isinstance(o, jinja2.Undefined):
+        return None
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(f"Jinja Exception: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return time.strftime(fmt, time.localtime())
+
+
+class _Env(ImmutableSandboxedEnvironment):
+    """jinja2 configured like llama.cpp's lexer/runtime (see module docstring)."""
+
+    def __init__(self) -> None:
+        # keep_trailing_newline: ChatTemplate already dropped the one llama.cpp drops.
+        super().__init__(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                         undefined=jinja2.ChainableUndefined,
+                         extensions=["jinja2.ext.loopcontrols"])
+        self.filters["tojson"] = llama_tojson
+        self.globals["raise_exception"] = _raise_exception
+        self.globals["strftime_now"] = _strftime_now
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        # `message.content` on a plain JSON dict: the sandbox's generic attribute checks
+        # dominate render time for long conversations. A key that is not a dict method
+        # name resolves to the item in both engines, so answer it directly.
+        if type(obj) is dict and attribute not in _DICT_ATTRS:
+            try:
+                return obj[attribute]
+            except KeyError:
+                pass
+        return super().getattr(obj, attribute)
+
+
+_DICT_ATTRS = frozenset(dir(dict))
+
+
+_ENV = _Env()
+
+
+@dataclass(frozen=True)
+class TemplateCaps:
+    """What llama-server believes the template supports (its `chat_template_caps`)."""
+
+    supports_string_content: bool = True
+    supports_typed_content: bool = False
+    supports_system_role: bool = True
+    supports_tools: bool = False
+    supports_tool_calls: bool = False
+    supports_object_arguments: bool = False
+
+    @classmethod
+    def from_props(cls, caps: Mapping[str, Any]) -> TemplateCaps:
+        names = cls.__dataclass_fields__
+        return cls(**{k: bool(v) for k, v in caps.items() if k in names})
+
+
+class ChatTemplate:
+    """One compiled chat template plus the tokens llama-server binds into it."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        # jinja::lexer::tokenize: CRLF/CR -> LF, one trailing newline dropped. This is also
+        # the source /props reports and the text llama.cpp inspects to pick a handler.
+        source = source.replace("\r\n", "\n").replace("\r", "\n")
+        self.source = source[:-1] if source.endswith("\n") else source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        try:
+            self._tmpl = _ENV.from_string(self.source)
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template does not compile: {e}") from e
+
+    def render(self, context: Mapping[str, Any]) -> str:
+        try:
+            return self._tmpl.render(**context)
+        except TemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError,
+                AttributeError, ZeroDivisionError) as e:
+            raise TemplateError(f"chat template failed to render: {e}") from e
+
+    def probe_caps(self) -> TemplateCaps:
+        """Approximate llama.cpp's `caps_get` by rendering marker inputs."""
+        return TemplateCaps(
+            supports_string_content=self._probe_string_content(),
+            supports_typed_content=self._renders({"role": "user", "content": [
+                {"type": "text", "text": "TYPED_MARKER"}]}, "TYPED_MARKER", "'text'"),
+            supports_system_role=self._renders(
+                {"role": "system", "content": "SYSTEM_MARKER"}, "SYSTEM_MARKER"),
+            supports_tools=self._probe_tools(),
+            supports_tool_calls=self._probe_tool_call({"arg": "value"}, "CALL_MARKER"),
+            supports_object_arguments=self._probe_tool_call({"arg": "ARG_MARKER"},
+                                                            "ARG_MARKER"),
+        )
+
+    def _try(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+        try:
+            return self.render({"messages": messages, "tools": tools or [],
+                                "bos_token": "", "eos_token": "",
+                                "add_generation_prompt": True})
+        except TemplateError:
+            return ""
+
+    def _probe_string_content(self) -> bool:
+        return "STRING_MARKER" in self._try([{"role": "user", "content": "STRING_MARKER"}])
+
+    def _renders(self, first: dict[str, Any], marker: str, forbidden: str = "\0") -> bool:
+        out = self._try([first, {"role": "user", "content": "User message"}])
+        return marker in out and forbidden not in out
+
+    def _probe_tools(self) -> bool:
+        tool = {"type": "function", "function": {
+            "name": "TOOL_MARKER", "description": "Tool description",
+            "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}}}}
+        return "TOOL_MARKER" in self._try([{"role": "user", "content": "User message"}], [tool])
+
+    def _probe_tool_call(self, args: Any, marker: str) -> bool:
+        msgs = [
+            {"role": "user", "content": "User message"},
+            {"role": "assistant", "content": "", "tool_calls": [{
+                "id": "call00001", "type": "function",
+                "function": {"name": "CALL_MARKER", "arguments": args}}]},
+            {"role": "tool", "content": "Tool response", "tool_call_id": "call00001"},
+            {"role": "user", "content": "User message"},
+        ]
+        out = self._try(msgs)
+        # An object printed as a Python dict repr means "not really supported".
+        return marker in out and "{'" not in out
