@@ -1,0 +1,34 @@
+"""llama-server backends: obtain the binary and the demo model, run and supervise servers.
+
+    binary.py      find or build llama-server; the artifact cache
+    demo_model.py  synthesise the demo GGUF
+    process.py     one llama-server process: spawn, wait_ready, stop
+    supervisor.py  all configured backends: start, watch, restart, stop
+    client.py      typed calls to one server (/health, /props, /slots, ...)
+"""
+
+from backends.binary import (
+    LlamaServerBinary,
+    cache_dir,
+    ensure_llama_server,
+    find_llama_server,
+    llama_cpp_python_version,
+)
+from backends.demo_model import (
+    DemoModelParams,
+    demo_model_path,
+    ensure_demo_model,
+    gguf_kv_bytes_per_token,
+)
+
+__all__ = [
+    "DemoModelParams",
+    "LlamaServerBinary",
+    "cache_dir",
+    "demo_model_path",
+    "ensure_demo_model",
+    "ensure_llama_server",
+    "find_llama_server",
+    "gguf_kv_bytes_per_token",
+    "llama_cpp_python_version",
+]

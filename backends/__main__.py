@@ -1,0 +1,76 @@
+"""`python -m backends prepare [--config PATH] [--json]`: obtain llama-server and the
+demo model. Idempotent; seconds when both are cached. Progress goes to stderr, the
+result (paths, version) to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from backends.binary import (
+    BinaryError,
+    cache_dir,
+    ensure_llama_server,
+    llama_cpp_python_version,
+)
+from backends.demo_model import DemoModelParams, ensure_demo_model
+
+
+def prepare(config_path: Path | None) -> dict[str, Any]:
+    """Build/find everything the config needs; returns what doctor/scripts want to know."""
+    configured_binary: str | None = None
+    params = DemoModelParams()
+    if config_path is not None:
+        # imported here: proxy.config imports this package, not the other way round
+        from proxy.config import load_config
+
+        cfg = load_config(config_path, check_port=False, allow_missing_demo=True)
+        configured_binary, params = cfg.llama_server, cfg.demo_model
+    t0 = time.monotonic()
+    binary = ensure_llama_server(configured_binary)
+    model = ensure_demo_model(params)
+    return {
+        "llama_server": {"path": str(binary.path), "version": binary.version,
+                         "source": binary.source},
+        "demo_model": {"path": str(model), "kv_bytes_per_token": params.kv_bytes_per_token,
+                       "params": params.tag()},
+        "llama_cpp_python": llama_cpp_python_version(),
+        "cache_dir": str(cache_dir()),
+        "seconds": round(time.monotonic() - t0, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m backends")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="obtain llama-server and the demo model")
+    p.add_argument("--config", type=Path, default=None,
+                   help="config file (default: ./config.yaml if present)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = ap.parse_args(argv)
+
+    config_path = args.config
+    if config_path is None and Path("config.yaml").is_file():
+        config_path = Path("config.yaml")
+    try:
+        result = prepare(config_path)
+    except (BinaryError, ValueError) as e:  # ConfigError is a ValueError
+        print(f"prepare failed: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"llama-server: {result['llama_server']['path']} "
+              f"({result['llama_server']['version'] or 'version unknown'}, "
+              f"{result['llama_server']['source']})")
+        print(f"demo model:   {result['demo_model']['path']}")
+        print(f"ready in {result['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

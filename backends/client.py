@@ -1,0 +1,182 @@
+"""Typed calls to one llama-server. A backend being down is an expected outcome, so every
+call returns a value or a `BackendDown`/`BadResponse` result instead of raising.
+
+    client = BackendClient(session, "http://127.0.0.1:8081", api_key)
+    props = await client.props()
+    if isinstance(props, Props): ...
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+
+@dataclass(frozen=True)
+class BackendDown:
+    """Could not talk to the backend: connection refused/reset, or timeout."""
+
+    url: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class BadResponse:
+    """The backend answered, but not with what the call expects (status or shape)."""
+
+    url: str
+    status: int
+    body: str  # first 500 characters
+
+
+Failure = BackendDown | BadResponse
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool  # 200 {"status": "ok"}
+    status: int  # HTTP status (503 while the model loads)
+
+
+@dataclass(frozen=True)
+class Props:
+    total_slots: int
+    slot_ctx: int  # default_generation_settings.n_ctx: tokens per slot
+    model_alias: str  # the id /v1/models reports
+    model_path: str
+    build_info: str
+    chat_template: str
+    raw: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SlotState:
+    id: int
+    is_processing: bool
+    n_ctx: int
+    n_prompt_tokens: int  # tokens the slot holds after its last task (0 before any)
+    raw: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    ids: list[int]
+    pieces: list[str] | None  # only with with_pieces=True
+
+
+class BackendClient:
+    def __init__(self, session: aiohttp.ClientSession, url: str, api_key: str | None = None,
+                 timeout: float = 10.0) -> None:
+        self.session = session
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    async def _request(self, method: str, path: str, body: object = None
+                       ) -> tuple[int, str] | BackendDown:
+        try:
+            async with self.session.request(
+                method, self.url + path, json=body, headers=self._headers(),
+                timeout=self.timeout,
+            ) as r:
+                return r.status, await r.text()
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return BackendDown(self.url, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+
+    async def _json(self, method: str, path: str, body: object = None) -> Any | Failure:
+        res = await self._request(method, path, body)
+        if isinstance(res, BackendDown):
+            return res
+        status, text = res
+        if status != 200:
+            return BadResponse(self.url, status, text[:500])
+        try:
+            return json.loads(text)
+        except ValueError:
+            return BadResponse(self.url, status, text[:500])
+
+    async def health(self) -> Health | BackendDown:
+        res = await self._request("GET", "/health")
+        if isinstance(res, BackendDown):
+            return res
+        return Health(ok=res[0] == 200, status=res[0])
+
+    async def props(self) -> Props | Failure:
+        data = await self._json("GET", "/props")
+        if isinstance(data, BackendDown | BadResponse):
+            return data
+        try:
+            return Props(
+                total_slots=int(data["total_slots"]),
+                slot_ctx=int(data["default_generation_settings"]["n_ctx"]),
+                model_alias=str(data.get("model_alias", "")),
+                model_path=str(data.get("model_path", "")),
+                build_info=str(data.get("build_info", "")),
+                chat_template=str(data.get("chat_template", "")),
+                raw=data,
+            )
+        except (KeyError, TypeError, ValueError):
+            return BadResponse(self.url, 200, str(data)[:500])
+
+    async def slots(self) -> list[SlotState] | Failure:
+        data = await self._json("GET", "/slots")
+        if isinstance(data, BackendDown | BadResponse):
+            return data
+        try:
+            return [SlotState(id=int(s["id"]), is_processing=bool(s["is_processing"]),
+                              n_ctx=int(s["n_ctx"]),
+                              n_prompt_tokens=int(s.get("n_prompt_tokens", 0)), raw=s)
+                    for s in data]
+        except (KeyError, TypeError, ValueError):
+            return BadResponse(self.url, 200, str(data)[:500])
+
+    async def tokenize(self, content: str | Sequence[Any], add_special: bool = True,
+                       parse_special: bool = True, with_pieces: bool = False
+                       ) -> Tokens | Failure:
+        data = await self._json("POST", "/tokenize", {
+            "content": content, "add_special": add_special,
+            "parse_special": parse_special, "with_pieces": with_pieces,
+        })
+        if isinstance(data, BackendDown | BadResponse):
+            return data
+        toks = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(toks, list):
+            return BadResponse(self.url, 200, str(data)[:500])
+        if with_pieces:
+            return Tokens([int(t["id"]) for t in toks], [str(t["piece"]) for t in toks])
+        return Tokens([int(t) for t in toks], None)
+
+    async def apply_template(self, body: Mapping[str, Any]) -> str | Failure:
+        """The prompt /v1/chat/completions would build for this request body."""
+        data = await self._json("POST", "/apply-template", dict(body))
+        if isinstance(data, BackendDown | BadResponse):
+            return data
+        if not isinstance(data, dict) or not isinstance(data.get("prompt"), str):
+            return BadResponse(self.url, 200, str(data)[:500])
+        return str(data["prompt"])
+
+    async def metrics(self) -> dict[str, float] | Failure:
+        """Prometheus text -> {"llamacpp:prompt_tokens_total": 123.0, ...} (unlabelled)."""
+        res = await self._request("GET", "/metrics")
+        if isinstance(res, BackendDown):
+            return res
+        status, text = res
+        if status != 200:
+            return BadResponse(self.url, status, text[:500])
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+        return out

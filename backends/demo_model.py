@@ -1,0 +1,257 @@
+"""Synthesise the demo model: the real Qwen2 BPE vocabulary with random f16 weights.
+
+The vocabulary comes from `models/ggml-vocab-qwen2.gguf` in the llama.cpp tree vendored
+in the pinned llama-cpp-python sdist, so the proxy's tokenizer and llama-server agree
+token for token. Weights are random (seeded), so output is gibberish but prompt
+processing costs what a real model of this shape costs, which is what routing cares
+about. The chat template is ours (`backends/templates/chatml-tools.jinja`, which renders
+tools); its hash is part of the file name so editing the template rebuilds the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from backends.binary import Progress, _print, cache_dir, cache_lock, llama_cpp_source
+
+TEMPLATE_PATH = Path(__file__).parent / "templates" / "chatml-tools.jinja"
+VOCAB_RELPATH = Path("vendor") / "llama.cpp" / "models" / "ggml-vocab-qwen2.gguf"
+EOS_ID = 151645  # <|im_end|>: ends a ChatML turn
+BOS_ID = 151643  # <|endoftext|>; add_bos_token is false, as for Qwen2
+ARCH = "llama"
+
+
+@dataclass(frozen=True)
+class DemoModelParams:
+    n_layer: int = 8
+    n_embd: int = 512
+    n_head: int = 8
+    n_head_kv: int = 4
+    n_ff: int = 1536
+    n_ctx_train: int = 131072  # only what llama-server warns about; RoPE has no limit
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_ctx_train"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"demo_model.{name}: must be a positive integer")
+        if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
+            raise ValueError(
+                "demo_model: n_embd must be a multiple of n_head and n_head of n_head_kv"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        # K and V, f16 (2 bytes) each
+        return self.n_layer * self.n_head_kv * self.head_dim * 2 * 2
+
+    def tag(self) -> str:
+        return (
+            f"L{self.n_layer}-E{self.n_embd}-H{self.n_head}-KV{self.n_head_kv}"
+            f"-F{self.n_ff}-s{self.seed}"
+        )
+
+
+def template_text(vocab_template: str | None = None) -> str | None:
+    """Our tool-capable template; the vocabulary's own template until ours exists."""
+    if TEMPLATE_PATH.is_file():
+        return TEMPLATE_PATH.read_text()
+    return vocab_template
+
+
+def _vocab_path(progress: Progress) -> Path:
+    return llama_cpp_source(progress) / VOCAB_RELPATH
+
+
+def demo_model_path(params: DemoModelParams | None = None, progress: Progress = _print) -> Path:
+    """Where the demo model for these params and the current template lives (may not exist).
+
+    Without our template file the name carries the hash of the vocabulary's template,
+    which needs the sdist; "vocab" is used instead so that this stays cheap.
+    """
+    params = params or DemoModelParams()
+    tpl = TEMPLATE_PATH.read_bytes() if TEMPLATE_PATH.is_file() else b"vocab"
+    digest = hashlib.sha256(tpl).hexdigest()[:10]
+    return cache_dir() / "models" / f"kvroute-demo-{params.tag()}-t{digest}.gguf"
+
+
+def _write(path: Path, vocab: Path, params: DemoModelParams) -> None:
+    import gguf
+    import numpy as np
+
+    meta = read_gguf_metadata(vocab, arrays=True)
+    tokens, token_types, merges = (meta[f"tokenizer.ggml.{k}"]
+                                   for k in ("tokens", "token_type", "merges"))
+    vocab_template = meta.get("tokenizer.chat_template")
+    template = template_text(vocab_template if isinstance(vocab_template, str) else None)
+    n_vocab = len(tokens)
+
+    w = gguf.GGUFWriter(str(path), ARCH)
+    w.add_name("kvroute-demo")
+    w.add_block_count(params.n_layer)
+    w.add_context_length(params.n_ctx_train)
+    w.add_embedding_length(params.n_embd)
+    w.add_feed_forward_length(params.n_ff)
+    w.add_head_count(params.n_head)
+    w.add_head_count_kv(params.n_head_kv)
+    w.add_rope_dimension_count(params.head_dim)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(EOS_ID)
+    w.add_bos_token_id(BOS_ID)
+    w.add_pad_token_id(BOS_ID)
+    w.add_add_bos_token(False)
+    if template:
+        w.add_chat_template(template)
+    w.add_uint64("kvroute.kv_bytes_per_token", params.kv_bytes_per_token)
+
+    rng = np.random.default_rng(params.seed)
+
+    def mat(rows: int, cols: int) -> Any:
+        # small weights keep activations finite through 8 random layers
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    e, hd = params.n_embd, params.head_dim
+    # no output.weight: llama.cpp ties the output projection to token_embd
+    w.add_tensor("token_embd.weight", mat(n_vocab, e))
+    w.add_tensor("output_norm.weight", np.ones(e, dtype=np.float32))
+    for i in range(params.n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(e, dtype=np.float32))
+        w.add_tensor(p + "attn_q.weight", mat(params.n_head * hd, e))
+        w.add_tensor(p + "attn_k.weight", mat(params.n_head_kv * hd, e))
+        w.add_tensor(p + "attn_v.weight", mat(params.n_head_kv * hd, e))
+        w.add_tensor(p + "attn_output.weight", mat(e, params.n_head * hd))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(e, dtype=np.float32))
+        w.add_tensor(p + "ffn_gate.weight", mat(params.n_ff, e))
+        w.add_tensor(p + "ffn_up.weight", mat(params.n_ff, e))
+        w.add_tensor(p + "ffn_down.weight", mat(e, params.n_ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def ensure_demo_model(
+    params: DemoModelParams | None = None, progress: Progress = _print
+) -> Path:
+    """Path of the demo model, synthesised first if missing (~5 s, 212 MB by default)."""
+    params = params or DemoModelParams()
+    path = demo_model_path(params)
+    if path.is_file():
+        return path
+    with cache_lock():
+        if path.is_file():  # built by a concurrent prepare while we waited for the lock
+            return path
+        vocab = _vocab_path(progress)
+        if not TEMPLATE_PATH.is_file():
+            progress(f"note: {TEMPLATE_PATH} missing; using the vocabulary's chat template")
+        progress(f"==> synthesising the demo model {path.name} (a few seconds)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        try:
+            _write(tmp, vocab, params)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+# GGUF value types (gguf.GGUFValueType) -> struct format of a scalar; 8 = string, 9 = array
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+           12: "d"}
+
+
+def read_gguf_metadata(path: Path, arrays: bool = False) -> dict[str, Any]:
+    """A GGUF file's metadata; arrays (as lists) only if asked, else skipped.
+
+    NOTE: gguf.GGUFReader builds numpy views of every array element (151,936 tokens,
+    151,387 merges): 5-10 s. Walking the header with struct takes ~0.1 s.
+    """
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        (_version, _n_tensors, n_kv), off = struct.unpack_from("<IQQ", m, 4), 24
+        out: dict[str, Any] = {}
+
+        def string(at: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", m, at)
+            return m[at + 8:at + 8 + n].decode("utf-8", "replace"), at + 8 + n
+
+        for _ in range(n_kv):
+            key, off = string(off)
+            (vtype,) = struct.unpack_from("<I", m, off)
+            off += 4
+            if vtype == 8:
+                out[key], off = string(off)
+            elif vtype == 9:
+                etype, count = struct.unpack_from("<IQ", m, off)
+                off += 12
+                items: list[Any] = []
+                if etype == 8:
+                    for _ in range(count):
+                        if arrays:
+                            item, off = string(off)
+                            items.append(item)
+                        else:
+                            off += 8 + struct.unpack_from("<Q", m, off)[0]
+                elif etype in _SCALAR:
+                    fmt = f"<{count}{_SCALAR[etype]}"
+                    if arrays:
+                        items = list(struct.unpack_from(fmt, m, off))
+                    off += struct.calcsize(fmt)
+                else:
+                    raise ValueError(f"{path}: nested arrays in {key} are not supported")
+                if arrays:
+                    out[key] = items
+            else:
+                fmt = "<" + _SCALAR[vtype]
+                (out[key],) = struct.unpack_from(fmt, m, off)
+                off += struct.calcsize(fmt)
+        return out
+
+
+@lru_cache(maxsize=32)
+def _kv_bytes_cached(path: str, mtime_ns: int) -> int | None:
+    meta = read_gguf_metadata(Path(path))
+
+    def num(key: str, default: object = None) -> int:
+        value = meta.get(key, default)
+        if not isinstance(value, int | float):
+            raise KeyError(key)
+        return int(value)
+
+    if "kvroute.kv_bytes_per_token" in meta:
+        return num("kvroute.kv_bytes_per_token")
+    arch = meta.get("general.architecture")
+    try:
+        n_layer = num(f"{arch}.block_count")
+        n_head = num(f"{arch}.attention.head_count")
+        n_head_kv = num(f"{arch}.attention.head_count_kv", n_head)
+        head_dim = num(f"{arch}.attention.key_length", num(f"{arch}.embedding_length") // n_head)
+    except KeyError:
+        return None  # e.g. per-layer head counts (arrays): not a plain attention model
+    return n_layer * n_head_kv * head_dim * 2 * 2
+
+
+def gguf_kv_bytes_per_token(path: Path) -> int | None:
+    """f16 KV bytes per token from a GGUF's metadata; None if it is not a plain attention model."""
+    return _kv_bytes_cached(str(path), path.stat().st_mtime_ns)

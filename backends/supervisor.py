@@ -1,0 +1,328 @@
+"""All configured backends: start, watch, restart, stop.
+
+Managed backend lifecycle (one asyncio task each):
+
+    starting --/health 200, /props read--> ready --exit or 5 failed probes--> down
+        ^                                                                     |
+        +------------------ backoff (0.5 s, doubling, max 30 s) -------------+
+
+Each (re)start picks a new free loopback port and a new random API key (the key keeps
+clients from bypassing the proxy; a new port avoids racing a dying process's socket).
+A restarted server has an empty cache, and subscribers hear cb(name, None) when it goes
+down and cb(name, info) when it is ready again, so the router can forget what it held.
+
+External backends are only probed; a down external backend is a state, never an error.
+`log_dir/backends.json` mirrors the states (no keys) so `kvroute doctor` can find the
+running servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import structlog
+
+from backends.binary import find_llama_server
+from backends.client import BackendClient, Health, Props
+from backends.demo_model import gguf_kv_bytes_per_token
+from backends.process import Failed, LlamaServerProcess, ServerSpec, free_port
+from proxy.config import Config, ExternalBackendConfig, ManagedBackendConfig
+
+log = structlog.get_logger(__name__)
+
+MiB = 1 << 20
+DEFAULT_KV_BYTES_PER_TOKEN = 131072  # when a GGUF's metadata does not tell
+UNHEALTHY_PROBES = 5  # consecutive failed /health probes before a restart
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """A ready backend, as the proxy needs it."""
+
+    name: str
+    url: str  # "http://127.0.0.1:PORT" (external: as configured)
+    api_key: str | None  # key the proxy must send (Authorization: Bearer)
+    n_slots: int  # from /props total_slots
+    slot_ctx: int  # from /props default_generation_settings.n_ctx
+    ram_cache_bytes: int  # --cache-ram in bytes (0 if off/unknown)
+    kv_bytes_per_token: int  # from GGUF metadata (managed) or the config (external)
+    model: str  # model id/alias as /v1/models reports it
+    managed: bool
+
+
+Subscriber = Callable[[str, BackendInfo | None], None]
+
+
+@dataclass
+class _Backend:
+    """Mutable runtime state of one backend (owned by its task)."""
+
+    cfg: ManagedBackendConfig | ExternalBackendConfig
+    state: str = "stopped"  # starting | ready | down | failed | stopped
+    info: BackendInfo | None = None
+    process: LlamaServerProcess | None = None
+    url: str | None = None
+    restarts: int = 0
+    last_error: str | None = None
+    ready_since: float | None = None  # time.time() of the last transition to ready
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # first ready/failed
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def managed(self) -> bool:
+        return isinstance(self.cfg, ManagedBackendConfig)
+
+
+class Supervisor:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._backends = {b.name: _Backend(b) for b in config.backends}
+        self._subscribers: list[Subscriber] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._stopping = False
+        self._binary: Path | None = None
+        self.state_file = config.log_dir / "backends.json"
+
+    # -- public API (docs/contracts.md) ------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn managed backends, start health loops; return once each is ready or failed."""
+        assert self._session is None, "start() called twice"
+        self.config.log_dir.mkdir(parents=True, exist_ok=True)
+        self._session = aiohttp.ClientSession()
+        if self.config.managed():
+            found = find_llama_server(self.config.llama_server)
+            self._binary = found.path if found else None
+        for b in self._backends.values():
+            run = self._run_managed if b.managed else self._run_external
+            b.task = asyncio.create_task(run(b), name=f"kvroute-backend-{b.cfg.name}")
+        timeout = self.config.supervision.startup_timeout_s + 10
+        waits = [b.settled.wait() for b in self._backends.values()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout)
+        except TimeoutError:
+            log.warning("supervisor.start_timeout", seconds=timeout)
+
+    async def stop(self) -> None:
+        """Stop every child (whole process groups), no orphans. Idempotent."""
+        self._stopping = True
+        tasks = [b.task for b in self._backends.values() if b.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        grace = self.config.supervision.stop_grace_s
+        procs = [b.process for b in self._backends.values() if b.process is not None]
+        await asyncio.gather(*(p.stop(grace) for p in procs), return_exceptions=True)
+        for b in self._backends.values():
+            if b.info is not None:
+                b.info = None
+                self._notify(b.cfg.name, None)
+            b.state, b.process = "stopped", None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self.state_file.unlink(missing_ok=True)
+
+    def ready(self) -> list[BackendInfo]:
+        return [b.info for b in self._backends.values() if b.info is not None]
+
+    def statuses(self) -> list[dict[str, object]]:
+        out: list[dict[str, object]] = []
+        for b in self._backends.values():
+            info = b.info
+            out.append({
+                "name": b.cfg.name,
+                "managed": b.managed,
+                "state": b.state,
+                "healthy": info is not None,
+                "url": b.url,
+                "pid": self.pid(b.cfg.name),
+                "restarts": b.restarts,
+                "last_error": b.last_error,
+                "ready_since": b.ready_since,
+                "log": str(self._log_path(b.cfg.name)) if b.managed else None,
+                "n_slots": info.n_slots if info else None,
+                "slot_ctx": info.slot_ctx if info else None,
+                "model": info.model if info else None,
+            })
+        return out
+
+    def subscribe(self, cb: Subscriber) -> None:
+        """cb(name, info) when a backend becomes ready (a fresh process: empty cache),
+        cb(name, None) when it goes down."""
+        self._subscribers.append(cb)
+
+    def pid(self, name: str) -> int | None:
+        b = self._backends.get(name)
+        if b is None or b.process is None or not b.process.alive():
+            return None
+        return b.process.pid
+
+    def get(self, name: str) -> BackendInfo | None:
+        b = self._backends.get(name)
+        return b.info if b else None
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _log_path(self, name: str) -> Path:
+        return self.config.log_dir / f"{name}.log"
+
+    def _notify(self, name: str, info: BackendInfo | None) -> None:
+        for cb in list(self._subscribers):
+            try:
+                cb(name, info)
+            except Exception:  # a subscriber's bug must not take supervision down
+                log.exception("supervisor.subscriber_failed", backend=name)
+        self._write_state()
+
+    def _set(self, b: _Backend, state: str, error: str | None = None) -> None:
+        b.state = state
+        if error is not None:
+            b.last_error = error
+        log.info("backend.state", backend=b.cfg.name, state=state, url=b.url, error=error)
+        self._write_state()
+
+    def _write_state(self) -> None:
+        """Mirror states for `kvroute doctor` (no API keys: the file is world-readable)."""
+        data = {"kvroute_pid": os.getpid(), "updated": time.time(), "backends": [
+            {k: s[k] for k in ("name", "managed", "state", "url", "pid", "restarts", "log")}
+            for s in self.statuses()]}
+        tmp = self.state_file.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, self.state_file)
+        except OSError:
+            pass  # best effort: doctor only
+
+    async def _run_managed(self, b: _Backend) -> None:
+        cfg = b.cfg
+        assert isinstance(cfg, ManagedBackendConfig) and self._session is not None
+        sup = self.config.supervision
+        backoff = sup.restart_backoff_s
+        kv = await asyncio.to_thread(gguf_kv_bytes_per_token, cfg.model)
+        while not self._stopping:
+            if self._binary is None:
+                self._set(b, "failed", "llama-server not found "
+                          "(fix: run `python -m backends prepare`, or set llama_server)")
+                b.settled.set()
+                return
+            spec = ServerSpec(
+                binary=self._binary, model=cfg.model, port=free_port(), slots=cfg.slots,
+                ctx_per_slot=cfg.ctx_per_slot, threads=cfg.threads,
+                api_key=secrets.token_urlsafe(24), cache_ram_mib=cfg.cache_ram_mib,
+                alias=cfg.alias, extra_args=cfg.extra_args, env=cfg.env,
+            )
+            proc = LlamaServerProcess(spec, self._log_path(cfg.name))
+            b.process, b.url = proc, spec.url
+            self._set(b, "starting")
+            try:
+                proc.spawn()
+            except OSError as e:
+                self._set(b, "failed", f"cannot start {spec.binary}: {e}")
+                b.settled.set()
+                return
+            error = await self._bring_up(b, proc, spec, kv or DEFAULT_KV_BYTES_PER_TOKEN)
+            if error is None:
+                t_ready = time.monotonic()
+                error = await self._watch(b, proc)
+                if time.monotonic() - t_ready > 60:
+                    backoff = sup.restart_backoff_s  # it ran fine for a while: not a crash loop
+            if self._stopping:
+                return
+            if b.info is not None:
+                b.info = None
+                self._notify(cfg.name, None)
+            rc = await proc.stop(sup.stop_grace_s)
+            b.process = None
+            b.restarts += 1
+            self._set(b, "down", f"{error} (exit code {rc}); restarting in {backoff:.1f} s; "
+                      f"see {proc.log_path}")
+            b.settled.set()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, sup.restart_backoff_max_s)
+
+    async def _bring_up(self, b: _Backend, proc: LlamaServerProcess, spec: ServerSpec,
+                        kv: int) -> str | None:
+        """Wait for /health, read /props; publish the BackendInfo. Returns an error or None."""
+        assert self._session is not None
+        res = await proc.wait_ready(self._session, self.config.supervision.startup_timeout_s)
+        if isinstance(res, Failed):
+            return f"{res.reason}; last log lines:\n{res.log_tail}"
+        props = await BackendClient(self._session, spec.url, spec.api_key).props()
+        if not isinstance(props, Props):
+            return f"/props failed: {props}"
+        cfg = b.cfg
+        assert isinstance(cfg, ManagedBackendConfig)
+        b.info = BackendInfo(
+            name=cfg.name, url=spec.url, api_key=spec.api_key, n_slots=props.total_slots,
+            slot_ctx=props.slot_ctx, ram_cache_bytes=cfg.cache_ram_mib * MiB,
+            kv_bytes_per_token=kv, model=props.model_alias, managed=True,
+        )
+        b.ready_since = time.time()
+        self._set(b, "ready")
+        log.info("backend.ready", backend=cfg.name, url=spec.url, pid=proc.pid,
+                 seconds=round(res.seconds, 2), slots=props.total_slots, n_ctx=props.slot_ctx)
+        self._notify(cfg.name, b.info)
+        b.settled.set()
+        return None
+
+    async def _watch(self, b: _Backend, proc: LlamaServerProcess) -> str:
+        """Return why a ready backend stopped being usable."""
+        assert self._session is not None and b.info is not None
+        client = BackendClient(self._session, b.info.url, b.info.api_key, timeout=5.0)
+        interval = self.config.supervision.health_interval_s
+        failures, next_probe = 0, time.monotonic() + interval
+        while True:
+            # exits are caught within 0.2 s by polling (no SIGCHLD handler to fight over)
+            await asyncio.sleep(0.2)
+            if proc.exited():
+                return "llama-server exited"
+            if time.monotonic() < next_probe:
+                continue
+            next_probe = time.monotonic() + interval
+            h = await client.health()
+            failures = 0 if isinstance(h, Health) and h.ok else failures + 1
+            if failures >= UNHEALTHY_PROBES:
+                return f"/health failed {failures} times in a row ({h})"
+
+    async def _run_external(self, b: _Backend) -> None:
+        cfg = b.cfg
+        assert isinstance(cfg, ExternalBackendConfig) and self._session is not None
+        client = BackendClient(self._session, cfg.url, cfg.api_key, timeout=5.0)
+        b.url = cfg.url
+        while not self._stopping:
+            error: str | None = None
+            h = await client.health()
+            if not (isinstance(h, Health) and h.ok):
+                error = f"/health: {h}"
+            elif b.info is None:
+                props = await client.props()
+                if isinstance(props, Props):
+                    b.info = BackendInfo(
+                        name=cfg.name, url=cfg.url, api_key=cfg.api_key,
+                        n_slots=props.total_slots, slot_ctx=props.slot_ctx,
+                        ram_cache_bytes=cfg.cache_ram_mib * MiB,
+                        kv_bytes_per_token=cfg.kv_bytes_per_token,
+                        model=props.model_alias, managed=False,
+                    )
+                    b.ready_since = time.time()
+                    self._set(b, "ready")
+                    self._notify(cfg.name, b.info)
+                else:
+                    error = f"/props: {props} (fix: check api_key)"
+            if error is not None:
+                if b.info is not None:
+                    b.info = None
+                    self._notify(cfg.name, None)
+                if b.state != "down" or b.last_error != error:
+                    self._set(b, "down", error)
+            b.settled.set()
+            await asyncio.sleep(self.config.supervision.health_interval_s)

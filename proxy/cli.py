@@ -1,0 +1,285 @@
+"""`kvroute serve` and `kvroute doctor`.
+
+serve: load and check the config, obtain llama-server and the demo model if needed
+(seconds when cached), start the supervisor, then the proxy app on host:port. SIGINT or
+SIGTERM stops the app, then every backend.
+
+doctor: what a user runs when something is wrong. `--json` prints a stable document
+(keys are only ever added) that scripts use to find the built artifacts:
+``llama_server.path``, ``demo_model.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from proxy.config import Config, ConfigError, check_port_free, load_config
+
+
+def _default_config_path(given: Path | None) -> Path | None:
+    if given is not None:
+        return given
+    return Path("config.yaml") if Path("config.yaml").is_file() else None
+
+
+def _prepare_artifacts(cfg: Config) -> None:
+    """Obtain what the managed backends need; builds only on first use."""
+    from backends.binary import ensure_llama_server
+    from backends.demo_model import ensure_demo_model
+
+    if cfg.managed():
+        ensure_llama_server(cfg.llama_server)
+    if any(b.is_demo for b in cfg.managed()):
+        ensure_demo_model(cfg.demo_model)
+
+
+async def _serve(cfg: Config) -> int:
+    from aiohttp import web
+
+    from backends.supervisor import Supervisor
+    from proxy.app import create_app
+    from proxy.logging import get_logger
+
+    log = get_logger("kvroute.cli")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    supervisor = Supervisor(cfg)
+    runner: web.AppRunner | None = None
+    try:
+        # a signal during the (up to minutes long) start must still stop everything
+        starting = asyncio.create_task(supervisor.start())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            starting.cancel()
+            return 0
+        stopped.cancel()
+        n_ready, n_all = len(supervisor.ready()), len(cfg.backends)
+        if n_ready == 0:
+            log.warning("serve.no_backend_ready", statuses=supervisor.statuses())
+        runner = web.AppRunner(create_app(cfg, supervisor))
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, cfg.proxy.host, cfg.proxy.port).start()
+        except OSError as e:  # taken since load_config checked it
+            print(f"kvroute: proxy.port: cannot listen on {cfg.proxy.host}:{cfg.proxy.port}: "
+                  f"{e.strerror} (fix: pick another port with --port)", file=sys.stderr)
+            return 2
+        url = f"http://{cfg.proxy.host}:{cfg.proxy.port}"
+        log.info("serve.listening", url=url, policy=cfg.proxy.policy, ready=n_ready,
+                 backends=n_all)
+        print(f"kvroute: listening on {url} ({n_ready}/{n_all} backends ready, "
+              f"policy {cfg.proxy.policy}); Ctrl-C stops", file=sys.stderr, flush=True)
+        await stop.wait()
+        log.info("serve.stopping")
+        return 0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await supervisor.stop()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from proxy.logging import configure_logging
+
+    configure_logging(args.log_level)
+    overrides = {"host": args.host, "port": args.port, "policy": args.policy}
+    try:
+        cfg = load_config(_default_config_path(args.config), allow_missing_demo=True,
+                          overrides=overrides)
+        _prepare_artifacts(cfg)
+    except (ConfigError, RuntimeError) as e:  # BinaryError is a RuntimeError
+        print(f"kvroute: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(cfg))
+
+
+# -- doctor ---------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+async def _probe(url: str) -> tuple[bool, str]:
+    import aiohttp
+
+    from backends.client import BackendClient, Health
+
+    async with aiohttp.ClientSession() as session:
+        h = await BackendClient(session, url, timeout=3.0).health()
+    if isinstance(h, Health):
+        return h.ok, f"/health {h.status}"
+    return False, h.reason
+
+
+def _backend_health(cfg: Config) -> list[dict[str, Any]]:
+    """External backends are probed directly; managed ones through the state file the
+    running `kvroute serve` keeps (they listen on random ports)."""
+    running: dict[str, dict[str, Any]] = {}
+    state_file = cfg.log_dir / "backends.json"
+    try:
+        state = json.loads(state_file.read_text())
+        if _pid_alive(int(state["kvroute_pid"])):
+            running = {b["name"]: b for b in state["backends"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    out: list[dict[str, Any]] = []
+    for b in cfg.backends:
+        managed = not hasattr(b, "url")
+        url = getattr(b, "url", None) or running.get(b.name, {}).get("url")
+        entry: dict[str, Any] = {"name": b.name, "managed": managed, "url": url,
+                                 "healthy": False, "detail": ""}
+        if url is None:
+            entry["detail"] = "not running (start it with `kvroute serve`)"
+        else:
+            entry["healthy"], entry["detail"] = asyncio.run(_probe(url))
+            if managed:
+                entry["pid"] = running[b.name].get("pid")
+                entry["log"] = running[b.name].get("log")
+        out.append(entry)
+    return out
+
+
+def doctor_report(config_path: Path | None) -> dict[str, Any]:
+    from backends.binary import BinaryError, cache_dir, find_llama_server
+    from backends.binary import llama_cpp_python_version as lcp_version
+    from backends.demo_model import DemoModelParams, demo_model_path
+
+    report: dict[str, Any] = {"ok": True, "python": platform.python_version()}
+    try:
+        report["kvroute_version"] = importlib.metadata.version("kvroute")
+    except importlib.metadata.PackageNotFoundError:
+        report["kvroute_version"] = None
+    lcp: dict[str, Any] = {"version": lcp_version(), "importable": False, "error": None}
+    try:
+        import llama_cpp  # noqa: F401  (loads libllama: proves the install works)
+
+        lcp["importable"] = True
+    except Exception as e:  # any import failure is something to report, not crash on
+        lcp["error"] = f"{type(e).__name__}: {e}"
+        report["ok"] = False
+    report["llama_cpp_python"] = lcp
+    report["cache_dir"] = str(cache_dir())
+
+    cfg: Config | None = None
+    conf: dict[str, Any] = {"path": str(config_path.resolve()) if config_path else None,
+                            "ok": True, "error": None, "proxy_port_free": None}
+    try:
+        cfg = load_config(config_path, check_port=False)
+    except ConfigError as e:
+        conf["ok"], conf["error"] = False, str(e)
+        report["ok"] = False
+        try:  # still report artifacts for a config whose only fault is a missing model
+            cfg = load_config(config_path, check_port=False, allow_missing_demo=True)
+        except ConfigError:
+            cfg = None
+    if cfg is not None:
+        try:
+            check_port_free(cfg)
+            conf["proxy_port_free"] = True
+        except ConfigError as e:
+            conf["proxy_port_free"] = False
+            conf["proxy_port_note"] = str(e)
+        conf["proxy"] = {"host": cfg.proxy.host, "port": cfg.proxy.port,
+                         "policy": cfg.proxy.policy}
+    report["config"] = conf
+
+    srv: dict[str, Any] = {"path": None, "version": None, "source": None, "error": None}
+    try:
+        found = find_llama_server(cfg.llama_server if cfg else None)
+        if found is None:
+            srv["error"] = "not found (fix: run `python -m backends prepare`)"
+        else:
+            srv.update(path=str(found.path), version=found.version, source=found.source)
+    except BinaryError as e:
+        srv["error"] = str(e)
+    if srv["error"]:
+        report["ok"] = False
+    report["llama_server"] = srv
+
+    params = cfg.demo_model if cfg else DemoModelParams()
+    model = demo_model_path(params)
+    report["demo_model"] = {"path": str(model), "exists": model.is_file(),
+                            "kv_bytes_per_token": params.kv_bytes_per_token}
+    if cfg is not None and any(b.is_demo for b in cfg.managed()) and not model.is_file():
+        report["ok"] = False
+    report["backends"] = _backend_health(cfg) if cfg else []
+    return report
+
+
+def _print_report(r: dict[str, Any]) -> None:
+    def mark(ok: object) -> str:
+        return "ok " if ok else "BAD"
+
+    srv, model, conf, lcp = r["llama_server"], r["demo_model"], r["config"], r["llama_cpp_python"]
+    print(f"[{mark(not srv['error'])}] llama-server: {srv['path'] or srv['error']}"
+          + (f"  ({srv['version']}, {srv['source']})" if srv["path"] else ""))
+    print(f"[{mark(lcp['importable'])}] llama-cpp-python {lcp['version']}"
+          + (f": {lcp['error']}" if lcp["error"] else ""))
+    print(f"[{mark(model['exists'])}] demo model: {model['path']}"
+          + ("" if model["exists"] else "  (missing: run `python -m backends prepare`)"))
+    print(f"[{mark(conf['ok'])}] config: {conf['path'] or 'built-in defaults'}"
+          + (f": {conf['error']}" if conf["error"] else ""))
+    if conf.get("proxy_port_free") is False:
+        print(f"      note: {conf['proxy_port_note']}")
+    for b in r["backends"]:
+        kind = "managed" if b["managed"] else "external"
+        # a managed backend that is not running is normal when kvroute is not serving
+        m = "-- " if b["managed"] and b["url"] is None else mark(b["healthy"])
+        print(f"[{m}] backend {b['name']} ({kind}) "
+              f"{b['url'] or ''} {b['detail']}")
+    print(f"cache: {r['cache_dir']}")
+    print("all good" if r["ok"] else "problems found (see BAD lines)")
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    report = doctor_report(_default_config_path(args.config))
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        _print_report(report)
+    return 0 if report["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvroute", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="start the backends and the proxy")
+    s.add_argument("--config", type=Path, help="config file (default: ./config.yaml)")
+    s.add_argument("--host", help="proxy host (overrides proxy.host)")
+    s.add_argument("--port", type=int, help="proxy port (overrides proxy.port)")
+    s.add_argument("--policy", help="prefix | round_robin | least_loaded | random")
+    s.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    s.set_defaults(func=cmd_serve)
+    d = sub.add_parser("doctor", help="check the installation, config and backends")
+    d.add_argument("--config", type=Path, help="config file (default: ./config.yaml)")
+    d.add_argument("--json", action="store_true", help="stable JSON output for scripts")
+    d.set_defaults(func=cmd_doctor)
+    args = ap.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

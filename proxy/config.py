@@ -1,0 +1,409 @@
+"""kvroute's configuration: config.yaml -> frozen dataclasses, validated on load.
+
+Every error is a `ConfigError` whose message names the field and says how to fix it,
+e.g. ``backends[1].slots: expected a positive integer, got 'two' (fix: ...)``.
+Unknown keys are rejected (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import difflib
+import errno
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from backends.binary import cache_dir as default_cache_dir
+from backends.demo_model import DemoModelParams, demo_model_path
+
+POLICIES = ("prefix", "round_robin", "least_loaded", "random")
+DEMO = "demo"  # `model: demo` = the synthesised demo model
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policy: str = "prefix"  # one of POLICIES
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Knobs passed through to `proxy.router.RouterSettings(**settings)`."""
+
+    settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def router_settings(self) -> Any:
+        from proxy.router import RouterSettings
+
+        return RouterSettings(**self.settings)
+
+
+@dataclass(frozen=True)
+class SupervisionConfig:
+    startup_timeout_s: float = 120.0  # per backend, from spawn to /health 200
+    health_interval_s: float = 2.0  # how often ready backends are probed
+    restart_backoff_s: float = 0.5  # first restart delay; doubles per crash
+    restart_backoff_max_s: float = 30.0
+    stop_grace_s: float = 5.0  # SIGTERM -> SIGKILL
+
+
+@dataclass(frozen=True)
+class ManagedBackendConfig:
+    name: str
+    model: Path  # resolved GGUF path
+    slots: int = 2  # llama-server -np
+    ctx_per_slot: int = 8192  # -c is slots * ctx_per_slot
+    threads: int = 1
+    cache_ram_mib: int = 1024  # --cache-ram; 0 disables the host-RAM prompt cache
+    alias: str | None = None  # -a: the model id /v1/models reports
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    is_demo: bool = False  # model is the demo model (prepare can build it)
+
+
+@dataclass(frozen=True)
+class ExternalBackendConfig:
+    name: str
+    url: str  # e.g. "http://10.0.0.5:8080"; kvroute health-checks it, never starts it
+    api_key: str | None = None
+    kv_bytes_per_token: int = 131072  # unknown for a remote model: an 8B-class default
+    cache_ram_mib: int = 0  # what the remote was started with, if known
+
+
+BackendConfig = ManagedBackendConfig | ExternalBackendConfig
+
+
+@dataclass(frozen=True)
+class Config:
+    proxy: ProxyConfig
+    routing: RoutingConfig
+    backends: tuple[BackendConfig, ...]
+    llama_server: str | None  # binary path; None = PATH, else build from the sdist
+    cache_dir: Path
+    log_dir: Path
+    demo_model: DemoModelParams = field(default_factory=DemoModelParams)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    source: Path | None = None  # the file it was loaded from (None: built-in defaults)
+
+    def managed(self) -> tuple[ManagedBackendConfig, ...]:
+        return tuple(b for b in self.backends if isinstance(b, ManagedBackendConfig))
+
+
+# The built-in default, identical to the shipped config.yaml.
+DEFAULT_YAML = """
+proxy: {host: 127.0.0.1, port: 8080, policy: prefix}
+backends:
+  - {name: a, model: demo, slots: 2, threads: 1}
+  - {name: b, model: demo, slots: 2, threads: 1}
+"""
+
+
+def _fix_unknown(where: str, key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"allowed keys: {', '.join(allowed)}"
+    return f"{where}{key}: unknown key (fix: {hint})"
+
+
+class _Section:
+    """Typed reads from one mapping; remembers which keys were consumed."""
+
+    def __init__(self, raw: object, where: str) -> None:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            name = where.rstrip(".") or "config"
+            raise ConfigError(f"{name}: expected a mapping, got {_show(raw)} (fix: use key: value)")
+        self.raw, self.where, self.used = raw, where, set[str]()
+
+    def _get(self, key: str) -> object:
+        self.used.add(key)
+        return self.raw.get(key)
+
+    def has(self, key: str) -> bool:
+        return key in self.raw
+
+    def get_int(self, key: str, default: int, lo: int = 1, hi: int | None = None) -> int:
+        v = self._get(key)
+        if v is None:
+            return default
+        bound = f"an integer >= {lo}" if hi is None else f"an integer in {lo}..{hi}"
+        if lo == 1 and hi is None:
+            bound = "a positive integer"
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            raise ConfigError(
+                f"{self.where}{key}: expected {bound}, got {_show(v)} (fix: e.g. {key}: {default})"
+            )
+        return v
+
+    def get_num(self, key: str, default: float) -> float:
+        v = self._get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            raise ConfigError(
+                f"{self.where}{key}: expected a positive number, got {_show(v)} "
+                f"(fix: e.g. {key}: {default})"
+            )
+        return float(v)
+
+    def get_str(self, key: str, default: str | None, example: str = "...") -> str | None:
+        v = self._get(key)
+        if v is None:
+            return default
+        if not isinstance(v, str) or not v:
+            raise ConfigError(
+                f"{self.where}{key}: expected a non-empty string, got {_show(v)} "
+                f"(fix: e.g. {key}: {example})"
+            )
+        return v
+
+    def get_str_list(self, key: str) -> tuple[str, ...]:
+        v = self._get(key)
+        if v is None:
+            return ()
+        if not isinstance(v, list) or not all(isinstance(x, str | int | float) for x in v):
+            raise ConfigError(
+                f"{self.where}{key}: expected a list of strings, got {_show(v)} "
+                f'(fix: e.g. {key}: ["--temp", "0"])'
+            )
+        return tuple(str(x) for x in v)
+
+    def get_str_map(self, key: str) -> Mapping[str, str]:
+        v = self._get(key)
+        if v is None:
+            return MappingProxyType({})
+        if not isinstance(v, Mapping) or not all(isinstance(k, str) for k in v):
+            raise ConfigError(
+                f"{self.where}{key}: expected a mapping of strings, got {_show(v)} "
+                f'(fix: e.g. {key}: {{CUDA_VISIBLE_DEVICES: "0"}})'
+            )
+        return MappingProxyType({k: str(x) for k, x in v.items()})
+
+    def finish(self, allowed: list[str] | None = None) -> None:
+        allowed = allowed or sorted(self.used)
+        for key in self.raw:
+            if key not in self.used:
+                raise ConfigError(_fix_unknown(self.where, str(key), allowed))
+
+
+def _show(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _path(base: Path, value: str) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def _demo_params(raw: object) -> DemoModelParams:
+    sec = _Section(raw, "demo_model.")
+    d = DemoModelParams()
+    kwargs = {f.name: sec.get_int(f.name, getattr(d, f.name), lo=0 if f.name == "seed" else 1)
+              for f in fields(DemoModelParams)}
+    sec.finish([f.name for f in fields(DemoModelParams)])
+    try:
+        return DemoModelParams(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{e} (fix: adjust the demo_model sizes)") from None
+
+
+def _backend(raw: object, i: int, base: Path, demo: Path, allow_missing_demo: bool
+             ) -> BackendConfig:
+    where = f"backends[{i}]."
+    sec = _Section(raw, where)
+    name = sec.get_str("name", f"backend{i}", "gpu0")
+    assert name is not None
+    if sec.has("url") == sec.has("model"):
+        raise ConfigError(
+            f"backends[{i}]: give exactly one of 'model' (a managed llama-server kvroute "
+            "starts) or 'url' (an external server) (fix: e.g. model: demo)"
+        )
+    if sec.has("url"):
+        url = sec.get_str("url", None, "http://127.0.0.1:8081")
+        assert url is not None
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}url: expected an http(s) URL, got {_show(url)} "
+                              "(fix: e.g. url: http://127.0.0.1:8081)")
+        ext = ExternalBackendConfig(
+            name=name, url=url.rstrip("/"), api_key=sec.get_str("api_key", None),
+            kv_bytes_per_token=sec.get_int("kv_bytes_per_token", 131072),
+            cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
+        )
+        sec.finish([f.name for f in fields(ExternalBackendConfig)])
+        return ext
+    model_raw = sec.get_str("model", None, "demo")
+    assert model_raw is not None
+    is_demo = model_raw == DEMO
+    model = demo if is_demo else _path(base, model_raw)
+    if not model.is_file() and not (is_demo and allow_missing_demo):
+        fix = ("run `python -m backends prepare` (or `make run`) to build it" if is_demo
+               else "give the path of an existing .gguf file, or `model: demo`")
+        raise ConfigError(f"{where}model: file not found: {model} (fix: {fix})")
+    d = ManagedBackendConfig(name=name, model=model)
+    b = ManagedBackendConfig(
+        name=name, model=model, is_demo=is_demo,
+        slots=sec.get_int("slots", d.slots),
+        ctx_per_slot=sec.get_int("ctx_per_slot", d.ctx_per_slot, lo=256),
+        threads=sec.get_int("threads", d.threads),
+        cache_ram_mib=sec.get_int("cache_ram_mib", d.cache_ram_mib, lo=0),
+        alias=sec.get_str("alias", "kvroute-demo" if is_demo else None, "my-model"),
+        extra_args=sec.get_str_list("extra_args"),
+        env=sec.get_str_map("env"),
+    )
+    sec.finish([f.name for f in fields(ManagedBackendConfig) if f.name != "is_demo"])
+    return b
+
+
+def _routing(raw: object) -> RoutingConfig:
+    sec = _Section(raw, "routing.")
+    settings = MappingProxyType(dict(sec.raw))
+    try:
+        from proxy.router import RouterSettings
+    except ImportError:  # the routing core is not there yet: nothing to validate against
+        return RoutingConfig(settings)
+    known = {f.name: f for f in fields(RouterSettings)}
+    defaults = RouterSettings()
+    for key, value in settings.items():
+        if key not in known:
+            raise ConfigError(_fix_unknown("routing.", str(key), sorted(known)))
+        default = getattr(defaults, key)
+        # a float knob takes an int (1 == 1.0); an int knob does not take a float
+        want = (int | float) if isinstance(default, float) else type(default)
+        if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, want):
+            raise ConfigError(f"routing.{key}: expected {type(default).__name__}, got "
+                              f"{_show(value)} (fix: e.g. {key}: {default})")
+    try:
+        RouterSettings(**settings)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"routing.{e} (fix: see the comments on RouterSettings in "
+                          "proxy/policy.py)") from None
+    return RoutingConfig(settings)
+
+
+def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
+                 source: Path | None = None) -> Config:
+    """Validate an already-parsed YAML document. `base` anchors relative paths."""
+    top = _Section(data, "")
+    proxy_sec = _Section(top._get("proxy"), "proxy.")
+    policy = proxy_sec.get_str("policy", "prefix", "prefix")
+    if policy not in POLICIES:
+        raise ConfigError(f"proxy.policy: unknown policy {policy!r} "
+                          f"(fix: one of {', '.join(POLICIES)})")
+    proxy = ProxyConfig(
+        host=proxy_sec.get_str("host", "127.0.0.1", "127.0.0.1") or "127.0.0.1",
+        port=proxy_sec.get_int("port", 8080, hi=65535),
+        policy=policy or "prefix",
+    )
+    proxy_sec.finish([f.name for f in fields(ProxyConfig)])
+
+    sup_sec = _Section(top._get("supervision"), "supervision.")
+    sd = SupervisionConfig()
+    supervision = SupervisionConfig(**{f.name: sup_sec.get_num(f.name, getattr(sd, f.name))
+                                       for f in fields(SupervisionConfig)})
+    sup_sec.finish([f.name for f in fields(SupervisionConfig)])
+
+    demo_params = _demo_params(top._get("demo_model"))
+    demo = demo_model_path(demo_params)
+
+    llama_server = top.get_str("llama_server", None, "/usr/local/bin/llama-server")
+    if llama_server is not None:
+        binary = _path(base, llama_server)
+        if not binary.is_file():
+            raise ConfigError(f"llama_server: file not found: {binary} (fix: correct the "
+                              "path, or remove the key to use PATH or build one)")
+        llama_server = str(binary)
+
+    raw_backends = top._get("backends")
+    if not isinstance(raw_backends, list) or not raw_backends:
+        raise ConfigError(f"backends: expected a non-empty list, got {_show(raw_backends)} "
+                          "(fix: e.g. backends: [{name: a, model: demo}])")
+    backends = tuple(_backend(b, i, base, demo, allow_missing_demo)
+                     for i, b in enumerate(raw_backends))
+    seen: set[str] = set()
+    for i, b in enumerate(backends):
+        if b.name in seen:
+            raise ConfigError(f"backends[{i}].name: duplicate name {b.name!r} "
+                              "(fix: give every backend a unique name)")
+        seen.add(b.name)
+
+    log_dir = _path(base, top.get_str("log_dir", "logs", "logs") or "logs")
+    cfg = Config(
+        proxy=proxy, routing=_routing(top._get("routing")), backends=backends,
+        llama_server=llama_server, cache_dir=default_cache_dir(), log_dir=log_dir,
+        demo_model=demo_params, supervision=supervision, source=source,
+    )
+    top.finish([f.name for f in fields(Config)
+                if f.name not in ("cache_dir", "source")])
+    return cfg
+
+
+def check_port_free(cfg: Config) -> None:
+    """Raise ConfigError if the proxy's host:port cannot be bound right now."""
+    host, port = cfg.proxy.host, cfg.proxy.port
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConfigError(f"proxy.host: cannot resolve {host!r}: {e} "
+                          "(fix: e.g. host: 127.0.0.1)") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # same option aiohttp uses, so a port in TIME_WAIT is not reported as busy
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            why = "already in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise ConfigError(
+                f"proxy.port: {host}:{port} is {why} (fix: stop whatever listens there "
+                "(another kvroute?), or pick another port with --port or proxy.port)"
+            ) from None
+
+
+def load_config(path: Path | None, *, check_port: bool = True,
+                allow_missing_demo: bool = False, overrides: Mapping[str, Any] | None = None
+                ) -> Config:
+    """Load and validate `path` (None: the built-in default, same as config.yaml).
+
+    `overrides` replaces ProxyConfig fields (the CLI's --host/--port/--policy) before the
+    port check. `allow_missing_demo` lets `prepare`/`serve` load a config whose demo
+    model they are about to build.
+    """
+    if path is None:
+        data, base = yaml.safe_load(DEFAULT_YAML), Path.cwd()
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"--config: cannot read {path}: {e.strerror} "
+                              "(fix: give an existing config file)") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e} (fix: correct the syntax)") from None
+        base = Path(path).resolve().parent
+    cfg = parse_config(data, base, allow_missing_demo=allow_missing_demo,
+                       source=Path(path).resolve() if path else None)
+    if overrides:
+        merged = {k: v for k, v in overrides.items() if v is not None}
+        port = merged.get("port", cfg.proxy.port)
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ConfigError(f"--port: expected an integer in 1..65535, got {_show(port)} "
+                              "(fix: e.g. --port 8080)")
+        if merged.get("policy", cfg.proxy.policy) not in POLICIES:
+            raise ConfigError(f"--policy: unknown policy {merged['policy']!r} "
+                              f"(fix: one of {', '.join(POLICIES)})")
+        cfg = replace(cfg, proxy=replace(cfg.proxy, **merged))
+    if check_port:
+        check_port_free(cfg)
+    return cfg

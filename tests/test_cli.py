@@ -1,0 +1,264 @@
+"""`kvroute serve` and `kvroute doctor` as a user runs them: real subprocesses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+KVROUTE = [sys.executable, "-m", "proxy.cli"]
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def llama_servers_in_group(pgids: set[int]) -> list[int]:
+    """Live processes whose process group is one of `pgids` (a server's own pid)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in pgids:
+            out.append(int(entry))
+    return out
+
+
+def write_config(tmp_path: Path, llama_server_bin: Path, **extra: Any) -> tuple[Path, int]:
+    port = free_tcp_port()
+    data: dict[str, Any] = {
+        "proxy": {"host": "127.0.0.1", "port": port},
+        "llama_server": str(llama_server_bin),
+        "log_dir": str(tmp_path / "logs"),
+        "backends": [{"name": "a", "model": "demo", "slots": 2, "threads": 1,
+                      "ctx_per_slot": 4096},
+                     {"name": "b", "model": "demo", "slots": 2, "threads": 1,
+                      "ctx_per_slot": 4096}],
+        **extra,
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path, port
+
+
+def post(url: str, body: object, timeout: float = 60) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class Serve:
+    def __init__(self, config: Path, port: int, log: Path) -> None:
+        self.port, self.log = port, log
+        self.state = config.parent / "logs" / "backends.json"
+        with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([*KVROUTE, "serve", "--config", str(config)],
+                                         cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_listening(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"kvroute exited:\n{self.log.read_text()}"
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        pytest.fail(f"kvroute did not listen within {timeout} s:\n{self.log.read_text()}")
+
+    def backend_pids(self) -> dict[str, int]:
+        data = json.loads(self.state.read_text())
+        assert data["kvroute_pid"] == self.proc.pid
+        return {b["name"]: b["pid"] for b in data["backends"] if b["pid"]}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def serve(tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> Iterator[Serve]:
+    config, port = write_config(tmp_path, llama_server_bin)
+    s = Serve(config, port, tmp_path / "serve.log")
+    pids: dict[str, int] = {}
+    try:
+        s.wait_listening()
+        pids = s.backend_pids()
+        yield s
+    finally:
+        s.close()
+        for pid in pids.values():  # never leave a server behind, even when a test fails
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_serve_answers_through_proxy_and_sigterm_leaves_nothing(serve: Serve) -> None:
+    pids = serve.backend_pids()
+    assert sorted(pids) == ["a", "b"]
+    for _ in range(2):
+        status, body = post(f"http://127.0.0.1:{serve.port}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4})
+        assert status == 200, body
+        assert body["choices"][0]["message"]["role"] == "assistant"
+    t0 = time.monotonic()
+    serve.proc.send_signal(signal.SIGTERM)
+    assert serve.proc.wait(timeout=20) == 0, serve.log.read_text()
+    assert time.monotonic() - t0 < 20
+    assert all(gone(pid) for pid in pids.values())
+    assert llama_servers_in_group(set(pids.values())) == []
+    assert not serve.state.exists()
+
+
+def test_sigkill_of_kvroute_leaves_no_server(serve: Serve) -> None:
+    pids = serve.backend_pids()
+    serve.proc.kill()  # no chance to clean up: PR_SET_PDEATHSIG must do it
+    serve.proc.wait()
+    deadline = time.monotonic() + 5
+    while not all(gone(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(gone(pid) for pid in pids.values())
+
+
+def test_serve_rejects_bad_config(tmp_path: Path, llama_server_bin: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config, _ = write_config(tmp_path, llama_server_bin)
+        r = subprocess.run([*KVROUTE, "serve", "--config", str(config), "--port", str(port)],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert f"proxy.port: 127.0.0.1:{port} is already in use (fix:" in r.stderr
+    config.write_text(config.read_text() + "\nbogus: 1\n")
+    r = subprocess.run([*KVROUTE, "serve", "--config", str(config)],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "bogus: unknown key" in r.stderr
+
+
+def test_doctor_json(tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
+    dead = f"http://127.0.0.1:{free_tcp_port()}"
+    extra = {"backends": [{"name": "a", "model": "demo"}, {"name": "far", "url": dead}]}
+    config, port = write_config(tmp_path, llama_server_bin, **extra)
+    r = subprocess.run([*KVROUTE, "doctor", "--json", "--config", str(config)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["ok"] is True
+    assert report["llama_server"]["path"] == str(llama_server_bin)
+    assert report["llama_server"]["version"].startswith("version:")
+    assert report["demo_model"] == {"path": str(demo_model), "exists": True,
+                                    "kv_bytes_per_token": 8192}
+    assert report["llama_cpp_python"]["importable"] is True
+    assert report["llama_cpp_python"]["version"] == "0.3.36"
+    assert report["config"]["ok"] is True and report["config"]["proxy_port_free"] is True
+    assert report["config"]["proxy"] == {"host": "127.0.0.1", "port": port, "policy": "prefix"}
+    backends = {b["name"]: b for b in report["backends"]}
+    assert backends["a"]["healthy"] is False and "not running" in backends["a"]["detail"]
+    assert backends["far"]["healthy"] is False and backends["far"]["url"] == dead
+    assert set(report) >= {"ok", "python", "kvroute_version", "cache_dir", "llama_cpp_python",
+                           "llama_server", "demo_model", "config", "backends"}
+
+
+def test_doctor_sees_running_backends(serve: Serve, tmp_path: Path) -> None:
+    r = subprocess.run([*KVROUTE, "doctor", "--json", "--config", str(tmp_path / "config.yaml")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    report = json.loads(r.stdout)
+    pids = serve.backend_pids()
+    for b in report["backends"]:
+        assert b["healthy"] is True, b
+        assert b["pid"] == pids[b["name"]]
+    assert report["config"]["proxy_port_free"] is False  # kvroute itself listens there
+
+
+def test_doctor_reports_bad_config(tmp_path: Path, llama_server_bin: Path) -> None:
+    config, _ = write_config(tmp_path, llama_server_bin)
+    config.write_text(config.read_text().replace("slots: 2", "slots: two", 1))
+    r = subprocess.run([*KVROUTE, "doctor", "--config", str(config)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "backends[0].slots: expected a positive integer, got 'two'" in r.stdout
+    assert "problems found" in r.stdout
+
+
+def test_prepare_is_deterministic_and_idempotent(tmp_path: Path, llama_server_bin: Path) -> None:
+    """`python -m backends prepare` on a tiny demo model in a private cache."""
+    from backends.binary import cache_dir
+
+    cache = tmp_path / "cache" / "v"
+    cache.parent.mkdir()
+    # the sdist's llama.cpp tree (vocabulary) is reused, not downloaded again
+    (cache.parent / "src").symlink_to(cache_dir() / "src" if (cache_dir() / "src").is_dir()
+                                      else cache_dir().parent / "src")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "llama_server": str(llama_server_bin),
+        "demo_model": {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_head_kv": 1, "n_ff": 64},
+        "backends": [{"name": "a", "model": "demo"}],
+    }))
+    env = {**os.environ, "KVROUTE_CACHE": str(cache)}
+
+    def prepare() -> dict[str, Any]:
+        r = subprocess.run([sys.executable, "-m", "backends", "prepare", "--json", "--config",
+                            str(config)], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        result: dict[str, Any] = json.loads(r.stdout)
+        return result
+
+    first = prepare()
+    model = Path(first["demo_model"]["path"])
+    assert model.parent == cache / "models" and model.name.startswith("kvroute-demo-L1-E64-H2-KV1")
+    assert first["demo_model"]["kv_bytes_per_token"] == 1 * 1 * 32 * 2 * 2
+    assert first["llama_server"] == {"path": str(llama_server_bin), "source": "config",
+                                     "version": first["llama_server"]["version"]}
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    again = prepare()
+    assert again["demo_model"] == first["demo_model"] and again["seconds"] < 1
+    model.unlink()
+    prepare()
+    assert hashlib.sha256(model.read_bytes()).hexdigest() == digest  # seeded: same bytes
+
+    from backends.demo_model import gguf_kv_bytes_per_token, read_gguf_metadata
+
+    meta = read_gguf_metadata(model)
+    assert gguf_kv_bytes_per_token(model) == 128
+    assert meta["general.architecture"] == "llama" and meta["tokenizer.ggml.pre"] == "qwen2"
+    assert meta["tokenizer.ggml.eos_token_id"] == 151645
+    assert meta["tokenizer.ggml.add_bos_token"] is False
+    template = REPO / "backends" / "templates" / "chatml-tools.jinja"
+    if template.is_file():  # our tool-capable template, not the vocabulary's
+        assert meta["tokenizer.chat_template"] == template.read_text()
