@@ -68,7 +68,10 @@ async def _serve(cfg: Config) -> int:
         n_ready, n_all = len(supervisor.ready()), len(cfg.backends)
         if n_ready == 0:
             log.warning("serve.no_backend_ready", statuses=supervisor.statuses())
-        runner = web.AppRunner(create_app(cfg, supervisor))
+        # handler_cancellation: a client that hangs up cancels its handler at once, which
+        # cancels the upstream request and frees the backend slot (not at the next write).
+        runner = web.AppRunner(create_app(cfg, supervisor), handler_cancellation=True,
+                               access_log=None)
         await runner.setup()
         try:
             await web.TCPSite(runner, cfg.proxy.host, cfg.proxy.port).start()
