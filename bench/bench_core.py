@@ -82,7 +82,8 @@ def main() -> int:
     for r in res.values():
         print(
             f"{r.policy}: hit {r.hit_ratio:.3f} ttft mean {r.ttft_mean:.3f} s p90 "
-            f"{r.ttft_p90:.3f} s imbalance {r.imbalance:.3f} requests/s {r.requests_per_s:,.0f}"
+            f"{r.ttft_p90:.3f} s imbalance {r.imbalance:.3f} requests/s {r.requests_per_s:,.0f} "
+            f"(per CPU-second {r.requests_per_cpu_s:,.0f})"
         )
     print(f"oracle hit: {oracle:.3f}; prefix - oracle: {100 * (pre.hit_ratio - oracle):+.1f} pts")
     print(f"prefix / round_robin hit: {pre.hit_ratio / rr.hit_ratio:.2f}x")

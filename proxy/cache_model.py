@@ -13,6 +13,11 @@ Mirrors the pinned build (../shared/notes/llama-server.md, "Slots", "The prompt 
   share >= 25% of their own tokens with the prompt and must beat the slot's current
   state on both kept fraction and similarity.
 - A request pinned to an *empty* slot does not consult the RAM cache (upstream #28139).
+- ``--cache-idle-slots`` (default on): once a request has taken its slot, every *idle*
+  slot's state is saved to the RAM cache too (same rules as above; with a unified KV
+  cache the slot is then cleared, otherwise it keeps its copy). So the prefix of a slot
+  that has since become busy is usually still loadable from RAM by another slot
+  (server-context.cpp, ``__TEST_TAG_CACHE_IDLE_SLOT__``).
 - Unpinned: the idle slot with the highest LCP similarity (lcp / prompt) above 0.10,
   otherwise the least recently used idle slot (never-used slots first).
 
@@ -63,6 +68,8 @@ class ServerRules:
     keep_threshold: float = 0.5  # below this kept fraction the slot state is saved to RAM
     ram_min_share: float = 0.25  # a RAM entry must share this fraction of its own tokens
     slot_similarity: float = 0.10  # --slot-prompt-similarity for unpinned requests
+    cache_idle_slots: bool = True  # --cache-idle-slots: save idle slots when a task starts
+    kv_unified: bool = False  # --kv-unified (auto -np): idle slots are cleared once saved
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,8 @@ class _Slot:
     busy: bool = False
     n_tokens: int = 0  # tokens the server holds in this slot
     last_used: int = -1  # logical clock; -1 = never used (picked first by LRU)
+    ram_copy: int | None = None  # RAM entry saved from this content (valid while in RAM)
+    prompt: bytes | None = None  # while busy: the prompt it started with (finish extends it)
 
 
 class BackendCache:
@@ -140,7 +149,7 @@ class BackendCache:
         entry, got, displaced = None, lcp, 0
         if s.n_tokens > 0 and lcp < self.rules.keep_threshold * s.n_tokens:
             displaced = s.n_tokens - lcp
-            gone = self._evicted_by_save(s.n_tokens)
+            gone = self._evicted_by_save(slot)
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
         elif s.n_tokens == 0 and not pinned:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
@@ -171,10 +180,13 @@ class BackendCache:
                 best, got, f_best, sim_best = e, n_lcp, f, sim
         return best, got
 
-    def _evicted_by_save(self, n_tokens: int) -> set[int]:
+    def _evicted_by_save(self, slot: int) -> set[int]:
         """RAM entries the LRU would drop to make room for a saved slot (approximate:
         ignores entries the save removes as prefixes, so it may over-estimate)."""
-        new = n_tokens * self.cap.kv_bytes_per_token
+        s = self.slots[slot]
+        if s.ram_copy is not None and s.ram_copy in self.ram:
+            return set()  # already saved: the server skips the save
+        new = s.n_tokens * self.cap.kv_bytes_per_token
         limit = self.cap.ram_cache_bytes
         if limit == 0 or new > limit or self.ram_bytes + new <= limit:
             return set()
@@ -194,9 +206,13 @@ class BackendCache:
         slot_lcp: dict[int, int],
         ram_lcp: dict[int, int],
         n_prompt: int,
+        predicted: Placement | None = None,
     ) -> Placement | None:
-        """Apply a request starting now: the slot becomes busy and holds the prompt."""
-        p = self.predict(slot, slot_lcp, ram_lcp, n_prompt)
+        """Apply a request starting now: the slot becomes busy and holds the prompt.
+
+        ``predicted``: what ``predict`` just returned for these same arguments (saves
+        computing it again)."""
+        p = predicted or self.predict(slot, slot_lcp, ram_lcp, n_prompt)
         if p is None:
             return None
         s = self.slots[p.slot]
@@ -213,35 +229,85 @@ class BackendCache:
             self.tree.move(self.ram_holder(p.ram_entry), self.slot_holder(p.slot))
         self.tree.assign(self.slot_holder(p.slot), prompt)
         s.n_tokens = n_prompt
+        s.ram_copy = None
+        s.prompt = prompt
         s.busy = True
         self._clock += 1
         s.last_used = self._clock
+        if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
+            self._save_idle_slots()
         return p
+
+    def _save_idle_slots(self) -> None:
+        """--cache-idle-slots: after a task starts, save every idle slot to RAM."""
+        unified = self.rules.kv_unified
+        ram = self.ram
+        for i, s in enumerate(self.slots):
+            if s.busy or s.n_tokens == 0:
+                continue
+            if s.ram_copy is None or s.ram_copy not in ram:  # else: already saved
+                self._save(i, keep=not unified)
+            if unified:  # [TAG_IDLE_SLOT_CLEAR]: the slot's KV is freed
+                self.tree.drop(self.slot_holder(i))
+                s.n_tokens = 0
+                s.ram_copy = None
 
     def finish(self, slot: int, sequence: bytes | None, n_tokens: int) -> None:
         """The request in ``slot`` ended; the slot now holds ``sequence`` (None: unknown)."""
         s = self.slots[slot]
+        prompt = self._free(s)
+        h = self.slot_holder(slot)
+        if sequence is None:
+            # NOTE: content unknown (aborted): claiming nothing is the safe error
+            self.tree.drop(h)
+            s.n_tokens = 0
+            return
+        if (
+            prompt is not None
+            and sequence.startswith(prompt)
+            and self.tree.held_len(h) * 4 == len(prompt)
+        ):
+            self.tree.extend(h, sequence[len(prompt) :])  # prompt + generated tokens
+        else:
+            self.tree.assign(h, sequence)
+        s.n_tokens = n_tokens
+
+    def finish_generated(self, slot: int, generated: bytes) -> None:
+        """Like ``finish(slot, prompt + generated, ...)`` for a slot started by ``start``,
+        without building that sequence (``generated``: int32 token bytes)."""
+        s = self.slots[slot]
+        prompt = self._free(s)
+        assert prompt is not None, "the slot was not started by start()"
+        h = self.slot_holder(slot)
+        if self.tree.held_len(h) * 4 == len(prompt):
+            self.tree.extend(h, generated)
+        else:  # the tree evicted part of the prompt: assign it in full
+            self.tree.assign(h, prompt + generated)
+        s.n_tokens = (len(prompt) + len(generated)) // 4
+
+    def _free(self, s: _Slot) -> bytes | None:
+        """Mark a slot idle; returns the prompt it was started with (if known)."""
         s.busy = False
         self._clock += 1
         s.last_used = self._clock
-        if sequence is None:
-            # NOTE: content unknown (aborted): claiming nothing is the safe error
-            self.tree.drop(self.slot_holder(slot))
-            s.n_tokens = 0
-            return
-        self.tree.assign(self.slot_holder(slot), sequence)
-        s.n_tokens = n_tokens
+        prompt, s.prompt, s.ram_copy = s.prompt, None, None
+        return prompt
 
-    def _save(self, slot: int) -> set[int]:
-        """server_prompt_cache::alloc + update: save a slot's state; returns entries gone."""
+    def _save(self, slot: int, keep: bool = False) -> set[int]:
+        """server_prompt_cache::alloc + update: save a slot's state; returns entries gone.
+
+        ``keep``: the slot keeps its content (an idle-slot copy); otherwise its holder
+        moves to the new entry (the slot is about to be overwritten)."""
         s = self.slots[slot]
         h = self.slot_holder(slot)
         kvb = self.cap.kv_bytes_per_token
         limit = self.cap.ram_cache_bytes
         gone: set[int] = set()
         new_bytes = s.n_tokens * kvb
-        if limit == 0 or new_bytes > limit:
+        if limit == 0 or new_bytes > limit or s.n_tokens == 0:
             return gone
+        if s.ram_copy is not None and s.ram_copy in self.ram:
+            return gone  # our own copy is still there: "already in the cache, skipping"
         ram_of_me = self._ram_relations(h)
         if any(contains for _, contains in ram_of_me):
             return gone  # "prompt is already in the cache, skipping"
@@ -251,7 +317,11 @@ class BackendCache:
                 gone.add(e)
         e = self._next_entry
         self._next_entry += 1
-        self.tree.move(h, self.ram_holder(e))
+        if keep:
+            self.tree.copy(h, self.ram_holder(e))
+            s.ram_copy = e
+        else:
+            self.tree.move(h, self.ram_holder(e))
         self.ram[e] = s.n_tokens
         self.ram_bytes += new_bytes
         while self.ram_bytes > limit and self.ram:

@@ -20,18 +20,25 @@
 - ``slot_wait(b)``: when no slot is idle the request is not pinned (a pinned request to a
   busy slot would disturb it) and queues on the server; it waits about one mean service
   time (EWMA of observed durations, ``default_service_s`` until learned) / n_slots.
+- The choice minimises ``ttft + queue_cost_weight x (prompt - reuse) / rate(b)``: the
+  uncached prefill also delays every request that queues behind it on that backend, so
+  recomputing a long prefix elsewhere to save a little of this request's ttft is a bad
+  trade (on the Mooncake trace it costs hit ratio *and* mean ttft; BENCHMARKS.md).
 - Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
   in-flight request. A backend is eligible only if its work after taking the request
-  stays within ``load_factor`` x the mean work after the request + ``load_slack_tokens``
-  (the slack keeps a nearly idle cluster from being forced around). If none is eligible,
-  the one with least work after the request is.
+  stays within ``load_factor`` x the mean work after the request + slack, where slack =
+  ``load_slack_s`` seconds of prefill at the mean rate + ``load_slack_tokens``. The slack
+  keeps a nearly idle cluster from being forced around; it is in seconds so that the
+  bound means the same on a 1.5k tok/s CPU backend as on a 20k tok/s GPU. If none is
+  eligible, the one with least work after the request is.
 - Among equal-cost options, the slot whose content is least valuable to lose wins:
   ``displace_weight`` x displaced tokens / rate is added (empty and short slots first),
   then least recently used. A ``session`` hint breaks remaining ties by rendezvous hash,
   so new conversations of one session stick together while distinct sessions spread.
 - ``max_resident_tokens`` caps the router's token tree (LRU leaves evicted first);
-  ``slot_prompt_similarity``, ``keep_threshold`` and ``ram_min_share`` mirror the server's
-  constants (see proxy/cache_model.py) and must match its flags.
+  ``slot_prompt_similarity``, ``keep_threshold``, ``ram_min_share``, ``cache_idle_slots``
+  and ``kv_unified`` mirror the server's settings (see proxy/cache_model.py) and must
+  match its flags.
 - ``min_rate_sample_tokens``: smaller prefills are not used to learn the rate (noise).
 
 ``round_robin``, ``least_loaded`` (fewest in-flight requests) and ``random`` are the
@@ -53,7 +60,8 @@ POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 @dataclass(frozen=True)
 class RouterSettings:
     load_factor: float = 1.25  # max work of a backend / mean work (bounded load)
-    load_slack_tokens: int = 4096  # absolute slack on the bound, in tokens of work
+    load_slack_s: float = 2.0  # slack on the bound, in seconds of prefill at the mean rate
+    load_slack_tokens: int = 0  # extra absolute slack on the bound, in tokens of work
     max_resident_tokens: int = 64_000_000  # cap on tokens in the router's tree (LRU leaves)
     default_prefill_tps: float = 1500.0  # prefill tokens/s until a backend reports timings
     rate_ewma_alpha: float = 0.2  # weight of a new prefill-rate sample
@@ -62,14 +70,23 @@ class RouterSettings:
     default_service_s: float = 5.0  # request duration assumed until one is observed
     displace_weight: float = 0.02  # fraction of displaced tokens' prefill time charged
     min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
+    queue_cost_weight: float = 1.0  # extra charge on uncached prefill s (delays the queue)
     # llama-server behaviour mirrored by the cache model (defaults of the pinned build)
     slot_prompt_similarity: float = 0.10  # --slot-prompt-similarity
     keep_threshold: float = 0.5  # below this kept fraction the slot state goes to RAM
     ram_min_share: float = 0.25  # RAM entries must share this fraction of their tokens
+    cache_idle_slots: bool = True  # --cache-idle-slots (on unless --no-cache-idle-slots)
+    kv_unified: bool = False  # --kv-unified (llama-server's default only when -np is auto)
 
     @property
     def rules(self) -> ServerRules:
-        return ServerRules(self.keep_threshold, self.ram_min_share, self.slot_prompt_similarity)
+        return ServerRules(
+            self.keep_threshold,
+            self.ram_min_share,
+            self.slot_prompt_similarity,
+            self.cache_idle_slots,
+            self.kv_unified,
+        )
 
     def __post_init__(self) -> None:
         positive = {
@@ -87,6 +104,8 @@ class RouterSettings:
             raise ValueError(f"rate_ewma_alpha: must be in (0, 1], got {self.rate_ewma_alpha!r}")
         nonneg = {
             "load_slack_tokens": self.load_slack_tokens,
+            "load_slack_s": self.load_slack_s,
+            "queue_cost_weight": self.queue_cost_weight,
             "ram_load_s_per_token": self.ram_load_s_per_token,
             "request_overhead_tokens": self.request_overhead_tokens,
             "displace_weight": self.displace_weight,
@@ -139,6 +158,10 @@ class Candidate:
     ram_lcp: dict[int, int]  # RAM entry -> tokens of the prompt that entry holds
 
 
+def _most(lcp: dict[int, int]) -> int:
+    return max(lcp.values()) if lcp else 0
+
+
 def _hash_rank(session: str, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{session}\0{name}".encode(), digest_size=8).digest())
 
@@ -153,8 +176,35 @@ def _best_option(
     st = c.state
     backlog = max(0.0, st.busy_until - now)
     cache = st.cache
-    idle = cache.idle_slots()
-    if not idle:
+    slots = cache.slots
+    slot_lcp = c.slot_lcp
+    # NOTE: empty idle slots are interchangeable, and idle slots sharing nothing with the
+    # prompt differ only in what they displace: evaluate one of each kind (the first
+    # empty one; the smallest, least recently used unrelated one)
+    options: list[int | None] = []
+    empty = cold = None
+    for i, sl in enumerate(slots):
+        if sl.busy:
+            continue
+        if sl.n_tokens == 0:
+            if empty is None:
+                empty = i
+        elif i in slot_lcp:
+            options.append(i)
+        elif cold is None or (sl.n_tokens, sl.last_used) < (
+            slots[cold].n_tokens,
+            slots[cold].last_used,
+        ):
+            cold = i
+    ram_match = bool(c.ram_lcp)
+    # without a RAM match, displacing an unrelated slot only costs: the empty one wins
+    if cold is not None and (empty is None or ram_match):
+        options.append(cold)
+    if empty is not None:
+        options.append(empty)
+        if ram_match:
+            options.append(None)  # unpinned: an empty slot then consults the RAM cache
+    if not options:
         # queued on the server: the slot that frees first is displaced, so only RAM
         # entries (any slot can load them) are expected to help
         service = st.service_s or s.default_service_s
@@ -164,13 +214,6 @@ def _best_option(
         ttft = backlog + wait + (n - reuse) / st.rate + s.ram_load_s_per_token * reuse
         return ttft, ttft, None, None
     best: tuple[tuple[float, float, int], Placement, int | None] | None = None
-    # NOTE: empty idle slots are interchangeable: evaluate the first one only
-    empty = [i for i in idle if cache.slots[i].n_tokens == 0]
-    options: list[int | None] = [i for i in idle if cache.slots[i].n_tokens > 0]
-    if empty:
-        options.append(empty[0])
-        if cache.ram:
-            options.append(None)  # unpinned: an empty slot then consults the RAM cache
     for opt in options:
         p = cache.predict(opt, c.slot_lcp, c.ram_lcp, n)
         assert p is not None, "idle slots exist"
@@ -193,17 +236,18 @@ def choose_prefix(
     for c in cands:
         score, ttft, p, pin = _best_option(c, n, s, now)
         ttfts[c.name] = round(ttft, 4)
-        reuse = p.reuse if p is not None else 0
-        work_after = c.state.work + (n - reuse) + s.request_overhead_tokens
-        evals.append((c, score, p, pin, work_after))
+        uncached = n - (p.reuse if p is not None else 0)
+        # NOTE: the uncached prefill also delays every request queued behind it
+        score += s.queue_cost_weight * uncached / c.state.rate
+        evals.append((c, score, p, pin, c.state.work + uncached + s.request_overhead_tokens))
     total = sum(c.state.work for c in cands)
-    matched = {c.name: max([*c.slot_lcp.values(), *c.ram_lcp.values(), 0]) for c in cands}
+    k = len(cands)
+    slack = s.load_slack_tokens + s.load_slack_s * sum(c.state.rate for c in cands) / k
     allowed = []
-    for c, ttft, p, pin, work_after in evals:
-        new = work_after - c.state.work
-        bound = s.load_factor * (total + new) / len(cands) + s.load_slack_tokens
-        if work_after <= bound:
-            allowed.append((c, ttft, p, pin, work_after))
+    for e in evals:
+        work = e[0].state.work
+        if e[4] <= s.load_factor * (total + e[4] - work) / k + slack:
+            allowed.append(e)
     why = "lowest expected ttft"
     if not allowed:
         allowed = [min(evals, key=lambda e: e[4])]
@@ -213,12 +257,13 @@ def choose_prefix(
         rank = _hash_rank(session, e[0].name) if session else 0
         return (e[1], rank)
 
-    c, ttft, p, pin, _ = min(allowed, key=key)
+    c, _, p, pin, _ = min(allowed, key=key)
     if len(allowed) < len(evals) and why == "lowest expected ttft":
         best_any = min(evals, key=key)
         if best_any[0].name != c.name:
             why = f"lowest expected ttft within load bound ({best_any[0].name} over bound)"
-    alt = max((v for k, v in matched.items() if k != c.name), default=0)
+    matched = {x.name: max(_most(x.slot_lcp), _most(x.ram_lcp)) for x in cands}
+    alt = max((v for name, v in matched.items() if name != c.name), default=0)
     reasons: dict[str, object] = {
         "policy": "prefix",
         "why": why,
@@ -253,7 +298,7 @@ class Baselines:
         else:
             raise AssertionError(f"unknown policy {policy}")
         p = c.state.cache.predict(None, c.slot_lcp, c.ram_lcp, n)
-        matched = {x.name: max([*x.slot_lcp.values(), *x.ram_lcp.values(), 0]) for x in cands}
+        matched = {x.name: max(_most(x.slot_lcp), _most(x.ram_lcp)) for x in cands}
         reasons: dict[str, object] = {
             "policy": policy,
             "why": policy,

@@ -99,8 +99,14 @@ class Router:
 
     # --------------------------------------------------------------- decision
     def decide(
-        self, tokens: Sequence[int] | array, *, session: str | None = None, now: float = 0.0
+        self,
+        tokens: Sequence[int] | array | bytes,
+        *,
+        session: str | None = None,
+        now: float = 0.0,
     ) -> Decision | NoBackend:
+        """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
+        native int32 bytes (the tree's format, see proxy/tree.py)."""
         q = to_token_bytes(tokens)
         n = len(q) // 4
         if n == 0:
@@ -129,8 +135,8 @@ class Router:
         slot_lcp, ram_lcp = per[choice.backend]
         placed = None
         if choice.placement is not None:
-            pin = choice.slot if choice.slot is not None else choice.placement.slot
-            placed = st.cache.start(pin, q, slot_lcp, ram_lcp, n)
+            # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
+            placed = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement)
         if placed is None:
             # queued on the server: record the prompt so the decision is in the tree
             self.tree.assign((choice.backend, PENDING, rid), q)
@@ -160,7 +166,7 @@ class Router:
         self,
         decision: Decision,
         *,
-        output_tokens: Sequence[int] | array = (),
+        output_tokens: Sequence[int] | array | bytes = (),
         reported_cached: int | None = None,
         prompt_ms: float | None = None,
         prompt_n: int | None = None,
@@ -177,8 +183,6 @@ class Router:
         if reported_cached is not None and reported_cached != decision.predicted_cached:
             self.mispredictions += 1
         out = to_token_bytes(output_tokens)
-        seq = f.prompt + out
-        n_seq = f.n + len(out) // 4
         cache = st.cache
         slot = f.slot
         if slot is None:
@@ -199,7 +203,7 @@ class Router:
             elif slot is not None:
                 slot = None  # busy in our model: leave it alone
         if slot is not None:
-            cache.finish(slot, seq, n_seq)
+            cache.finish_generated(slot, out)
         self._learn_rate(st, prompt_ms, prompt_n)
         self._drain_queue(st, decision.backend)
 

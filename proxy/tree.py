@@ -8,9 +8,9 @@ for every holder, how many leading tokens of the query it holds.
 
 Representation (for speed and memory, see BENCHMARKS.md):
 - Token sequences are handled as ``bytes`` of native 32-bit ints (``array('i').tobytes()``):
-  4 bytes per token, and ``==`` on bytes slices is a ``memcmp``, so the hot path never
-  loops over tokens in Python. The first mismatch inside an edge is found by bisecting
-  slice comparisons.
+  4 bytes per token, and ``q.startswith(key, offset)`` is an in-place ``memcmp``, so the
+  hot path never loops over tokens in Python nor copies them. The first mismatch inside
+  an edge is found by bisecting such comparisons.
 - Edges are compressed: a node's ``key`` is the run of tokens on the edge into it, and a
   node boundary exists wherever two held sequences diverge or one ends.
 - ``max_resident`` caps the tokens stored; least recently used leaves are evicted first,
@@ -53,14 +53,17 @@ def from_token_bytes(data: bytes) -> list[int]:
 
 
 def _common_len(key: bytes, q: bytes, off: int) -> int:
-    """Tokens of ``key`` equal to ``q[off:]`` from the start, by bisecting memcmp slices."""
+    """Tokens of ``key`` equal to ``q[off:]`` from the start, by bisecting memcmp.
+
+    ``q.startswith(view, pos)`` compares in place: slicing bytes would copy them."""
     hi = min(len(key), len(q) - off) // _W  # candidate answer is in [0, hi]
-    if key[: hi * _W] == q[off : off + hi * _W]:
+    k = memoryview(key)
+    if q.startswith(k[: hi * _W], off):
         return hi
     lo = 0  # invariant: first lo tokens equal, first hi tokens not equal
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if key[lo * _W : mid * _W] == q[off + lo * _W : off + mid * _W]:
+        if q.startswith(k[lo * _W : mid * _W], off + lo * _W):
             lo = mid
         else:
             hi = mid
@@ -132,8 +135,7 @@ class RadixTree:
             key = child.key
             end = off + len(key)
             child.tick = tick
-            full = end <= n and q[off:end] == key
-            got = end if full else off + _common_len(key, q, off) * _W
+            got = end if q.startswith(key, off) else off + _common_len(key, q, off) * _W
             depth = got // _W
             for h in child.holders:
                 held[h] = depth
@@ -193,36 +195,8 @@ class RadixTree:
         if not q:
             self.drop(holder)
             return 0
-        self._tick += 1
-        tick = self._tick
         on_path: set[int] = set()
-        node = self._root
-        off = 0
-        n = len(q)
-        while off < n:
-            first = q[off : off + _W]
-            child = node.children.get(first)
-            if child is None:
-                leaf = _Node(q[off:], node, n // _W, tick)
-                node.children[first] = leaf
-                self._resident += (n - off) // _W
-                self._nodes += 1
-                node = leaf
-                node.holders.add(holder)
-                on_path.add(id(node))
-                break
-            key = child.key
-            end = off + len(key)
-            if not (end <= n and q[off:end] == key):
-                k = _common_len(key, q, off)
-                assert k >= 1, "a child is keyed by its first token"
-                child = self._split(child, k)
-                end = off + k * _W
-            child.tick = tick
-            child.holders.add(holder)
-            on_path.add(id(child))
-            node = child
-            off = end
+        node = self._descend(holder, q, self._root, on_path)
         old = self._end.get(holder)
         self._end[holder] = node
         if old is None:
@@ -238,6 +212,57 @@ class RadixTree:
         self._maybe_merge_down(self._end[holder])
         self._evict_if_needed()
         return shared
+
+    def extend(self, holder: Holder, tokens: Sequence[int] | bytes | array) -> None:
+        """Append ``tokens`` to what ``holder`` holds: ``assign(holder, held + tokens)``
+        without walking the part it holds already (a slot's prompt + generated tokens)."""
+        q = to_token_bytes(tokens)
+        old = self._end.get(holder)
+        if old is None:
+            self.assign(holder, q)
+            return
+        if not q:
+            return
+        end = self._descend(holder, q, old, set())
+        self._end[holder] = end
+        # NOTE: only ``old`` gained nothing while its child on the path gained ``holder``,
+        # and a new leaf may equal its parent: the two places compression can break
+        if end.parent is not None and end.parent is not old:
+            self._maybe_merge_down(end.parent)
+        self._maybe_merge_down(old)
+        self._evict_if_needed()
+
+    def _descend(self, holder: Holder, q: bytes, node: _Node, on_path: set[int]) -> _Node:
+        """Add ``holder`` along ``q`` below ``node`` (splitting and adding nodes as
+        needed); returns the node where ``q`` ends. Records the nodes in ``on_path``."""
+        self._tick += 1
+        tick = self._tick
+        off = 0
+        n = len(q)
+        while off < n:
+            first = q[off : off + _W]
+            child = node.children.get(first)
+            if child is None:
+                leaf = _Node(q[off:], node, node.depth + (n - off) // _W, tick)
+                node.children[first] = leaf
+                self._resident += (n - off) // _W
+                self._nodes += 1
+                leaf.holders.add(holder)
+                on_path.add(id(leaf))
+                return leaf
+            key = child.key
+            end = off + len(key)
+            if not q.startswith(key, off):
+                k = _common_len(key, q, off)
+                assert k >= 1, "a child is keyed by its first token"
+                child = self._split(child, k)
+                end = off + k * _W
+            child.tick = tick
+            child.holders.add(holder)
+            on_path.add(id(child))
+            node = child
+            off = end
+        return node
 
     def drop(self, holder: Holder) -> None:
         """Forget what ``holder`` holds."""
@@ -257,6 +282,20 @@ class RadixTree:
         x: _Node | None = node
         while x is not None and x is not self._root:
             x.holders.discard(src)
+            x.holders.add(dst)
+            x = x.parent
+
+    def copy(self, src: Holder, dst: Holder) -> None:
+        """Make ``dst`` hold the same sequence as ``src`` (dst's previous one is dropped)."""
+        if src == dst:
+            return
+        self.drop(dst)
+        node = self._end.get(src)
+        if node is None:
+            return
+        self._end[dst] = node
+        x: _Node | None = node
+        while x is not None and x is not self._root:
             x.holders.add(dst)
             x = x.parent
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from proxy.cache_model import RAM, SLOT, BackendCache, BackendCapacity, Placement
+from proxy.cache_model import RAM, SLOT, BackendCache, BackendCapacity, Placement, ServerRules
 from proxy.tree import RadixTree, to_token_bytes
 
 KVB = 8192  # demo model: 8 KiB of KV per token
@@ -32,8 +34,11 @@ def run(
     return p
 
 
-def make(slots: int = 2, ram_bytes: int = 8192 << 20) -> BackendCache:
-    return BackendCache(BackendCapacity("b0", slots, 4096, ram_bytes, KVB), RadixTree())
+def make(
+    slots: int = 2, ram_bytes: int = 8192 << 20, idle: bool = True, unified: bool = False
+) -> BackendCache:
+    rules = ServerRules(cache_idle_slots=idle, kv_unified=unified)
+    return BackendCache(BackendCapacity("b0", slots, 4096, ram_bytes, KVB), RadixTree(), rules)
 
 
 def test_observed_on_pinned_build() -> None:
@@ -54,7 +59,7 @@ def test_observed_on_pinned_build() -> None:
 
 
 def test_ram_entry_moves_not_copies() -> None:
-    c = make()
+    c = make(idle=False)  # --no-cache-idle-slots: only displaced slots are saved
     run(c, U, 1)
     run(c, A, 0)
     run(c, B, 0)  # A -> RAM
@@ -108,7 +113,7 @@ def test_ram_lru_by_bytes(ram_tokens: int, want_entries: int) -> None:
 
 
 def test_save_skips_contained_and_drops_prefixes() -> None:
-    c = make()
+    c = make(idle=False)  # --no-cache-idle-slots: only displaced slots are saved
     long_a = A + [5] * 10
     run(c, long_a, 0, gen=[])
     run(c, B, 0, gen=[])  # RAM: long_a
@@ -128,3 +133,118 @@ def test_keep_threshold_keeps_slot_without_saving() -> None:
     run(c, A, 0)
     p = run(c, A[:500], 0)  # keeps 500/819 >= 0.5: no save, reuse from the slot
     assert (p.reuse, p.tier, p.displaced, len(c.ram)) == (499, "slot", 0, 0)
+
+
+# ------------------------------------------------------- --cache-idle-slots (default)
+@pytest.mark.parametrize(
+    ("idle", "unified", "ram_tokens", "want_ram", "want_slot0"),
+    [
+        (True, False, 10_000, [len(A) + 4], len(A) + 4),  # copied, slot keeps its KV
+        (True, True, 10_000, [len(A) + 4], 0),  # unified KV: saved, then cleared
+        (False, False, 10_000, [], len(A) + 4),  # --no-cache-idle-slots
+        (True, False, 0, [], len(A) + 4),  # no RAM tier: nothing to save to
+        (True, False, 500, [], len(A) + 4),  # larger than the whole cache: skipped
+    ],
+)
+def test_idle_slots_saved_when_a_task_starts(
+    idle: bool, unified: bool, ram_tokens: int, want_ram: list[int], want_slot0: int
+) -> None:
+    c = make(slots=3, ram_bytes=ram_tokens * KVB, idle=idle, unified=unified)
+    run(c, A, 0)  # slot 0 idle with A + GEN; nothing else was idle with content
+    assert len(c.ram) == 0
+    p = c.start(1, to_token_bytes(B), *lcps(c, B), len(B))  # B starts: slot 0 is idle
+    assert p is not None
+    assert sorted(c.ram.values()) == want_ram
+    assert c.slots[0].n_tokens == want_slot0
+    assert c.tree.held_len(("b0", SLOT, 0)) == want_slot0
+    assert c.tree.held_len(("b0", SLOT, 1)) == len(B)  # the busy slot is never saved
+    if want_ram:
+        assert c.tree.match(A).held[("b0", RAM, next(iter(c.ram)))] == len(A)
+
+
+def test_idle_save_is_not_repeated_and_comes_back_after_a_load() -> None:
+    c = make(slots=3)
+    run(c, A, 0)
+    run(c, B, 1)  # A saved (slot 0 idle)
+    run(c, U, 2)  # A already saved, B saved now
+    assert sorted(c.ram.values()) == [len(A) + 4, len(B) + 4]
+    p = run(c, B, 2)  # slot 2 (U) -> B loaded from RAM: the entry moves out
+    assert (p.tier, p.reuse) == ("ram", len(B) - 1)
+    # U was saved on displacement, then A (still saved) skipped and slot 1 (B) re-saved
+    assert sorted(c.ram.values()) == [len(U) + 4, len(A) + 4, len(B) + 4]
+
+
+def test_busy_holder_prefix_is_loadable_from_its_idle_copy() -> None:
+    """The case the router relies on: the prefix sits in a busy slot, yet another slot can
+    load it, because the server saved the slot to RAM while it was idle."""
+    shared = list(range(10_000, 10_800))  # an 800-token document
+    first, second, third = [*shared, 1, 1], [*shared, 2, 2], [*shared, 3, 3]
+    for idle, want in [(True, len(shared)), (False, 0)]:
+        c = make(slots=3, idle=idle)
+        run(c, first, 0)
+        run(c, U, 1)  # a task starts while slot 0 is idle: its state is copied to RAM
+        p = c.start(0, to_token_bytes(second), *lcps(c, second), len(second))
+        assert p is not None and p.tier == "slot"  # keeps the shared part: slot 0 busy
+        p = c.predict(None, *lcps(c, third), len(third))
+        assert p is not None and p.slot != 0
+        assert p.reuse == want, f"cache_idle_slots={idle}"
+
+
+prompts = st.sampled_from([A, B, U, A[:400], A + [5] * 300, B[:200] + U])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(prompts, st.integers(-1, 2), st.booleans()), max_size=25),
+    st.sampled_from([900, 2000, 10_000]),
+    st.booleans(),
+)
+def test_ram_invariants(
+    ops: list[tuple[list[int], int, bool]], ram_tokens: int, unified: bool
+) -> None:
+    """Whatever runs: RAM within its bytes, entries' lengths match the tree, no entry is a
+    prefix of another (the server skips or drops those), and right after a task starts
+    every idle slot's state is in RAM when they all fit."""
+    c = make(slots=3, ram_bytes=ram_tokens * KVB, unified=unified)
+    running: list[tuple[int, list[int]]] = []
+    for prompt, pin, finish_one in ops:
+        if finish_one and running:
+            slot, done = running.pop(0)
+            c.finish(slot, to_token_bytes(done + GEN), len(done) + len(GEN))
+        slot = None if pin < 0 else pin
+        if slot is not None and c.slots[slot].busy:
+            continue
+        p = c.start(slot, to_token_bytes(prompt), *lcps(c, prompt), len(prompt))
+        if p is None:
+            continue
+        running.append((p.slot, prompt))
+        assert c.ram_bytes == sum(c.ram.values()) * KVB <= ram_tokens * KVB
+        seqs = {e: c.tree.tokens_of(("b0", RAM, e)) for e in c.ram}
+        for e, n in c.ram.items():
+            assert len(seqs[e]) == 4 * n
+        for e, a in seqs.items():
+            assert not any(e != f and b.startswith(a) for f, b in seqs.items())
+        idle = [i for i, s in enumerate(c.slots) if not s.busy and s.n_tokens]
+        if sum(c.slots[i].n_tokens for i in idle) > ram_tokens:
+            continue  # saving one idle slot may evict another's entry (FIFO)
+        for i in idle:
+            mine = c.tree.tokens_of(("b0", SLOT, i))
+            assert any(b.startswith(mine) for b in seqs.values()), f"slot {i} not saved"
+
+
+@pytest.mark.parametrize("max_resident", [None, 500])  # 500: the tree evicts the tail
+def test_finish_generated_equals_finish_with_the_full_sequence(max_resident: int | None) -> None:
+    seen = []
+    for generated in (True, False):
+        tree = RadixTree(max_resident=max_resident)
+        c = BackendCache(BackendCapacity("b0", 2, 4096, 0, KVB), tree)
+        run(c, B, 1)
+        c.start(0, to_token_bytes(A), *lcps(c, A), len(A))
+        if generated:
+            c.finish_generated(0, to_token_bytes(GEN))
+        else:
+            c.finish(0, to_token_bytes(A + GEN), len(A) + len(GEN))
+        tree.check()
+        seen.append((c.slots[0].n_tokens, tree.tokens_of(("b0", SLOT, 0)), c.slots[0].busy))
+    assert seen[0] == seen[1]
+    assert seen[0][0] == len(A) + len(GEN)

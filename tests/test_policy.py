@@ -7,7 +7,10 @@ from collections import Counter
 
 import pytest
 
+from proxy.cache_model import BackendCache
+from proxy.policy import BackendState, Candidate, choose_prefix
 from proxy.router import BackendCapacity, Decision, Router, RouterSettings
+from proxy.tree import RadixTree, to_token_bytes
 
 SYSTEM = list(range(100_000, 120_000))  # a 20k-token shared system prompt
 
@@ -72,7 +75,7 @@ def test_conversation_returns_to_its_backend() -> None:
 
 
 def test_bounded_load_overrides_match() -> None:
-    r = cluster(load_factor=1.25, load_slack_tokens=0)
+    r = cluster(load_factor=1.25, load_slack_tokens=0, load_slack_s=0.0)
     d = decide(r, session(0))
     r.complete(d, now=1.0)
     ds = [decide(r, session(i), now=1.0) for i in range(1, 13)]
@@ -132,6 +135,8 @@ def test_baselines_let_the_server_pick(policy: str) -> None:
         ("default_prefill_tps", 0.0),
         ("rate_ewma_alpha", 0.0),
         ("load_slack_tokens", -1),
+        ("load_slack_s", -0.5),
+        ("queue_cost_weight", -1.0),
         ("slot_prompt_similarity", 1.5),
         ("max_resident_tokens", 0),
     ],
@@ -139,3 +144,64 @@ def test_baselines_let_the_server_pick(policy: str) -> None:
 def test_settings_validation_names_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         RouterSettings(**{field: value})  # type: ignore[arg-type]
+
+
+DOC = list(range(200_000, 203_000))  # 3,000 tokens held by b0 only
+
+
+def two_backends(
+    rate: float, backlog0: float = 0.0, work0: int = 0, holder: bool = True
+) -> list[Candidate]:
+    """b0 (holding DOC in an idle slot if ``holder``) and an empty b1, as the policy sees
+    them for a request DOC + 100 new tokens."""
+    tree = RadixTree()
+    query = to_token_bytes(DOC + [1] * 100)
+    out = []
+    for name in ("b0", "b1"):
+        cache = BackendCache(BackendCapacity(name, 2, 65_536, 1 << 34, 8192), tree)
+        st = BackendState(cache, rate=rate)
+        if name == "b0":
+            if holder:
+                doc = to_token_bytes(DOC)
+                cache.start(0, doc, {}, {}, len(DOC))
+                cache.finish(0, doc, len(DOC))
+            st.busy_until, st.work = backlog0, work0
+        held = tree.match(query).held
+        slot_lcp = {h[2]: k for h, k in held.items() if h[0] == name}  # type: ignore[index]
+        out.append(Candidate(name, st, slot_lcp, {}))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("backlog0", "weight", "want"),
+    [
+        (2.5, 0.0, "b0"),  # own ttft: 2.6 s vs 3.1 s
+        (3.5, 0.0, "b1"),  # own ttft alone: recompute the 3k prefix on b1 (3.1 < 3.6)
+        (3.5, 1.0, "b0"),  # ... which adds 3 s of prefill to b1's queue: stay on b0
+        (7.0, 1.0, "b1"),  # a real backlog still moves the request
+    ],
+)
+def test_queue_cost_weight_charges_recomputed_prefixes(
+    backlog0: float, weight: float, want: str
+) -> None:
+    s = RouterSettings(queue_cost_weight=weight, default_prefill_tps=1000.0)
+    cands = two_backends(1000.0, backlog0=backlog0)
+    got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
+    assert got.backend == want, got.reasons
+
+
+@pytest.mark.parametrize(
+    ("rate", "slack_s", "eligible"),
+    [
+        (1000.0, 2.0, ["b1"]),  # slack 2k tokens: b0's 30k of work is over the bound
+        (20_000.0, 2.0, ["b0", "b1"]),  # same 2 s at 20k tok/s is 40k tokens: within
+        (20_000.0, 0.0, ["b1"]),  # no slack: only the multiple of the mean counts
+    ],
+)
+def test_load_slack_is_in_seconds_of_prefill(
+    rate: float, slack_s: float, eligible: list[str]
+) -> None:
+    s = RouterSettings(load_slack_s=slack_s, load_factor=1.25)
+    cands = two_backends(rate, work0=30_000, holder=False)
+    got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
+    assert got.reasons["eligible"] == eligible

@@ -133,3 +133,21 @@ def test_tree_cap_bounds_memory() -> None:
         d = decide(r, [i + 1] * 400, now=i)
         r.complete(d, now=i + 0.5)
     assert r.tree.resident_tokens <= 1000
+
+
+def test_unpinned_choice_is_modelled_unpinned() -> None:
+    """With unified KV the server clears idle slots into RAM: an empty slot can then only
+    reuse the RAM entry if the request is *not* pinned, and the model must say so."""
+    r = Router(settings=RouterSettings(kv_unified=True))
+    r.add_backend(cap("a", slots=2, ctx=8192))
+    doc = list(range(5000, 7000))
+    d = decide(r, doc)
+    r.complete(d, now=1.0)
+    other = decide(r, list(range(100, 200)), now=1.0)  # starts: idle slot saved, cleared
+    snap = r.snapshot()["backends"]["a"]  # type: ignore[index]
+    assert [s["tokens"] for s in snap["slots"]].count(0) == 1  # type: ignore[index]
+    d2 = decide(r, [*doc, 1, 2, 3], now=2.0)
+    assert d2.slot is None and d2.tier == "ram" and d2.predicted_cached == len(doc)
+    r.complete(d2, reported_cached=len(doc), now=3.0)
+    r.complete(other, now=3.0)
+    assert r.mispredictions == 0

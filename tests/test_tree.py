@@ -82,6 +82,37 @@ def test_move_relabels_and_replaces_destination() -> None:
     assert t.resident_tokens == 3
 
 
+@pytest.mark.parametrize(
+    ("seqs", "src", "dst", "want_src", "want_dst", "nodes"),
+    [
+        # copy to a new holder: same path, no new nodes
+        ({"slot0": [1, 2, 3]}, "slot0", "ram0", 3, 3, 1),
+        # copy over a holder with other content: its old branch is pruned
+        ({"slot0": [1, 2, 3], "ram0": [1, 9, 9]}, "slot0", "ram0", 3, 3, 1),
+        # copy over a longer holder sharing the path: the edge is re-compressed
+        ({"slot0": [1, 2], "ram0": [1, 2, 3, 4]}, "slot0", "ram0", 2, 2, 1),
+        # copying from a holder that holds nothing drops the destination
+        ({"ram0": [5, 6]}, "slot0", "ram0", 0, 0, 0),
+        # copying onto itself is a no-op
+        ({"slot0": [1, 2, 3]}, "slot0", "slot0", 3, 3, 1),
+    ],
+)
+def test_copy_table(
+    seqs: dict[str, list[int]], src: str, dst: str, want_src: int, want_dst: int, nodes: int
+) -> None:
+    t = build(seqs)
+    before = seqs.get(src, [])
+    t.copy(src, dst)
+    t.check()
+    assert (t.held_len(src), t.held_len(dst), t.node_count) == (want_src, want_dst, nodes)
+    if want_dst:
+        assert from_token_bytes(t.tokens_of(dst)) == before
+    if src != dst:
+        t.assign(src, [7])  # the copy is independent of its source afterwards
+        t.check()
+        assert t.held_len(dst) == want_dst
+
+
 def test_common_prefix() -> None:
     t = build({"a": [1, 2, 3, 4], "b": [1, 2, 9], "c": [7]})
     assert t.common_prefix("a", "b") == 2
@@ -122,11 +153,13 @@ op = st.one_of(
     st.tuples(st.just("assign"), st.integers(0, 4), tokens),
     st.tuples(st.just("drop"), st.integers(0, 4), tokens),
     st.tuples(st.just("move"), st.integers(0, 4), st.integers(0, 4)),
+    st.tuples(st.just("copy"), st.integers(0, 4), st.integers(0, 4)),
+    st.tuples(st.just("extend"), st.integers(0, 4), tokens),
     st.tuples(st.just("match"), st.integers(0, 4), tokens),
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(st.lists(op, max_size=40), st.lists(tokens, min_size=1, max_size=5))
 def test_against_brute_force(ops: list[tuple[object, ...]], queries: list[list[int]]) -> None:
     t = RadixTree()
@@ -151,6 +184,18 @@ def test_against_brute_force(ops: list[tuple[object, ...]], queries: list[list[i
                 ref.pop(b, None)
                 if a in ref:
                     ref[b] = ref.pop(a)
+        elif kind == "extend":
+            assert isinstance(a, int) and isinstance(b, list)
+            t.extend(a, b)
+            if a in ref or b:
+                ref[a] = ref.get(a, []) + b
+        elif kind == "copy":
+            assert isinstance(a, int) and isinstance(b, int)
+            t.copy(a, b)
+            if a != b:
+                ref.pop(b, None)
+                if a in ref:
+                    ref[b] = list(ref[a])
         else:
             assert isinstance(b, list)
             queries.append(b)
