@@ -1,4 +1,4 @@
-"""Command line: ``python -m loadtest simulate ...``.
+"""Command line: ``python -m loadtest simulate|run ...``.
 
 Each subcommand is one ``add_parser`` call plus one handler in ``_COMMANDS``; add ``run``
 and ``soak`` the same way.
@@ -79,13 +79,41 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"simulate": _simulate}
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from loadtest.runner import add_arguments
+
+    p = sub.add_parser("run", help="live A/B of policies on fresh backends (--rates: a sweep)")
+    add_arguments(p, DEFAULT_TRACE)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from loadtest.runner import main_run
+
+    return main_run(args)
+
+
+def _add_soak(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from loadtest.soak import add_arguments
+
+    add_arguments(sub.add_parser("soak", help="bounded agentic run with injected faults"))
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from loadtest.soak import main_soak
+
+    return main_soak(args)
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "simulate": _simulate, "run": _run, "soak": _soak}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
+    _add_run(sub)
+    _add_soak(sub)
     args = parser.parse_args(argv)
     return _COMMANDS[args.command](args)
 

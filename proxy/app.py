@@ -1,18 +1,27 @@
 """create_app(): routes, typed AppKeys, middlewares and the long-lived resources.
 
 The caller (proxy/cli.py, tests) owns the Supervisor's lifecycle; the app only listens
-to its events: a backend that becomes ready is added to the Router fresh and empty, one
-that goes down is forgotten. The client session, the Router, the PromptBuilder and the
-tokenizer thread live in `cleanup_ctx` and are closed with the app.
+to its events (through `BackendHealth`, which also trips backends that stop answering):
+a backend that becomes ready is added to the Router fresh and empty, one that goes down
+is forgotten. The client session, the Router, the PromptBuilder, the tokenizer thread and
+the health prober live in `cleanup_ctx` and are closed with the app.
+
+Middlewares, outermost first: errors (every failure in the API's format), auth (client
+keys, constant time), admission (bounded in-flight and queue, 429 past them).
+
+Run it with `web.AppRunner(app, handler_cancellation=True, access_log=None)`: a client
+that goes away must cancel its handler (which cancels the upstream request and frees the
+slot), and aiohttp's access log line would double the cost of the proxy's own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,8 +29,10 @@ import aiohttp
 from aiohttp import web
 
 from backends.supervisor import BackendInfo, Supervisor
+from proxy.admission import Admission, Refused
 from proxy.config import Config, ManagedBackendConfig
 from proxy.errors import (
+    Overloaded,
     ProxyError,
     Unauthorized,
     error_response,
@@ -29,11 +40,13 @@ from proxy.errors import (
     from_http_exception,
 )
 from proxy.feedback import Recorder
-from proxy.forward import Forwarder
+from proxy.health import BackendHealth, HealthSettings
+from proxy.health import capacity as capacity
 from proxy.logging import get_logger
 from proxy.metrics import ProxyMetrics
+from proxy.pipeline import Forwarder
 from proxy.prompt import PromptBuilder
-from proxy.router import BackendCapacity, Router
+from proxy.router import Router
 
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -48,6 +61,16 @@ class ProxySettings:
     max_body_bytes: int = 32 << 20          # larger bodies -> 413
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0           # between bytes: a cold 30k prompt on CPU is slow
+    # until the client's first byte (a whole non-streamed answer): retried elsewhere past it
+    first_byte_timeout_s: float = 600.0
+    retry_attempts: int = 3                 # backends tried for a request that got no answer
+    max_in_flight: int = 256                # requests served at once by this proxy
+    max_queue: int = 512                    # requests waiting for one of those places
+    queue_timeout_s: float = 30.0           # longest wait for a place (then 429)
+    max_messages: int = 8192                # longer `messages` arrays -> 400
+    strict_models: bool = True              # an OpenAI `model` no backend serves -> 404
+    log_prompts: bool = False               # debug: log request bodies (never keys)
+    health: HealthSettings = field(default_factory=HealthSettings)  # probes, breakers
     inline_tokenize_bytes: int = 16 << 10   # smaller bodies tokenize on the loop (measured)
     tokenizer: Path | None = None           # GGUF to tokenize with (default: first managed)
 
@@ -58,6 +81,8 @@ SETTINGS = web.AppKey("kvroute.settings", ProxySettings)
 METRICS = web.AppKey("kvroute.metrics", ProxyMetrics)
 BACKENDS: web.AppKey[dict[str, BackendInfo]] = web.AppKey("kvroute.backends")
 ROUTER = web.AppKey("kvroute.router", Router)
+HEALTH = web.AppKey("kvroute.health", BackendHealth)
+ADMISSION = web.AppKey("kvroute.admission", Admission)
 PROMPT: web.AppKey[PromptBuilder | None] = web.AppKey("kvroute.prompt")
 TOKENIZING: web.AppKey[Tokenizing] = web.AppKey("kvroute.tokenizing")
 FORWARDER = web.AppKey("kvroute.forwarder", Forwarder)
@@ -70,7 +95,8 @@ def create_app(config: Config, supervisor: Supervisor,
     """The proxy application; `supervisor` must be started/stopped by the caller."""
     settings = settings or _settings_from(config)
     app = web.Application(client_max_size=settings.max_body_bytes,
-                          middlewares=[_errors_middleware, _auth_middleware])
+                          middlewares=[_errors_middleware, _auth_middleware,
+                                       _admission_middleware])
     app[CONFIG] = config
     app[SUPERVISOR] = supervisor
     app[SETTINGS] = settings
@@ -78,6 +104,10 @@ def create_app(config: Config, supervisor: Supervisor,
     app[BACKENDS] = {}
     app[CURSOR] = [0]
     app[ROUTER] = Router(config.proxy.policy, settings=config.routing.router_settings())
+    app[HEALTH] = BackendHealth(app[ROUTER], app[BACKENDS], app[METRICS], settings.health,
+                                get_logger())
+    app[ADMISSION] = Admission(settings.max_in_flight, settings.max_queue,
+                               settings.queue_timeout_s)
     app.cleanup_ctx.append(_prompt_ctx)
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_backends_ctx)
@@ -94,13 +124,18 @@ def _settings_from(config: Config) -> ProxySettings:
     # NOTE: getattr so that fields the config may grow (issue 7) take effect unchanged.
     p, d = config.proxy, ProxySettings()
     keys = getattr(p, "api_keys", ()) or ()
-    return ProxySettings(
-        api_keys=tuple(keys),
-        protect_admin=getattr(p, "protect_admin", d.protect_admin),
-        max_body_bytes=getattr(p, "max_body_bytes", d.max_body_bytes),
-        connect_timeout_s=getattr(p, "connect_timeout_s", d.connect_timeout_s),
-        read_timeout_s=getattr(p, "read_timeout_s", d.read_timeout_s),
-    )
+    plain = {f: getattr(p, f, getattr(d, f)) for f in _CONFIG_FIELDS}
+    h = HealthSettings()
+    health = HealthSettings(**{f: getattr(p, f, getattr(h, f)) for f in _HEALTH_FIELDS})
+    return ProxySettings(api_keys=tuple(keys), health=health, **plain)
+
+
+# ProxyConfig fields (issue 7) that map 1:1 onto ProxySettings / HealthSettings.
+_CONFIG_FIELDS = ("protect_admin", "max_body_bytes", "connect_timeout_s", "read_timeout_s",
+                  "first_byte_timeout_s", "retry_attempts", "max_in_flight", "max_queue",
+                  "queue_timeout_s", "max_messages", "strict_models", "log_prompts")
+_HEALTH_FIELDS = ("probe_interval_s", "probe_timeout_s", "breaker_failures",
+                  "open_backoff_s", "open_backoff_max_s")
 
 
 def tokenizer_model(config: Config) -> tuple[Path, str | None] | None:
@@ -176,39 +211,35 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
                                     read_bufsize=1 << 20, auto_decompress=False)
     recorder = Recorder(app[METRICS], get_logger())
     app[FORWARDER] = Forwarder(session, app[ROUTER], app[BACKENDS], recorder,
-                               app[TOKENIZING].output_tokens)
+                               app[TOKENIZING].output_tokens, app[HEALTH],
+                               max_attempts=s.retry_attempts,
+                               first_byte_timeout=s.first_byte_timeout_s,
+                               log_prompts=s.log_prompts)
+    prober = asyncio.create_task(app[HEALTH].run(session), name="kvroute-health")
     yield
+    prober.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await prober
     await session.close()
 
 
 async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
-    supervisor, router, backends = app[SUPERVISOR], app[ROUTER], app[BACKENDS]
-    up = app[METRICS].backend_up
+    supervisor, health = app[SUPERVISOR], app[HEALTH]
     active = True
 
     def on_event(name: str, info: BackendInfo | None) -> None:
         if not active:
             return
         if info is None:
-            backends.pop(name, None)
-            router.remove_backend(name)
-            up.labels(name).set(0)
-            return
-        backends[name] = info
-        router.add_backend(capacity(info))
-        up.labels(name).set(1)
+            health.backend_down(name)
+        else:
+            health.backend_up(info)
 
     for info in supervisor.ready():
         on_event(info.name, info)
     supervisor.subscribe(on_event)
     yield
     active = False  # the Supervisor has no unsubscribe; a closed app ignores its events
-
-
-def capacity(info: BackendInfo) -> BackendCapacity:
-    return BackendCapacity(name=info.name, n_slots=info.n_slots, slot_ctx=info.slot_ctx,
-                           ram_cache_bytes=info.ram_cache_bytes,
-                           kv_bytes_per_token=info.kv_bytes_per_token)
 
 
 @web.middleware
@@ -248,7 +279,8 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
     if (not s.api_keys or path in _OPEN_PATHS
             or (path in _ADMIN_PATHS and not s.protect_admin)):
         return await handler(request)
-    given = (_presented_key(request) or "").encode()
+    # surrogateescape: header bytes that are not UTF-8 come back as they were sent
+    given = (_presented_key(request) or "").encode("utf-8", "surrogateescape")
     # Constant time: compare against every key, no early exit on a match.
     ok = False
     for key in s.api_keys:
@@ -256,3 +288,20 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
     if not ok:
         raise Unauthorized("missing or invalid API key")
     return await handler(request)
+
+
+@web.middleware
+async def _admission_middleware(request: web.Request, handler: Handler
+                                ) -> web.StreamResponse:
+    # Only POSTs carry work (bodies, generation); GETs are cheap reads.
+    if request.method != "POST":
+        return await handler(request)
+    admission = request.app[ADMISSION]
+    got = await admission.acquire()
+    if isinstance(got, Refused):
+        request.app[METRICS].rejected.labels("overloaded").inc()
+        raise Overloaded(got.reason, retry_after=got.retry_after_s)
+    try:
+        return await handler(request)
+    finally:
+        admission.release()

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from proxy.errors import UpstreamTimeout
 from proxy.metrics import ProxyMetrics
 
 if TYPE_CHECKING:
@@ -148,8 +149,14 @@ class Recorder:
         self.metrics = metrics
         self.log = log
 
+    def retried(self, endpoint: str, err: Exception) -> None:
+        """A request that got no answer is tried again on another backend."""
+        cause = "timeout" if isinstance(err, UpstreamTimeout) else "unreachable"
+        self.metrics.retries.labels(endpoint, cause).inc()
+        self.log.info("retry", endpoint=endpoint, cause=cause, error=str(err))
+
     def begin(self, backend: str) -> None:
-        self.metrics.in_flight.labels(backend).inc()
+        self.metrics.child(self.metrics.in_flight, backend).inc()
 
     def end(self, endpoint: str, decision: Decision, outcome: Outcome, started: float, *,
             stream: bool) -> None:
@@ -160,19 +167,23 @@ class Recorder:
         status = str(outcome.status) if outcome.status else "error"
         if outcome.status and not outcome.complete and outcome.status < 400:
             status = "incomplete"  # client left or the stream broke
-        m.in_flight.labels(backend).dec()
-        m.requests.labels(endpoint, backend, status).inc()
-        m.latency.labels(endpoint).observe(latency)
+        m.child(m.in_flight, backend).dec()
+        m.child(m.requests, endpoint, backend, status).inc()
+        m.child(m.latency, endpoint).observe(latency)
         ttft = outcome.ttft
         if outcome.complete:
             m.record_feedback(backend, decision.prompt_tokens, decision.predicted_cached,
                               outcome.reported_cached)
             if ttft is not None:
-                m.ttft.labels(backend).observe(ttft)
+                m.child(m.ttft, backend).observe(ttft)
+        # NOTE: the policy's full reasons (nested dicts) cost as much to render as the rest
+        # of the line: only its one-line `why` at info, everything at debug
+        reasons = decision.reasons
         self.log.info(
             "routed", request_id=decision.request_id, endpoint=endpoint, backend=backend,
             slot=decision.slot, tier=decision.tier, status=status, stream=stream,
             prompt_tokens=decision.prompt_tokens, predicted_cached=decision.predicted_cached,
             reported_cached=outcome.reported_cached, prompt_n=outcome.prompt_n,
             ttft_ms=None if ttft is None else round(ttft * 1000, 2),
-            latency_ms=round(latency * 1000, 2), reasons=decision.reasons)
+            latency_ms=round(latency * 1000, 2), why=reasons.get("why"))
+        self.log.debug("routed.reasons", request_id=decision.request_id, reasons=reasons)

@@ -14,10 +14,11 @@ started, a failure ends it with an error event in the client's API format.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,16 +27,13 @@ from aiohttp import web
 
 from backends.supervisor import BackendInfo
 from proxy.errors import (
-    BadRequest,
     ErrorFormat,
-    NoBackendAvailable,
-    ProxyError,
     UpstreamError,
     UpstreamTimeout,
     sse_error_event,
 )
-from proxy.feedback import Outcome, Recorder, held_output
-from proxy.router import NoBackend, Router
+from proxy.feedback import Outcome
+from proxy.health import BackendHealth
 
 JSON = dict[str, Any]
 
@@ -125,33 +123,46 @@ def _is_usage_only(obj: JSON) -> bool:
 
 async def send(session: aiohttp.ClientSession, request: web.Request, target: Target,
                path: str, payload: bytes, outcome: Outcome, *, relay: Relay = PASSTHROUGH,
-               strip_usage: bool = False, method: str = "POST") -> web.StreamResponse:
+               strip_usage: bool = False, method: str = "POST",
+               health: BackendHealth | None = None,
+               first_byte_timeout: float | None = None) -> web.StreamResponse:
     """Send `payload` to `target` at `path` and answer `request` with what comes back.
 
-    `strip_usage` drops the usage-only stream chunk the proxy asked for on the client's
-    behalf. Fills `outcome` (status, feedback, text, `complete`).
+    Until the client has received its first byte (a whole body, or a stream's first
+    event), failures raise `UpstreamError` / `UpstreamTimeout`: the caller may retry
+    elsewhere. That phase is bounded by `first_byte_timeout` and cut short when `health`
+    trips the backend (a hung backend). `strip_usage` drops the usage-only stream chunk
+    the proxy asked for on the client's behalf. Fills `outcome`.
     """
-    url = target.info.url + path
+    name = target.info.name
     outcome.started = time.perf_counter()
+    upstream: aiohttp.ClientResponse | None = None
     try:
-        upstream = await session.request(method, url, data=payload,
-                                         headers=backend_headers(target.info))
+        async with asyncio.timeout(first_byte_timeout) as ttfb:
+            with health.waiting(name, ttfb) if health else contextlib.nullcontext():
+                upstream = await session.request(method, target.info.url + path,
+                                                 data=payload,
+                                                 headers=backend_headers(target.info))
+                outcome.status = upstream.status
+                ctype = upstream.headers.get("Content-Type", "application/json")
+                if upstream.status < 400 and ctype.startswith("text/event-stream"):
+                    events = _events(upstream)
+                    first = await _first_output(events, outcome, relay, strip_usage)
+                else:
+                    data = await upstream.read()
     except TimeoutError as e:
-        raise UpstreamTimeout(f"backend {target.info.name} did not answer in time") from e
+        _close(upstream)
+        raise UpstreamTimeout(f"backend {name} did not answer in time") from e
     except aiohttp.ClientError as e:
-        raise UpstreamError(f"backend {target.info.name} unreachable: {type(e).__name__}") from e
-    async with upstream:
-        outcome.status = upstream.status
-        ctype = upstream.headers.get("Content-Type", "application/json")
-        if upstream.status < 400 and ctype.startswith("text/event-stream"):
-            return await _relay_stream(request, upstream, target, outcome, relay, strip_usage)
-        try:
-            data = await upstream.read()
-        except TimeoutError as e:
-            raise UpstreamTimeout(f"backend {target.info.name} timed out answering") from e
-        except aiohttp.ClientError as e:
-            raise UpstreamError(f"backend {target.info.name} broke the connection: "
-                                f"{type(e).__name__}") from e
+        _close(upstream)
+        raise UpstreamError(f"backend {name} unreachable: {type(e).__name__}") from e
+    except BaseException:
+        _close(upstream)  # cancelled (client left): dropping the connection stops the task
+        raise
+    if upstream.status < 400 and ctype.startswith("text/event-stream"):
+        return await _relay_stream(request, upstream, events, first, target, outcome,
+                                   relay, strip_usage, health)
+    upstream.release()
     outcome.finished_at = time.perf_counter()
     if upstream.status >= 400:
         data = relay.error(upstream.status, data) or data
@@ -159,6 +170,11 @@ async def send(session: aiohttp.ClientSession, request: web.Request, target: Tar
         data = _absorb_body(data, outcome, relay)
     return web.Response(status=upstream.status, body=data, headers=target.headers(),
                         content_type=ctype.split(";")[0].strip())
+
+
+def _close(upstream: aiohttp.ClientResponse | None) -> None:
+    if upstream is not None:
+        upstream.close()
 
 
 def _absorb_body(data: bytes, outcome: Outcome, relay: Relay) -> bytes:
@@ -175,38 +191,62 @@ def _absorb_body(data: bytes, outcome: Outcome, relay: Relay) -> bytes:
     return data
 
 
+async def _events(upstream: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+    """The upstream's SSE events, each as its lines (a blank line ends an event)."""
+    event: list[bytes] = []
+    async for line in upstream.content:
+        if line.strip():
+            event.append(line)
+        elif event:
+            yield event
+            event = []
+    if event:
+        yield event
+
+
+async def _first_output(events: AsyncIterator[list[bytes]], outcome: Outcome, relay: Relay,
+                        strip_usage: bool) -> list[bytes]:
+    """Read events until one gives the client something ([] at the end of the stream)."""
+    async for ev in events:
+        out = list(_translate_event(ev, outcome, relay, strip_usage))
+        if out:
+            return out
+    return []
+
+
 async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
-                        target: Target, outcome: Outcome, relay: Relay,
-                        strip_usage: bool) -> web.StreamResponse:
+                        events: AsyncIterator[list[bytes]], first: list[bytes],
+                        target: Target, outcome: Outcome, relay: Relay, strip_usage: bool,
+                        health: BackendHealth | None) -> web.StreamResponse:
     resp = web.StreamResponse(status=upstream.status, headers={
         **target.headers(), "Content-Type": "text/event-stream",
         "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
-    event: list[bytes] = []
     try:
-        async for line in upstream.content:
-            if line.strip():
-                event.append(line)
-                continue
-            # A blank line ends an SSE event: forward it whole, as soon as it is complete.
-            if event:
-                out = _translate_event(event, outcome, relay, strip_usage)
-                event = []
-                for chunk in out:
-                    await resp.write(chunk)
-        if event:
-            for chunk in _translate_event(event, outcome, relay, strip_usage):
+        await resp.prepare(request)
+        for chunk in first:
+            await resp.write(chunk)
+        async for ev in events:
+            # forward each event whole, as soon as it is complete
+            for chunk in _translate_event(ev, outcome, relay, strip_usage):
                 await resp.write(chunk)
     except _CLIENT_GONE:
+        upstream.close()
         return resp  # the client left; outcome.complete stays False -> abort
     except (TimeoutError, aiohttp.ClientError) as e:
+        upstream.close()
         err = (UpstreamTimeout if isinstance(e, TimeoutError) else UpstreamError)(
             f"backend {target.info.name} failed mid-stream: {type(e).__name__}")
+        if health is not None:
+            health.failed(target.info.name, err.message)
         outcome.complete = False
         try:
             await resp.write(sse_error_event(err, relay.error_format))
         except _CLIENT_GONE:
             return resp
+    except BaseException:
+        upstream.close()  # cancelled: the client went away (handler cancellation)
+        raise
+    upstream.release()
     outcome.finished_at = time.perf_counter()
     with contextlib.suppress(_CLIENT_GONE):
         await resp.write_eof()
@@ -238,99 +278,3 @@ def _translate_event(lines: list[bytes], outcome: Outcome, relay: Relay,
         return ()
     translated = relay.event(obj)
     return (raw + b"\n",) if translated is None else translated
-
-
-# ---------------------------------------------------------------- the routed pipeline
-# Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
-_USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-
-
-def _wants_usage(body: JSON) -> bool:
-    opts = body.get("stream_options")
-    return isinstance(opts, dict) and opts.get("include_usage") is True
-
-
-def session_hint(request: web.Request, body: JSON) -> str | None:
-    """A conversation/session id the client volunteers (ties broken per session)."""
-    for name in ("X-Claude-Code-Session-Id", "X-Session-Id"):
-        value = request.headers.get(name)
-        if value:
-            return value[:200]
-    user = body.get("user")
-    return user[:200] if isinstance(user, str) and user else None
-
-
-class Forwarder:
-    """decide -> send with id_slot -> feedback: one routed request, start to finish."""
-
-    def __init__(self, session: aiohttp.ClientSession, router: Router,
-                 backends: Mapping[str, BackendInfo], recorder: Recorder,
-                 tokenize_output: Callable[[str], Sequence[int]]) -> None:
-        self.session = session
-        self.router = router
-        self.backends = backends        # live view, kept current by the app
-        self.recorder = recorder
-        self._tokenize_output = tokenize_output
-
-    async def routed(self, request: web.Request, *, endpoint: str, path: str, raw: bytes,
-                     body: JSON, tokens: Sequence[int], relay: Relay = PASSTHROUGH
-                     ) -> web.StreamResponse:
-        """Route `tokens`, send `body` to `path` on the chosen backend, learn from it.
-
-        The slot claim made by `decide` is released however this ends: `complete` on a
-        normal answer, `abort` on errors, cancellation and client disconnects.
-        """
-        started = time.perf_counter()
-        decision = self.router.decide(tokens, session=session_hint(request, body),
-                                      now=time.monotonic())
-        if isinstance(decision, NoBackend):
-            raise _no_backend_error(decision)
-        info = self.backends.get(decision.backend)
-        if info is None:  # removed between the event and now
-            self.router.abort(decision)
-            raise NoBackendAvailable("backend went away", retry_after=1)
-        extra: JSON = {}
-        if decision.slot is not None:
-            extra["id_slot"] = decision.slot
-        strip_usage = False
-        if body.get("stream") is True and path in _USAGE_PATHS and not _wants_usage(body):
-            extra["stream_options"] = {"include_usage": True}
-            strip_usage = True
-        if path == "/completion" and "return_tokens" not in body:
-            extra["return_tokens"] = True  # exact generated ids: the slot holds these
-        payload = upstream_payload(raw, body, extra)
-        target = Target(info, decision.slot, decision.predicted_cached)
-        outcome = Outcome(started=started)
-        finished = False
-        self.recorder.begin(info.name)
-        try:
-            resp = await send(self.session, request, target, path, payload, outcome,
-                              relay=relay, strip_usage=strip_usage)
-            if outcome.complete and outcome.status < 400:
-                self.router.complete(
-                    decision, output_tokens=held_output(outcome, self._tokenize_output),
-                    reported_cached=outcome.reported_cached,
-                    prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
-                    reported_slot=outcome.reported_slot, now=time.monotonic())
-                finished = True
-            return resp
-        finally:
-            if not finished:
-                self.router.abort(decision)
-            self.recorder.end(endpoint, decision, outcome, started,
-                              stream=body.get("stream") is True)
-
-    async def passthrough(self, request: web.Request, path: str, info: BackendInfo,
-                          raw: bytes) -> web.StreamResponse:
-        """Forward an unrouted call (/tokenize, /props, ...) to `info` as it is."""
-        outcome = Outcome(started=time.perf_counter())
-        return await send(self.session, request, Target(info), path, raw, outcome,
-                          method=request.method)
-
-
-def _no_backend_error(nb: NoBackend) -> ProxyError:
-    # NOTE: the router reports "too long for every backend" as a NoBackend reason; that
-    # is the client's fault (400), the rest is ours (503, retry soon).
-    if "exceeds" in nb.reason:
-        return BadRequest(nb.reason, code="context_length_exceeded")
-    return NoBackendAvailable(nb.reason, retry_after=1)

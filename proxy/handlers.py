@@ -8,28 +8,30 @@ the body to a chat-completions body, `prompt.chat_tokens()` on it, then
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from proxy.app import (
+    ADMISSION,
     BACKENDS,
     CONFIG,
     CURSOR,
     FORWARDER,
+    HEALTH,
     METRICS,
     PROMPT,
     ROUTER,
+    SETTINGS,
     SUPERVISOR,
     TOKENIZING,
 )
-from proxy.errors import BadRequest, NoBackendAvailable
-from proxy.feedback import Outcome
-from proxy.forward import JSON, Target, send, upstream_payload
+from proxy.errors import BadRequest, NoBackendAvailable, NotFound
+from proxy.forward import JSON
 from proxy.metrics import CONTENT_TYPE
 from proxy.prompt import PromptError
+from proxy.validate import check_fields, check_messages
 
 if TYPE_CHECKING:
     from backends.supervisor import BackendInfo
@@ -64,9 +66,11 @@ async def read_json(request: web.Request) -> tuple[bytes, JSON]:
     if not raw:
         raise BadRequest("request body is empty: expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
     except UnicodeDecodeError:
         raise BadRequest("request body is not valid UTF-8") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     except ValueError as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -74,6 +78,22 @@ async def read_json(request: web.Request) -> tuple[bytes, JSON]:
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", code="invalid_type")
     return raw, body
+
+
+def _no_constant(name: str) -> None:
+    # Python's json accepts NaN and Infinity; JSON (and llama-server's parser) does not.
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def check_model(request: web.Request, body: JSON) -> None:
+    """404 for an OpenAI `model` that no backend serves (when `strict_models`)."""
+    model = body.get("model")
+    if not model or not request.app[SETTINGS].strict_models:
+        return
+    served = {b.info.model for b in request.app[HEALTH].breakers.values()}
+    if served and model not in served:
+        raise NotFound(f"model {str(model)[:100]!r} does not exist; available: "
+                       f"{', '.join(sorted(served))}", code="model_not_found")
 
 
 async def tokens_for(request: web.Request, raw: bytes,
@@ -88,9 +108,9 @@ async def tokens_for(request: web.Request, raw: bytes,
 # ---------------------------------------------------------------------- endpoints
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty array", code="invalid_messages")
+    check_messages(body, request.app[SETTINGS].max_messages)
+    check_fields(body)
+    check_model(request, body)
     prompt = request.app[PROMPT]
     if prompt is None:
         return await unrouted(request, "/v1/chat/completions", raw)
@@ -112,6 +132,9 @@ async def _completion(request: web.Request, path: str, endpoint: str) -> web.Str
     raw, body = await read_json(request)
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", code="missing_prompt")
+    check_fields(body)
+    if endpoint == "completions":
+        check_model(request, body)
     prompt = request.app[PROMPT]
     if prompt is None:
         return await unrouted(request, path, raw)
@@ -132,16 +155,18 @@ def pick_ready(app: web.Application) -> BackendInfo:
 
 async def unrouted(request: web.Request, path: str, raw: bytes) -> web.StreamResponse:
     """Forward to the next ready backend without prefix routing (no tokenizer)."""
-    info = pick_ready(request.app)
-    outcome = Outcome(started=time.perf_counter())
-    return await send(request.app[FORWARDER].session, request, Target(info), path,
-                      upstream_payload(raw, {}, {}), outcome)
+    app = request.app
+    return await app[FORWARDER].passthrough(request, path, pick_ready(app), raw,
+                                            pick=lambda: pick_ready(app))
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
+    # NOTE: only the fixed paths registered in add_routes get here, so the upstream path
+    # is one of ours, never a client-chosen (absolute) URL.
     raw = await request.read() if request.method == "POST" else b""
-    info = pick_ready(request.app)
-    return await request.app[FORWARDER].passthrough(request, request.path, info, raw)
+    app = request.app
+    return await app[FORWARDER].passthrough(request, request.path, pick_ready(app), raw,
+                                            pick=lambda: pick_ready(app))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -167,9 +192,16 @@ async def metrics(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     app = request.app
     prompt = app[PROMPT]
+    health = app[HEALTH]
+    backends = [{**s, "proxy": health.state(str(s["name"]))}
+                for s in app[SUPERVISOR].statuses()]
+    admission = app[ADMISSION]
     return web.json_response({
         "policy": app[CONFIG].proxy.policy,
         "tokenizer": None if prompt is None else "local",
-        "backends": app[SUPERVISOR].statuses(),
+        "backends": backends,
+        "admission": {"in_flight": admission.in_flight, "queued": admission.queued,
+                      "max_in_flight": admission.max_in_flight,
+                      "max_queue": admission.max_queue},
         "router": app[ROUTER].snapshot(),
     }, dumps=lambda o: json.dumps(o, default=str))

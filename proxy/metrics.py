@@ -6,6 +6,8 @@ build many apps in one process without "duplicated timeseries" errors.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -48,16 +50,39 @@ class ProxyMetrics:
             "kvroute_in_flight", "Requests being served, per backend.", ["backend"],
             registry=r)
         self.backend_up = Gauge(
-            "kvroute_backend_up", "1 while the backend is ready, else 0.", ["backend"],
+            "kvroute_backend_up", "1 while the backend is routable, else 0.", ["backend"],
             registry=r)
+        self.retries = Counter(
+            "kvroute_retries", "Requests retried on another backend (nothing had reached "
+            "the client), by endpoint and cause.", ["endpoint", "cause"], registry=r)
+        self.breaker_trips = Counter(
+            "kvroute_breaker_trips", "Times a backend's circuit breaker opened.", ["backend"],
+            registry=r)
+        self.rejected = Counter(
+            "kvroute_rejected", "Requests refused by admission control (429).", ["reason"],
+            registry=r)
+        self.queued = Gauge(
+            "kvroute_queued", "Requests waiting for admission.", registry=r)
+
+        # labelled children by (collector, labels): `labels()` validates and locks on
+        # every call; the label sets are few (endpoints x backends x statuses)
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def child(self, collector: Any, *labels: str) -> Any:
+        """`collector.labels(*labels)`, memoised (hot path: several per request)."""
+        key = (id(collector), *labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = collector.labels(*labels)
+        return c
 
     def record_feedback(self, backend: str, prompt_tokens: int, predicted: int,
                         reported: int | None) -> None:
         """Token counters and the prediction error of one routed request."""
-        self.prompt_tokens.labels(backend).inc(prompt_tokens)
-        self.predicted_cached.labels(backend).inc(predicted)
+        self.child(self.prompt_tokens, backend).inc(prompt_tokens)
+        self.child(self.predicted_cached, backend).inc(predicted)
         if reported is not None:
-            self.reported_cached.labels(backend).inc(reported)
+            self.child(self.reported_cached, backend).inc(reported)
             self.prediction_error.observe(abs(predicted - reported))
 
     def render(self) -> bytes:

@@ -1,0 +1,203 @@
+"""Which backends requests may go to: supervisor-ready *and* not tripped by the proxy.
+
+The Supervisor knows whether a process runs; only the proxy sees whether a backend
+answers requests. Each backend has a circuit breaker:
+
+    closed --request got no answer / N failed probes--> open --backoff--> half-open probe
+      ^                                                   ^                     |
+      +--------------------- /health 200 ----------------+---- probe fails -----+
+
+- A request that got no answer at all (connection refused or reset, connect or
+  first-byte timeout) opens the breaker at once: that is what a dead or hung backend
+  looks like, and the request must be retried *elsewhere* (the Router has no per-request
+  exclusion, so a tripped backend leaves the Router; its cache model is forgotten).
+- Every `probe_interval_s` each routable backend's `/health` is probed with a short
+  timeout (llama-server answers it from its HTTP threads, even while busy); after
+  `breaker_failures` consecutive failures the breaker opens. This catches a backend
+  that hangs while requests wait on it: they are cut (their `asyncio.timeout` is
+  rescheduled to now) and rerouted, since nothing reached their clients yet.
+- An open breaker is probed after a backoff (doubling when it re-trips soon after
+  closing); one good probe closes it and the backend rejoins the Router fresh and empty.
+- Supervisor events win: a restarted managed backend (cb(name, info)) is a new process,
+  closed breaker, empty cache; cb(name, None) removes it whatever the breaker says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from backends.supervisor import BackendInfo
+from proxy.metrics import ProxyMetrics
+from proxy.router import BackendCapacity, Router
+
+CLOSED, OPEN = "closed", "open"
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    probe_interval_s: float = 1.0     # how often routable backends are probed
+    probe_timeout_s: float = 2.0      # a /health slower than this is a failure
+    breaker_failures: int = 3         # consecutive failed probes that open the breaker
+    open_backoff_s: float = 0.5       # first wait before a half-open probe
+    open_backoff_max_s: float = 15.0
+
+
+@dataclass
+class Breaker:
+    """One backend's breaker (mutable; owned by `BackendHealth`)."""
+
+    info: BackendInfo
+    state: str = CLOSED
+    failures: int = 0                 # consecutive failed probes while closed
+    backoff_s: float = 0.0
+    retry_at: float = 0.0             # monotonic time of the next half-open probe
+    closed_at: float = 0.0
+    last_error: str | None = None
+    trips: int = 0
+    # asyncio.timeout()s of requests still waiting for their first byte from it
+    waiting: set[asyncio.Timeout] = field(default_factory=set)
+
+
+def capacity(info: BackendInfo) -> BackendCapacity:
+    return BackendCapacity(name=info.name, n_slots=info.n_slots, slot_ctx=info.slot_ctx,
+                           ram_cache_bytes=info.ram_cache_bytes,
+                           kv_bytes_per_token=info.kv_bytes_per_token)
+
+
+class BackendHealth:
+    """Keeps `routable` (the app's live backend map) and the Router's membership in sync
+    with supervisor events, request failures and probes."""
+
+    def __init__(self, router: Router, routable: MutableMapping[str, BackendInfo],
+                 metrics: ProxyMetrics, settings: HealthSettings, log: Any) -> None:
+        self.router = router
+        self.routable = routable
+        self.metrics = metrics
+        self.settings = settings
+        self.log = log
+        self.breakers: dict[str, Breaker] = {}
+        self._now: Callable[[], float] = time.monotonic
+
+    # ------------------------------------------------------------ supervisor events
+    def backend_up(self, info: BackendInfo) -> None:
+        """A (re)started backend: a fresh process with an empty cache."""
+        self._cut_waiting(self.breakers.get(info.name), "restarted")
+        self.breakers[info.name] = Breaker(info, closed_at=self._now())
+        self._join(info)
+
+    def backend_down(self, name: str) -> None:
+        b = self.breakers.pop(name, None)
+        self._leave(name)
+        self._cut_waiting(b, "went down")
+
+    # -------------------------------------------------------------- request outcomes
+    def failed(self, name: str, reason: str) -> None:
+        """A request to `name` got no answer: open its breaker now."""
+        b = self.breakers.get(name)
+        if b is not None and b.state == CLOSED:
+            self._trip(b, reason)
+
+    @contextlib.contextmanager
+    def waiting(self, name: str, timeout: asyncio.Timeout) -> Iterator[None]:
+        """Register a request waiting for `name`'s first byte: a trip cuts it short."""
+        b = self.breakers.get(name)
+        if b is None or b.state != CLOSED:
+            timeout.reschedule(asyncio.get_running_loop().time())
+            yield
+            return
+        b.waiting.add(timeout)
+        try:
+            yield
+        finally:
+            b.waiting.discard(timeout)
+
+    def state(self, name: str) -> dict[str, object] | None:
+        b = self.breakers.get(name)
+        if b is None:
+            return None
+        return {"breaker": b.state, "failures": b.failures, "trips": b.trips,
+                "last_error": b.last_error}
+
+    # ---------------------------------------------------------------------- probing
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        """Probe forever (cancelled with the app)."""
+        s = self.settings
+        timeout = aiohttp.ClientTimeout(total=s.probe_timeout_s)
+        while True:
+            now = self._now()
+            due = [b for b in self.breakers.values() if b.state == CLOSED or now >= b.retry_at]
+            if due:
+                await asyncio.gather(*(self._probe(session, b, timeout) for b in due))
+            await asyncio.sleep(s.probe_interval_s)
+
+    async def _probe(self, session: aiohttp.ClientSession, b: Breaker,
+                     timeout: aiohttp.ClientTimeout) -> None:
+        info = b.info
+        headers = {"Authorization": f"Bearer {info.api_key}"} if info.api_key else {}
+        try:
+            async with session.get(info.url + "/health", headers=headers,
+                                   timeout=timeout) as r:
+                await r.read()
+                error = None if r.status == 200 else f"/health answered {r.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            error = f"/health: {type(e).__name__}"
+        if self.breakers.get(info.name) is not b:
+            return  # restarted or removed while the probe ran
+        if error is None:
+            b.failures = 0
+            if b.state == OPEN:
+                self._close(b)
+            return
+        b.last_error = error
+        if b.state == OPEN:
+            b.retry_at = self._now() + b.backoff_s
+            b.backoff_s = min(b.backoff_s * 2, self.settings.open_backoff_max_s)
+            return
+        b.failures += 1
+        if b.failures >= self.settings.breaker_failures:
+            self._trip(b, f"{error} ({b.failures} probes in a row)")
+
+    # -------------------------------------------------------------------- internals
+    def _trip(self, b: Breaker, reason: str) -> None:
+        s, now = self.settings, self._now()
+        # NOTE: re-tripping soon after a probe closed it (alive but not serving) backs off
+        recent = b.trips and now - b.closed_at < 30.0
+        b.backoff_s = min(b.backoff_s * 2, s.open_backoff_max_s) if recent else s.open_backoff_s
+        b.state, b.retry_at, b.last_error = OPEN, now + b.backoff_s, reason
+        b.trips += 1
+        self.metrics.breaker_trips.labels(b.info.name).inc()
+        self.log.warning("backend.breaker_open", backend=b.info.name, reason=reason,
+                         retry_in_s=round(b.backoff_s, 2))
+        self._leave(b.info.name)
+        self._cut_waiting(b, reason)
+
+    def _close(self, b: Breaker) -> None:
+        b.state, b.failures, b.closed_at = CLOSED, 0, self._now()
+        self.log.info("backend.breaker_closed", backend=b.info.name)
+        self._join(b.info)
+
+    def _join(self, info: BackendInfo) -> None:
+        self.routable[info.name] = info
+        self.router.add_backend(capacity(info))  # fresh: what it held is unknown
+        self.metrics.backend_up.labels(info.name).set(1)
+
+    def _leave(self, name: str) -> None:
+        if self.routable.pop(name, None) is not None:
+            self.router.remove_backend(name)
+        self.metrics.backend_up.labels(name).set(0)
+
+    @staticmethod
+    def _cut_waiting(b: Breaker | None, why: str) -> None:
+        if b is None or not b.waiting:
+            return
+        loop = asyncio.get_running_loop()
+        for t in list(b.waiting):
+            t.reschedule(loop.time())  # the waiting request raises TimeoutError -> retry
+        b.waiting.clear()

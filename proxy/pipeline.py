@@ -1,0 +1,186 @@
+"""The routed pipeline: decide -> send with id_slot -> feedback, with retries elsewhere.
+
+`Forwarder.routed` is what every prefix-routed endpoint calls (chat, completions,
+Anthropic messages); `send()` (proxy/forward.py) does the one upstream exchange.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import aiohttp
+from aiohttp import web
+
+from backends.supervisor import BackendInfo
+from proxy.errors import (
+    BadRequest,
+    NoBackendAvailable,
+    ProxyError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from proxy.feedback import Outcome, Recorder, held_output
+from proxy.forward import JSON, PASSTHROUGH, Relay, Target, send, upstream_payload
+from proxy.health import BackendHealth
+from proxy.router import NoBackend, Router
+
+# Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
+_USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def _wants_usage(body: JSON) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+def session_hint(request: web.Request, body: JSON) -> str | None:
+    """A conversation/session id the client volunteers (ties broken per session)."""
+    for name in ("X-Claude-Code-Session-Id", "X-Session-Id"):
+        value = request.headers.get(name)
+        if value:
+            return _printable(value[:200])
+    user = body.get("user")
+    return _printable(user[:200]) if isinstance(user, str) and user else None
+
+
+def _printable(value: str) -> str:
+    # Header bytes arrive surrogate-escaped and JSON may hold lone surrogates: neither
+    # encodes to UTF-8, which the policy hashes the hint with.
+    if value.isascii():
+        return value
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class Forwarder:
+    """decide -> send with id_slot -> feedback: one routed request, start to finish.
+
+    A request that got nothing back from its backend (refused, reset, timed out, or cut
+    because the backend was found hung) is retried on another backend: the failed one's
+    breaker is opened, which takes it out of the Router, so the next `decide` cannot pick
+    it. At most `max_attempts` backends are tried; the client never sees the failures.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, router: Router,
+                 backends: Mapping[str, BackendInfo], recorder: Recorder,
+                 tokenize_output: Callable[[str], Sequence[int]],
+                 health: BackendHealth | None = None, *, max_attempts: int = 3,
+                 first_byte_timeout: float | None = None, log_prompts: bool = False) -> None:
+        self.session = session
+        self.router = router
+        self.backends = backends        # live view of routable backends, kept by the app
+        self.recorder = recorder
+        self.health = health
+        self.max_attempts = max_attempts
+        self.first_byte_timeout = first_byte_timeout
+        self.log_prompts = log_prompts
+        self._tokenize_output = tokenize_output
+
+    def max_context(self) -> int | None:
+        """The largest slot context of any ready backend (tripped ones included)."""
+        infos = (b.info for b in self.health.breakers.values()) if self.health else \
+            self.backends.values()
+        return max((i.slot_ctx for i in infos), default=None)
+
+    async def routed(self, request: web.Request, *, endpoint: str, path: str, raw: bytes,
+                     body: JSON, tokens: Sequence[int], relay: Relay = PASSTHROUGH
+                     ) -> web.StreamResponse:
+        """Route `tokens`, send `body` to `path` on the chosen backend, learn from it."""
+        started = time.perf_counter()
+        ctx = self.max_context()
+        if ctx is not None and len(tokens) >= ctx:
+            # NOTE: the server needs room for the prompt and one generated token
+            raise BadRequest(f"prompt is {len(tokens)} tokens, more than any backend's "
+                             f"context ({ctx} tokens per slot): shorten the conversation",
+                             code="context_length_exceeded")
+        hint = session_hint(request, body)
+        if self.log_prompts:
+            self.recorder.log.debug("prompt", endpoint=endpoint,
+                                    prompt=raw[:65536].decode("utf-8", "replace"))
+        attempt = 1
+        while True:
+            try:
+                return await self._attempt(request, endpoint, path, raw, body, tokens,
+                                           relay, hint, started)
+            except (UpstreamError, UpstreamTimeout) as e:
+                # nothing reached the client: the backend is out (breaker), try another
+                if attempt >= self.max_attempts or not self.backends:
+                    raise
+                attempt += 1
+                self.recorder.retried(endpoint, e)
+
+    async def _attempt(self, request: web.Request, endpoint: str, path: str, raw: bytes,
+                       body: JSON, tokens: Sequence[int], relay: Relay, hint: str | None,
+                       started: float) -> web.StreamResponse:
+        """One backend, one try. The slot claim made by `decide` is released however this
+        ends: `complete` on a normal answer, `abort` on errors, cancellation, disconnects.
+        """
+        decision = self.router.decide(tokens, session=hint, now=time.monotonic())
+        if isinstance(decision, NoBackend):
+            raise _no_backend_error(decision)
+        info = self.backends.get(decision.backend)
+        if info is None:  # removed between the event and now
+            self.router.abort(decision)
+            raise NoBackendAvailable("backend went away", retry_after=1)
+        extra: JSON = {}
+        if decision.slot is not None:
+            extra["id_slot"] = decision.slot
+        strip_usage = False
+        if body.get("stream") is True and path in _USAGE_PATHS and not _wants_usage(body):
+            extra["stream_options"] = {"include_usage": True}
+            strip_usage = True
+        if path == "/completion" and "return_tokens" not in body:
+            extra["return_tokens"] = True  # exact generated ids: the slot holds these
+        payload = upstream_payload(raw, body, extra)
+        target = Target(info, decision.slot, decision.predicted_cached)
+        outcome = Outcome(started=started)
+        finished = False
+        self.recorder.begin(info.name)
+        try:
+            resp = await send(self.session, request, target, path, payload, outcome,
+                              relay=relay, strip_usage=strip_usage, health=self.health,
+                              first_byte_timeout=self.first_byte_timeout)
+            if outcome.complete and outcome.status < 400:
+                self.router.complete(
+                    decision, output_tokens=held_output(outcome, self._tokenize_output),
+                    reported_cached=outcome.reported_cached,
+                    prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
+                    reported_slot=outcome.reported_slot, now=time.monotonic())
+                finished = True
+            return resp
+        except (UpstreamError, UpstreamTimeout) as e:
+            outcome.status = 0
+            if self.health is not None:
+                self.health.failed(info.name, e.message)
+            raise
+        finally:
+            if not finished:
+                self.router.abort(decision)
+            self.recorder.end(endpoint, decision, outcome, started,
+                              stream=body.get("stream") is True)
+
+    async def passthrough(self, request: web.Request, path: str, info: BackendInfo,
+                          raw: bytes, *, relay: Relay = PASSTHROUGH,
+                          pick: Callable[[], BackendInfo] | None = None) -> web.StreamResponse:
+        """Forward an unrouted call (/tokenize, /props, ...) to `info` as it is; when it
+        gets no answer and `pick` is given, once more to the backend `pick` returns."""
+        for attempt in (1, 2):
+            outcome = Outcome(started=time.perf_counter())
+            try:
+                return await send(self.session, request, Target(info), path, raw, outcome,
+                                  relay=relay, method=request.method, health=self.health,
+                                  first_byte_timeout=self.first_byte_timeout)
+            except (UpstreamError, UpstreamTimeout) as e:
+                if self.health is not None:
+                    self.health.failed(info.name, e.message)
+                if attempt == 2 or pick is None or not self.backends:
+                    raise
+                self.recorder.retried("passthrough", e)
+                info = pick()
+        raise AssertionError("unreachable")
+
+
+def _no_backend_error(nb: NoBackend) -> ProxyError:
+    # NOTE: prompts too long for every backend are rejected (400) before `decide`; a
+    # router that still says "exceeds" means the long-context backends are all down.
+    return NoBackendAvailable(nb.reason, retry_after=1)

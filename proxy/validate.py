@@ -1,0 +1,93 @@
+"""Checks of OpenAI / llama.cpp request fields the proxy makes before anything goes out.
+
+llama-server reads most fields leniently (a wrong type silently becomes the default)
+and answers some malformed ones with a 500; out-of-range integers are undefined
+behaviour in C++. So the proxy rejects them first, with a 400 naming the field, in the
+client's API format. Only the fields' *types and ranges* are checked here; what the
+messages mean is PromptBuilder's job (it mirrors the server's own parsing).
+
+Cheap by design: one dict lookup per known field present in the body.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from proxy.errors import BadRequest
+
+_I32 = 2**31 - 1
+
+# field -> (kind, lo, hi). kind: "int", "num", "bool", "str", "obj", "list", "stop".
+_FIELDS: dict[str, tuple[str, float, float]] = {
+    "max_tokens": ("int", -1, _I32), "max_completion_tokens": ("int", -1, _I32),
+    "n_predict": ("int", -1, _I32), "n": ("int", 1, 128), "seed": ("int", -_I32, 2**32),
+    "top_k": ("int", -_I32, _I32), "n_probs": ("int", 0, 1024),
+    "n_keep": ("int", -1, _I32), "n_discard": ("int", 0, _I32),
+    "min_keep": ("int", 0, _I32), "repeat_last_n": ("int", -1, _I32),
+    "top_logprobs": ("int", 0, 1024), "n_indent": ("int", 0, _I32),
+    "temperature": ("num", -1e6, 1e6), "top_p": ("num", -1e6, 1e6),
+    "min_p": ("num", -1e6, 1e6), "typical_p": ("num", -1e6, 1e6),
+    "frequency_penalty": ("num", -1e6, 1e6), "presence_penalty": ("num", -1e6, 1e6),
+    "repeat_penalty": ("num", -1e6, 1e6), "dynatemp_range": ("num", -1e6, 1e6),
+    "xtc_probability": ("num", -1e6, 1e6), "xtc_threshold": ("num", -1e6, 1e6),
+    "stream": ("bool", 0, 0), "cache_prompt": ("bool", 0, 0),
+    "ignore_eos": ("bool", 0, 0), "logprobs": ("bool", 0, 0),
+    "parallel_tool_calls": ("bool", 0, 0), "timings_per_token": ("bool", 0, 0),
+    "return_tokens": ("bool", 0, 0), "add_generation_prompt": ("bool", 0, 0),
+    "model": ("str", 0, 0), "user": ("str", 0, 0), "grammar": ("str", 0, 0),
+    "stream_options": ("obj", 0, 0), "response_format": ("obj", 0, 0),
+    "chat_template_kwargs": ("obj", 0, 0), "json_schema": ("obj", 0, 0),
+    "tools": ("list", 0, 0), "stop": ("stop", 0, 0),
+}
+_KINDS = {"str": str, "obj": dict, "list": list}
+_NAMES = {"int": "an integer", "num": "a number", "bool": "a boolean", "str": "a string",
+          "obj": "an object", "list": "an array", "stop": "a string or an array of strings"}
+
+
+def check_fields(body: Mapping[str, Any]) -> None:
+    """BadRequest (400, code invalid_type / invalid_value) for the first bad field."""
+    for key in _FIELDS.keys() & body.keys():
+        value = body[key]
+        if value is None:
+            continue  # null = default, as llama-server reads it
+        kind, lo, hi = _FIELDS[key]
+        if not _type_ok(kind, value):
+            raise BadRequest(f"'{key}' must be {_NAMES[kind]}", code="invalid_type")
+        if kind in ("int", "num") and not (lo <= value <= hi and math.isfinite(value)):
+            raise BadRequest(f"'{key}' is out of range: expected {lo:g}..{hi:g}",
+                             code="invalid_value")
+    slot = body.get("id_slot")
+    if slot is not None and not (_type_ok("int", slot) and -1 <= slot <= _I32):
+        raise BadRequest("'id_slot' must be an integer >= -1", code="invalid_type")
+
+
+def _type_ok(kind: str, value: object) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "num":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "stop":
+        return isinstance(value, str) or (
+            isinstance(value, list) and all(isinstance(s, str) for s in value))
+    return isinstance(value, _KINDS[kind])
+
+
+def check_messages(body: Mapping[str, Any], max_messages: int) -> list[Any]:
+    """The `messages` array, non-empty and not longer than `max_messages`."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", code="invalid_messages")
+    if len(messages) > max_messages:
+        raise BadRequest(f"'messages' has {len(messages)} entries, more than the "
+                         f"{max_messages} allowed", code="too_many_messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object", code="invalid_messages")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise BadRequest(f"messages[{i}].role must be a string", code="invalid_messages")
+    return messages

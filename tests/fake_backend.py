@@ -1,0 +1,95 @@
+"""A fake llama-server: a real aiohttp server on a real loopback port, for faults that must
+happen at a precise moment (a backend that accepts and never answers, a sick /health)
+and for seeing exactly what reaches a backend (headers, paths, bodies).
+
+    fake = FakeBackend()
+    url = await fake.start()
+    fake.mode = "hang"          # ok | hang (nothing answers) | stall (only completions hang)
+                                # | sick (/health 503)
+    fake.release.set()          # let hung requests finish
+    await fake.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+ANSWER: dict[str, Any] = {
+    "choices": [{"finish_reason": "stop", "index": 0,
+                 "message": {"role": "assistant", "content": "ok"}}],
+    "created": 0, "model": "kvroute-demo", "object": "chat.completion", "id": "fake",
+    "usage": {"completion_tokens": 1, "prompt_tokens": 10, "total_tokens": 11},
+    "timings": {"cache_n": 0, "prompt_n": 10, "prompt_ms": 1.0, "predicted_n": 1,
+                "predicted_ms": 1.0},
+}
+
+
+class FakeBackend:
+    def __init__(self, *, model: str = "kvroute-demo", n_ctx: int = 8192, slots: int = 2,
+                 api_key: str | None = None) -> None:
+        self.model, self.n_ctx, self.slots, self.api_key = model, n_ctx, slots, api_key
+        self.mode = "ok"
+        self.release = asyncio.Event()
+        self.requests: list[tuple[str, dict[str, str], bytes]] = []  # completions only
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def hits(self) -> int:
+        return len(self.requests)
+
+    async def start(self) -> str:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/props", self._props)
+        for path in ("/v1/chat/completions", "/v1/completions", "/completion", "/tokenize"):
+            app.router.add_post(path, self._complete)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        self.release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _health(self, _: web.Request) -> web.Response:
+        if self.mode == "hang":
+            await self.release.wait()
+        if self.mode == "sick":
+            return web.json_response({"error": "loading"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def _props(self, _: web.Request) -> web.Response:
+        if self.mode == "hang":
+            await self.release.wait()
+        return web.json_response({
+            "total_slots": self.slots, "default_generation_settings": {"n_ctx": self.n_ctx},
+            "model_alias": self.model, "model_path": "fake.gguf", "build_info": "fake",
+            "chat_template": ""})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.requests.append((request.path, dict(request.headers), raw))
+        if self.mode in ("hang", "stall"):
+            await self.release.wait()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = {}
+        if isinstance(body, dict) and body.get("stream") is True:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            chunk = {"choices": [{"index": 0, "delta": {"content": "ok"}}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        return web.json_response(ANSWER)

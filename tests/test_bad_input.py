@@ -1,0 +1,258 @@
+"""Hostile and broken requests: always a clear 4xx in the API's own error format (or a
+well-formed 503), never a 500, a hang or a traceback, and the proxy answers afterwards.
+
+Most cases run against the in-process app in front of a fake backend (a real aiohttp
+server answering valid requests with a canned completion), so the whole pipeline runs
+fast: parsing, validation, exact tokens, routing, forwarding. A small generated set
+then goes through to real llama-server backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient, TestServer
+from fake_backend import FakeBackend
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backends.binary import cache_dir
+from backends.supervisor import Supervisor
+from proxy.app import ProxySettings, create_app
+from proxy.config import (
+    Config,
+    ExternalBackendConfig,
+    ProxyConfig,
+    RoutingConfig,
+    SupervisionConfig,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+CTX = 512  # the fake backend's context per slot: "too long" is cheap to reach
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion", "/tokenize")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def client(demo_model: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> AsyncIterator[TestClient[Any, Any]]:
+    fake = FakeBackend(n_ctx=CTX)
+    await fake.start()
+    cfg = Config(proxy=ProxyConfig(port=1), routing=RoutingConfig(),
+                 backends=(ExternalBackendConfig(name="fake", url=fake.url),),
+                 llama_server=None, cache_dir=cache_dir(),
+                 log_dir=tmp_path_factory.mktemp("bad-input"),
+                 supervision=SupervisionConfig(health_interval_s=30))
+    sup = Supervisor(cfg)
+    await sup.start()
+    app = create_app(cfg, sup, ProxySettings(tokenizer=demo_model, max_body_bytes=256 << 10,
+                                             max_messages=64))
+    async with TestClient(TestServer(app, handler_cancellation=True)) as c:
+        yield c
+    await sup.stop()
+    await fake.stop()
+
+
+def check_error(path: str, status: int, data: Any) -> None:
+    """The error body in the API's own format, with a message."""
+    if path.startswith("/v1/messages"):
+        assert data["type"] == "error" and set(data["error"]) == {"type", "message"}, data
+        assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+    else:
+        assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "code"}
+        assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+
+
+async def post(client: TestClient[Any, Any], path: str, body: bytes,
+               headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async with client.post(path, data=body, headers={
+            "Content-Type": "application/json", **(headers or {})}) as r:
+        text = await r.text()
+        assert "Traceback" not in text
+        if r.status >= 400:
+            assert r.content_type == "application/json", text[:200]
+            data = json.loads(text)
+            check_error(path, r.status, data)
+            if r.status == 503:
+                assert "Retry-After" in r.headers
+            return r.status, data
+        return r.status, text
+
+
+async def still_healthy(client: TestClient[Any, Any]) -> None:
+    async with client.get("/health") as r:
+        assert r.status == 200
+
+
+# ------------------------------------------------------------------ explicit cases
+def msgs(*contents: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": c} for c in contents]
+
+
+CASES: list[tuple[str, bytes, int, str]] = [
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": NaN}]}', 400, "NaN"),
+    ("/v1/chat/completions", b"[" * 100_000, 400, "nested too deeply"),
+    ("/v1/chat/completions", b'{"messages": "\xff"}', 400, "UTF-8"),
+    ("/v1/chat/completions", b"{}", 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"messages": [1]}).encode(), 400, "messages[0]"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"content": "x"}]}).encode(), 400,
+     "role"),
+    ("/v1/chat/completions", json.dumps({"messages": msgs({"a": 1})}).encode(), 400,
+     "content"),
+    ("/v1/chat/completions", json.dumps({"messages": msgs("hi"), "max_tokens": "10"}).encode(),
+     400, "max_tokens"),
+    ("/v1/chat/completions", json.dumps({"messages": msgs("hi"), "max_tokens": 2**70}).encode(),
+     400, "max_tokens"),
+    ("/v1/chat/completions", json.dumps({"messages": msgs("hi"), "temperature": [1]}).encode(),
+     400, "temperature"),
+    ("/v1/chat/completions", json.dumps({"messages": msgs("hi"), "stop": [1, 2]}).encode(),
+     400, "stop"),
+    ("/v1/chat/completions", json.dumps({"messages": msgs("hi"), "tools": "x"}).encode(),
+     400, "tools"),
+    ("/v1/chat/completions", json.dumps({"messages": msgs(*["x"] * 65)}).encode(), 400,
+     "65 entries"),
+    ("/v1/chat/completions", json.dumps({"messages": msgs("hi"), "model": "gpt-9"}).encode(),
+     404, "gpt-9"),
+    ("/v1/chat/completions", json.dumps({"messages": msgs("apple " * 600)}).encode(), 400,
+     "context"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "model": 5}).encode(), 400, "model"),
+    ("/completion", json.dumps({"prompt": [10**9]}).encode(), 400, "out of range"),
+    ("/completion", json.dumps({"prompt": {"x": 1}}).encode(), 400, "prompt"),
+    ("/completion", json.dumps({"n_predict": 3}).encode(), 400, "prompt"),
+    ("/completion", json.dumps({"prompt": list(range(CTX + 10))}).encode(), 400, "context"),
+    ("/v1/messages", b"{not json", 400, "JSON"),
+    ("/v1/messages", json.dumps({"messages": [{"role": 5, "content": "y"}]}).encode(), 400,
+     "role"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+async def test_bad_request_gets_a_clear_4xx(client: TestClient[Any, Any], path: str,
+                                            body: bytes, status: int, needle: str) -> None:
+    got, data = await post(client, path, body)
+    assert got == status, data
+    assert needle in json.dumps(data), data
+    await still_healthy(client)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_huge_body_is_413_in_api_format(client: TestClient[Any, Any], path: str) -> None:
+    body = json.dumps({"messages": msgs("x" * (300 << 10))}).encode()
+    got, data = await post(client, path, body)
+    assert got == 413, data
+    await still_healthy(client)
+
+
+async def test_valid_request_still_works(client: TestClient[Any, Any]) -> None:
+    got, text = await post(client, "/v1/chat/completions",
+                           json.dumps({"model": "kvroute-demo", "messages": msgs("hi")}).encode())
+    assert got == 200 and json.loads(text)["choices"]
+
+
+# --------------------------------------------------------------- generated (hypothesis)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+FIELDS = ("model", "messages", "prompt", "max_tokens", "temperature", "stream", "stop",
+          "tools", "n", "seed", "id_slot", "stream_options", "n_predict", "top_k",
+          "system", "content", "tool_choice", "response_format", "cache_prompt")
+message = st.fixed_dictionaries({}, optional={
+    "role": st.sampled_from(["user", "assistant", "system", "tool", "developer", ""])
+    | json_values,
+    "content": st.text(max_size=40) | json_values,
+    "tool_calls": json_values, "name": json_values})
+bodies = st.fixed_dictionaries({}, optional={
+    "messages": st.lists(message, max_size=5) | json_values,
+    **{f: json_values for f in FIELDS if f != "messages"}})
+raw_bodies = (bodies.map(lambda b: json.dumps(b).encode())
+              | st.binary(max_size=300)
+              | st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")))
+paths = st.sampled_from((*OPENAI_PATHS, "/v1/messages", "/v1/messages/count_tokens"))
+HYPO = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow])
+
+
+@HYPO
+@given(path=paths, body=raw_bodies)
+async def test_generated_requests_never_5xx(client: TestClient[Any, Any], path: str,
+                                            body: bytes) -> None:
+    status, _ = await post(client, path, body)
+    assert status < 500 or status == 503
+    await still_healthy(client)
+
+
+async def raw_http(client: TestClient[Any, Any], head: bytes, body: bytes
+                   ) -> tuple[int, str, bytes]:
+    """Send bytes the aiohttp client would refuse; (status, content type, body)."""
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    try:
+        writer.write(head + b"Content-Length: " + str(len(body)).encode() + b"\r\n"
+                     + b"Connection: close\r\n\r\n" + body)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    header, _, payload = raw.partition(b"\r\n\r\n")
+    lines = header.decode("latin-1").split("\r\n")
+    ctype = next((ln.split(":", 1)[1].strip() for ln in lines[1:]
+                  if ln.lower().startswith("content-type:")), "")
+    return int(lines[0].split()[1]), ctype, payload
+
+
+@HYPO
+@given(name=st.sampled_from([b"Host", b"X-Forwarded-Host", b"X-Session-Id", b"Content-Type",
+                             b"X-Claude-Code-Session-Id", b"Authorization", b"x-api-key",
+                             b"Transfer-Encoding", b"X-Kvroute-Backend", b"Connection"]),
+       value=st.binary(max_size=60))
+async def test_generated_headers_never_5xx(client: TestClient[Any, Any], name: bytes,
+                                           value: bytes) -> None:
+    # CR/LF, NUL and any other byte: an injection attempt is a 400 from the HTTP layer
+    # (before any API code runs) or an ordinary answer; never a 5xx or a dead server
+    body = json.dumps({"messages": msgs("hi"), "max_tokens": 1}).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n" + name + b": " + value + b"\r\n")
+    status, ctype, payload = await raw_http(client, head, body)
+    assert status < 500, payload[:200]
+    if ctype.startswith("application/json") and status >= 400:
+        check_error("/v1/chat/completions", status, json.loads(payload))
+    await still_healthy(client)
+
+
+# ------------------------------------------------------------ through to real backends
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def real(backend_pool: Any) -> AsyncIterator[TestClient[Any, Any]]:
+    sup = await backend_pool()
+    app = create_app(sup.config, sup, ProxySettings(max_messages=64))
+    async with TestClient(TestServer(app, handler_cancellation=True)) as c:
+        yield c
+
+
+small_bodies = st.fixed_dictionaries(
+    {"messages": st.lists(message, min_size=1, max_size=3)},
+    optional={f: json_values for f in ("max_tokens", "temperature", "stop", "seed", "n",
+                                       "stream", "tools", "top_k", "response_format")})
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=small_bodies)
+async def test_generated_requests_on_real_backends_never_5xx(real: TestClient[Any, Any],
+                                                             body: dict[str, Any]) -> None:
+    # NOTE: bounded generation: a generated max_tokens could ask for 2^31 tokens
+    if body.get("max_tokens") is None or isinstance(body["max_tokens"], int):
+        body = {**body, "max_tokens": 2}
+    status, data = await post(real, "/v1/chat/completions", json.dumps(body).encode())
+    assert status < 500 or status == 503, data
+    await still_healthy(real)
