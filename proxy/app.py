@@ -21,7 +21,6 @@ import contextlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -40,39 +39,17 @@ from proxy.errors import (
     from_http_exception,
 )
 from proxy.feedback import Recorder
-from proxy.health import BackendHealth, HealthSettings
+from proxy.health import BackendHealth
 from proxy.health import capacity as capacity
 from proxy.logging import get_logger
 from proxy.metrics import ProxyMetrics
 from proxy.pipeline import Forwarder
 from proxy.prompt import PromptBuilder
 from proxy.router import Router
+from proxy.settings import ProxySettings
 
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@dataclass(frozen=True)
-class ProxySettings:
-    """Proxy knobs not (yet) in Config; create_app() reads Config.proxy when it has them."""
-
-    api_keys: tuple[str, ...] = ()          # client keys; empty = no auth
-    protect_admin: bool = True              # /metrics and /kvroute/status need a key too
-    max_body_bytes: int = 32 << 20          # larger bodies -> 413
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 600.0           # between bytes: a cold 30k prompt on CPU is slow
-    # until the client's first byte (a whole non-streamed answer): retried elsewhere past it
-    first_byte_timeout_s: float = 600.0
-    retry_attempts: int = 3                 # backends tried for a request that got no answer
-    max_in_flight: int = 256                # requests served at once by this proxy
-    max_queue: int = 512                    # requests waiting for one of those places
-    queue_timeout_s: float = 30.0           # longest wait for a place (then 429)
-    max_messages: int = 8192                # longer `messages` arrays -> 400
-    strict_models: bool = True              # an OpenAI `model` no backend serves -> 404
-    log_prompts: bool = False               # debug: log request bodies (never keys)
-    health: HealthSettings = field(default_factory=HealthSettings)  # probes, breakers
-    inline_tokenize_bytes: int = 16 << 10   # smaller bodies tokenize on the loop (measured)
-    tokenizer: Path | None = None           # GGUF to tokenize with (default: first managed)
 
 
 CONFIG = web.AppKey("kvroute.config", Config)
@@ -93,7 +70,7 @@ CURSOR: web.AppKey[list[int]] = web.AppKey("kvroute.cursor")
 def create_app(config: Config, supervisor: Supervisor,
                settings: ProxySettings | None = None) -> web.Application:
     """The proxy application; `supervisor` must be started/stopped by the caller."""
-    settings = settings or _settings_from(config)
+    settings = settings or config.proxy.settings
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[_errors_middleware, _auth_middleware,
                                        _admission_middleware])
@@ -118,24 +95,6 @@ def create_app(config: Config, supervisor: Supervisor,
 
     anthropic.add_routes(app)
     return app
-
-
-def _settings_from(config: Config) -> ProxySettings:
-    # NOTE: getattr so that fields the config may grow (issue 7) take effect unchanged.
-    p, d = config.proxy, ProxySettings()
-    keys = getattr(p, "api_keys", ()) or ()
-    plain = {f: getattr(p, f, getattr(d, f)) for f in _CONFIG_FIELDS}
-    h = HealthSettings()
-    health = HealthSettings(**{f: getattr(p, f, getattr(h, f)) for f in _HEALTH_FIELDS})
-    return ProxySettings(api_keys=tuple(keys), health=health, **plain)
-
-
-# ProxyConfig fields (issue 7) that map 1:1 onto ProxySettings / HealthSettings.
-_CONFIG_FIELDS = ("protect_admin", "max_body_bytes", "connect_timeout_s", "read_timeout_s",
-                  "first_byte_timeout_s", "retry_attempts", "max_in_flight", "max_queue",
-                  "queue_timeout_s", "max_messages", "strict_models", "log_prompts")
-_HEALTH_FIELDS = ("probe_interval_s", "probe_timeout_s", "breaker_failures",
-                  "open_backoff_s", "open_backoff_max_s")
 
 
 def tokenizer_model(config: Config) -> tuple[Path, str | None] | None:

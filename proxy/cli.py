@@ -19,6 +19,7 @@ import os
 import platform
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ConfigError, RuntimeError) as e:  # BinaryError is a RuntimeError
         print(f"kvroute: {e}", file=sys.stderr)
         return 2
+    if args.log_prompts:
+        settings = replace(cfg.proxy.settings, log_prompts=True)
+        cfg = replace(cfg, proxy=replace(cfg.proxy, settings=settings))
+    # prompts reach the log only when asked for explicitly (flag or proxy.log_prompts)
+    configure_logging(args.log_level, log_prompts=cfg.proxy.settings.log_prompts)
     return asyncio.run(_serve(cfg))
 
 
@@ -275,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, help="proxy port (overrides proxy.port)")
     s.add_argument("--policy", help="prefix | round_robin | least_loaded | random")
     s.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    s.add_argument("--log-prompts", action="store_true",
+                   help="also log request bodies (prompts) at debug level; never API keys")
     s.set_defaults(func=cmd_serve)
     d = sub.add_parser("doctor", help="check the installation, config and backends")
     d.add_argument("--config", type=Path, help="config file (default: ./config.yaml)")

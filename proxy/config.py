@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -20,6 +21,7 @@ import yaml
 
 from backends.binary import cache_dir as default_cache_dir
 from backends.demo_model import DemoModelParams, demo_model_path
+from proxy.settings import HealthSettings, ProxySettings
 
 POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 DEMO = "demo"  # `model: demo` = the synthesised demo model
@@ -34,6 +36,7 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     policy: str = "prefix"  # one of POLICIES
+    settings: ProxySettings = field(default_factory=ProxySettings)  # the other proxy: keys
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,56 @@ def _backend(raw: object, i: int, base: Path, demo: Path, allow_missing_demo: bo
     return b
 
 
+def _check_knob(where: str, key: str, value: object, default: object) -> None:
+    """A knob must have its default's type: a float knob takes an int (1 == 1.0), an int
+    knob does not take a float, and a bool is neither."""
+    want = (int | float) if isinstance(default, float) else type(default)
+    if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, want):
+        raise ConfigError(f"{where}{key}: expected {type(default).__name__}, got "
+                          f"{_show(value)} (fix: e.g. {key}: {default})")
+
+
+def _knobs(raw: Mapping[Any, Any], where: str, defaults: object,
+           special: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Validate flat scalar knobs of a dataclass; keys in `special` are left to the caller."""
+    known = {f.name for f in fields(defaults)}  # type: ignore[arg-type]
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in special:
+            continue
+        if key not in known:
+            raise ConfigError(_fix_unknown(where, str(key), sorted(known | set(special))))
+        default = getattr(defaults, key)
+        _check_knob(where, key, value, default)
+        out[key] = float(value) if isinstance(default, float) else value
+    return out
+
+
+# proxy: keys that are not ProxySettings knobs, or not plain scalars
+_PROXY_OWN = ("host", "port", "policy", "api_keys", "health", "tokenizer")
+# Client API keys may come from the environment, so they need not sit in a file.
+API_KEYS_ENV = "KVROUTE_API_KEYS"
+
+
+def _proxy_settings(sec: _Section, base: Path) -> ProxySettings:
+    knobs = _knobs(sec.raw, "proxy.", ProxySettings(), special=_PROXY_OWN)
+    sec.used.update(knobs)
+    keys = list(sec.get_str_list("api_keys"))
+    keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    health_raw = _Section(sec._get("health"), "proxy.health.")
+    health = HealthSettings(**_knobs(health_raw.raw, "proxy.health.", HealthSettings()))
+    tokenizer = sec.get_str("tokenizer", None, "/models/my-model.gguf")
+    tok_path = _path(base, tokenizer) if tokenizer else None
+    if tok_path is not None and not tok_path.is_file():
+        raise ConfigError(f"proxy.tokenizer: file not found: {tok_path} (fix: the GGUF the "
+                          "external backends serve, for exact tokens)")
+    for key, value in knobs.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
+            raise ConfigError(f"proxy.{key}: expected a positive number, got {value!r} "
+                              f"(fix: e.g. {key}: {getattr(ProxySettings(), key)})")
+    return ProxySettings(api_keys=tuple(keys), health=health, tokenizer=tok_path, **knobs)
+
+
 def _routing(raw: object) -> RoutingConfig:
     sec = _Section(raw, "routing.")
     settings = MappingProxyType(dict(sec.raw))
@@ -277,12 +330,7 @@ def _routing(raw: object) -> RoutingConfig:
     for key, value in settings.items():
         if key not in known:
             raise ConfigError(_fix_unknown("routing.", str(key), sorted(known)))
-        default = getattr(defaults, key)
-        # a float knob takes an int (1 == 1.0); an int knob does not take a float
-        want = (int | float) if isinstance(default, float) else type(default)
-        if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, want):
-            raise ConfigError(f"routing.{key}: expected {type(default).__name__}, got "
-                              f"{_show(value)} (fix: e.g. {key}: {default})")
+        _check_knob("routing.", key, value, getattr(defaults, key))
     try:
         RouterSettings(**settings)
     except (TypeError, ValueError) as e:
@@ -304,8 +352,9 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
         host=proxy_sec.get_str("host", "127.0.0.1", "127.0.0.1") or "127.0.0.1",
         port=proxy_sec.get_int("port", 8080, hi=65535),
         policy=policy or "prefix",
+        settings=_proxy_settings(proxy_sec, base),
     )
-    proxy_sec.finish([f.name for f in fields(ProxyConfig)])
+    proxy_sec.finish()
 
     sup_sec = _Section(top._get("supervision"), "supervision.")
     sd = SupervisionConfig()

@@ -36,17 +36,9 @@ import aiohttp
 from backends.supervisor import BackendInfo
 from proxy.metrics import ProxyMetrics
 from proxy.router import BackendCapacity, Router
+from proxy.settings import HealthSettings
 
 CLOSED, OPEN = "closed", "open"
-
-
-@dataclass(frozen=True)
-class HealthSettings:
-    probe_interval_s: float = 1.0     # how often routable backends are probed
-    probe_timeout_s: float = 2.0      # a /health slower than this is a failure
-    breaker_failures: int = 3         # consecutive failed probes that open the breaker
-    open_backoff_s: float = 0.5       # first wait before a half-open probe
-    open_backoff_max_s: float = 15.0
 
 
 @dataclass

@@ -135,6 +135,20 @@ def test_unknown_keys_are_rejected(tmp_path: Path, demo_model: Path, data: Any,
      "backends[0]: give exactly one of 'model'"),
     ({"backends": [{"name": "x", "url": "h:1"}]}, "backends[0].url: expected an http(s) URL"),
     ({"backends": [managed()], "proxy": [1]}, "proxy: expected a mapping"),
+    ({"backends": [managed()], "proxy": {"max_in_flight": "many"}},
+     "proxy.max_in_flight: expected int, got 'many'"),
+    ({"backends": [managed()], "proxy": {"queue_timeout_s": 0}},
+     "proxy.queue_timeout_s: expected a positive number"),
+    ({"backends": [managed()], "proxy": {"log_prompts": "yes"}},
+     "proxy.log_prompts: expected bool"),
+    ({"backends": [managed()], "proxy": {"max_in_flght": 3}},
+     "proxy.max_in_flght: unknown key (fix: did you mean 'max_in_flight'?)"),
+    ({"backends": [managed()], "proxy": {"health": {"breaker": 2}}},
+     "proxy.health.breaker: unknown key (fix: did you mean 'breaker_failures'?)"),
+    ({"backends": [managed()], "proxy": {"api_keys": "k"}},
+     "proxy.api_keys: expected a list of strings"),
+    ({"backends": [managed()], "proxy": {"tokenizer": "/nonexistent.gguf"}},
+     "proxy.tokenizer: file not found"),
     ("proxy: [", "not valid YAML"),
 ])
 def test_bad_values_name_the_field(tmp_path: Path, demo_model: Path, data: Any,
@@ -188,3 +202,15 @@ def test_cli_overrides_are_validated(tmp_path: Path, demo_model: Path, busy_port
 def test_unreadable_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--config: cannot read"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_proxy_knobs_and_api_keys_from_the_environment(
+        tmp_path: Path, demo_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVROUTE_API_KEYS", " env-one, ,env-two ")
+    cfg = load(tmp_path, {"backends": [managed()], "proxy": {
+        "api_keys": ["file-key"], "max_in_flight": 3, "queue_timeout_s": 2,
+        "health": {"breaker_failures": 5}}})
+    s = cfg.proxy.settings
+    assert s.api_keys == ("file-key", "env-one", "env-two")
+    assert (s.max_in_flight, s.queue_timeout_s, s.health.breaker_failures) == (3, 2.0, 5)
+    assert isinstance(s.queue_timeout_s, float)
