@@ -1,0 +1,347 @@
+"""`python -m loadtest run`: the same seeded workload against several policies.
+
+Each policy gets fresh backends (empty caches): `kvroute serve` is started as a
+subprocess on a generated config and free ports, waited for on /health, measured, and
+stopped with SIGTERM (it stops its llama-servers). `direct` is the no-proxy baseline: one
+llama-server (same slots and threads) started in-process by the Supervisor. `--target`
+measures any OpenAI-compatible URL (e.g. another router) on the same workload instead.
+With `--rates` the whole comparison is repeated per arrival rate: a sweep, whose TTFT
+percentiles per rate show where each policy's knee is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from loadtest import workloads as wl
+from loadtest.client import LoadClient, RunOutcome, check_loopback
+
+PROXY_POLICIES = ("prefix", "round_robin", "least_loaded", "random")
+DEFAULT_POLICIES = "prefix,round_robin,least_loaded,direct"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What each policy run starts: n managed demo-model backends."""
+
+    backends: int = 2
+    slots: int = 2
+    threads: int = 1
+    ctx_per_slot: int = 8192
+    cache_ram_mib: int = 1024
+    model: str = "demo"
+    startup_timeout_s: float = 180.0
+
+
+@dataclass
+class PolicyRun:
+    policy: str  # prefix | round_robin | ... | direct | target
+    rate: float | None
+    outcome: RunOutcome
+    metrics: dict[str, Any] = field(default_factory=dict)  # scraped from kvroute /metrics
+    startup_s: float = 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_config(path: Path, cluster: Cluster, n_backends: int, policy: str) -> Path:
+    cfg = {
+        "proxy": {"host": "127.0.0.1", "port": free_port(), "policy": policy},
+        "log_dir": str(path.parent / "logs" / path.stem),
+        "supervision": {"startup_timeout_s": cluster.startup_timeout_s},
+        "backends": [{"name": chr(ord("a") + i), "model": cluster.model,
+                      "slots": cluster.slots, "ctx_per_slot": cluster.ctx_per_slot,
+                      "threads": cluster.threads, "cache_ram_mib": cluster.cache_ram_mib}
+                     for i in range(n_backends)],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+async def _wait_health(url: str, n: int, proc: subprocess.Popen[bytes],
+                       timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvroute serve exited with {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                async with http.get(url + "/health") as r:
+                    if r.status == 200 and (await r.json()).get("backends_ready", 0) >= n:
+                        return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"kvroute at {url} not healthy within {timeout_s:.0f} s")
+
+
+@contextlib.asynccontextmanager
+async def kvroute_serve(cfg_path: Path, policy: str, n: int,
+                        timeout_s: float) -> AsyncIterator[str]:
+    """A `kvroute serve` subprocess; yields its URL, SIGTERMs it (and waits) on exit."""
+    port = int(yaml.safe_load(cfg_path.read_text())["proxy"]["port"])
+    log = cfg_path.with_suffix(".serve.log")
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg_path),
+             "--port", str(port), "--policy", policy, "--log-level", "warning"],
+            stdout=fh, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_health(url, n, proc, timeout_s)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                # NOTE: its supervisor did not finish in time; its llama-servers run in
+                # their own process groups and are stopped by their own parent-death check
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def direct_backend(cfg_path: Path, timeout_s: float) -> AsyncIterator[tuple[str, str | None]]:
+    """One managed llama-server, no proxy; yields (url, api key)."""
+    from backends.supervisor import Supervisor
+    from proxy.config import load_config
+
+    sup = Supervisor(load_config(cfg_path, check_port=False))
+    try:
+        await asyncio.wait_for(sup.start(), timeout_s)
+        ready = sup.ready()
+        if not ready:
+            raise RuntimeError(f"direct backend did not start: {sup.statuses()}")
+        yield ready[0].url, ready[0].api_key
+    finally:
+        await sup.stop()
+
+
+async def scrape_metrics(url: str) -> dict[str, Any]:
+    """kvroute's prediction error and per-backend token counters (empty if none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+                    http.get(url + "/metrics") as r):
+            text = await r.text() if r.status == 200 else ""
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+    out: dict[str, Any] = {"per_backend": {}}
+    per = out["per_backend"]
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            b = s.labels.get("backend")
+            if s.name == "kvroute_prediction_error_tokens_sum":
+                out["prediction_error_sum"] = s.value
+            elif s.name == "kvroute_prediction_error_tokens_count":
+                out["prediction_error_count"] = s.value
+            elif b and s.name in ("kvroute_prompt_tokens_total",
+                                  "kvroute_predicted_cached_tokens_total",
+                                  "kvroute_reported_cached_tokens_total"):
+                key = s.name.removeprefix("kvroute_").removesuffix("_total")
+                per.setdefault(b, {})[key] = s.value
+            elif b and s.name == "kvroute_requests_total":
+                d = per.setdefault(b, {})
+                d["requests"] = d.get("requests", 0) + s.value
+    n = out.get("prediction_error_count", 0)
+    if n:
+        out["prediction_error_mean"] = out["prediction_error_sum"] / n
+    return out
+
+
+class Bar:
+    """One stderr line per run, rewritten in place (no dependency)."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.t0, self.tty = label, time.monotonic(), sys.stderr.isatty()
+        self._last = -1.0
+        self._finished = False
+
+    def __call__(self, done: int, total: int, errors: int) -> None:
+        now = time.monotonic()
+        if self._finished or (done < total and now - self._last < (0.2 if self.tty else 10.0)):
+            return
+        self._last, self._finished = now, done >= total
+        width = 24
+        fill = int(width * done / total) if total else width
+        line = (f"[{self.label}] |{'#' * fill}{'.' * (width - fill)}| {done}/{total} "
+                f"requests, {errors} errors, {now - self.t0:.0f} s")
+        end = "\n" if done >= total or not self.tty else ""
+        print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
+
+
+def build_workload(args: argparse.Namespace, rate: float | None = None) -> wl.Workload:
+    if args.workload == "agentic":
+        return wl.agentic(sessions=args.sessions, turns=args.turns,
+                          prefix_tokens=args.prefix_tokens, context_tokens=args.context_tokens,
+                          tool_tokens=args.tool_tokens, max_tokens=args.max_tokens,
+                          think_s=args.think, session_rate=rate or args.rate,
+                          side_calls=not args.no_side_calls, api=args.api or "openai",
+                          seed=args.seed)
+    if args.workload == "shared-prefix":
+        return wl.shared_prefix(groups=args.groups, prompts=args.prompts,
+                                system_tokens=args.system_tokens,
+                                question_tokens=args.question_tokens,
+                                max_tokens=args.max_tokens, rate=rate or args.rate,
+                                api=args.api or "openai", seed=args.seed)
+    return wl.trace(path=args.trace, requests=args.requests, rate=rate or args.rate,
+                    block=args.block, max_tokens=args.max_tokens, api=args.api or "llama",
+                    seed=args.seed)
+
+
+def needed_ctx(workload: wl.Workload, max_tokens: int) -> int:
+    """Per-slot context for the largest prompt, rounded up to 1024 (at least 4096)."""
+    top = max((r.approx_prompt_tokens for r in workload.requests()), default=0)
+    need = int(top * 1.1) + max_tokens + 256  # template tokens the estimate leaves out
+    return max(4096, -(-need // 1024) * 1024)
+
+
+async def run_one(policy: str, workload: wl.Workload, cluster: Cluster, work_dir: Path,
+                  args: argparse.Namespace, rate: float | None) -> PolicyRun:
+    tag = policy + (f"-r{rate:g}" if rate is not None else "")
+    client_kw = dict(max_requests=args.max_requests, time_limit_s=args.time_limit,
+                     request_timeout_s=args.request_timeout, progress=Bar(tag),
+                     ignore_eos=not args.no_ignore_eos)
+    t0 = time.monotonic()
+    if policy == "target":
+        client = LoadClient(args.target, args.target_key, **client_kw)
+        outcome = await client.run(workload)
+        return PolicyRun(policy, rate, outcome, await scrape_metrics(client.base))
+    if policy == "direct":
+        cfg = write_config(work_dir / f"{tag}.yaml", cluster, 1, "round_robin")
+        async with direct_backend(cfg, cluster.startup_timeout_s) as (url, key):
+            started = time.monotonic() - t0
+            outcome = await LoadClient(url, key, label="direct", **client_kw).run(workload)
+        return PolicyRun(policy, rate, outcome, {}, started)
+    cfg = write_config(work_dir / f"{tag}.yaml", cluster, cluster.backends, policy)
+    async with kvroute_serve(cfg, policy, cluster.backends, cluster.startup_timeout_s) as url:
+        started = time.monotonic() - t0
+        outcome = await LoadClient(url, **client_kw).run(workload)
+        metrics = await scrape_metrics(url)
+    return PolicyRun(policy, rate, outcome, metrics, started)
+
+
+async def run_all(args: argparse.Namespace,
+                  on_run: Callable[[list[PolicyRun]], None] | None = None) -> list[PolicyRun]:
+    """Every (rate, policy) run in order; ``on_run(runs so far)`` after each one."""
+    # SIGTERM (e.g. `timeout`) cancels us, so the context managers stop what we started
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    if task is not None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    policies = ["target"] if args.target else [p.strip() for p in args.policies.split(",")
+                                               if p.strip()]
+    for p in policies:
+        if p not in (*PROXY_POLICIES, "direct", "target"):
+            raise ValueError(f"unknown policy {p!r}: {DEFAULT_POLICIES},random")
+    rates: list[float | None] = ([float(x) for x in args.rates.split(",")] if args.rates
+                                 else [None])
+    work_dir = Path(args.out) / "runs"
+    runs: list[PolicyRun] = []
+    for rate in rates:
+        workload = build_workload(args, rate)
+        cluster = Cluster(backends=args.backends, slots=args.slots, threads=args.threads,
+                          ctx_per_slot=args.ctx or needed_ctx(workload, args.max_tokens),
+                          cache_ram_mib=args.cache_ram_mib)
+        for p in policies:
+            runs.append(await run_one(p, workload, cluster, work_dir, args, rate))
+            if on_run is not None:
+                on_run(runs)
+    return runs
+
+
+def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
+    a = p.add_argument
+    a("--workload", choices=wl.WORKLOADS, default="agentic")
+    a("--policies", default=DEFAULT_POLICIES, help="comma-separated; direct = 1 backend")
+    a("--target", help="measure this OpenAI-compatible loopback URL instead")
+    a("--target-key", help="API key for --target")
+    a("--out", default="loadtest-out", help="report directory")
+    a("--rates", help="comma-separated arrival rates (/s): a sweep")
+    a("--rate", type=float, default=0.5, help="arrivals/s (agentic: session starts)")
+    a("--seed", type=int, default=0)
+    a("--api", choices=wl.APIS, help="request format (default openai; trace: llama)")
+    a("--max-tokens", type=int, default=16, help="output tokens per request")
+    a("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    g = p.add_argument_group("agentic")
+    g.add_argument("--sessions", type=int, default=4)
+    g.add_argument("--turns", type=int, default=4)
+    g.add_argument("--prefix-tokens", type=int, default=6000)
+    g.add_argument("--context-tokens", type=int, default=1000)
+    g.add_argument("--tool-tokens", type=int, default=300)
+    g.add_argument("--think", type=float, default=1.0, help="mean think time (s)")
+    g.add_argument("--no-side-calls", action="store_true")
+    g = p.add_argument_group("shared-prefix")
+    g.add_argument("--groups", type=int, default=4)
+    g.add_argument("--prompts", type=int, default=8)
+    g.add_argument("--system-tokens", type=int, default=2000)
+    g.add_argument("--question-tokens", type=int, default=100)
+    g = p.add_argument_group("trace")
+    g.add_argument("--trace", default=default_trace)
+    g.add_argument("--requests", type=int, default=100)
+    g.add_argument("--block", type=int, default=32, help="tokens per hash id (trace: 512)")
+    g = p.add_argument_group("cluster and bounds")
+    g.add_argument("--backends", type=int, default=2)
+    g.add_argument("--slots", type=int, default=2)
+    g.add_argument("--threads", type=int, default=1)
+    g.add_argument("--ctx", type=int, default=0, help="per slot (default: fits the workload)")
+    g.add_argument("--cache-ram-mib", type=int, default=1024)
+    g.add_argument("--max-requests", type=int, default=500, help="per policy run")
+    g.add_argument("--time-limit", type=float, default=300.0, help="s per policy run")
+    g.add_argument("--request-timeout", type=float, default=120.0)
+
+
+def main_run(args: argparse.Namespace) -> int:
+    from loadtest import report
+    from proxy.logging import configure_logging
+
+    configure_logging("warning")  # the in-process `direct` Supervisor logs every state change
+    if args.target:
+        try:
+            check_loopback(args.target)
+        except ValueError as e:
+            print(f"loadtest: {e}", file=sys.stderr)
+            return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workload = build_workload(args)
+
+    def partial(runs: list[PolicyRun]) -> None:
+        # a long sweep that is interrupted still leaves the runs it finished
+        report.write(out, runs, workload, vars(args), with_plots=False)
+
+    try:
+        runs = asyncio.run(run_all(args, partial))
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"loadtest: {e}", file=sys.stderr)
+        return 1
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        print(f"loadtest: interrupted; finished runs are in {out}/report.md", file=sys.stderr)
+        return 130
+    paths = report.write(out, runs, workload, vars(args))
+    for path in paths:
+        print(path)
+    print(report.console_table(runs, workload.oracle_reuse), file=sys.stderr)
+    return 0 if all(r.outcome.results for r in runs) else 1
+

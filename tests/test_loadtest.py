@@ -1,0 +1,113 @@
+"""loadtest: workload determinism, trace block mapping, loopback guard, and one tiny
+bounded live A/B run through the runner (real kvroute + llama-server on the demo model)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest import workloads as wl
+from loadtest.__main__ import DEFAULT_TRACE
+from loadtest.client import check_loopback
+from loadtest.trace import TraceRequest, block_tokens
+
+TRACE = Path(__file__).resolve().parents[1] / DEFAULT_TRACE
+
+
+def test_agentic_is_deterministic_and_shares_the_prefix() -> None:
+    a = wl.agentic(sessions=3, turns=3, prefix_tokens=500, seed=7)
+    b = wl.agentic(sessions=3, turns=3, prefix_tokens=500, seed=7)
+    assert a.fingerprint() == b.fingerprint()
+    assert a.fingerprint() != wl.agentic(sessions=3, turns=3, prefix_tokens=500,
+                                         seed=8).fingerprint()
+    reqs = a.requests()
+    system = {r.body["messages"][0]["content"] for r in reqs}
+    assert len(system) == 1  # one shared system prompt + tools
+    # each turn extends the previous one's messages (what makes the cache pay)
+    s0 = [st.main for st in a.sessions[0].steps]
+    for prev, nxt in itertools.pairwise(s0):
+        assert nxt.body["messages"][: len(prev.body["messages"])] == prev.body["messages"]
+    kinds = {r.kind for r in reqs}
+    assert {"main", "title"} <= kinds
+    anth = wl.agentic(sessions=1, turns=2, prefix_tokens=100, api="anthropic")
+    assert all("system" in r.body and r.body["messages"][0]["role"] == "user"
+               for r in anth.requests())
+
+
+def test_word_text_is_one_token_per_word() -> None:
+    # the sizes in tokens hold only if every word is a single demo-vocabulary token
+    from backends.demo_model import DemoModelParams, demo_model_path
+    from proxy.tokenizer import FragmentTokenizer
+
+    path = demo_model_path(DemoModelParams())
+    if not path.is_file():
+        pytest.skip("demo model not prepared")
+    import random
+
+    text = wl.words(random.Random(1), 500)
+    assert len(FragmentTokenizer(path).tokenize(text, add_special=False)) == 500
+
+
+def test_trace_block_mapping_and_group_sampling() -> None:
+    r = TraceRequest(0.0, 70, 1, (5, 6, 7))
+    scaled = wl.scale_request(r, 32)
+    assert scaled.input_length == 5  # ceil(70 * 32 / 512)
+    r2 = TraceRequest(0.0, 1200, 1, (5, 6, 9))
+    p1, p2 = wl.trace_prompt(wl.scale_request(r2, 16), 16), block_tokens(5, 16)
+    assert p1[:16] == p2 and len(p1) == 38
+    w1 = wl.trace(path=str(TRACE), requests=40, rate=2.0, block=16, seed=3)
+    w2 = wl.trace(path=str(TRACE), requests=40, rate=2.0, block=16, seed=3)
+    assert w1.fingerprint() == w2.fingerprint()
+    assert len(w1.requests()) >= 40
+    starts = [s.start_s for s in w1.sessions]
+    assert starts == sorted(starts)
+    assert abs((len(starts) - 1) / starts[-1] - 2.0) < 1e-6  # mean rate as asked
+    # whole groups: every sampled request's root group is complete
+    trace = wl.load_mooncake(TRACE)
+    roots = {int(r.session[1:]) for r in w1.requests()}
+    n_in_roots = sum(1 for t in trace if t.hash_ids[0] in roots)
+    assert n_in_roots == len(w1.requests())
+    assert 0.0 < (w1.oracle_reuse or 0) < 1.0
+
+
+def test_loopback_only() -> None:
+    assert check_loopback("http://127.0.0.1:8080/v1/") == "http://127.0.0.1:8080"
+    assert check_loopback("http://localhost:1") == "http://localhost:1"
+    assert check_loopback("http://[::1]:9") == "http://[::1]:9"
+    for bad in ("http://10.0.0.5:8080", "http://example.com", "ftp://127.0.0.1"):
+        with pytest.raises(ValueError):
+            check_loopback(bad)
+
+
+@pytest.mark.timeout(240)
+async def test_tiny_live_ab_run(tmp_path: Path, llama_server_bin: Path,
+                                demo_model: Path) -> None:
+    from loadtest import report
+    from loadtest.runner import add_arguments, build_workload, run_all
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, str(TRACE))
+    args = p.parse_args(["--workload", "agentic", "--sessions", "2", "--turns", "2",
+                         "--prefix-tokens", "400", "--context-tokens", "100",
+                         "--tool-tokens", "50", "--think", "0.1", "--rate", "5",
+                         "--max-tokens", "4", "--policies", "prefix,direct",
+                         "--out", str(tmp_path), "--time-limit", "90"])
+    runs = await run_all(args)
+    workload = build_workload(args)
+    paths = report.write(tmp_path, runs, workload, vars(args))
+    assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert [r["policy"] for r in doc["runs"]] == ["prefix", "direct"]
+    for s in doc["runs"]:
+        assert s["ok"] == s["requests"] == len(workload.requests()) == 6
+        assert 0 < s["ttft_p50"] <= s["ttft_p90"] <= s["e2e_p90"] < 60
+        # turn 1 repeats turn 0's prompt: most of it must come back from the cache
+        assert s["reused_ratio_per_turn"]["1"] > 0.6
+    prefix = doc["runs"][0]
+    assert set(prefix["requests_per_backend"]) <= {"a", "b"}
+    assert prefix["kvroute_metrics"]["prediction_error_count"] == 6
+    assert "| prefix |" in (tmp_path / "report.md").read_text()
