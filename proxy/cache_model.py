@@ -12,14 +12,23 @@ Mirrors the pinned build (../shared/notes/llama-server.md, "Slots", "The prompt 
 - Then the best RAM entry is *loaded* (moved out of the cache, not copied): candidates
   share >= 25% of their own tokens with the prompt and must beat the slot's current
   state on both kept fraction and similarity.
+- The save-then-load step runs whenever the server does not select the slot by similarity:
+  an unpinned request that lands by LRU, or a pinned one sharing no more than
+  ``slot_similarity`` of its prompt with the slot (its kept fraction is then taken as 0).
 - A request pinned to an *empty* slot does not consult the RAM cache (upstream #28139).
+- If the slot is kept (not saved), the tail of its sequence beyond the common prefix is
+  truncated: gone for good unless another slot or a (loadable) RAM entry holds it.
+  ``Placement.destroyed`` counts those tokens, so the policy can charge for them.
 - ``--cache-idle-slots`` (default on): once a request has taken its slot, every *idle*
   slot's state is saved to the RAM cache too (same rules as above; with a unified KV
   cache the slot is then cleared, otherwise it keeps its copy). So the prefix of a slot
   that has since become busy is usually still loadable from RAM by another slot
   (server-context.cpp, ``__TEST_TAG_CACHE_IDLE_SLOT__``).
 - Unpinned: the idle slot with the highest LCP similarity (lcp / prompt) above 0.10,
-  otherwise the least recently used idle slot (never-used slots first).
+  otherwise the least recently used idle slot (never-used slots first, the last of equals).
+- A request the server cannot place is deferred; when a slot is released the oldest
+  deferred request is retried and lands in the idle slot(s) by the rules above
+  (``predict_queued`` guesses which slot that will be, at decision time).
 
 The sequences themselves live in a shared :class:`~proxy.tree.RadixTree` under holders
 ``(backend, SLOT, i)`` and ``(backend, RAM, entry_id)``; this class keeps the lengths the
@@ -80,7 +89,9 @@ class Placement:
     reuse: int  # tokens reused (<= prompt - 1)
     tier: str  # "slot" | "ram" | "none"
     ram_entry: int | None  # RAM entry loaded into the slot, if any
-    displaced: int  # tokens of the slot's previous content it loses (saved to RAM or gone)
+    displaced: int  # tokens of the slot's previous content moved out to RAM (when saved)
+    saved: bool = False  # the server saves the slot's state to RAM before using it
+    destroyed: int = 0  # tokens of the previous content lost for good (held nowhere else)
 
 
 @dataclass
@@ -118,17 +129,29 @@ class BackendCache:
     # ------------------------------------------------------------- prediction
     def server_pick(self, slot_lcp: dict[int, int], n_prompt: int) -> int | None:
         """The idle slot the server picks for an unpinned request (None: all busy)."""
+        thr = self.rules.slot_similarity
         best, sim_best = None, 0.0
-        for i, s in enumerate(self.slots):
-            if s.busy or s.n_tokens == 0:
-                continue
-            sim = slot_lcp.get(i, 0) / n_prompt
-            if sim > sim_best and sim > self.rules.slot_similarity:
-                best, sim_best = i, sim
+        if thr > 0.0:  # 0 disables the similarity pass in the server
+            for i, s in enumerate(self.slots):
+                if s.busy or s.n_tokens == 0:
+                    continue
+                sim = slot_lcp.get(i, 0) / n_prompt
+                if sim > sim_best and sim > thr:
+                    best, sim_best = i, sim
         if best is not None:
             return best
-        idle = [(s.last_used, i) for i, s in enumerate(self.slots) if not s.busy]
-        return min(idle)[1] if idle else None
+        # NOTE: the server keeps the *last* slot among equally old ones (`<=`)
+        idle = [(s.last_used, -i) for i, s in enumerate(self.slots) if not s.busy]
+        return -min(idle)[1] if idle else None
+
+    def _saves(self, n_slot: int, lcp: int, n_prompt: int, pinned: bool) -> bool:
+        """get_available_slot's ``update_cache`` for a slot holding ``n_slot`` tokens."""
+        thr = self.rules.slot_similarity
+        if thr == 0.0:  # no similarity pass: only an LRU pick (unpinned) updates the cache
+            return not pinned
+        if lcp / n_prompt <= thr:  # LRU pick, or pinned with its kept fraction taken as 0
+            return True
+        return lcp < self.rules.keep_threshold * n_slot
 
     def predict(
         self,
@@ -146,16 +169,108 @@ class BackendCache:
         s = self.slots[slot]
         assert not s.busy, "never place a request on a busy slot"
         lcp = min(slot_lcp.get(slot, 0), s.n_tokens)
-        entry, got, displaced = None, lcp, 0
-        if s.n_tokens > 0 and lcp < self.rules.keep_threshold * s.n_tokens:
+        entry, got, displaced, saved, destroyed = None, lcp, 0, False, 0
+        if s.n_tokens > 0 and self._saves(s.n_tokens, lcp, n_prompt, pinned):
+            saved = True
             displaced = s.n_tokens - lcp
             gone = self._evicted_by_save(slot)
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
+            if not self._can_save(s.n_tokens):  # no room in RAM: truncated or replaced
+                destroyed = self._unique_tail(slot, 0 if entry is not None else lcp, lcp, n_prompt)
         elif s.n_tokens == 0 and not pinned:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
+        elif lcp < s.n_tokens:
+            destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)  # kept: tail truncated
         reuse = max(0, min(got, n_prompt - 1))
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
-        return Placement(slot, reuse, tier, entry, displaced)
+        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
+
+    def predict_queued(
+        self,
+        slot_lcp: dict[int, int],
+        ram_lcp: dict[int, int],
+        ahead: list[tuple[int, int]],
+        n_prompt: int,
+    ) -> Placement:
+        """Where an unpinned request deferred by the server (no idle slot) will land.
+
+        ``ahead``: (tokens shared with this prompt, prompt tokens) of each request queued
+        before it on this backend, oldest first. The server hands a released slot to its
+        oldest deferred request; assuming slots free in the order their requests started
+        (FIFO service), the k-th waiting request gets the (k mod n_slots)-th slot of that
+        order, which then holds the prompt of its current occupant (k < n_slots) or of
+        the request k - n_slots ahead. It is the only idle slot then: the server keeps its
+        common prefix, or saves it and loads the best RAM entry (the RAM tier as it is
+        now: later saves and loads are not foreseen)."""
+        order = sorted(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
+        k = len(ahead)
+        slot = order[k % len(order)]
+        if k < len(order):
+            n_slot = self.slots[slot].n_tokens
+            lcp = min(slot_lcp.get(slot, 0), n_slot)
+        else:
+            lcp, n_slot = ahead[k - len(order)]
+        entry, got, displaced, saved, destroyed = None, lcp, 0, False, 0
+        if n_slot == 0 or self._saves(n_slot, lcp, n_prompt, pinned=False):
+            saved = n_slot > 0
+            displaced = n_slot - lcp
+            entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, set())
+        elif k < len(order) and lcp < n_slot:
+            destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
+        reuse = max(0, min(got, n_prompt - 1))
+        tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
+        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
+
+    def _can_save(self, n_tokens: int) -> bool:
+        limit = self.cap.ram_cache_bytes
+        return limit > 0 and n_tokens * self.cap.kv_bytes_per_token <= limit
+
+    def _unique_tail(self, slot: int, lcp: int, new_lcp: int, n_new: int) -> int:
+        """Tokens of ``slot``'s sequence beyond its first ``lcp`` that no other holder
+        keeps: another slot (any backend), another backend's RAM entry, or one of this
+        backend's RAM entries that a later request could still load. Pending prompts
+        are no KV. ``new_lcp``/``n_new``: what the slot will hold instead (tokens shared
+        with the old sequence, length)."""
+        s = self.slots[slot]
+        h = self.slot_holder(slot)
+        name = self.cap.name
+        tree = self.tree
+
+        def not_kv_or_local_ram(x: object) -> bool:
+            return x[1] == PENDING or (x[0] == name and x[1] == RAM)  # type: ignore[index]
+
+        other = tree.shared_len(h, not_kv_or_local_ram)
+        if max(lcp, other) >= s.n_tokens:
+            return 0
+        with_ram = tree.shared_len(h, lambda x: x[1] == PENDING)  # type: ignore[index]
+        if with_ram > other and self._ram_loadable(slot, new_lcp, n_new):
+            other = with_ram
+        return max(0, s.n_tokens - max(lcp, other))
+
+    def _ram_loadable(self, slot: int, new_lcp: int, n_new: int) -> bool:
+        """Could the owner of ``slot``'s sequence, coming back (a longer prompt), load it
+        from this backend's RAM tier once ``slot`` holds the new prompt? Only through a
+        slot that the server saves first (shares < keep_threshold of its own tokens, or
+        too little of the prompt to be picked by similarity), or an empty one that an
+        unpinned request reaches by LRU (no slot is similar enough to be picked first).
+        With every slot holding the same family's prompts, the RAM copy is unreachable."""
+        h = self.slot_holder(slot)
+        n_own = max(1, self.slots[slot].n_tokens)
+        thr, keep = self.rules.slot_similarity, self.rules.keep_threshold
+        empty, similar = False, False
+        for i, s in enumerate(self.slots):
+            if i == slot:
+                n_i, cp = n_new, new_lcp
+            else:
+                n_i = s.n_tokens
+                cp = self.tree.common_prefix(self.slot_holder(i), h) if n_i else 0
+            if n_i == 0:
+                empty = True
+                continue
+            if cp <= thr * n_own or cp < keep * n_i:
+                return True
+            similar = True
+        return empty and not similar
 
     def best_ram(self, ram_lcp: dict[int, int], n_prompt: int) -> tuple[int | None, int]:
         """The RAM entry a freshly displaced slot would load, and its reuse (0: none)."""
@@ -216,13 +331,13 @@ class BackendCache:
         if p is None:
             return None
         s = self.slots[p.slot]
-        if p.displaced:
+        if p.saved:
             gone = self._save(p.slot)
             lcp = min(slot_lcp.get(p.slot, 0), s.n_tokens)
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
             reuse = max(0, min(got, n_prompt - 1))
             tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
-            p = Placement(p.slot, reuse, tier, entry, p.displaced)
+            p = Placement(p.slot, reuse, tier, entry, p.displaced, True, p.destroyed)
         if p.ram_entry is not None:
             n = self.ram.pop(p.ram_entry)
             self.ram_bytes -= n * self.cap.kv_bytes_per_token

@@ -19,7 +19,10 @@
   at ``default_prefill_tps``.
 - ``slot_wait(b)``: when no slot is idle the request is not pinned (a pinned request to a
   busy slot would disturb it) and queues on the server; it waits about one mean service
-  time (EWMA of observed durations, ``default_service_s`` until learned) / n_slots.
+  time (EWMA of observed durations, ``default_service_s`` until learned) / n_slots. Its
+  reuse is what the server will give it in the slot it gets when one frees
+  (``BackendCache.predict_queued``): a queued request sharing a system prompt with the
+  running ones reuses it, so queueing there is priced (and predicted) as such.
 - The choice minimises ``ttft + queue_cost_weight x (prompt - reuse) / rate(b)``: the
   uncached prefill also delays every request that queues behind it on that backend, so
   recomputing a long prefix elsewhere to save a little of this request's ttft is a bad
@@ -31,6 +34,15 @@
   keeps a nearly idle cluster from being forced around; it is in seconds so that the
   bound means the same on a 1.5k tok/s CPU backend as on a 20k tok/s GPU. If none is
   eligible, the one with least work after the request is.
+- Destroying unique content is charged ``destroy_weight`` x its prefill time: when the
+  server *keeps* a slot (the prompt shares >= ``keep_threshold`` of it) it truncates the
+  slot's sequence after the common prefix without saving it, so a conversation's own
+  history that no other slot and no loadable RAM entry holds is gone
+  (``Placement.destroyed``). Its owner will pay for it on every return: once packed onto a
+  shared prefix, each visit recomputes its own tail and truncates the next one's. So a
+  second conversation sharing only a prefix with the first goes to an empty slot when
+  one exists, while sessions whose own part is small next to the shared prefix (a big
+  system prompt and short turns) still reuse it: the charge is proportional.
 - Among equal-cost options, the slot whose content is least valuable to lose wins:
   ``displace_weight`` x displaced tokens / rate is added (empty and short slots first),
   then least recently used. A ``session`` hint breaks remaining ties by rendezvous hash,
@@ -69,6 +81,7 @@ class RouterSettings:
     request_overhead_tokens: int = 256  # work units per request beyond its uncached prompt
     default_service_s: float = 5.0  # request duration assumed until one is observed
     displace_weight: float = 0.02  # fraction of displaced tokens' prefill time charged
+    destroy_weight: float = 8.0  # x prefill time of unique tokens a placement destroys
     min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
     queue_cost_weight: float = 1.0  # extra charge on uncached prefill s (delays the queue)
     # llama-server behaviour mirrored by the cache model (defaults of the pinned build)
@@ -109,6 +122,7 @@ class RouterSettings:
             "ram_load_s_per_token": self.ram_load_s_per_token,
             "request_overhead_tokens": self.request_overhead_tokens,
             "displace_weight": self.displace_weight,
+            "destroy_weight": self.destroy_weight,
             "min_rate_sample_tokens": self.min_rate_sample_tokens,
         }
         for name, value in nonneg.items():
@@ -136,6 +150,7 @@ class BackendState:
     inflight: int = 0  # in-flight requests
     service_s: float = 0.0  # EWMA of request durations (0 = not learned)
     queued: deque[int] = field(default_factory=deque)  # request ids waiting on the server
+    queued_n: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
 
 
 @dataclass(frozen=True)
@@ -146,6 +161,7 @@ class Choice:
     slot: int | None  # slot to pin (None: let the server pick or queue)
     placement: Placement | None  # predicted landing (None: queued, no idle slot)
     reasons: dict[str, object]
+    queued: Placement | None = None  # when queued: predicted landing once a slot frees
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,14 @@ class Candidate:
     state: BackendState
     slot_lcp: dict[int, int]  # slot -> tokens of the prompt that slot holds
     ram_lcp: dict[int, int]  # RAM entry -> tokens of the prompt that entry holds
+    pending_lcp: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
+
+    def predict_queued(self, n: int) -> Placement:
+        """Landing of an unpinned request that must wait for a slot here."""
+        st = self.state
+        pend = self.pending_lcp
+        ahead = [(pend.get(r, 0), st.queued_n[r]) for r in st.queued]
+        return st.cache.predict_queued(self.slot_lcp, self.ram_lcp, ahead, n)
 
 
 def _most(lcp: dict[int, int]) -> int:
@@ -168,11 +192,12 @@ def _hash_rank(session: str, name: str) -> int:
 
 def _best_option(
     c: Candidate, n: int, s: RouterSettings, now: float
-) -> tuple[float, float, Placement | None, int | None]:
-    """Cheapest way to run on backend ``c``: (score, ttft, placement, slot to pin).
+) -> tuple[float, float, Placement | None, int | None, bool]:
+    """Cheapest way to run on backend ``c``: (score, ttft, placement, slot to pin, queued).
 
-    The score adds the displacement penalty to the ttft, so that between otherwise equal
-    backends a new conversation lands where it evicts the least (spreading content)."""
+    The score adds the displacement and destruction penalties to the ttft, so that
+    between otherwise equal backends a new conversation lands where it evicts the least
+    (spreading content) and never wipes out history it could have left alone."""
     st = c.state
     backlog = max(0.0, st.busy_until - now)
     cache = st.cache
@@ -205,14 +230,14 @@ def _best_option(
         if ram_match:
             options.append(None)  # unpinned: an empty slot then consults the RAM cache
     if not options:
-        # queued on the server: the slot that frees first is displaced, so only RAM
-        # entries (any slot can load them) are expected to help
+        # queued on the server: it gets the slot that frees, whose content it may share
         service = st.service_s or s.default_service_s
-        _, got = cache.best_ram(c.ram_lcp, n)
-        reuse = min(got, n - 1)
+        p = c.predict_queued(n)
         wait = service / cache.cap.n_slots
-        ttft = backlog + wait + (n - reuse) / st.rate + s.ram_load_s_per_token * reuse
-        return ttft, ttft, None, None
+        ttft = backlog + wait + (n - p.reuse) / st.rate
+        if p.tier == "ram":
+            ttft += s.ram_load_s_per_token * p.reuse
+        return ttft + _penalty(p, s, st.rate), ttft, p, None, True
     best: tuple[tuple[float, float, int], Placement, int | None] | None = None
     for opt in options:
         p = cache.predict(opt, c.slot_lcp, c.ram_lcp, n)
@@ -220,12 +245,16 @@ def _best_option(
         ttft = backlog + (n - p.reuse) / st.rate
         if p.tier == "ram":
             ttft += s.ram_load_s_per_token * p.reuse
-        penalty = s.displace_weight * p.displaced / st.rate
-        key = (ttft + penalty, ttft, cache.slots[p.slot].last_used)
+        key = (ttft + _penalty(p, s, st.rate), ttft, cache.slots[p.slot].last_used)
         if best is None or key < best[0]:
             best = (key, p, opt)
     assert best is not None
-    return best[0][0], best[0][1], best[1], best[2]
+    return best[0][0], best[0][1], best[1], best[2], False
+
+
+def _penalty(p: Placement, s: RouterSettings, rate: float) -> float:
+    """Seconds charged for what a placement takes away from the slot's current content."""
+    return (s.displace_weight * p.displaced + s.destroy_weight * p.destroyed) / rate
 
 
 def choose_prefix(
@@ -234,12 +263,13 @@ def choose_prefix(
     evals = []
     ttfts: dict[str, float] = {}
     for c in cands:
-        score, ttft, p, pin = _best_option(c, n, s, now)
+        score, ttft, p, pin, queued = _best_option(c, n, s, now)
         ttfts[c.name] = round(ttft, 4)
         uncached = n - (p.reuse if p is not None else 0)
         # NOTE: the uncached prefill also delays every request queued behind it
         score += s.queue_cost_weight * uncached / c.state.rate
-        evals.append((c, score, p, pin, c.state.work + uncached + s.request_overhead_tokens))
+        work = c.state.work + uncached + s.request_overhead_tokens
+        evals.append((c, score, p, pin, work, queued))
     total = sum(c.state.work for c in cands)
     k = len(cands)
     slack = s.load_slack_tokens + s.load_slack_s * sum(c.state.rate for c in cands) / k
@@ -253,11 +283,13 @@ def choose_prefix(
         allowed = [min(evals, key=lambda e: e[4])]
         why = "all above load bound: least work"
 
-    def key(e: tuple[Candidate, float, Placement | None, int | None, int]) -> tuple[float, int]:
+    def key(
+        e: tuple[Candidate, float, Placement | None, int | None, int, bool],
+    ) -> tuple[float, int]:
         rank = _hash_rank(session, e[0].name) if session else 0
         return (e[1], rank)
 
-    c, _, p, pin, _ = min(allowed, key=key)
+    c, _, p, pin, _, queued = min(allowed, key=key)
     if len(allowed) < len(evals) and why == "lowest expected ttft":
         best_any = min(evals, key=key)
         if best_any[0].name != c.name:
@@ -273,6 +305,8 @@ def choose_prefix(
         "work": {e[0].name: e[0].state.work for e in evals},
         "eligible": [e[0].name for e in allowed],
     }
+    if queued:
+        return Choice(c.name, None, None, reasons, queued=p)
     return Choice(c.name, pin if p is not None else None, p, reasons)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from proxy.cache_model import PENDING, RAM, SLOT, BackendCache, BackendCapacity
 from proxy.policy import POLICIES, BackendState, Baselines, Candidate, RouterSettings, choose_prefix
@@ -21,7 +22,9 @@ from proxy.tree import RadixTree, to_token_bytes
 __all__ = [
     "BackendCapacity",
     "Decision",
+    "Handoff",
     "NoBackend",
+    "NoBackendKind",
     "Router",
     "RouterSettings",
 ]
@@ -36,13 +39,47 @@ class Decision:
     prompt_tokens: int
     tier: str  # "slot" | "ram" | "none"
     reasons: dict[str, object]  # JSON-serialisable, for one log line
+    # every slot was busy: the request waits for one (unpinned, predicted from the slot it
+    # will get); see Handoff for holding it in the caller instead of the server's queue
+    queued: bool = False
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A queued request the model just gave a freed slot (returned by complete/abort).
+
+    Why it exists: the server takes deferred requests in the order its HTTP threads
+    *post* them, which for requests arriving together is not the order they were
+    decided in; an unpinned queued request can thus overtake a request pinned to an idle
+    slot and take that slot (observed in the e2e spread test: the two swap reuse, both
+    mispredicted). A caller that holds ``Decision.queued`` requests until their hand-off
+    and only then sends them, pinned to ``slot`` (idle by then: the server releases a
+    slot right after its final response), removes that race. The model placed it by the
+    server's own unpinned pick, so pinning it changes nothing except for an empty slot
+    (a pinned request there cannot load from RAM). ``predicted_cached`` is the model's
+    reuse at hand-off."""
+
+    request_id: int
+    backend: str
+    slot: int
+    predicted_cached: int
+
+
+NoBackendKind = Literal["unavailable", "too_long", "empty"]
 
 
 @dataclass(frozen=True)
 class NoBackend:
-    """No backend can take the request (a result, not an exception)."""
+    """No backend can take the request (a result, not an exception).
+
+    ``kind`` is for the caller's status code; ``reason`` is for humans and may change:
+    - "unavailable": no (healthy) backend right now -> 503, retry later;
+    - "too_long": the prompt does not fit any backend's slot context -> 400 (client);
+    - "empty": an empty prompt -> 400 (client).
+    """
 
     reason: str
+    kind: NoBackendKind = "unavailable"
 
 
 @dataclass
@@ -110,19 +147,24 @@ class Router:
         q = to_token_bytes(tokens)
         n = len(q) // 4
         if n == 0:
-            return NoBackend("empty prompt")
+            return NoBackend("empty prompt", "empty")
         if not self._backends:
-            return NoBackend("no healthy backend")
+            return NoBackend("no healthy backend", "unavailable")
         # NOTE: the server needs room for the prompt and at least one generated token
         names = [b for b, st in self._backends.items() if st.cache.cap.slot_ctx > n]
         if not names:
-            return NoBackend(f"prompt of {n} tokens exceeds every backend's slot context")
+            return NoBackend(
+                f"prompt of {n} tokens exceeds every backend's slot context", "too_long"
+            )
         held = self.tree.match(q).held
-        per: dict[str, tuple[dict[int, int], dict[int, int]]] = {b: ({}, {}) for b in names}
+        # per backend: slot -> lcp, RAM entry -> lcp, queued request id -> lcp
+        per: dict[str, tuple[dict[int, int], dict[int, int], dict[int, int]]] = {
+            b: ({}, {}, {}) for b in names
+        }
         for (b, kind, idx), got in held.items():  # type: ignore[misc]
             lcps = per.get(b)
-            if lcps is not None and kind != PENDING:
-                lcps[0 if kind == SLOT else 1][idx] = got
+            if lcps is not None:
+                lcps[kind][idx] = got  # SLOT, RAM, PENDING index the tuple
         cands = [Candidate(b, self._backends[b], *per[b]) for b in names]
         if self._policy == "prefix":
             choice = choose_prefix(cands, n, self.settings, now, session)
@@ -132,16 +174,21 @@ class Router:
         rid = self._next_id
         self._next_id += 1
         st = self._backends[choice.backend]
-        slot_lcp, ram_lcp = per[choice.backend]
+        slot_lcp, ram_lcp, _ = per[choice.backend]
         placed = None
         if choice.placement is not None:
             # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
             placed = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement)
+        queued = placed is None
         if placed is None:
-            # queued on the server: record the prompt so the decision is in the tree
+            # queued on the server (unpinned): predict what it gets when a slot frees,
+            # before recording it (it would share its whole prompt with itself)
+            cand = next(c for c in cands if c.name == choice.backend)
+            pq = choice.queued or cand.predict_queued(n)
             self.tree.assign((choice.backend, PENDING, rid), q)
             st.queued.append(rid)
-            reuse, tier, slot = 0, "none", None
+            st.queued_n[rid] = n
+            reuse, tier, slot = pq.reuse, pq.tier, None
         else:
             reuse, tier, slot = placed.reuse, placed.tier, placed.slot
         work = n - reuse + self.settings.request_overhead_tokens
@@ -151,6 +198,8 @@ class Router:
         self._inflight[rid] = _Inflight(choice.backend, slot, q, n, work, now)
         reasons = dict(choice.reasons)
         reasons.update({"chosen": choice.backend, "slot": slot, "tier": tier, "reuse": reuse})
+        if queued:
+            reasons["queued"] = len(st.queued)  # position in the server's deferred queue
         return Decision(
             request_id=rid,
             backend=choice.backend,
@@ -159,6 +208,7 @@ class Router:
             prompt_tokens=n,
             tier=tier,
             reasons=reasons,
+            queued=queued,
         )
 
     # --------------------------------------------------------------- feedback
@@ -172,12 +222,13 @@ class Router:
         prompt_n: int | None = None,
         reported_slot: int | None = None,
         now: float = 0.0,
-    ) -> None:
-        """The request finished: its slot is free and holds prompt + output."""
+    ) -> list[Handoff]:
+        """The request finished: its slot is free and holds prompt + output. Returns the
+        queued requests handed a slot as a result (oldest first)."""
         f = self._inflight.pop(decision.request_id, None)
         st = self._backends.get(decision.backend)
         if f is None or st is None:
-            return  # backend was removed meanwhile: nothing to learn
+            return []  # backend was removed meanwhile: nothing to learn
         self._release(st, f, now)
         self.completed += 1
         if reported_cached is not None and reported_cached != decision.predicted_cached:
@@ -205,35 +256,43 @@ class Router:
         if slot is not None:
             cache.finish_generated(slot, out)
         self._learn_rate(st, prompt_ms, prompt_n)
-        self._drain_queue(st, decision.backend)
+        return self._drain_queue(st, decision.backend)
 
-    def _drain_queue(self, st: BackendState, backend: str) -> None:
-        """A slot freed: the server hands it to its oldest deferred request (unpinned)."""
+    def _drain_queue(self, st: BackendState, backend: str) -> list[Handoff]:
+        """A slot freed: the server hands it to its oldest deferred request (unpinned),
+        which lands by the server's rules; the model records that placement now."""
+        out: list[Handoff] = []
         while st.queued and st.cache.idle_slots():
             rid = st.queued.popleft()
+            st.queued_n.pop(rid, None)
             f = self._inflight[rid]
             self.tree.drop((backend, PENDING, rid))
             p = st.cache.start(None, f.prompt, *self._lcps(st.cache, f.prompt), f.n)
             f.slot = None if p is None else p.slot
+            if p is not None:
+                out.append(Handoff(rid, backend, p.slot, p.reuse))
+        return out
 
     def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
         self.tree.drop((backend, PENDING, rid))
+        st.queued_n.pop(rid, None)
         if rid in st.queued:
             st.queued.remove(rid)
 
-    def abort(self, decision: Decision) -> None:
-        """The request failed or was cancelled: free its slot, forget its content."""
+    def abort(self, decision: Decision) -> list[Handoff]:
+        """The request failed or was cancelled: free its slot, forget its content.
+        Returns the queued requests handed a slot as a result (as ``complete``)."""
         f = self._inflight.pop(decision.request_id, None)
         st = self._backends.get(decision.backend)
         if f is None or st is None:
-            return
+            return []
         st.work -= f.work
         st.inflight -= 1
         if f.slot is None:
             self._unqueue(st, decision.backend, decision.request_id)
-        else:
-            st.cache.finish(f.slot, None, 0)
-            self._drain_queue(st, decision.backend)
+            return []
+        st.cache.finish(f.slot, None, 0)
+        return self._drain_queue(st, decision.backend)
 
     # ---------------------------------------------------------------- helpers
     def _release(self, st: BackendState, f: _Inflight, now: float) -> None:

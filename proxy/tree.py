@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 Holder = Hashable
@@ -175,6 +175,25 @@ class RadixTree:
             prefixes.extend(h for h in x.holders if end.get(h) is x)
             x = x.parent
         return containing, prefixes
+
+    def shared_len(self, holder: Holder, ignore: Callable[[Holder], bool] | None = None) -> int:
+        """Leading tokens of ``holder``'s sequence that some other holder holds too (not
+        counting holders for which ``ignore`` is true). One walk up from its end node.
+
+        Holder sets only grow towards the root, so the first node on the way up with
+        another (counted) holder is the deepest such node: its depth is the answer."""
+        x = self._end.get(holder)
+        root = self._root
+        while x is not None and x is not root:
+            hs = x.holders
+            if len(hs) > 1:
+                if ignore is None:
+                    return x.depth
+                for h in hs:
+                    if h != holder and not ignore(h):
+                        return x.depth
+            x = x.parent
+        return 0
 
     def tokens_of(self, holder: Holder) -> bytes:
         """The sequence a holder holds, as int32 bytes."""

@@ -78,7 +78,8 @@ def test_pinned_empty_slot_skips_ram_but_unpinned_uses_it() -> None:
     run(c, B, 0)  # A in RAM, slots 1 and 2 empty
     assert c.predict(1, *lcps(c, A), len(A)) == Placement(1, 0, "none", None, 0)
     p = c.predict(None, *lcps(c, A), len(A))
-    assert p is not None and (p.slot, p.reuse, p.tier) == (1, 814, "ram")
+    # LRU among never-used slots: the server keeps the last of equals (`<=`)
+    assert p is not None and (p.slot, p.reuse, p.tier) == (2, 814, "ram")
 
 
 def test_ram_candidate_needs_quarter_of_its_tokens() -> None:
@@ -214,9 +215,11 @@ def test_ram_invariants(
         slot = None if pin < 0 else pin
         if slot is not None and c.slots[slot].busy:
             continue
+        sizes = [s.n_tokens for s in c.slots]
         p = c.start(slot, to_token_bytes(prompt), *lcps(c, prompt), len(prompt))
         if p is None:
             continue
+        saved_now = sizes[p.slot] if p.saved else 0  # the started slot's own save
         running.append((p.slot, prompt))
         assert c.ram_bytes == sum(c.ram.values()) * KVB <= ram_tokens * KVB
         seqs = {e: c.tree.tokens_of(("b0", RAM, e)) for e in c.ram}
@@ -225,8 +228,8 @@ def test_ram_invariants(
         for e, a in seqs.items():
             assert not any(e != f and b.startswith(a) for f, b in seqs.items())
         idle = [i for i, s in enumerate(c.slots) if not s.busy and s.n_tokens]
-        if sum(c.slots[i].n_tokens for i in idle) > ram_tokens:
-            continue  # saving one idle slot may evict another's entry (FIFO)
+        if sum(c.slots[i].n_tokens for i in idle) + saved_now > ram_tokens:
+            continue  # saving one slot may evict another's entry (FIFO)
         for i in idle:
             mine = c.tree.tokens_of(("b0", SLOT, i))
             assert any(b.startswith(mine) for b in seqs.values()), f"slot {i} not saved"
@@ -248,3 +251,86 @@ def test_finish_generated_equals_finish_with_the_full_sequence(max_resident: int
         seen.append((c.slots[0].n_tokens, tree.tokens_of(("b0", SLOT, 0)), c.slots[0].busy))
     assert seen[0] == seen[1]
     assert seen[0][0] == len(A) + len(GEN)
+
+
+# ------------------------------------------------- destroyed content, queued placement
+SYS = TEMPLATE + list(range(5000, 5800))  # 803 tokens shared by a family of prompts
+
+
+def conv(i: int) -> list[int]:
+    return SYS + list(range(10_000 * i, 10_000 * i + 300))  # 1103 tokens, 300 its own
+
+
+def _setup(c: BackendCache, steps: list[tuple[list[int], int]]) -> None:
+    for prompt, slot in steps:
+        run(c, prompt, slot)
+
+
+@pytest.mark.parametrize(
+    ("slots", "ram", "steps", "prompt", "pin", "saved", "destroyed"),
+    [
+        # kept (shares >= half of the slot): conv 1's own 300 + GEN are truncated
+        (2, True, [(conv(1), 0)], conv(2), 0, False, 304),
+        # another slot holds conv 1 too (and its idle copy went to RAM): nothing lost
+        (2, True, [(conv(1), 0), (conv(1), 1)], conv(2), 0, False, 0),
+        # conv 1's idle copy is in RAM and slot 1 (unrelated) can still load it later
+        (3, True, [(conv(1), 0), (U, 1)], conv(2), 0, False, 0),
+        # in RAM, but every other slot holds the same family: no slot would load it
+        (2, True, [(conv(1), 0), (conv(3), 1)], conv(2), 0, False, 304),
+        # shares < half of the slot: saved to RAM first, not destroyed
+        (2, True, [(conv(1), 0)], SYS[:300] + list(range(20_000, 20_300)), 0, True, 0),
+        # ... unless there is no RAM tier: then all but the common prefix is gone
+        (2, False, [(conv(1), 0)], SYS[:300] + list(range(20_000, 20_300)), 0, True, 807),
+        # an empty slot destroys nothing
+        (2, True, [(conv(1), 0)], conv(2), 1, False, 0),
+    ],
+)
+def test_destroyed_counts_unique_content_lost(
+    slots: int,
+    ram: bool,
+    steps: list[tuple[list[int], int]],
+    prompt: list[int],
+    pin: int,
+    saved: bool,
+    destroyed: int,
+) -> None:
+    c = make(slots=slots, ram_bytes=(8192 << 20) if ram else 0)
+    _setup(c, steps)
+    p = c.predict(pin, *lcps(c, prompt), len(prompt))
+    assert p is not None and (p.saved, p.destroyed) == (saved, destroyed), p
+
+
+def test_pinned_low_similarity_is_saved_even_when_mostly_kept() -> None:
+    """Pinned and sharing <= 10% of the prompt: the server takes the kept fraction as 0
+    and saves the slot (it keeps its content too: nothing better to load)."""
+    c = make()
+    short = TEMPLATE + list(range(4000, 4097))  # 100 tokens, +GEN = 104 held
+    run(c, short, 0)
+    long = short + list(range(6000, 7500))  # shares 100 of 1600 tokens: 6%
+    p = c.start(0, to_token_bytes(long), *lcps(c, long), len(long))
+    assert p is not None and p.saved and (p.reuse, p.tier) == (100, "slot")
+    assert list(c.ram.values()) == [len(short) + len(GEN)]
+
+
+@pytest.mark.parametrize(
+    ("ahead", "prompt", "slot", "reuse", "tier"),
+    [
+        ([], conv(3), 0, len(SYS), "slot"),  # first to wait: the oldest slot, its prefix
+        ([(len(SYS), 1103)], conv(3), 1, len(SYS), "slot"),  # second: the next slot
+        # third with 2 slots: the slot the first waiting request will have had
+        ([(len(SYS), 1103), (0, 50)], conv(3), 0, len(SYS), "slot"),
+        ([(1000, 1103), (0, 50)], conv(3), 0, 1000, "slot"),
+        # nothing shared with the slot it gets: LRU path, saves it, loads the RAM entry
+        ([], [*U, 1, 2], 0, len(U), "ram"),
+    ],
+)
+def test_predict_queued_lands_in_the_slot_that_frees(
+    ahead: list[tuple[int, int]], prompt: list[int], slot: int, reuse: int, tier: str
+) -> None:
+    c = make()
+    run(c, U, 0)  # U (+GEN) is saved to RAM when conv 1 displaces it
+    for i, s in ((1, 0), (2, 1)):  # both slots busy, slot 0 started first
+        p = conv(i)
+        assert c.start(s, to_token_bytes(p), *lcps(c, p), len(p)) is not None
+    q = c.predict_queued(*lcps(c, prompt), ahead, len(prompt))
+    assert (q.slot, q.reuse, q.tier) == (slot, reuse, tier), q

@@ -91,7 +91,8 @@ def test_never_pins_a_busy_slot() -> None:
     b = decide(r, session(1))
     assert {a.backend, b.backend} == {"b0", "b1"}
     c = decide(r, [*session(0), 1])  # both slots busy: queue on the server, unpinned
-    assert c.slot is None and c.tier == "none"
+    # it will land in the slot that frees, which holds session 0 (or its shared prefix)
+    assert c.slot is None and c.tier == "slot" and c.predicted_cached >= len(SYSTEM)
     r.complete(a, now=5.0)  # the server hands the freed slot to the queued request
     snap = r.snapshot()["backends"]
     assert snap[a.backend]["slots"][0]["busy"] == (c.backend == a.backend)  # type: ignore[index]
@@ -205,3 +206,64 @@ def test_load_slack_is_in_seconds_of_prefill(
     cands = two_backends(rate, work0=30_000, holder=False)
     got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
     assert got.reasons["eligible"] == eligible
+
+
+@pytest.mark.parametrize(
+    ("n", "slots", "shared", "own", "packs"),
+    [
+        # conversations with a history of their own: B must not truncate A's slot
+        (2, 2, 800, 300, False),
+        (1, 4, 800, 300, False),
+        (4, 1, 800, 300, False),
+        (1, 3, 2000, 1000, False),
+        # a big shared system prompt and short own parts: reuse it, packing is cheap
+        (1, 2, 20_000, 50, True),
+        (2, 2, 2000, 40, True),
+    ],
+)
+def test_second_conversation_spares_the_firsts_history(
+    n: int, slots: int, shared: int, own: int, packs: bool
+) -> None:
+    r = cluster(n=n, slots=slots)
+    prefix = list(range(500_000, 500_000 + shared))
+    a_prompt = prefix + list(range(1_000_000, 1_000_000 + own))
+    a = decide(r, a_prompt)
+    r.complete(a, output_tokens=[9] * 12, now=1.0)
+    b = decide(r, prefix + list(range(2_000_000, 2_000_000 + own)), now=2.0)
+    assert ((b.backend, b.slot) == (a.backend, a.slot)) == packs, b.reasons
+    assert (b.predicted_cached >= shared) == packs
+
+
+@pytest.mark.parametrize(("n", "slots"), [(2, 2), (1, 4), (1, 3), (3, 1)])
+def test_conversations_return_to_their_own_prefix(n: int, slots: int) -> None:
+    """A, B, C share an 800-token prefix and own 300 tokens each, visited A B C A B C
+    with a slot each available: every return reuses its whole first prompt."""
+    r = cluster(n=n, slots=slots)
+    prefix = list(range(500_000, 500_800))
+    convs = {c: prefix + list(range(k * 10_000, k * 10_000 + 300)) for k, c in enumerate("ABC")}
+    first: dict[str, int] = {}
+    t = 1.0
+    for rnd in range(2):
+        for c in "ABC":
+            d = decide(r, convs[c], now=t)
+            out = [7] * 12
+            r.complete(d, output_tokens=out, reported_cached=d.predicted_cached, now=t + 0.5)
+            t += 1.0
+            if rnd == 0:
+                first[c] = len(convs[c])
+                turn = 900_000 + 100 * ord(c)
+                convs[c] = convs[c] + out + list(range(turn, turn + 30))
+            else:
+                assert d.predicted_cached >= first[c], (c, d.reasons)
+
+
+def test_queued_option_is_priced_with_the_reuse_it_will_get() -> None:
+    """All slots busy everywhere: the backend whose running requests share the prompt's
+    prefix wins (its freed slot will serve the prefix), and the prediction says so."""
+    r = cluster(n=2, slots=1)
+    a = decide(r, session(0))  # b? holds the system prompt (busy)
+    b = decide(r, list(range(7000, 27_000)))  # the other backend: unrelated, busy
+    assert a.backend != b.backend
+    c = decide(r, session(1), now=0.1)
+    assert c.slot is None and c.backend == a.backend
+    assert c.predicted_cached >= len(SYSTEM) and c.reasons["queued"] == 1

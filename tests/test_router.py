@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from proxy.router import BackendCapacity, Decision, NoBackend, Router, RouterSettings
+from proxy.router import BackendCapacity, Decision, Handoff, NoBackend, Router, RouterSettings
 
 
 def cap(name: str, slots: int = 2, ctx: int = 4096, ram: int = 1 << 30) -> BackendCapacity:
@@ -21,21 +21,22 @@ def decide(r: Router, tokens: list[int], now: float = 0.0) -> Decision:
 
 
 @pytest.mark.parametrize(
-    ("backends", "tokens", "reason"),
+    ("backends", "tokens", "reason", "kind"),
     [
-        ([], [1, 2], "no healthy backend"),
-        ([cap("a")], [], "empty prompt"),
-        ([cap("a", ctx=10)], list(range(10)), "exceeds every backend's slot context"),
+        ([], [1, 2], "no healthy backend", "unavailable"),
+        ([cap("a")], [], "empty prompt", "empty"),
+        ([cap("a", ctx=10)], list(range(10)), "exceeds every backend's slot context", "too_long"),
     ],
 )
 def test_no_backend_is_a_result(
-    backends: list[BackendCapacity], tokens: list[int], reason: str
+    backends: list[BackendCapacity], tokens: list[int], reason: str, kind: str
 ) -> None:
     r = Router()
     for c in backends:
         r.add_backend(c)
     got = r.decide(tokens)
-    assert isinstance(got, NoBackend) and reason in got.reason
+    assert isinstance(got, NoBackend) and reason in got.reason and got.kind == kind
+    assert NoBackend("x").kind == "unavailable"
 
 
 def test_unknown_policy_rejected() -> None:
@@ -151,3 +152,80 @@ def test_unpinned_choice_is_modelled_unpinned() -> None:
     r.complete(d2, reported_cached=len(doc), now=3.0)
     r.complete(other, now=3.0)
     assert r.mispredictions == 0
+
+
+def test_int32_bytes_input_equals_list_input() -> None:
+    r1, r2 = Router(), Router()
+    for r in (r1, r2):
+        r.add_backend(cap("a"))
+    d1 = decide(r1, list(range(50)))
+    d2 = r2.decide(array("i", range(50)).tobytes())
+    assert isinstance(d2, Decision)
+    assert (d1.backend, d1.slot, d1.prompt_tokens) == (d2.backend, d2.slot, d2.prompt_tokens)
+
+
+SYSTEM = list(range(100_000, 102_000))  # a 2k-token system prompt
+
+
+@pytest.mark.parametrize(
+    ("order", "want"),
+    [
+        # both slots free in start order: each waiting request gets the shared prefix
+        ([0, 1, 2, 3], [2000, 2000]),
+        ([1, 0, 3, 2], [2000, 2000]),
+        # the first to wait gets the first freed slot, whichever it is
+        ([1, 2, 0, 3], [2000, 2000]),
+    ],
+)
+def test_queued_request_predicted_from_the_slot_it_will_get(
+    order: list[int], want: list[int]
+) -> None:
+    """1 backend x 2 slots, 4 requests sharing a system prompt at once: the last two
+    wait on the server, unpinned; when a slot frees the server hands it to the oldest
+    one, which keeps the shared prefix. The prediction made when queueing must match the
+    placement the model records at hand-off."""
+    r = Router()
+    r.add_backend(cap("a", slots=2, ctx=8192))
+    ds = [decide(r, [*SYSTEM, *range(i * 100, i * 100 + 40)]) for i in range(4)]
+    assert [d.slot is None for d in ds] == [False, False, True, True]
+    assert [d.predicted_cached for d in ds[2:]] == want
+    assert all(d.tier == "slot" for d in ds[2:])
+    for k, i in enumerate(order):
+        if i >= 2 and k < 2:
+            continue  # a queued request cannot finish before it has a slot
+        r.complete(ds[i], output_tokens=[7] * 5, reported_cached=ds[i].predicted_cached,
+                   now=1.0 + k)
+    r.complete(ds[2], reported_cached=ds[2].predicted_cached, now=9.0)
+    r.complete(ds[3], reported_cached=ds[3].predicted_cached, now=9.0)
+    assert r.mispredictions == 0 and r.snapshot()["inflight"] == 0
+
+
+def test_handoff_placement_matches_prediction_in_simulation() -> None:
+    """The simulator's servers (the cache model as truth, FIFO deferred queue) against
+    the router: 8 sessions on a 2k-token system prompt at once over 2 backends x 2
+    slots. Every prediction, queued ones included, must equal the reuse it gets."""
+    from loadtest.simulate import SimBackend, simulate
+    from loadtest.trace import TraceRequest
+
+    system = (1, 2, 3, 4)  # 4 blocks of 512 tokens
+    trace = [TraceRequest(0.0, 2048 + 40, 8, (*system, 100 + i)) for i in range(8)]
+    be = SimBackend(n_slots=2, slot_ctx=8192, ram_cache_tokens=100_000,
+                    prefill_tps=1500.0, decode_tps=20.0)
+    res = simulate(trace, "prefix", 2, be)
+    assert res.requests == 8 and res.mispredicted == 0.0
+    assert res.req_imbalance <= 5 / 4
+
+
+def test_complete_returns_the_handoff_of_the_oldest_queued_request() -> None:
+    r = Router()
+    r.add_backend(cap("a", slots=1, ctx=8192))
+    first = decide(r, [*SYSTEM, 1])
+    q1 = decide(r, [*SYSTEM, 2])
+    q2 = decide(r, [*SYSTEM, 3])
+    assert not first.queued and q1.queued and q2.queued
+    assert (q1.reasons["queued"], q2.reasons["queued"]) == (1, 2)
+    got = r.complete(first, output_tokens=[7], now=1.0)
+    assert got == [Handoff(q1.request_id, "a", 0, q1.predicted_cached)]
+    assert r.abort(q2) == []  # still waiting: nothing freed
+    assert r.complete(q1, now=2.0) == []
+    assert r.snapshot()["inflight"] == 0

@@ -121,6 +121,27 @@ def test_common_prefix() -> None:
     assert t.common_prefix("a", "zz") == 0
 
 
+@pytest.mark.parametrize(
+    ("seqs", "holder", "ignore", "want"),
+    [
+        ({"a": [1, 2, 3, 4]}, "a", (), 0),  # alone: nothing of it is held elsewhere
+        ({"a": [1, 2, 3, 4], "b": [1, 2, 9]}, "a", (), 2),  # shared stem
+        ({"a": [1, 2, 3, 4], "b": [1, 2, 3, 4, 5]}, "a", (), 4),  # b contains a
+        ({"a": [1, 2, 3, 4], "b": [1, 2, 3, 4]}, "a", (), 4),  # equal copies
+        ({"a": [1, 2, 3, 4], "b": [1, 2]}, "a", (), 2),  # b is a prefix of a
+        ({"a": [1, 2, 3, 4], "b": [1, 2, 3], "c": [1]}, "a", ("b",), 1),  # b ignored
+        ({"a": [1, 2, 3, 4], "b": [1, 2, 3]}, "a", ("b",), 0),
+        ({"a": [1, 2]}, "zz", (), 0),  # unknown holder
+    ],
+)
+def test_shared_len_table(
+    seqs: dict[str, list[int]], holder: str, ignore: tuple[str, ...], want: int
+) -> None:
+    t = build(seqs)
+    got = t.shared_len(holder, (lambda h: h in ignore) if ignore else None)
+    assert got == want
+
+
 def test_lru_eviction_truncates_least_recent_leaf() -> None:
     t = RadixTree(max_resident=9)
     t.assign("a", [1, 2, 3, 4])  # shared stem [1,2] after b
@@ -207,6 +228,8 @@ def test_against_brute_force(ops: list[tuple[object, ...]], queries: list[list[i
         assert from_token_bytes(t.tokens_of(h)) == s
         for h2, s2 in ref.items():
             assert t.common_prefix(h, h2) == lcp(s, s2)
+        others = [lcp(s, s2) for h2, s2 in ref.items() if h2 != h]
+        assert t.shared_len(h) == max(others, default=0)
     assert t.resident_tokens <= sum(len(s) for s in ref.values())
 
 
