@@ -1,0 +1,288 @@
+"""Chat-completions answers -> Anthropic Messages answers (bodies and SSE events).
+
+kvroute sends `/v1/messages` to a backend's `/v1/chat/completions` (so a slot can be
+pinned: the server ignores `id_slot` on `/v1/messages`; see BENCHMARKS.md, "Anthropic
+(issue 5)"), and these relays turn what comes back into what llama-server itself would
+have answered on `/v1/messages` (`to_json_anthropic*` in tools/server/server-task.cpp):
+
+- stop reason: finish `stop` -> `end_turn`, `tool_calls` -> `tool_use`, else `max_tokens`;
+- content blocks in the order thinking (`reasoning_content`), text, one `tool_use` per
+  tool call (`input` = the parsed arguments, `{}` if they are not JSON); a thinking
+  block carries an empty `signature` (no cryptographic signature for local models);
+- usage: `cache_read_input_tokens` = the tokens the slot reused, `input_tokens` = the
+  rest of the prompt, `output_tokens` = generated tokens.
+
+Streams differ from the server's in two deliberate ways, both within Anthropic's
+protocol: a block is closed (`content_block_stop`) before the next one starts, as
+Anthropic's API does (llama-server closes them all at the end), and `message_delta`
+repeats the input usage next to `output_tokens`, as Anthropic's API does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from proxy.errors import ErrorFormat
+from proxy.forward import JSON, Relay
+
+_STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use"}
+
+# OpenAI-style error `type`s (llama-server's, and kvroute's) -> Anthropic's error types.
+_ERROR_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "authentication_error": "authentication_error",
+    "permission_error": "permission_error",
+    "not_found_error": "not_found_error",
+    "rate_limit_error": "rate_limit_error",
+    "exceed_context_size_error": "invalid_request_error",
+    "not_supported_error": "invalid_request_error",
+    "unavailable_error": "overloaded_error",
+    "server_error": "api_error",
+}
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_type(status: int, openai_type: str | None = None) -> str:
+    """Anthropic's error `type` for an HTTP status and an OpenAI-style type."""
+    if status in (413, 503, 529):
+        return _STATUS_TYPES[status]  # more precise than the generic types
+    if openai_type in _ERROR_TYPES:
+        return _ERROR_TYPES[openai_type]
+    return _STATUS_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def anthropic_error(status: int, message: str, openai_type: str | None = None) -> JSON:
+    """Anthropic's error envelope."""
+    return {"type": "error",
+            "error": {"type": anthropic_error_type(status, openai_type), "message": message}}
+
+
+def error_from_upstream(status: int, body: bytes) -> JSON:
+    """An upstream error body (llama-server: `{"error": {"code", "message", "type"}}`) in
+    Anthropic's shape, keeping its message."""
+    message, etype = "", None
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        if obj.get("type") == "error" and isinstance(obj.get("error"), dict):
+            return obj  # already Anthropic's
+        err = obj.get("error")
+        if isinstance(err, dict):
+            message = str(err.get("message", ""))
+            etype = err.get("type") if isinstance(err.get("type"), str) else None
+        elif isinstance(err, str):
+            message = err
+    if not message:
+        message = body.decode("utf-8", errors="replace")[:500] or f"backend error {status}"
+    return anthropic_error(status, message, etype)
+
+
+def sse(event: str, data: JSON) -> bytes:
+    """One Anthropic SSE event (`format_anthropic_sse`)."""
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _tool_input(arguments: Any) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError:
+        value = None
+    return value if value is not None else {}
+
+
+def _usage(cached: int, prompt_tokens: int, output: int) -> JSON:
+    return {"cache_read_input_tokens": cached, "input_tokens": max(0, prompt_tokens - cached),
+            "output_tokens": output}
+
+
+def _cached_and_prompt(obj: JSON) -> tuple[int | None, int | None]:
+    """(reused, prompt tokens) from `timings` (preferred) or `usage`."""
+    t = obj.get("timings")
+    if isinstance(t, dict) and isinstance(t.get("cache_n"), int):
+        prompt_n = t.get("prompt_n")
+        return t["cache_n"], t["cache_n"] + (prompt_n if isinstance(prompt_n, int) else 0)
+    u = obj.get("usage")
+    if isinstance(u, dict) and isinstance(u.get("prompt_tokens"), int):
+        d = u.get("prompt_tokens_details")
+        cached = d.get("cached_tokens") if isinstance(d, dict) else None
+        return (cached if isinstance(cached, int) else 0), u["prompt_tokens"]
+    return None, None
+
+
+class AnthropicRelay(Relay):
+    """Translates one chat-completions answer (a body or a stream) to Anthropic's format.
+
+    One instance per request: the stream translation is stateful.
+    """
+
+    error_format = ErrorFormat.ANTHROPIC
+
+    def __init__(self, model: str = "") -> None:
+        self.model = model        # fallback when the upstream names none
+        self.started = False      # message_start sent
+        self.msg_id = ""
+        self.cached = 0           # cache_read_input_tokens
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.stop_reason: str | None = None
+        self.index = -1           # index of the open block (-1: none)
+        self.kind: str | None = None   # type of the open block
+        self.tool_blocks: dict[int, int] = {}  # OpenAI tool_call index -> block index
+        self.next_index = 0
+
+    # ---------------------------------------------------------------- errors
+    def error(self, status: int, body: bytes) -> bytes | None:
+        return json.dumps(error_from_upstream(status, body)).encode()
+
+    # ---------------------------------------------------------- non-streaming
+    def body(self, obj: JSON) -> JSON | None:
+        choices = obj.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else {}
+        msg = choice.get("message") if isinstance(choice, dict) else None
+        msg = msg if isinstance(msg, dict) else {}
+        content: list[JSON] = []
+        reasoning = msg.get("reasoning_content")
+        if isinstance(reasoning, str) and reasoning:
+            content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        text = msg.get("content")
+        if isinstance(text, str) and text:
+            content.append({"type": "text", "text": text})
+        for call in msg.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            content.append({"type": "tool_use", "id": call.get("id", ""),
+                            "name": fn.get("name", ""),
+                            "input": _tool_input(fn.get("arguments"))})
+        cached, prompt = _cached_and_prompt(obj)
+        usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
+        output = usage.get("completion_tokens")
+        if not isinstance(output, int):
+            t = obj.get("timings") or {}
+            output = t.get("predicted_n", 0) if isinstance(t, dict) else 0
+        finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+        return {
+            "id": obj.get("id", ""), "type": "message", "role": "assistant",
+            "content": content, "model": obj.get("model") or self.model,
+            "stop_reason": _STOP_REASONS.get(str(finish), "max_tokens"),
+            "stop_sequence": None,
+            "usage": _usage(cached or 0, prompt or 0, output or 0),
+        }
+
+    # --------------------------------------------------------------- streaming
+    def event(self, obj: JSON) -> list[bytes] | None:
+        if "error" in obj:  # llama-server's mid-stream error chunk
+            err = obj["error"] if isinstance(obj["error"], dict) else {"message": obj["error"]}
+            code = err.get("code")
+            status = code if isinstance(code, int) else 500
+            return [sse("error", anthropic_error(status, str(err.get("message", "")),
+                                                 err.get("type")))]
+        cached, prompt = _cached_and_prompt(obj)
+        if cached is not None and prompt is not None:
+            self.cached, self.prompt_tokens = cached, prompt
+        t = obj.get("timings")
+        if isinstance(t, dict) and isinstance(t.get("predicted_n"), int):
+            self.output_tokens = t["predicted_n"]
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.output_tokens = usage["completion_tokens"]
+        if not self.msg_id and isinstance(obj.get("id"), str):
+            self.msg_id = obj["id"]
+        if isinstance(obj.get("model"), str) and obj["model"]:
+            self.model = obj["model"]  # the server's model name, as its own answers give
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return []  # the usage-only chunk: its numbers go into message_delta
+        choice = choices[0]
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        out: list[bytes] = []
+        # NOTE: the first chunk (`role` only) arrives without timings when the first
+        # token produced text (the timings ride on the text chunk): message_start waits
+        # for a chunk that knows the prompt's reuse, as the server's own does.
+        if not self.started and (cached is not None or self._has_content(delta)):
+            out.append(self._message_start())
+        reasoning = delta.get("reasoning_content")
+        if isinstance(reasoning, str) and reasoning:
+            out += self._open("thinking", {"type": "thinking", "thinking": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
+        text = delta.get("content")
+        if isinstance(text, str) and text:
+            out += self._open("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": text}))
+        for call in delta.get("tool_calls") or ():
+            out += self._tool_delta(call)
+        finish = choice.get("finish_reason")
+        if isinstance(finish, str):
+            self.stop_reason = _STOP_REASONS.get(finish, "max_tokens")
+        return out
+
+    def done(self) -> list[bytes] | None:
+        out = [] if self.started else [self._message_start()]
+        out += self._close()
+        out.append(sse("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": None},
+            "usage": _usage(self.cached, self.prompt_tokens, self.output_tokens)}))
+        out.append(sse("message_stop", {"type": "message_stop"}))
+        return out
+
+    # ----------------------------------------------------------------- helpers
+    @staticmethod
+    def _has_content(delta: JSON) -> bool:
+        return bool(delta.get("content") or delta.get("reasoning_content")
+                    or delta.get("tool_calls"))
+
+    def _message_start(self) -> bytes:
+        self.started = True
+        return sse("message_start", {"type": "message_start", "message": {
+            "id": self.msg_id, "type": "message", "role": "assistant", "content": [],
+            "model": self.model, "stop_reason": None, "stop_sequence": None,
+            "usage": _usage(self.cached, self.prompt_tokens, 0)}})
+
+    def _close(self) -> list[bytes]:
+        if self.index < 0:
+            return []
+        out = []
+        if self.kind == "thinking":
+            # Anthropic's protocol has a signature_delta before a thinking block ends.
+            out.append(self._delta({"type": "signature_delta", "signature": ""}))
+        out.append(sse("content_block_stop", {"type": "content_block_stop",
+                                              "index": self.index}))
+        self.index, self.kind = -1, None
+        return out
+
+    def _open(self, kind: str, block: JSON) -> list[bytes]:
+        if self.kind == kind and kind != "tool_use":
+            return []
+        out = self._close()
+        self.index, self.kind = self.next_index, kind
+        self.next_index += 1
+        out.append(sse("content_block_start", {"type": "content_block_start",
+                                               "index": self.index, "content_block": block}))
+        return out
+
+    def _delta(self, delta: JSON) -> bytes:
+        return sse("content_block_delta", {"type": "content_block_delta",
+                                           "index": self.index, "delta": delta})
+
+    def _tool_delta(self, call: Any) -> list[bytes]:
+        if not isinstance(call, dict):
+            return []
+        fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+        tc_index = call.get("index", 0)
+        out: list[bytes] = []
+        if fn.get("name") and tc_index not in self.tool_blocks:
+            out += self._open("tool_use", {"type": "tool_use", "id": call.get("id") or "",
+                                           "name": fn["name"], "input": {}})
+            self.tool_blocks[tc_index] = self.index
+        elif self.tool_blocks.get(tc_index) != self.index:
+            return out  # arguments for a block already closed: cannot be sent any more
+        args = fn.get("arguments")
+        if isinstance(args, str) and args:
+            out.append(self._delta({"type": "input_json_delta", "partial_json": args}))
+        return out
