@@ -6,6 +6,8 @@ Anthropic messages); `send()` (proxy/forward.py) does the one upstream exchange.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -23,7 +25,7 @@ from proxy.errors import (
 from proxy.feedback import Outcome, Recorder, held_output
 from proxy.forward import JSON, PASSTHROUGH, Relay, Target, send, upstream_payload
 from proxy.health import BackendHealth
-from proxy.router import NoBackend, Router
+from proxy.router import Decision, Handoff, NoBackend, Router
 
 # Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
 _USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -52,6 +54,10 @@ def _printable(value: str) -> str:
     return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+class BackendLeft(NoBackendAvailable):
+    """The backend a held request waited for went away; nothing was sent: retry."""
+
+
 class Forwarder:
     """decide -> send with id_slot -> feedback: one routed request, start to finish.
 
@@ -75,6 +81,9 @@ class Forwarder:
         self.first_byte_timeout = first_byte_timeout
         self.log_prompts = log_prompts
         self._tokenize_output = tokenize_output
+        # Requests the router queued (every slot busy), held here until it hands them a
+        # slot: see `_hold`.
+        self._held: dict[int, asyncio.Future[Handoff]] = {}
 
     def max_context(self) -> int | None:
         """The largest slot context of any ready backend (tripped ones included)."""
@@ -102,7 +111,7 @@ class Forwarder:
             try:
                 return await self._attempt(request, endpoint, path, raw, body, tokens,
                                            relay, hint, started)
-            except (UpstreamError, UpstreamTimeout) as e:
+            except (UpstreamError, UpstreamTimeout, BackendLeft) as e:
                 # nothing reached the client: the backend is out (breaker), try another
                 if attempt >= self.max_attempts or not self.backends:
                     raise
@@ -120,9 +129,67 @@ class Forwarder:
             raise _no_backend_error(decision)
         info = self.backends.get(decision.backend)
         if info is None:  # removed between the event and now
-            self.router.abort(decision)
+            self._hand_off(self.router.abort(decision))
             raise NoBackendAvailable("backend went away", retry_after=1)
         extra: JSON = {}
+        outcome = Outcome(started=started)
+        finished = False
+        self.recorder.begin(info.name)
+        try:
+            if decision.queued:
+                decision = await self._hold(decision, info)
+            resp = await self._send(request, path, raw, body, relay, info, decision,
+                                    outcome, extra)
+            if outcome.complete and outcome.status < 400:
+                self._hand_off(self.router.complete(
+                    decision, output_tokens=held_output(outcome, self._tokenize_output),
+                    reported_cached=outcome.reported_cached,
+                    prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
+                    reported_slot=outcome.reported_slot, now=time.monotonic()))
+                finished = True
+            return resp
+        except (UpstreamError, UpstreamTimeout) as e:
+            outcome.status = 0
+            if self.health is not None:
+                self.health.failed(info.name, e.message)
+            raise
+        finally:
+            if not finished:
+                self._hand_off(self.router.abort(decision))
+            self.recorder.end(endpoint, decision, outcome, started,
+                              stream=body.get("stream") is True)
+
+    async def _hold(self, decision: Decision, info: BackendInfo) -> Decision:
+        """Keep a queued request here until the router hands it a freed slot, then send
+        it pinned there. Sent at once instead, it would wait in llama-server's queue, and
+        the server takes queued requests in the order its HTTP threads post them, not
+        the order they were decided: a request that arrived a moment later could take
+        the slot this one was predicted to get (see `Handoff`). Nothing is sent while
+        waiting; if the backend goes away (or restarts: a new `BackendInfo`), the caller
+        retries elsewhere."""
+        fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
+        self._held[decision.request_id] = fut
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=1.0)
+                if done:
+                    h = fut.result()
+                    return dataclasses.replace(decision, slot=h.slot,
+                                               predicted_cached=h.predicted_cached)
+                if self.backends.get(decision.backend) is not info:
+                    raise BackendLeft(f"backend {info.name} went away", retry_after=1)
+        finally:
+            self._held.pop(decision.request_id, None)
+
+    def _hand_off(self, handoffs: list[Handoff]) -> None:
+        for h in handoffs:
+            fut = self._held.pop(h.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(h)
+
+    async def _send(self, request: web.Request, path: str, raw: bytes, body: JSON,
+                    relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
+                    extra: JSON) -> web.StreamResponse:
         if decision.slot is not None:
             extra["id_slot"] = decision.slot
         strip_usage = False
@@ -133,31 +200,9 @@ class Forwarder:
             extra["return_tokens"] = True  # exact generated ids: the slot holds these
         payload = upstream_payload(raw, body, extra)
         target = Target(info, decision.slot, decision.predicted_cached)
-        outcome = Outcome(started=started)
-        finished = False
-        self.recorder.begin(info.name)
-        try:
-            resp = await send(self.session, request, target, path, payload, outcome,
-                              relay=relay, strip_usage=strip_usage, health=self.health,
-                              first_byte_timeout=self.first_byte_timeout)
-            if outcome.complete and outcome.status < 400:
-                self.router.complete(
-                    decision, output_tokens=held_output(outcome, self._tokenize_output),
-                    reported_cached=outcome.reported_cached,
-                    prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
-                    reported_slot=outcome.reported_slot, now=time.monotonic())
-                finished = True
-            return resp
-        except (UpstreamError, UpstreamTimeout) as e:
-            outcome.status = 0
-            if self.health is not None:
-                self.health.failed(info.name, e.message)
-            raise
-        finally:
-            if not finished:
-                self.router.abort(decision)
-            self.recorder.end(endpoint, decision, outcome, started,
-                              stream=body.get("stream") is True)
+        return await send(self.session, request, target, path, payload, outcome,
+                          relay=relay, strip_usage=strip_usage, health=self.health,
+                          first_byte_timeout=self.first_byte_timeout)
 
     async def passthrough(self, request: web.Request, path: str, info: BackendInfo,
                           raw: bytes, *, relay: Relay = PASSTHROUGH,
@@ -181,6 +226,9 @@ class Forwarder:
 
 
 def _no_backend_error(nb: NoBackend) -> ProxyError:
-    # NOTE: prompts too long for every backend are rejected (400) before `decide`; a
-    # router that still says "exceeds" means the long-context backends are all down.
+    # NOTE: prompts too long for every *ready* backend are mostly rejected before
+    # `decide` (max_context counts tripped backends too, which may come back).
+    if nb.kind in ("too_long", "empty"):
+        return BadRequest(nb.reason, code="context_length_exceeded"
+                          if nb.kind == "too_long" else "invalid_request_error")
     return NoBackendAvailable(nb.reason, retry_after=1)
