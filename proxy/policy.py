@@ -74,6 +74,9 @@ class RouterSettings:
     load_factor: float = 1.25  # max work of a backend / mean work (bounded load)
     load_slack_s: float = 2.0  # slack on the bound, in seconds of prefill at the mean rate
     load_slack_tokens: int = 0  # extra absolute slack on the bound, in tokens of work
+    # a request that continues a conversation a backend holds whole (at least this many
+    # tokens) is exempt from the load bound there: see choose_prefix
+    continuation_min_tokens: int = 1024
     max_resident_tokens: int = 64_000_000  # cap on tokens in the router's tree (LRU leaves)
     default_prefill_tps: float = 1500.0  # prefill tokens/s until a backend reports timings
     rate_ewma_alpha: float = 0.2  # weight of a new prefill-rate sample
@@ -257,6 +260,25 @@ def _penalty(p: Placement, s: RouterSettings, rate: float) -> float:
     return (s.displace_weight * p.displaced + s.destroy_weight * p.destroyed) / rate
 
 
+def _continues(c: Candidate, p: Placement | None, min_tokens: int) -> bool:
+    """Does placement `p` extend the whole sequence its slot (or RAM entry) holds?"""
+    if p is None or p.reuse < min_tokens:
+        return False
+    if p.tier == "ram" and p.ram_entry is not None:
+        held = c.state.cache.ram.get(p.ram_entry, 0)
+        lcp = c.ram_lcp.get(p.ram_entry, 0)
+    elif p.tier == "slot":
+        held = c.state.cache.slots[p.slot].n_tokens
+        lcp = c.slot_lcp.get(p.slot, 0)
+    else:
+        return False
+    # NOTE: the server may not keep the last generated token(s): a few may differ
+    return held - lcp <= _CONTINUATION_SLACK
+
+
+_CONTINUATION_SLACK = 4
+
+
 def choose_prefix(
     cands: list[Candidate], n: int, s: RouterSettings, now: float, session: str | None
 ) -> Choice:
@@ -276,7 +298,13 @@ def choose_prefix(
     allowed = []
     for e in evals:
         work = e[0].state.work
-        if e[4] <= s.load_factor * (total + e[4] - work) / k + slack:
+        # NOTE: the bound decides where *conversations* live, so that sessions sharing a
+        # prefix spread. The next turn of a conversation a backend holds whole adds only
+        # its tail there, while moving it re-creates its whole history elsewhere (a
+        # Claude Code turn: ~19k tokens for ~100 new); it stays unless the TTFT says
+        # otherwise (the backlog term still moves it off a swamped backend).
+        if e[4] <= s.load_factor * (total + e[4] - work) / k + slack or \
+                _continues(e[0], e[2], s.continuation_min_tokens):
             allowed.append(e)
     why = "lowest expected ttft"
     if not allowed:

@@ -229,3 +229,27 @@ def test_complete_returns_the_handoff_of_the_oldest_queued_request() -> None:
     assert r.abort(q2) == []  # still waiting: nothing freed
     assert r.complete(q1, now=2.0) == []
     assert r.snapshot()["inflight"] == 0
+
+
+@pytest.mark.parametrize(("min_tokens", "stays"), [(1024, True), (10**9, False)])
+def test_a_continuing_conversation_is_not_moved_off_a_busy_holder(
+        min_tokens: int, stays: bool) -> None:
+    # Claude Code's case: backend A holds conversation X (19k tokens) in an idle slot
+    # while a cold 19k-token prompt Z runs in its other slot; B is idle. X's next turn
+    # adds ~100 tokens on A but would recompute all 19k on B. The load bound alone would
+    # send it to B (A's in-flight work is far above the mean); continuations are exempt
+    # (min_tokens=10**9 switches the exemption off: the bound then moves it).
+    r = Router(settings=RouterSettings(continuation_min_tokens=min_tokens))
+    r.add_backend(cap("a", ctx=32768))
+    r.add_backend(cap("b", ctx=32768))
+    x, y, z = ([base + i for i in range(19_000)] for base in (1, 100_000, 200_000))
+    dx, dy = decide(r, x), decide(r, y)
+    assert dx.backend != dy.backend
+    r.complete(dx, output_tokens=[7, 7], reported_cached=0)
+    dz = decide(r, z)
+    assert dz.backend == dx.backend  # the other backend is busy with y
+    r.complete(dy, output_tokens=[8], reported_cached=0)
+    turn = decide(r, [*x, 7, *range(300_000, 300_100)])
+    assert (turn.backend == dx.backend) is stays, turn.reasons
+    if stays:
+        assert turn.predicted_cached >= len(x), turn.reasons
