@@ -100,6 +100,8 @@ async def test_tiny_live_ab_run(tmp_path: Path, llama_server_bin: Path,
     workload = build_workload(args)
     paths = report.write(tmp_path, runs, workload, vars(args))
     assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+    assert {"ttft_cdf.png", "reuse_per_turn.png", "backend_load.png"} <= \
+        {p.name for p in paths}
     doc = json.loads((tmp_path / "report.json").read_text())
     assert [r["policy"] for r in doc["runs"]] == ["prefix", "direct"]
     for s in doc["runs"]:
