@@ -19,7 +19,6 @@ All async tests and fixtures share one session event loop (pyproject.toml).
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +28,7 @@ import pytest_asyncio
 
 from backends.binary import cache_dir, find_llama_server
 from backends.demo_model import DemoModelParams, demo_model_path
+from backends.process import free_port
 from backends.supervisor import Supervisor
 from proxy.config import (
     Config,
@@ -57,12 +57,6 @@ def demo_model() -> Path:
     return path
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class PoolFactory(Protocol):
     def __call__(self, *, n: int = 2, slots: int = 2, ctx_per_slot: int = 8192,
                  threads: int = 1, cache_ram_mib: int = 1024,
@@ -78,7 +72,7 @@ def pool_config(llama_server_bin: Path, demo_model: Path,
              names: tuple[str, ...] | None = None) -> Config:
         names = names or tuple(chr(ord("a") + i) for i in range(n))
         return Config(
-            proxy=ProxyConfig(port=free_tcp_port()),
+            proxy=ProxyConfig(port=free_port()),
             routing=RoutingConfig(),
             backends=tuple(
                 ManagedBackendConfig(

@@ -18,23 +18,14 @@ from typing import Any
 
 import pytest
 import yaml
+from procs import gone
+
+from backends.process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 KVROUTE = [sys.executable, "-m", "proxy.cli"]
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def llama_servers_in_group(pgids: set[int]) -> list[int]:
@@ -54,7 +45,7 @@ def llama_servers_in_group(pgids: set[int]) -> list[int]:
 
 
 def write_config(tmp_path: Path, llama_server_bin: Path, **extra: Any) -> tuple[Path, int]:
-    port = free_tcp_port()
+    port = free_port()
     data: dict[str, Any] = {
         "proxy": {"host": "127.0.0.1", "port": port},
         "llama_server": str(llama_server_bin),
@@ -170,7 +161,7 @@ def test_serve_rejects_bad_config(tmp_path: Path, llama_server_bin: Path) -> Non
 
 
 def test_doctor_json(tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
-    dead = f"http://127.0.0.1:{free_tcp_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     extra = {"backends": [{"name": "a", "model": "demo"}, {"name": "far", "url": dead}]}
     config, port = write_config(tmp_path, llama_server_bin, **extra)
     r = subprocess.run([*KVROUTE, "doctor", "--json", "--config", str(config)], cwd=REPO,

@@ -95,6 +95,9 @@ async def test_tiny_live_ab_run(tmp_path: Path, llama_server_bin: Path,
                          "--prefix-tokens", "400", "--context-tokens", "100",
                          "--tool-tokens", "50", "--think", "0.1", "--rate", "5",
                          "--max-tokens", "4", "--policies", "prefix,direct",
+                         # side calls race the main turns for the 2 slots (timing-
+                         # dependent reuse); the workload tests above cover them
+                         "--no-side-calls",
                          "--out", str(tmp_path), "--time-limit", "90"])
     runs = await run_all(args)
     workload = build_workload(args)
@@ -105,11 +108,11 @@ async def test_tiny_live_ab_run(tmp_path: Path, llama_server_bin: Path,
     doc = json.loads((tmp_path / "report.json").read_text())
     assert [r["policy"] for r in doc["runs"]] == ["prefix", "direct"]
     for s in doc["runs"]:
-        assert s["ok"] == s["requests"] == len(workload.requests()) == 6
+        assert s["ok"] == s["requests"] == len(workload.requests()) == 4
         assert 0 < s["ttft_p50"] <= s["ttft_p90"] <= s["e2e_p90"] < 60
         # turn 1 repeats turn 0's prompt: most of it must come back from the cache
-        assert s["reused_ratio_per_turn"]["1"] > 0.6
+        assert s["reused_ratio_per_turn"]["1"] > 0.6, s["policy"]
     prefix = doc["runs"][0]
     assert set(prefix["requests_per_backend"]) <= {"a", "b"}
-    assert prefix["kvroute_metrics"]["prediction_error_count"] == 6
+    assert prefix["kvroute_metrics"]["prediction_error_count"] == 4
     assert "| prefix |" in (tmp_path / "report.md").read_text()

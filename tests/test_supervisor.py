@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,8 +13,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from procs import gone
 
 from backends.client import BackendClient, BackendDown, Health, Props
+from backends.process import free_port
 from backends.supervisor import BackendInfo, Supervisor
 from proxy.config import Config, ExternalBackendConfig, RoutingConfig
 
@@ -23,19 +24,6 @@ PoolFactory = Callable[..., Awaitable[Supervisor]]  # the backend_pool fixture (
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def gone(pid: int) -> bool:
-    """True when no process (zombies count as gone) has this pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def group_members(pgid: int) -> list[int]:
@@ -129,7 +117,7 @@ async def test_external_backend_down_is_not_fatal(
     backend_pool: PoolFactory, pool_config: Callable[..., Config]
 ) -> None:
     live = (await backend_pool()).ready()[0]
-    dead_url = f"http://127.0.0.1:{free_tcp_port()}"  # nothing listens there
+    dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     base = pool_config(n=1)
     cfg = Config(
         proxy=base.proxy, routing=RoutingConfig(), llama_server=base.llama_server,
@@ -159,7 +147,7 @@ async def test_external_backend_down_is_not_fatal(
 
 
 async def test_client_reports_down_backend_as_a_value() -> None:
-    url = f"http://127.0.0.1:{free_tcp_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     async with aiohttp.ClientSession() as session:
         client = BackendClient(session, url, timeout=2)
         for result in [await client.health(), await client.props(), await client.slots(),
