@@ -94,7 +94,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     if prompt is None:
         return await _unrouted(request, raw)
-    tokens = await tokens_for(request, raw, lambda: prompt.chat_tokens(chat))
+    tokens = await tokens_for(request, raw, lambda: prompt.plan_chat(chat))
     payload = json.dumps(chat, separators=(",", ":")).encode()
     return await request.app[FORWARDER].routed(
         request, endpoint="messages", path="/v1/chat/completions", raw=payload, body=chat,
@@ -108,7 +108,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     if prompt is None:
         return await _unrouted(request, raw, "/v1/messages/count_tokens")
     chat = chat_body(body)
-    tokens = await tokens_for(request, raw, lambda: prompt.chat_tokens(chat))
+    tokens = await tokens_for(request, raw, lambda: prompt.plan_chat(chat))
     return web.json_response({"input_tokens": len(tokens)})
 
 

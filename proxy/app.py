@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,7 +45,7 @@ from proxy.health import capacity as capacity
 from proxy.logging import get_logger
 from proxy.metrics import ProxyMetrics
 from proxy.pipeline import Forwarder
-from proxy.prompt import PromptBuilder
+from proxy.prompt import Plan, PromptBuilder
 from proxy.router import Router
 from proxy.settings import ProxySettings
 
@@ -114,35 +115,62 @@ def tokenizer_model(config: Config) -> tuple[Path, str | None] | None:
     return None
 
 
-class Tokenizing:
-    """Runs PromptBuilder calls on the loop when cheap, else on one worker thread.
+# Bodies larger than this are rendered and tokenized on the worker thread (~1-4 ms of
+# rendering; a 30k-token turn's body is ~200 KiB).
+RENDER_INLINE_BYTES = 1 << 20
 
-    Measured (bench/bench_proxy.py): a small chat body tokenizes in tens of microseconds,
-    about what a thread hop costs; a cold 30k-token prompt takes ~55 ms and would stall
-    every other request. PromptBuilder's fragment cache is not thread-safe, so the loop
-    uses it only while the worker is idle, and there is a single worker.
+
+class Tokenizing:
+    """Exact prompt ids without stalling the loop, and without thread hops that cost more
+    than they save.
+
+    Measured (2 shared cores, demo vocabulary): llama_tokenize costs ~0.3-0.9 us per byte
+    (a cold 30k-token prompt ~55 ms); a hop to the worker thread and back ~35 us on an
+    idle loop, more under load; rendering the template ~1-4 us per KiB of body, and it
+    holds the GIL wherever it runs. So the template is rendered and the prompt split and
+    looked up in the fragment cache on the loop, and only text no cache holds goes to
+    the single worker thread, when it is more than `inline_bytes` (llama_tokenize
+    releases the GIL: that work really runs beside the loop). A turn whose history was
+    seen thus never leaves the loop. Bodies over `RENDER_INLINE_BYTES` are built on the
+    worker whole, so that one huge request leaves the loop slices of time (the GIL's
+    switch interval) instead of none.
+
+    The loop and the worker may tokenize at once: FragmentTokenizer locks its caches, and
+    llama_tokenize is safe to call concurrently on one vocabulary (llama-server itself
+    tokenizes on its HTTP threads). So a short prompt never waits behind a cold one.
     """
 
     def __init__(self, prompt: PromptBuilder | None, inline_bytes: int) -> None:
         self.prompt = prompt
         self.inline_bytes = inline_bytes
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
-        self._queued = 0
 
     async def run(self, size: int, build: Callable[[], T]) -> T:
-        if size <= self.inline_bytes and self._queued == 0:
+        """`build()` on the loop for a body of at most `inline_bytes`, else on the worker."""
+        if size <= self.inline_bytes:
             return build()
-        self._queued += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, build)
-        finally:
-            self._queued -= 1
+        return await asyncio.get_running_loop().run_in_executor(self.pool, build)
+
+    async def ids(self, size: int, plan: Callable[[], Plan]) -> array:
+        """The ids of the prompt `plan()` renders and looks up (see the class doc)."""
+        prompt = self.prompt
+        assert prompt is not None
+        loop = asyncio.get_running_loop()
+        if size > RENDER_INLINE_BYTES:
+            return await loop.run_in_executor(
+                self.pool, lambda: prompt.finish(prompt.fetch(plan())))
+        p = plan()
+        if p.missing_bytes > self.inline_bytes:
+            await loop.run_in_executor(self.pool, prompt.fetch, p)
+        else:
+            prompt.fetch(p)
+        return prompt.finish(p)
 
     def output_tokens(self, text: str) -> Sequence[int]:
-        # Answers are short: inline, unless the worker holds the (unshared) cache now.
-        if self.prompt is None or not text or self._queued:
+        # Answers are short (and mostly cached fragments): inline.
+        if self.prompt is None or not text:
             return ()
-        return self.prompt.tokenizer.tokenize(text, add_special=False)
+        return self.prompt.tokenizer.tokenize_ids(text, add_special=False)
 
 
 async def _prompt_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -166,8 +194,11 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
                                     sock_read=s.read_timeout_s)
     # No connection cap: llama-server queues itself, and the router bounds work per backend.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    # No cookie jar: a proxy must not keep one backend answer's cookies and send them with
+    # other clients' requests (and filtering/updating a jar costs time on every request).
     session = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                    read_bufsize=1 << 20, auto_decompress=False)
+                                    read_bufsize=1 << 20, auto_decompress=False,
+                                    cookie_jar=aiohttp.DummyCookieJar())
     recorder = Recorder(app[METRICS], get_logger())
     app[FORWARDER] = Forwarder(session, app[ROUTER], app[BACKENDS], recorder,
                                app[TOKENIZING].output_tokens, app[HEALTH],

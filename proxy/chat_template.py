@@ -216,6 +216,10 @@ class ChatTemplate:
             self._tmpl = _ENV.from_string(self.source)
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template does not compile: {e}") from e
+        # jinja2 keeps a template's globals as a ChainMap over the environment's and copies
+        # it into every render's context; iterating a ChainMap is a third of a small
+        # render's time. Ours are fixed at creation (_Env), so one plain dict serves.
+        self._tmpl.globals = dict(self._tmpl.globals)
 
     def render(self, context: Mapping[str, Any]) -> str:
         try:

@@ -134,7 +134,7 @@ def held_output(outcome: Outcome, tokenize: Callable[[str], Sequence[int]]) -> S
     n = outcome.predicted_n
     if n is None or not outcome.text:
         return ()
-    ids = list(tokenize(outcome.output_text))
+    ids = tokenize(outcome.output_text)
     if outcome.finish_reason == "length" and len(ids) == n:
         return ids[:-1]
     if outcome.finish_reason == "stop" and len(ids) + 1 == n:

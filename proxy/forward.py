@@ -92,14 +92,15 @@ def upstream_payload(raw: bytes, body: JSON, extra: JSON) -> bytes:
     """The client's body with `extra` fields set (cache_prompt is never touched).
 
     When none of `extra`'s keys is in the body, the fields are spliced in front of the raw
-    bytes: re-serialising a 30k-token conversation costs ~1 ms, splicing a memcpy.
+    bytes: re-serialising a 30k-token conversation costs ~1 ms, splicing a memcpy (one:
+    the tail goes in as a memoryview, not a sliced copy).
     """
     if not extra:
         return raw
     if body and extra.keys().isdisjoint(body):
         start = raw.index(b"{") + 1
         fields = json.dumps(extra, separators=(",", ":"))[1:-1].encode()
-        return raw[:start] + fields + b"," + raw[start:]
+        return b"".join((raw[:start], fields, b",", memoryview(raw)[start:]))
     merged = dict(body)
     for key, val in extra.items():
         if isinstance(val, dict) and isinstance(merged.get(key), dict):

@@ -1,14 +1,15 @@
 """Thin endpoints: parse and validate, get the exact tokens, hand over to the Forwarder.
 
 Anthropic `/v1/messages` (issue 5) plugs in the same way as chat completions: translate
-the body to a chat-completions body, `prompt.chat_tokens()` on it, then
+the body to a chat-completions body, `tokens_for(..., prompt.plan_chat(...))` on it, then
 `forwarder.routed(..., path="/v1/chat/completions", relay=<a Relay translating back>)`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -30,7 +31,7 @@ from proxy.app import (
 from proxy.errors import BadRequest, NoBackendAvailable, NotFound
 from proxy.forward import JSON
 from proxy.metrics import CONTENT_TYPE
-from proxy.prompt import PromptError
+from proxy.prompt import Plan, PromptError
 from proxy.validate import check_fields, check_messages
 
 if TYPE_CHECKING:
@@ -97,10 +98,11 @@ def check_model(request: web.Request, body: JSON) -> None:
 
 
 async def tokens_for(request: web.Request, raw: bytes,
-                     build: Callable[[], Sequence[int]]) -> Sequence[int]:
-    """Exact prompt tokens; PromptError (bad messages, ids out of range) -> 400."""
+                     plan: Callable[[], Plan]) -> array:
+    """Exact prompt ids of a chat body (`plan`: `PromptBuilder.plan_chat`); PromptError
+    (bad messages, invalid text) -> 400."""
     try:
-        return await request.app[TOKENIZING].run(len(raw), build)
+        return await request.app[TOKENIZING].ids(len(raw), plan)
     except PromptError as e:
         raise BadRequest(str(e)) from None
 
@@ -114,7 +116,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = request.app[PROMPT]
     if prompt is None:
         return await unrouted(request, "/v1/chat/completions", raw)
-    tokens = await tokens_for(request, raw, lambda: prompt.chat_tokens(body))
+    tokens = await tokens_for(request, raw, lambda: prompt.plan_chat(body))
     return await request.app[FORWARDER].routed(
         request, endpoint="chat", path="/v1/chat/completions", raw=raw, body=body,
         tokens=tokens)
@@ -138,7 +140,11 @@ async def _completion(request: web.Request, path: str, endpoint: str) -> web.Str
     prompt = request.app[PROMPT]
     if prompt is None:
         return await unrouted(request, path, raw)
-    tokens = await tokens_for(request, raw, lambda: prompt.completion_tokens(body["prompt"]))
+    try:
+        tokens = await request.app[TOKENIZING].run(
+            len(raw), lambda: prompt.completion_ids(body["prompt"]))
+    except PromptError as e:
+        raise BadRequest(str(e)) from None
     return await request.app[FORWARDER].routed(
         request, endpoint=endpoint, path=path, raw=raw, body=body, tokens=tokens)
 

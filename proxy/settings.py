@@ -38,5 +38,7 @@ class ProxySettings:
     strict_models: bool = True              # an OpenAI `model` no backend serves -> 404
     log_prompts: bool = False               # debug: log request bodies (never keys)
     health: HealthSettings = field(default_factory=HealthSettings)  # probes, breakers
-    inline_tokenize_bytes: int = 16 << 10   # smaller bodies tokenize on the loop (measured)
+    # uncached text up to this size is tokenized on the event loop (a worst-case stall of
+    # ~5 ms at 16 KiB); larger uncached text goes to a worker thread
+    inline_tokenize_bytes: int = 16 << 10
     tokenizer: Path | None = None           # GGUF to tokenize with (default: first managed)
