@@ -37,8 +37,10 @@ server has (the tree may have evicted tails) and the RAM LRU order. No I/O.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from proxy.tree import RadixTree
 
@@ -81,8 +83,7 @@ class ServerRules:
     kv_unified: bool = False  # --kv-unified (auto -np): idle slots are cleared once saved
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower
     """Where a request lands on one backend and what it reuses."""
 
     slot: int  # slot the request runs in
@@ -111,6 +112,9 @@ class BackendCache:
         self.tree = tree
         self.rules = rules or ServerRules()
         self.slots = [_Slot() for _ in range(cap.n_slots)]
+        # indices of the idle slots, ascending; read-only outside start/_free/clear (the
+        # policy scans them for every request and backend, and most slots are busy)
+        self.idle: list[int] = list(range(cap.n_slots))
         self.ram: OrderedDict[int, int] = OrderedDict()  # entry id -> tokens, oldest first
         self.ram_bytes = 0
         self._next_entry = 0
@@ -124,7 +128,7 @@ class BackendCache:
         return (self.cap.name, RAM, e)
 
     def idle_slots(self) -> list[int]:
-        return [i for i, s in enumerate(self.slots) if not s.busy]
+        return list(self.idle)
 
     # ------------------------------------------------------------- prediction
     def server_pick(self, slot_lcp: dict[int, int], n_prompt: int) -> int | None:
@@ -168,7 +172,9 @@ class BackendCache:
                 return None
         s = self.slots[slot]
         assert not s.busy, "never place a request on a busy slot"
-        lcp = min(slot_lcp.get(slot, 0), s.n_tokens)
+        lcp = slot_lcp.get(slot, 0)
+        if lcp > s.n_tokens:
+            lcp = s.n_tokens
         entry, got, displaced, saved, destroyed = None, lcp, 0, False, 0
         if s.n_tokens > 0 and self._saves(s.n_tokens, lcp, n_prompt, pinned):
             saved = True
@@ -181,7 +187,9 @@ class BackendCache:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
         elif lcp < s.n_tokens:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)  # kept: tail truncated
-        reuse = max(0, min(got, n_prompt - 1))
+        reuse = got if got < n_prompt else n_prompt - 1  # the server never reuses it all
+        if reuse < 0:
+            reuse = 0
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
         return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
 
@@ -280,6 +288,8 @@ class BackendCache:
         self, ram_lcp: dict[int, int], n_prompt: int, lcp: int, n_slot: int, gone: set[int]
     ) -> tuple[int | None, int]:
         """server_prompt_cache::load: the entry beating the slot on kept fraction and sim."""
+        if not ram_lcp:
+            return None, lcp
         f_best = lcp / n_slot if n_slot else 0.0
         sim_best = lcp / n_prompt
         best, got = None, lcp
@@ -347,6 +357,7 @@ class BackendCache:
         s.ram_copy = None
         s.prompt = prompt
         s.busy = True
+        self.idle.remove(p.slot)
         self._clock += 1
         s.last_used = self._clock
         if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
@@ -357,8 +368,10 @@ class BackendCache:
         """--cache-idle-slots: after a task starts, save every idle slot to RAM."""
         unified = self.rules.kv_unified
         ram = self.ram
-        for i, s in enumerate(self.slots):
-            if s.busy or s.n_tokens == 0:
+        slots = self.slots
+        for i in self.idle:
+            s = slots[i]
+            if s.n_tokens == 0:
                 continue
             if s.ram_copy is None or s.ram_copy not in ram:  # else: already saved
                 self._save(i, keep=not unified)
@@ -370,7 +383,7 @@ class BackendCache:
     def finish(self, slot: int, sequence: bytes | None, n_tokens: int) -> None:
         """The request in ``slot`` ended; the slot now holds ``sequence`` (None: unknown)."""
         s = self.slots[slot]
-        prompt = self._free(s)
+        prompt = self._free(slot)
         h = self.slot_holder(slot)
         if sequence is None:
             # NOTE: content unknown (aborted): claiming nothing is the safe error
@@ -391,7 +404,7 @@ class BackendCache:
         """Like ``finish(slot, prompt + generated, ...)`` for a slot started by ``start``,
         without building that sequence (``generated``: int32 token bytes)."""
         s = self.slots[slot]
-        prompt = self._free(s)
+        prompt = self._free(slot)
         assert prompt is not None, "the slot was not started by start()"
         h = self.slot_holder(slot)
         if self.tree.held_len(h) * 4 == len(prompt):
@@ -400,8 +413,11 @@ class BackendCache:
             self.tree.assign(h, prompt + generated)
         s.n_tokens = (len(prompt) + len(generated)) // 4
 
-    def _free(self, s: _Slot) -> bytes | None:
+    def _free(self, slot: int) -> bytes | None:
         """Mark a slot idle; returns the prompt it was started with (if known)."""
+        s = self.slots[slot]
+        if s.busy:
+            insort(self.idle, slot)
         s.busy = False
         self._clock += 1
         s.last_used = self._clock
@@ -448,10 +464,16 @@ class BackendCache:
     def _ram_relations(self, h: Holder) -> list[tuple[int, bool]]:
         """RAM entries that contain slot ``h``'s sequence (True) or are a prefix of it."""
         name = self.cap.name
+        ram = self.ram
         containing, prefixes = self.tree.relations(h)
-        out = [(x[2], True) for x in containing if x[0] == name and x[1] == RAM]  # type: ignore[index]
-        out += [(x[2], False) for x in prefixes if x[0] == name and x[1] == RAM]  # type: ignore[index]
-        return [(e, c) for e, c in out if e in self.ram]
+        out = []
+        for x in containing:
+            if x[1] == RAM and x[0] == name and x[2] in ram:  # type: ignore[index]
+                out.append((x[2], True))  # type: ignore[index]
+        for x in prefixes:
+            if x[1] == RAM and x[0] == name and x[2] in ram:  # type: ignore[index]
+                out.append((x[2], False))  # type: ignore[index]
+        return out
 
     def _drop_entry(self, e: int) -> None:
         n = self.ram.pop(e)
@@ -465,6 +487,7 @@ class BackendCache:
         for e in list(self.ram):
             self._drop_entry(e)
         self.slots = [_Slot() for _ in range(self.cap.n_slots)]
+        self.idle = list(range(self.cap.n_slots))
 
     def snapshot(self) -> dict[str, object]:
         return {
