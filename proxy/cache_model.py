@@ -33,6 +33,9 @@ Mirrors the pinned build (../shared/notes/llama-server.md, "Slots", "The prompt 
 The sequences themselves live in a shared :class:`~proxy.tree.RadixTree` under holders
 ``(backend, SLOT, i)`` and ``(backend, RAM, entry_id)``; this class keeps the lengths the
 server has (the tree may have evicted tails) and the RAM LRU order. No I/O.
+
+Predictions (pure) are in proxy/cache_predict.py, with the model's value types (re-exported
+here); this module holds the state and applies what happens when requests start and end.
 """
 
 from __future__ import annotations
@@ -40,59 +43,29 @@ from __future__ import annotations
 from bisect import insort
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
 
+from proxy.cache_predict import (
+    PENDING,
+    RAM,
+    SLOT,
+    BackendCapacity,
+    CachePrediction,
+    Holder,
+    Placement,
+    ServerRules,
+)
 from proxy.tree import RadixTree
 
-SLOT = 0
-RAM = 1
-PENDING = 2  # a queued request's prompt, recorded before it has a slot (router-level)
-
-Holder = tuple[str, int, int]  # (backend, kind, index)
-
-
-@dataclass(frozen=True)
-class BackendCapacity:
-    name: str
-    n_slots: int
-    slot_ctx: int  # tokens per slot
-    ram_cache_bytes: int  # 0 = no RAM tier
-    kv_bytes_per_token: int
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("name: must be non-empty")
-        if self.n_slots < 1:
-            raise ValueError("n_slots: must be >= 1")
-        if self.slot_ctx < 2:
-            raise ValueError("slot_ctx: must be >= 2")
-        if self.ram_cache_bytes < 0:
-            raise ValueError("ram_cache_bytes: must be >= 0")
-        if self.kv_bytes_per_token < 1:
-            raise ValueError("kv_bytes_per_token: must be >= 1")
-
-
-@dataclass(frozen=True)
-class ServerRules:
-    """llama-server constants this model mirrors (defaults of the pinned build)."""
-
-    keep_threshold: float = 0.5  # below this kept fraction the slot state is saved to RAM
-    ram_min_share: float = 0.25  # a RAM entry must share this fraction of its own tokens
-    slot_similarity: float = 0.10  # --slot-prompt-similarity for unpinned requests
-    cache_idle_slots: bool = True  # --cache-idle-slots: save idle slots when a task starts
-    kv_unified: bool = False  # --kv-unified (auto -np): idle slots are cleared once saved
-
-
-class Placement(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower
-    """Where a request lands on one backend and what it reuses."""
-
-    slot: int  # slot the request runs in
-    reuse: int  # tokens reused (<= prompt - 1)
-    tier: str  # "slot" | "ram" | "none"
-    ram_entry: int | None  # RAM entry loaded into the slot, if any
-    displaced: int  # tokens of the slot's previous content moved out to RAM (when saved)
-    saved: bool = False  # the server saves the slot's state to RAM before using it
-    destroyed: int = 0  # tokens of the previous content lost for good (held nowhere else)
+__all__ = [
+    "PENDING",
+    "RAM",
+    "SLOT",
+    "BackendCache",
+    "BackendCapacity",
+    "Holder",
+    "Placement",
+    "ServerRules",
+]
 
 
 @dataclass
@@ -104,7 +77,7 @@ class _Slot:
     prompt: bytes | None = None  # while busy: the prompt it started with (finish extends it)
 
 
-class BackendCache:
+class BackendCache(CachePrediction):
     """Model of one backend's slots and RAM prompt cache."""
 
     def __init__(self, cap: BackendCapacity, tree: RadixTree, rules: ServerRules | None = None):
@@ -120,208 +93,8 @@ class BackendCache:
         self._next_entry = 0
         self._clock = 0
 
-    # ---------------------------------------------------------------- holders
-    def slot_holder(self, i: int) -> Holder:
-        return (self.cap.name, SLOT, i)
-
-    def ram_holder(self, e: int) -> Holder:
-        return (self.cap.name, RAM, e)
-
     def idle_slots(self) -> list[int]:
         return list(self.idle)
-
-    # ------------------------------------------------------------- prediction
-    def server_pick(self, slot_lcp: dict[int, int], n_prompt: int) -> int | None:
-        """The idle slot the server picks for an unpinned request (None: all busy)."""
-        thr = self.rules.slot_similarity
-        best, sim_best = None, 0.0
-        if thr > 0.0:  # 0 disables the similarity pass in the server
-            for i, s in enumerate(self.slots):
-                if s.busy or s.n_tokens == 0:
-                    continue
-                sim = slot_lcp.get(i, 0) / n_prompt
-                if sim > sim_best and sim > thr:
-                    best, sim_best = i, sim
-        if best is not None:
-            return best
-        # NOTE: the server keeps the *last* slot among equally old ones (`<=`)
-        idle = [(s.last_used, -i) for i, s in enumerate(self.slots) if not s.busy]
-        return -min(idle)[1] if idle else None
-
-    def _saves(self, n_slot: int, lcp: int, n_prompt: int, pinned: bool) -> bool:
-        """get_available_slot's ``update_cache`` for a slot holding ``n_slot`` tokens."""
-        thr = self.rules.slot_similarity
-        if thr == 0.0:  # no similarity pass: only an LRU pick (unpinned) updates the cache
-            return not pinned
-        if lcp / n_prompt <= thr:  # LRU pick, or pinned with its kept fraction taken as 0
-            return True
-        return lcp < self.rules.keep_threshold * n_slot
-
-    def predict(
-        self,
-        slot: int | None,
-        slot_lcp: dict[int, int],
-        ram_lcp: dict[int, int],
-        n_prompt: int,
-    ) -> Placement | None:
-        """Where a request would land and what it would reuse; pure. None: no idle slot."""
-        pinned = slot is not None
-        if slot is None:
-            slot = self.server_pick(slot_lcp, n_prompt)
-            if slot is None:
-                return None
-        s = self.slots[slot]
-        assert not s.busy, "never place a request on a busy slot"
-        lcp = slot_lcp.get(slot, 0)
-        if lcp > s.n_tokens:
-            lcp = s.n_tokens
-        entry, got, displaced, saved, destroyed = None, lcp, 0, False, 0
-        if s.n_tokens > 0 and self._saves(s.n_tokens, lcp, n_prompt, pinned):
-            saved = True
-            displaced = s.n_tokens - lcp
-            gone = self._evicted_by_save(slot)
-            entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
-            if not self._can_save(s.n_tokens):  # no room in RAM: truncated or replaced
-                destroyed = self._unique_tail(slot, 0 if entry is not None else lcp, lcp, n_prompt)
-        elif s.n_tokens == 0 and not pinned:
-            entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
-        elif lcp < s.n_tokens:
-            destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)  # kept: tail truncated
-        reuse = got if got < n_prompt else n_prompt - 1  # the server never reuses it all
-        if reuse < 0:
-            reuse = 0
-        tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
-        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
-
-    def predict_queued(
-        self,
-        slot_lcp: dict[int, int],
-        ram_lcp: dict[int, int],
-        ahead: list[tuple[int, int]],
-        n_prompt: int,
-    ) -> Placement:
-        """Where an unpinned request deferred by the server (no idle slot) will land.
-
-        ``ahead``: (tokens shared with this prompt, prompt tokens) of each request queued
-        before it on this backend, oldest first. The server hands a released slot to its
-        oldest deferred request; assuming slots free in the order their requests started
-        (FIFO service), the k-th waiting request gets the (k mod n_slots)-th slot of that
-        order, which then holds the prompt of its current occupant (k < n_slots) or of
-        the request k - n_slots ahead. It is the only idle slot then: the server keeps its
-        common prefix, or saves it and loads the best RAM entry (the RAM tier as it is
-        now: later saves and loads are not foreseen)."""
-        order = sorted(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
-        k = len(ahead)
-        slot = order[k % len(order)]
-        if k < len(order):
-            n_slot = self.slots[slot].n_tokens
-            lcp = min(slot_lcp.get(slot, 0), n_slot)
-        else:
-            lcp, n_slot = ahead[k - len(order)]
-        entry, got, displaced, saved, destroyed = None, lcp, 0, False, 0
-        if n_slot == 0 or self._saves(n_slot, lcp, n_prompt, pinned=False):
-            saved = n_slot > 0
-            displaced = n_slot - lcp
-            entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, set())
-        elif k < len(order) and lcp < n_slot:
-            destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
-        reuse = max(0, min(got, n_prompt - 1))
-        tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
-        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
-
-    def _can_save(self, n_tokens: int) -> bool:
-        limit = self.cap.ram_cache_bytes
-        return limit > 0 and n_tokens * self.cap.kv_bytes_per_token <= limit
-
-    def _unique_tail(self, slot: int, lcp: int, new_lcp: int, n_new: int) -> int:
-        """Tokens of ``slot``'s sequence beyond its first ``lcp`` that no other holder
-        keeps: another slot (any backend), another backend's RAM entry, or one of this
-        backend's RAM entries that a later request could still load. Pending prompts
-        are no KV. ``new_lcp``/``n_new``: what the slot will hold instead (tokens shared
-        with the old sequence, length)."""
-        s = self.slots[slot]
-        h = self.slot_holder(slot)
-        name = self.cap.name
-        tree = self.tree
-
-        def not_kv_or_local_ram(x: object) -> bool:
-            return x[1] == PENDING or (x[0] == name and x[1] == RAM)  # type: ignore[index]
-
-        other = tree.shared_len(h, not_kv_or_local_ram)
-        if max(lcp, other) >= s.n_tokens:
-            return 0
-        with_ram = tree.shared_len(h, lambda x: x[1] == PENDING)  # type: ignore[index]
-        if with_ram > other and self._ram_loadable(slot, new_lcp, n_new):
-            other = with_ram
-        return max(0, s.n_tokens - max(lcp, other))
-
-    def _ram_loadable(self, slot: int, new_lcp: int, n_new: int) -> bool:
-        """Could the owner of ``slot``'s sequence, coming back (a longer prompt), load it
-        from this backend's RAM tier once ``slot`` holds the new prompt? Only through a
-        slot that the server saves first (shares < keep_threshold of its own tokens, or
-        too little of the prompt to be picked by similarity), or an empty one that an
-        unpinned request reaches by LRU (no slot is similar enough to be picked first).
-        With every slot holding the same family's prompts, the RAM copy is unreachable."""
-        h = self.slot_holder(slot)
-        n_own = max(1, self.slots[slot].n_tokens)
-        thr, keep = self.rules.slot_similarity, self.rules.keep_threshold
-        empty, similar = False, False
-        for i, s in enumerate(self.slots):
-            if i == slot:
-                n_i, cp = n_new, new_lcp
-            else:
-                n_i = s.n_tokens
-                cp = self.tree.common_prefix(self.slot_holder(i), h) if n_i else 0
-            if n_i == 0:
-                empty = True
-                continue
-            if cp <= thr * n_own or cp < keep * n_i:
-                return True
-            similar = True
-        return empty and not similar
-
-    def best_ram(self, ram_lcp: dict[int, int], n_prompt: int) -> tuple[int | None, int]:
-        """The RAM entry a freshly displaced slot would load, and its reuse (0: none)."""
-        return self._best_ram(ram_lcp, n_prompt, 0, 0, set())
-
-    def _best_ram(
-        self, ram_lcp: dict[int, int], n_prompt: int, lcp: int, n_slot: int, gone: set[int]
-    ) -> tuple[int | None, int]:
-        """server_prompt_cache::load: the entry beating the slot on kept fraction and sim."""
-        if not ram_lcp:
-            return None, lcp
-        f_best = lcp / n_slot if n_slot else 0.0
-        sim_best = lcp / n_prompt
-        best, got = None, lcp
-        for e, n_lcp in ram_lcp.items():
-            n_entry = self.ram.get(e)
-            if n_entry is None or e in gone:
-                continue
-            f = n_lcp / n_entry
-            if f < self.rules.ram_min_share:
-                continue
-            sim = n_lcp / n_prompt
-            if f > f_best and sim > sim_best:
-                best, got, f_best, sim_best = e, n_lcp, f, sim
-        return best, got
-
-    def _evicted_by_save(self, slot: int) -> set[int]:
-        """RAM entries the LRU would drop to make room for a saved slot (approximate:
-        ignores entries the save removes as prefixes, so it may over-estimate)."""
-        s = self.slots[slot]
-        if s.ram_copy is not None and s.ram_copy in self.ram:
-            return set()  # already saved: the server skips the save
-        new = s.n_tokens * self.cap.kv_bytes_per_token
-        limit = self.cap.ram_cache_bytes
-        if limit == 0 or new > limit or self.ram_bytes + new <= limit:
-            return set()
-        gone, freed, need = set(), 0, self.ram_bytes + new - limit
-        for e, n in self.ram.items():
-            if freed >= need:
-                break
-            gone.add(e)
-            freed += n * self.cap.kv_bytes_per_token
-        return gone
 
     # ---------------------------------------------------------------- effects
     def start(

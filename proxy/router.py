@@ -143,7 +143,7 @@ class Router:
         now: float = 0.0,
     ) -> Decision | NoBackend:
         """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
-        native int32 bytes (the tree's format, see proxy/tree.py)."""
+        native int32 bytes (the tree's format, see proxy/token_bytes.py)."""
         q = to_token_bytes(tokens)
         n = len(q) // 4
         if n == 0:

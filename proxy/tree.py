@@ -7,10 +7,8 @@ set of holders is a superset of each child's set. One walk of a query therefore 
 for every holder, how many leading tokens of the query it holds.
 
 Representation (for speed and memory, see BENCHMARKS.md):
-- Token sequences are handled as ``bytes`` of native 32-bit ints (``array('i').tobytes()``):
-  4 bytes per token, and ``q.startswith(key, offset)`` is an in-place ``memcmp``, so the
-  hot path never loops over tokens in Python nor copies them. The first mismatch inside
-  an edge is found by bisecting such comparisons.
+- Token sequences are handled as ``bytes`` of native 32-bit ints, compared in place by
+  ``memcmp`` (see proxy/token_bytes.py: the hot path never loops over tokens in Python).
 - Edges are compressed: a node's ``key`` is the run of tokens on the edge into it, and a
   node boundary exists wherever two held sequences diverge or one ends.
 - ``max_resident`` caps the tokens stored; least recently used leaves are evicted first,
@@ -22,52 +20,17 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
+from proxy.token_bytes import WIDTH as _W
+from proxy.token_bytes import TokenBytes, from_token_bytes, to_token_bytes
+from proxy.token_bytes import common_len as _common_len
+from proxy.tree_holders import HolderQueries
+
+__all__ = ["Holder", "Match", "RadixTree", "TokenBytes", "from_token_bytes", "to_token_bytes"]
+
 Holder = Hashable
-TokenBytes = bytes
-
-_W = 4  # bytes per token (native int32)
-
-
-def to_token_bytes(tokens: Sequence[int] | bytes | array) -> TokenBytes:
-    """Encode token ids as native int32 bytes (the tree's key format).
-
-    Passing an ``array('i')`` is a memcpy; a list of ints costs ~40 ns per token.
-    ``bytes`` are assumed to be encoded already.
-    """
-    if isinstance(tokens, bytes):
-        assert len(tokens) % _W == 0, "token bytes must be a whole number of int32"
-        return tokens
-    if isinstance(tokens, array) and tokens.typecode == "i":
-        return tokens.tobytes()
-    return array("i", tokens).tobytes()
-
-
-def from_token_bytes(data: bytes) -> list[int]:
-    """Decode the tree's key format back to a list of ints (tests and debugging)."""
-    out = array("i")
-    out.frombytes(data)
-    return out.tolist()
-
-
-def _common_len(key: bytes, q: bytes, off: int) -> int:
-    """Tokens of ``key`` equal to ``q[off:]`` from the start, by bisecting memcmp.
-
-    ``q.startswith(view, pos)`` compares in place: slicing bytes would copy them."""
-    hi = min(len(key), len(q) - off) // _W  # candidate answer is in [0, hi]
-    k = memoryview(key)
-    if q.startswith(k[: hi * _W], off):
-        return hi
-    lo = 0  # invariant: first lo tokens equal, first hi tokens not equal
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if q.startswith(k[lo * _W : mid * _W], off + lo * _W):
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class _Node:
@@ -89,7 +52,7 @@ class Match(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower
     matched: int  # longest prefix of the query held by anyone
 
 
-class RadixTree:
+class RadixTree(HolderQueries):
     """Radix tree of token sequences with per-holder prefix lengths. No I/O."""
 
     def __init__(self, max_resident: int | None = None) -> None:
@@ -145,67 +108,6 @@ class RadixTree:
             off = got
             node = child
         return Match(held, matched)
-
-    def common_prefix(self, a: Holder, b: Holder) -> int:
-        """Length of the common prefix of two holders' sequences (depth of their LCA)."""
-        na, nb = self._end.get(a), self._end.get(b)
-        if na is None or nb is None:
-            return 0
-        seen: set[int] = set()
-        x: _Node | None = na
-        while x is not None:
-            seen.add(id(x))
-            x = x.parent
-        y: _Node | None = nb
-        while y is not None and id(y) not in seen:
-            y = y.parent
-        return 0 if y is None else y.depth
-
-    def relations(self, holder: Holder) -> tuple[set[Holder], list[Holder]]:
-        """Holders whose sequence contains ``holder``'s, and holders whose sequence is a
-        prefix of it (a holder with an equal sequence is in both). One walk to the root."""
-        node = self._end.get(holder)
-        if node is None:
-            return set(), []
-        containing = set(node.holders)
-        prefixes: list[Holder] = []
-        end = self._end
-        x: _Node | None = node
-        root = self._root
-        while x is not None and x is not root:
-            for h in x.holders:
-                if end.get(h) is x:
-                    prefixes.append(h)
-            x = x.parent
-        return containing, prefixes
-
-    def shared_len(self, holder: Holder, ignore: Callable[[Holder], bool] | None = None) -> int:
-        """Leading tokens of ``holder``'s sequence that some other holder holds too (not
-        counting holders for which ``ignore`` is true). One walk up from its end node.
-
-        Holder sets only grow towards the root, so the first node on the way up with
-        another (counted) holder is the deepest such node: its depth is the answer."""
-        x = self._end.get(holder)
-        root = self._root
-        while x is not None and x is not root:
-            hs = x.holders
-            if len(hs) > 1:
-                if ignore is None:
-                    return x.depth
-                for h in hs:
-                    if h != holder and not ignore(h):
-                        return x.depth
-            x = x.parent
-        return 0
-
-    def tokens_of(self, holder: Holder) -> bytes:
-        """The sequence a holder holds, as int32 bytes."""
-        parts: list[bytes] = []
-        node = self._end.get(holder)
-        while node is not None:
-            parts.append(node.key)
-            node = node.parent
-        return b"".join(reversed(parts))
 
     # ---------------------------------------------------------------- mutations
     def assign(self, holder: Holder, tokens: Sequence[int] | bytes | array) -> int:
