@@ -29,8 +29,8 @@ import yaml
 
 from loadtest import workloads as wl
 from loadtest.client import LoadClient, RunOutcome, check_loopback
+from proxy.policy import POLICIES
 
-PROXY_POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 DEFAULT_POLICIES = "prefix,round_robin,least_loaded,direct"
 
 
@@ -253,7 +253,7 @@ async def run_all(args: argparse.Namespace,
     policies = ["target"] if args.target else [p.strip() for p in args.policies.split(",")
                                                if p.strip()]
     for p in policies:
-        if p not in (*PROXY_POLICIES, "direct", "target"):
+        if p not in (*POLICIES, "direct", "target"):
             raise ValueError(f"unknown policy {p!r}: {DEFAULT_POLICIES},random")
     rates: list[float | None] = ([float(x) for x in args.rates.split(",")] if args.rates
                                  else [None])

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.anthropic_convert import anthropic_to_chat
-from proxy.anthropic_relay import AnthropicRelay, anthropic_error
+from proxy.anthropic_relay import AnthropicErrors, AnthropicRelay, anthropic_error
 from proxy.app import FORWARDER, PROMPT
 from proxy.errors import FORMATTERS, BadRequest, ErrorFormat, ProxyError
 from proxy.feedback import Outcome
@@ -118,18 +118,5 @@ async def _unrouted(request: web.Request, raw: bytes,
     info = pick_ready(request.app)
     outcome = Outcome(started=time.perf_counter())
     return await send(request.app[FORWARDER].session, request, Target(info), path, raw,
-                      outcome, relay=_ErrorsOnly())
-
-
-class _ErrorsOnly(AnthropicRelay):
-    """Relays the backend's own Anthropic answers; only its errors need translating."""
-
-    def body(self, obj: JSON) -> JSON | None:
-        return None
-
-    def event(self, obj: JSON) -> list[bytes] | None:
-        return None
-
-    def done(self) -> list[bytes] | None:
-        return None
+                      outcome, relay=AnthropicErrors())
 

@@ -116,13 +116,21 @@ def _cached_and_prompt(obj: JSON) -> tuple[int | None, int | None]:
     return None, None
 
 
-class AnthropicRelay(Relay):
+class AnthropicErrors(Relay):
+    """Relays answers as they are, translating only errors to Anthropic's format (for a
+    backend's own `/v1/messages`, which already answers in that format)."""
+
+    error_format = ErrorFormat.ANTHROPIC
+
+    def error(self, status: int, body: bytes) -> bytes | None:
+        return json.dumps(error_from_upstream(status, body)).encode()
+
+
+class AnthropicRelay(AnthropicErrors):
     """Translates one chat-completions answer (a body or a stream) to Anthropic's format.
 
     One instance per request: the stream translation is stateful.
     """
-
-    error_format = ErrorFormat.ANTHROPIC
 
     def __init__(self, model: str = "") -> None:
         self.model = model        # fallback when the upstream names none
@@ -136,10 +144,6 @@ class AnthropicRelay(Relay):
         self.kind: str | None = None   # type of the open block
         self.tool_blocks: dict[int, int] = {}  # OpenAI tool_call index -> block index
         self.next_index = 0
-
-    # ---------------------------------------------------------------- errors
-    def error(self, status: int, body: bytes) -> bytes | None:
-        return json.dumps(error_from_upstream(status, body)).encode()
 
     # ---------------------------------------------------------- non-streaming
     def body(self, obj: JSON) -> JSON | None:

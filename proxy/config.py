@@ -29,9 +29,9 @@ from proxy.config_fields import (  # ConfigError is re-exported: imported from h
     _Section,
     _show,
 )
+from proxy.policy import POLICIES, RouterSettings
 from proxy.settings import HealthSettings, ProxySettings
 
-POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 DEMO = "demo"  # `model: demo` = the synthesised demo model
 
 
@@ -45,13 +45,11 @@ class ProxyConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """Knobs passed through to `proxy.router.RouterSettings(**settings)`."""
+    """Knobs passed through to `proxy.policy.RouterSettings(**settings)`."""
 
     settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
-    def router_settings(self) -> Any:
-        from proxy.router import RouterSettings
-
+    def router_settings(self) -> RouterSettings:
         return RouterSettings(**self.settings)
 
 
@@ -201,11 +199,13 @@ def _proxy_settings(sec: _Section, base: Path) -> ProxySettings:
 
 def _routing(raw: object) -> RoutingConfig:
     sec = _Section(raw, "routing.")
-    settings = MappingProxyType(dict(sec.raw))
+    settings = MappingProxyType(_knobs(sec.raw, "routing.", RouterSettings()))
     try:
-        from proxy.router import RouterSettings
-    except ImportError:  # the routing core is not there yet: nothing to validate against
-        return RoutingConfig(settings)
+        RouterSettings(**settings)
+    except ValueError as e:  # a value out of range: the message names the knob
+        raise ConfigError(f"routing.{e} (fix: see the comments on RouterSettings in "
+                          "proxy/policy.py)") from None
+    return RoutingConfig(settings)
     known = {f.name: f for f in fields(RouterSettings)}
     defaults = RouterSettings()
     for key, value in settings.items():
