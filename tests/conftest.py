@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import pytest
 import pytest_asyncio
+from prompt_corpus import Backend
 
 from backends.binary import cache_dir, find_llama_server
 from backends.demo_model import DemoModelParams, demo_model_path
@@ -37,6 +38,7 @@ from proxy.config import (
     RoutingConfig,
     SupervisionConfig,
 )
+from proxy.prompt import PromptBuilder
 
 
 @pytest.fixture(scope="session")
@@ -117,3 +119,18 @@ async def backend_pool(pool_config: Callable[..., Config]) -> AsyncIterator[Pool
         for sup in started:
             with contextlib.suppress(Exception):
                 await sup.stop()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def backend(backend_pool: PoolFactory) -> AsyncIterator[Backend]:
+    """One real llama-server with one slot and no RAM cache: a follow-up request must land
+    in the slot the previous one filled, so its reuse count says exactly which tokens that
+    slot holds (the token-exactness tests rely on this)."""
+    sup = await backend_pool(n=1, slots=1, ctx_per_slot=16384, cache_ram_mib=0)
+    info = sup.ready()[0]
+    yield Backend(info.url, info.api_key)
+
+
+@pytest.fixture(scope="session")
+def builder(demo_model: Path) -> PromptBuilder:
+    return PromptBuilder.load(demo_model)

@@ -10,12 +10,9 @@ the slot -- proof that the slot cached those very ids.
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from prompt_corpus import Backend
 
 from proxy.anthropic_convert import anthropic_to_chat, normalize_billing_header
@@ -89,18 +86,6 @@ CORPUS: dict[str, dict[str, Any]] = {
                         "stop_sequences": ["\n\n"],
                         "messages": [{"role": "user", "content": "think"}]},
 }
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def backend(backend_pool: Any) -> AsyncIterator[Backend]:
-    sup = await backend_pool(n=1, slots=1, ctx_per_slot=16384, cache_ram_mib=0)
-    info = sup.ready()[0]
-    yield Backend(info.url, info.api_key)
-
-
-@pytest.fixture(scope="module")
-def builder(demo_model: Path) -> PromptBuilder:
-    return PromptBuilder.load(demo_model)
 
 
 def test_billing_header_normalisation() -> None:

@@ -21,12 +21,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from fake_backend import FakeBackend
+from proxy_client import proxy
 
 from backends.binary import cache_dir
 from backends.supervisor import BackendInfo, Supervisor
-from proxy.app import ADMISSION, HEALTH, METRICS, ROUTER, ProxySettings, create_app
+from proxy.app import ADMISSION, HEALTH, METRICS, ROUTER, ProxySettings
 from proxy.config import (
     Config,
     ExternalBackendConfig,
@@ -51,14 +52,6 @@ def chat_body(seed: int, n_words: int = 60, **extra: Any) -> dict[str, Any]:
     return {"model": "kvroute-demo", "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": f"{seed}: " + words(n_words, seed)}],
             **extra}
-
-
-@asynccontextmanager
-async def proxy(sup: Supervisor, settings: ProxySettings | None = None
-                ) -> AsyncIterator[TestClient[Any, Any]]:
-    server = TestServer(create_app(sup.config, sup, settings), handler_cancellation=True)
-    async with TestClient(server) as client:
-        yield client
 
 
 @asynccontextmanager

@@ -15,33 +15,16 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prompt_corpus import COMPLETION_PROMPTS, CORPUS, INVALID, Backend
 
 from proxy.chat_template import TemplateCaps, llama_tojson
 from proxy.prompt import PromptBuilder, PromptError
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def backend(backend_pool: Any) -> AsyncIterator[Backend]:
-    # One slot, no RAM cache: a follow-up request must land in the slot the previous one
-    # filled, so its reuse count says exactly which tokens that slot holds.
-    sup = await backend_pool(n=1, slots=1, ctx_per_slot=16384, cache_ram_mib=0)
-    info = sup.ready()[0]
-    yield Backend(info.url, info.api_key)
-
-
-@pytest.fixture(scope="module")
-def builder(demo_model: Path) -> PromptBuilder:
-    return PromptBuilder.load(demo_model)
-
 
 # -- template and caps ----------------------------------------------------------------
 

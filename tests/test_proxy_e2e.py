@@ -11,14 +11,10 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-from aiohttp.test_utils import TestClient, TestServer
-
-from backends.supervisor import Supervisor
-from proxy.app import ProxySettings, create_app
+from aiohttp.test_utils import TestClient
+from proxy_client import proxy
 
 _WORDS = ("apple", "river", "stone", "cloud", "music", "paper", "window", "garden",
           "silver", "orange", "planet", "forest", "yellow", "rabbit", "engine", "pocket",
@@ -29,15 +25,6 @@ _WORDS = ("apple", "river", "stone", "cloud", "music", "paper", "window", "garde
 def words(n: int, seed: int) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(_WORDS) for _ in range(n))
-
-
-@asynccontextmanager
-async def proxy(sup: Supervisor, settings: ProxySettings | None = None
-                ) -> AsyncIterator[TestClient[Any, Any]]:
-    # handler_cancellation: a client that goes away cancels its handler (as in `serve`).
-    server = TestServer(create_app(sup.config, sup, settings), handler_cancellation=True)
-    async with TestClient(server) as client:
-        yield client
 
 
 def cached_of(body: dict[str, Any]) -> int:

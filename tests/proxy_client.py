@@ -1,0 +1,22 @@
+"""A kvroute app on a real loopback port, driven by aiohttp's test client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from backends.supervisor import Supervisor
+from proxy.app import create_app
+from proxy.settings import ProxySettings
+
+
+@asynccontextmanager
+async def proxy(sup: Supervisor, settings: ProxySettings | None = None
+                ) -> AsyncIterator[TestClient[Any, Any]]:
+    # handler_cancellation: a client that goes away cancels its handler (as in `serve`).
+    server = TestServer(create_app(sup.config, sup, settings), handler_cancellation=True)
+    async with TestClient(server) as client:
+        yield client
