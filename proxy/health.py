@@ -191,5 +191,8 @@ class BackendHealth:
             return
         loop = asyncio.get_running_loop()
         for t in list(b.waiting):
-            t.reschedule(loop.time())  # the waiting request raises TimeoutError -> retry
+            # one already expiring is about to raise anyway (several requests timing out
+            # together: the first one's failure trips the breaker), and may not be moved
+            if not t.expired():
+                t.reschedule(loop.time())  # the waiting request raises TimeoutError: retry
         b.waiting.clear()

@@ -9,6 +9,7 @@ head a memcpy.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from array import array
 from collections import OrderedDict
@@ -20,6 +21,10 @@ from dataclasses import dataclass
 # less than the search (~1 us per remembered prompt).
 PARTIAL_SEARCH = 8
 PARTIAL_MIN_CHARS = 8192
+# Prompts shorter than this are neither looked up nor remembered: splitting one afresh
+# costs less than a pass over the list (~20 us), and a stream of short requests would
+# otherwise push the long conversations, the ones worth resuming, out of the LRU.
+MIN_CHARS = 2048
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,17 @@ def shared_cuts(p: Prefix, text: str) -> int:
     return lo
 
 
+def _may_pass(p: Prefix, text: str, done: int) -> bool:
+    """Whether `p` can share more than `done` chars of `text` (a head ending at one of
+    its cuts), by comparing only its first cut past `done`: most recent prompts share
+    the same history with `text` and then differ, and bisecting each one copies ~the
+    whole prompt a few times."""
+    if not done:
+        return True
+    j = bisect.bisect_right(p.ends, done)
+    return j < len(p.ends) and text.startswith(p.core[done:p.ends[j]], done)
+
+
 class PrefixMemory:
     """A bounded LRU of `Prefix`es (thread-safe: the proxy tokenizes on two threads)."""
 
@@ -61,6 +77,8 @@ class PrefixMemory:
         (a regenerated or edited turn, or a request sharing a long history with the
         previous one), by bisecting their cuts.
         """
+        if len(text) < MIN_CHARS:
+            return None
         best: Prefix | None = None
         best_k = best_len = 0
         with self._lock:
@@ -71,7 +89,7 @@ class PrefixMemory:
                 continue
             if text.startswith(p.core):
                 k = len(p.ends)
-            elif i < partial:
+            elif i < partial and _may_pass(p, text, best_len):
                 k = shared_cuts(p, text)
             else:
                 continue
@@ -89,6 +107,8 @@ class PrefixMemory:
         return best, best_k
 
     def remember(self, p: Prefix) -> None:
+        if len(p.core) < MIN_CHARS:
+            return
         with self._lock:
             self._items[id(p)] = p
             while len(self._items) > self._max:

@@ -35,7 +35,7 @@ from proxy.config import (
     RoutingConfig,
     SupervisionConfig,
 )
-from proxy.health import HealthSettings
+from proxy.health import BackendHealth, HealthSettings
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -204,6 +204,32 @@ async def test_backend_stalling_completions_hits_the_first_byte_timeout(
             assert app[METRICS].retries.labels("chat", "timeout")._value.get() >= 1
     finally:
         await fake.stop()
+
+
+async def test_requests_timing_out_together_all_retry() -> None:
+    """Several requests waiting on one backend time out in the same loop turn: the first
+    one's failure trips the breaker, which must not try to move the others' timeouts,
+    already expiring (it raised RuntimeError there: a 500 instead of a retry)."""
+    from proxy.logging import get_logger
+    from proxy.metrics import ProxyMetrics
+    from proxy.router import Router
+
+    health = BackendHealth(Router(), {}, ProxyMetrics(), HealthSettings(), get_logger())
+    health.backend_up(BackendInfo("b", "http://127.0.0.1:9", None, 1, 512, 0, 1024, "m", False))
+    deadline = asyncio.get_running_loop().time() + 0.05
+
+    async def waiter() -> str:
+        try:
+            async with asyncio.timeout_at(deadline) as t:
+                with health.waiting("b", t):
+                    await asyncio.sleep(5)
+        except TimeoutError:
+            health.failed("b", "no answer")  # what Forwarder._attempt does
+            return "retry"
+        return "answered"
+
+    assert await asyncio.gather(*(waiter() for _ in range(3))) == ["retry"] * 3
+    assert health.state("b")["breaker"] == "open"
 
 
 async def test_sick_external_backend_opens_the_breaker_and_a_probe_closes_it(
