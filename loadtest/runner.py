@@ -93,15 +93,17 @@ async def _wait_health(url: str, n: int, proc: subprocess.Popen[bytes],
 
 
 @contextlib.asynccontextmanager
-async def kvroute_serve(cfg_path: Path, policy: str, n: int,
-                        timeout_s: float) -> AsyncIterator[str]:
-    """A `kvroute serve` subprocess; yields its URL, SIGTERMs it (and waits) on exit."""
+async def kvroute_serve(cfg_path: Path, policy: str, n: int, timeout_s: float,
+                        log_level: str = "info") -> AsyncIterator[str]:
+    """A `kvroute serve` subprocess; yields its URL, SIGTERMs it (and waits) on exit. Its
+    log (one line per routing decision at info; the policy's reasons at debug) goes to
+    `<config>.serve.log`, next to the run's report."""
     port = int(yaml.safe_load(cfg_path.read_text())["proxy"]["port"])
     log = cfg_path.with_suffix(".serve.log")
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg_path),
-             "--port", str(port), "--policy", policy, "--log-level", "warning"],
+             "--port", str(port), "--policy", policy, "--log-level", log_level],
             stdout=fh, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -234,7 +236,8 @@ async def run_one(policy: str, workload: wl.Workload, cluster: Cluster, work_dir
             outcome = await LoadClient(url, key, label="direct", **client_kw).run(workload)
         return PolicyRun(policy, rate, outcome, {}, started)
     cfg = write_config(work_dir / f"{tag}.yaml", cluster, cluster.backends, policy)
-    async with kvroute_serve(cfg, policy, cluster.backends, cluster.startup_timeout_s) as url:
+    async with kvroute_serve(cfg, policy, cluster.backends, cluster.startup_timeout_s,
+                             args.serve_log_level) as url:
         started = time.monotonic() - t0
         outcome = await LoadClient(url, **client_kw).run(workload)
         metrics = await scrape_metrics(url)
@@ -310,6 +313,9 @@ def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
     g.add_argument("--max-requests", type=int, default=500, help="per policy run")
     g.add_argument("--time-limit", type=float, default=300.0, help="s per policy run")
     g.add_argument("--request-timeout", type=float, default=120.0)
+    g.add_argument("--serve-log-level", default="info",
+                   choices=["debug", "info", "warning", "error"],
+                   help="kvroute's log in <out>/runs/<policy>.serve.log (debug: reasons)")
 
 
 def main_run(args: argparse.Namespace) -> int:

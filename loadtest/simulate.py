@@ -7,7 +7,9 @@ decode:
 - prefill is one FIFO compute queue per backend at ``prefill_tps`` (uncached tokens only;
   tokens loaded from the RAM cache cost ``ram_load_s_per_token``);
 - decode runs in the slot at ``decode_tps`` per slot after the first token;
-- a request the server cannot place waits in the server's queue (FIFO) until a slot frees.
+- a request the router queued (no idle slot, or waiting for a busy one) is held, as the
+  proxy holds it, until the router hands it a slot (``Handoff``), then sent pinned there;
+  one the server cannot place waits in the server's queue (FIFO) until a slot frees.
 
 The real :class:`~proxy.router.Router` decides every request and gets the truth back in
 ``complete()`` (reused tokens, prompt timings, slot), exactly as the live proxy would.
@@ -17,6 +19,7 @@ the longest prefix any earlier prompt had.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import heapq
 import math
@@ -58,6 +61,8 @@ class SimResult:
     wall_s: float
     mispredicted: float  # share of completions whose reuse the router predicted wrong
     cpu_s: float = 0.0  # process CPU time of the replay (steadier than wall on a busy host)
+    # per started request, in start order: (trace index, backend, slot, reused, ttft s)
+    starts: tuple[tuple[int, str, int, int, float], ...] = ()
 
     @property
     def hit_ratio(self) -> float:
@@ -204,6 +209,7 @@ def simulate(
         srv.compute_free = begin + req.prefill_s + load
         first = srv.compute_free
         ttfts.append(first - req.arrival)
+        starts.append((req.idx, req.decision.backend, p.slot, p.reuse, first - req.arrival))
         decode = req.out / be.decode_tps
         srv.busy_s += req.prefill_s + load + decode
         srv.served += 1
@@ -213,6 +219,8 @@ def simulate(
         heapq.heappush(events, (first + decode, order, 1, req))
         return True
 
+    held: dict[int, _Req] = {}  # queued decisions, by request id
+    starts: list[tuple[int, str, int, int, float]] = []
     wall0 = time.perf_counter()
     cpu0 = time.process_time()
     # NOTE: the replay allocates millions of small containers but makes no reference
@@ -231,6 +239,9 @@ def simulate(
                     rejected += 1
                     continue
                 req = _Req(idx, now, q, r.input_length, r.output_length, d, d.slot)
+                if d.queued:
+                    held[d.request_id] = req  # the proxy holds it until its Handoff
+                    continue
                 srv = servers[d.backend]
                 if srv.waiting or not try_start(srv, req, now):
                     srv.waiting.append(req)
@@ -239,7 +250,7 @@ def simulate(
             srv = servers[req.decision.backend]
             out = filler[: 4 * req.out]
             srv.cache.finish_generated(req.slot, out)
-            router.complete(
+            handoffs = router.complete(
                 req.decision,
                 output_tokens=out,
                 reported_cached=req.reuse,
@@ -251,6 +262,15 @@ def simulate(
             # the server retries its deferred tasks in order when a slot frees
             if srv.waiting:
                 srv.waiting = deque(w for w in srv.waiting if not try_start(srv, w, now))
+            # then the proxy sends the requests it held, pinned to the slots handed them
+            for h in handoffs:
+                w = held.pop(h.request_id)
+                w.slot = h.slot
+                w.decision = dataclasses.replace(w.decision, slot=h.slot,
+                                                 predicted_cached=h.predicted_cached)
+                hsrv = servers[h.backend]
+                if hsrv.waiting or not try_start(hsrv, w, now):
+                    hsrv.waiting.append(w)
     finally:
         if gc_enabled:
             gc.enable()
@@ -275,6 +295,7 @@ def simulate(
         wall_s=wall,
         mispredicted=router.mispredictions / max(1, router.completed),
         cpu_s=cpu,
+        starts=tuple(starts),
     )
 
 

@@ -119,15 +119,21 @@ class CachePrediction:
         slot_lcp: dict[int, int],
         ram_lcp: dict[int, int],
         n_prompt: int,
+        *,
+        after_busy: bool = False,
     ) -> Placement | None:
-        """Where a request would land and what it would reuse; pure. None: no idle slot."""
+        """Where a request would land and what it would reuse; pure. None: no idle slot.
+
+        ``after_busy``: ``slot`` is busy and the request would wait for it (held by the
+        proxy, sent pinned once it frees): predicted against what it holds now, its
+        running request's prompt (the output it adds is not foreseen)."""
         pinned = slot is not None
         if slot is None:
             slot = self.server_pick(slot_lcp, n_prompt)
             if slot is None:
                 return None
         s = self.slots[slot]
-        assert not s.busy, "never place a request on a busy slot"
+        assert after_busy or not s.busy, "never place a request on a busy slot"
         lcp = slot_lcp.get(slot, 0)
         if lcp > s.n_tokens:
             lcp = s.n_tokens

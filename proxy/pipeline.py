@@ -129,35 +129,42 @@ class Forwarder:
             raise _no_backend_error(decision)
         info = self.backends.get(decision.backend)
         if info is None:  # removed between the event and now
-            self._hand_off(self.router.abort(decision))
+            self._hand_off(self.router.abort(decision, now=time.monotonic()))
             raise NoBackendAvailable("backend went away", retry_after=1)
         extra: JSON = {}
         outcome = Outcome(started=started)
-        finished = False
         self.recorder.begin(info.name)
         try:
             if decision.queued:
                 decision = await self._hold(decision, info)
-            resp = await self._send(request, path, raw, body, relay, info, decision,
+            return await self._send(request, path, raw, body, relay, info, decision,
                                     outcome, extra)
-            if outcome.complete and outcome.status < 400:
-                self._hand_off(self.router.complete(
-                    decision, output_tokens=held_output(outcome, self._tokenize_output),
-                    reported_cached=outcome.reported_cached,
-                    prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
-                    reported_slot=outcome.reported_slot, now=time.monotonic()))
-                finished = True
-            return resp
         except (UpstreamError, UpstreamTimeout) as e:
             outcome.status = 0
             if self.health is not None:
                 self.health.failed(info.name, e.message)
             raise
         finally:
-            if not finished:
-                self._hand_off(self.router.abort(decision))
+            # NOTE: decided by the outcome, not by how this ends: a client that closes
+            # its connection as soon as it has the stream's last event cancels this
+            # handler in its final write, after the backend finished; an abort there
+            # would forget what the slot now holds (its next turn then predicted 0).
+            if outcome.complete and 0 < outcome.status < 400:
+                self._complete(decision, outcome)
+            else:
+                self._hand_off(self.router.abort(decision, now=time.monotonic()))
             self.recorder.end(endpoint, decision, outcome, started,
                               stream=body.get("stream") is True)
+
+    def _complete(self, decision: Decision, outcome: Outcome) -> None:
+        output = held_output(outcome, self._tokenize_output)
+        self.recorder.log.debug("feedback", request_id=decision.request_id,
+                                slot=decision.slot, output_tokens=len(output),
+                                reported_slot=outcome.reported_slot)
+        self._hand_off(self.router.complete(
+            decision, output_tokens=output, reported_cached=outcome.reported_cached,
+            prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
+            reported_slot=outcome.reported_slot, now=time.monotonic()))
 
     async def _hold(self, decision: Decision, info: BackendInfo) -> Decision:
         """Keep a queued request here until the router hands it a freed slot, then send

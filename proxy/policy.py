@@ -23,6 +23,15 @@
   reuse is what the server will give it in the slot it gets when one frees
   (``BackendCache.predict_queued``): a queued request sharing a system prompt with the
   running ones reuses it, so queueing there is priced (and predicted) as such.
+- Waiting for a busy slot: a slot running a request that holds at least
+  ``wait_min_tokens`` of this prompt is an option too (an agent's summary sent with its
+  session's next turn, a turn sent before the previous answer ended). The request is
+  held by the proxy and sent pinned to that slot when it frees (``Handoff``); expected
+  ttft = the slot's expected end (its prefill in the backlog, then the backend's mean
+  time after prefill) + the rest of the prompt. Taken only when that is sooner than
+  running now anywhere (a burst of new sessions over one prefix still spreads), one
+  waiter per slot. Without it such a call recomputes the history elsewhere, or lands in
+  another session's slot and destroys that history.
 - The choice minimises ``ttft + queue_cost_weight x (prompt - reuse) / rate(b)``: the
   uncached prefill also delays every request that queues behind it on that backend, so
   recomputing a long prefix elsewhere to save a little of this request's ttft is a bad
@@ -32,8 +41,8 @@
   stays within ``load_factor`` x the mean work after the request + slack, where slack =
   ``load_slack_s`` seconds of prefill at the mean rate + ``load_slack_tokens``. The slack
   keeps a nearly idle cluster from being forced around; it is in seconds so that the
-  bound means the same on a 1.5k tok/s CPU backend as on a 20k tok/s GPU. If none is
-  eligible, the one with least work after the request is.
+  bound means the same on a 1.5k tok/s CPU backend as on a 20k tok/s GPU. An idle backend
+  is always eligible. If none is, the one with least work after the request is.
 - Destroying unique content is charged ``destroy_weight`` x its prefill time: when the
   server *keeps* a slot (the prompt shares >= ``keep_threshold`` of it) it truncates the
   slot's sequence after the common prefix without saving it, so a conversation's own
@@ -65,81 +74,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from proxy.cache_model import BackendCache, Placement, ServerRules
+from proxy.cache_model import BackendCache, Placement
+from proxy.router_settings import RouterSettings
 
 POLICIES = ("prefix", "round_robin", "least_loaded", "random")
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    load_factor: float = 1.25  # max work of a backend / mean work (bounded load)
-    load_slack_s: float = 2.0  # slack on the bound, in seconds of prefill at the mean rate
-    load_slack_tokens: int = 0  # extra absolute slack on the bound, in tokens of work
-    # a request that continues a conversation a backend holds whole (at least this many
-    # tokens) is exempt from the load bound there: see choose_prefix
-    continuation_min_tokens: int = 1024
-    max_resident_tokens: int = 64_000_000  # cap on tokens in the router's tree (LRU leaves)
-    default_prefill_tps: float = 1500.0  # prefill tokens/s until a backend reports timings
-    rate_ewma_alpha: float = 0.2  # weight of a new prefill-rate sample
-    ram_load_s_per_token: float = 2e-6  # cost of restoring one token of KV from host RAM
-    request_overhead_tokens: int = 256  # work units per request beyond its uncached prompt
-    default_service_s: float = 5.0  # request duration assumed until one is observed
-    displace_weight: float = 0.02  # fraction of displaced tokens' prefill time charged
-    destroy_weight: float = 8.0  # x prefill time of unique tokens a placement destroys
-    min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
-    queue_cost_weight: float = 1.0  # extra charge on uncached prefill s (delays the queue)
-    # llama-server behaviour mirrored by the cache model (defaults of the pinned build)
-    slot_prompt_similarity: float = 0.10  # --slot-prompt-similarity
-    keep_threshold: float = 0.5  # below this kept fraction the slot state goes to RAM
-    ram_min_share: float = 0.25  # RAM entries must share this fraction of their tokens
-    cache_idle_slots: bool = True  # --cache-idle-slots (on unless --no-cache-idle-slots)
-    kv_unified: bool = False  # --kv-unified (llama-server's default only when -np is auto)
-
-    @property
-    def rules(self) -> ServerRules:
-        return ServerRules(
-            self.keep_threshold,
-            self.ram_min_share,
-            self.slot_prompt_similarity,
-            self.cache_idle_slots,
-            self.kv_unified,
-        )
-
-    def __post_init__(self) -> None:
-        positive = {
-            "load_factor": self.load_factor,
-            "max_resident_tokens": self.max_resident_tokens,
-            "default_prefill_tps": self.default_prefill_tps,
-            "default_service_s": self.default_service_s,
-        }
-        for name, value in positive.items():
-            if not value > 0:
-                raise ValueError(f"{name}: must be > 0, got {value!r}")
-        if self.load_factor < 1.0:
-            raise ValueError(f"load_factor: must be >= 1.0, got {self.load_factor!r}")
-        if not 0.0 < self.rate_ewma_alpha <= 1.0:
-            raise ValueError(f"rate_ewma_alpha: must be in (0, 1], got {self.rate_ewma_alpha!r}")
-        nonneg = {
-            "load_slack_tokens": self.load_slack_tokens,
-            "load_slack_s": self.load_slack_s,
-            "queue_cost_weight": self.queue_cost_weight,
-            "ram_load_s_per_token": self.ram_load_s_per_token,
-            "request_overhead_tokens": self.request_overhead_tokens,
-            "displace_weight": self.displace_weight,
-            "destroy_weight": self.destroy_weight,
-            "min_rate_sample_tokens": self.min_rate_sample_tokens,
-        }
-        for name, value in nonneg.items():
-            if value < 0:
-                raise ValueError(f"{name}: must be >= 0, got {value!r}")
-        fractions = {
-            "slot_prompt_similarity": self.slot_prompt_similarity,
-            "keep_threshold": self.keep_threshold,
-            "ram_min_share": self.ram_min_share,
-        }
-        for name, value in fractions.items():
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
+__all__ = ["POLICIES", "BackendState", "Baselines", "Candidate", "Choice", "RouterSettings",
+           "choose_prefix"]
 
 
 @dataclass
@@ -153,8 +93,13 @@ class BackendState:
     work: int = 0  # in-flight work, tokens
     inflight: int = 0  # in-flight requests
     service_s: float = 0.0  # EWMA of request durations (0 = not learned)
+    after_prefill_s: float = 0.0  # EWMA of duration - reported prefill time (decode etc.)
     queued: deque[int] = field(default_factory=deque)  # request ids waiting on the server
     queued_n: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
+    # queued request id -> the busy slot it waits for (see _best_option), and the reverse
+    targets: dict[int, int] = field(default_factory=dict)
+    awaited: dict[int, int] = field(default_factory=dict)
+    slot_free_at: dict[int, float] = field(default_factory=dict)  # busy slot -> expected end
 
 
 class Choice(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower
@@ -181,7 +126,7 @@ class Candidate:
         """Landing of an unpinned request that must wait for a slot here."""
         st = self.state
         pend = self.pending_lcp
-        ahead = [(pend.get(r, 0), st.queued_n[r]) for r in st.queued]
+        ahead = [(pend.get(r, 0), st.queued_n[r]) for r in st.queued if r not in st.targets]
         return st.cache.predict_queued(self.slot_lcp, self.ram_lcp, ahead, n)
 
 
@@ -193,10 +138,14 @@ def _hash_rank(session: str, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{session}\0{name}".encode(), digest_size=8).digest())
 
 
-def _best_option(
-    c: Candidate, n: int, s: RouterSettings, now: float
-) -> tuple[float, float, Placement | None, int | None, bool]:
-    """Cheapest way to run on backend ``c``: (score, ttft, placement, slot to pin, queued).
+Option = tuple[float, float, Placement | None, int | None, bool]
+
+
+def _best_option(c: Candidate, n: int, s: RouterSettings, now: float
+                 ) -> tuple[Option, Option | None]:
+    """Cheapest way to run on backend ``c`` now or in the server's queue, and cheapest
+    way waiting for one of its busy slots (None: no such slot): each (score, ttft,
+    placement, slot to pin or wait for, queued).
 
     The score adds the displacement and destruction penalties to the ttft, so that
     between otherwise equal backends a new conversation lands where it evicts the least
@@ -229,15 +178,6 @@ def _best_option(
         options.append(empty)
         if ram_match:
             options.append(None)  # unpinned: an empty slot then consults the RAM cache
-    if not options:
-        # queued on the server: it gets the slot that frees, whose content it may share
-        service = st.service_s or s.default_service_s
-        p = c.predict_queued(n)
-        wait = service / cache.cap.n_slots
-        ttft = backlog + wait + (n - p.reuse) / st.rate
-        if p.tier == "ram":
-            ttft += s.ram_load_s_per_token * p.reuse
-        return ttft + _penalty(p, s, st.rate), ttft, p, None, True
     rate = st.rate
     ram_lcp = c.ram_lcp
     best: tuple[tuple[float, float, int], Placement, int | None] | None = None
@@ -250,8 +190,38 @@ def _best_option(
         key = (ttft + _penalty(p, s, rate), ttft, slots[p.slot].last_used)
         if best is None or key < best[0]:
             best = (key, p, opt)
-    assert best is not None
-    return best[0][0], best[0][1], best[1], best[2], False
+    plain: Option
+    if best is not None:
+        plain = (best[0][0], best[0][1], best[1], best[2], False)
+    else:
+        # queued on the server: it gets the slot that frees, whose content it may share
+        service = st.service_s or s.default_service_s
+        p = c.predict_queued(n)
+        ttft = backlog + service / cache.cap.n_slots + (n - p.reuse) / rate
+        if p.tier == "ram":
+            ttft += s.ram_load_s_per_token * p.reuse
+        plain = (ttft + _penalty(p, s, rate), ttft, p, None, True)
+    # Waiting for a busy slot that holds much of the prompt (a side call sent with its
+    # session's turn, a turn sent before the previous answer ended): the caller holds the
+    # request and sends it pinned there when the slot frees (Router: targets, Handoff).
+    # Landing in an idle slot instead would recompute that part and, in a slot holding
+    # another conversation, destroy it. One waiter per slot: a second would wait for the
+    # first and find its prompt there, not the one modelled.
+    wait: tuple[tuple[float, float, int], Placement, int] | None = None
+    for i, got in slot_lcp.items():
+        if got < s.wait_min_tokens or not slots[i].busy or i in st.awaited:
+            continue
+        p = cache.predict(i, slot_lcp, ram_lcp, n, after_busy=True)
+        assert p is not None
+        ttft = max(backlog, st.slot_free_at.get(i, now) - now) + (n - p.reuse) / rate
+        if p.tier == "ram":
+            ttft += s.ram_load_s_per_token * p.reuse
+        key = (ttft + _penalty(p, s, rate), ttft, slots[i].last_used)
+        if wait is None or key < wait[0]:
+            wait = (key, p, i)
+    if wait is None:
+        return plain, None
+    return plain, (wait[0][0], wait[0][1], wait[1], wait[2], True)
 
 
 def _penalty(p: Placement, s: RouterSettings, rate: float) -> float:
@@ -286,18 +256,28 @@ def choose_prefix(
     matched: dict[str, int] = {}  # longest match per backend, for the reasons
     total = 0  # in-flight work of all candidates
     total_rate = 0.0
+    waits = []
     for c in cands:
         st = c.state
-        score, ttft, p, pin, queued = _best_option(c, n, s, now)
-        ttfts[c.name] = round(ttft, 4)
+        plain, wait = _best_option(c, n, s, now)
+        ttfts[c.name] = round(plain[1], 4)
         matched[c.name] = max(_most(c.slot_lcp), _most(c.ram_lcp))
-        uncached = n - (p.reuse if p is not None else 0)
-        # NOTE: the uncached prefill also delays every request queued behind it
-        score += s.queue_cost_weight * uncached / st.rate
-        work = st.work + uncached + s.request_overhead_tokens
-        evals.append((c, score, p, pin, work, queued))
+        for opt in (plain, wait):
+            if opt is None:
+                continue
+            score, ttft, p, pin, queued = opt
+            uncached = n - (p.reuse if p is not None else 0)
+            # NOTE: the uncached prefill also delays every request queued behind it
+            score += s.queue_cost_weight * uncached / st.rate
+            work = st.work + uncached + s.request_overhead_tokens
+            (evals if opt is plain else waits).append((c, score, p, pin, work, queued, ttft))
         total += st.work
         total_rate += st.rate
+    # A wait must be faster for this request than running now anywhere, not only cheaper
+    # for the cluster: otherwise a burst of new sessions over one prefix would queue for
+    # the first one's slot instead of spreading over idle backends.
+    fastest = min(e[6] for e in evals)
+    evals += [e for e in waits if e[6] < fastest]
     k = len(cands)
     slack = s.load_slack_tokens + s.load_slack_s * total_rate / k
     allowed = []
@@ -308,7 +288,9 @@ def choose_prefix(
         # its tail there, while moving it re-creates its whole history elsewhere (a
         # Claude Code turn: ~19k tokens for ~100 new); it stays unless the TTFT says
         # otherwise (the backlog term still moves it off a swamped backend).
-        if e[4] <= s.load_factor * (total + e[4] - work) / k + slack or \
+        # An idle backend is always within the bound: with k backends and one request
+        # in flight, the mean is 1/k of it, and a long prompt would be "over" everywhere.
+        if not work or e[4] <= s.load_factor * (total + e[4] - work) / k + slack or \
                 _continues(e[0], e[2], s.continuation_min_tokens):
             allowed.append(e)
     why = "lowest expected ttft"
@@ -317,12 +299,12 @@ def choose_prefix(
         why = "all above load bound: least work"
 
     def key(
-        e: tuple[Candidate, float, Placement | None, int | None, int, bool],
+        e: tuple[Candidate, float, Placement | None, int | None, int, bool, float],
     ) -> tuple[float, int]:
         rank = _hash_rank(session, e[0].name) if session else 0
         return (e[1], rank)
 
-    c, _, p, pin, _, queued = min(allowed, key=key)
+    c, _, p, pin, _, queued, _ = min(allowed, key=key)
     if len(allowed) < len(evals) and why == "lowest expected ttft":
         best_any = min(evals, key=key)
         if best_any[0].name != c.name:
@@ -335,10 +317,10 @@ def choose_prefix(
         "beyond_alt": matched[c.name] - alt,
         "ttft_s": ttfts,
         "work": {e[0].name: e[0].state.work for e in evals},
-        "eligible": [e[0].name for e in allowed],
+        "eligible": list(dict.fromkeys(e[0].name for e in allowed)),
     }
-    if queued:
-        return Choice(c.name, None, None, reasons, queued=p)
+    if queued:  # pin: the busy slot it waits for, None: the server's queue
+        return Choice(c.name, pin, None, reasons, queued=p)
     return Choice(c.name, pin if p is not None else None, p, reasons)
 
 

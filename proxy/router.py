@@ -188,6 +188,9 @@ class Router:
             self.tree.assign((choice.backend, PENDING, rid), q)
             st.queued.append(rid)
             st.queued_n[rid] = n
+            if choice.slot is not None:  # waits for that busy slot (see _drain_queue)
+                st.targets[rid] = choice.slot
+                st.awaited[choice.slot] = rid
             reuse, tier, slot = pq.reuse, pq.tier, None
         else:
             reuse, tier, slot = placed.reuse, placed.tier, placed.slot
@@ -195,11 +198,15 @@ class Router:
         st.work += work
         st.inflight += 1
         st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
+        if slot is not None:
+            self._expect_free(st, slot, now)
         self._inflight[rid] = _Inflight(choice.backend, slot, q, n, work, now)
         reasons = dict(choice.reasons)
         reasons.update({"chosen": choice.backend, "slot": slot, "tier": tier, "reuse": reuse})
         if queued:
             reasons["queued"] = len(st.queued)  # position in the server's deferred queue
+            if choice.slot is not None:
+                reasons["waits_for_slot"] = choice.slot
         return Decision(
             request_id=rid,
             backend=choice.backend,
@@ -230,6 +237,11 @@ class Router:
         if f is None or st is None:
             return []  # backend was removed meanwhile: nothing to learn
         self._release(st, f, now)
+        if prompt_ms is not None and now > f.started:
+            rest = max(0.0, now - f.started - prompt_ms / 1000.0)
+            a = self.settings.rate_ewma_alpha
+            st.after_prefill_s = rest if not st.after_prefill_s else \
+                (1 - a) * st.after_prefill_s + a * rest
         self.completed += 1
         if reported_cached is not None and reported_cached != decision.predicted_cached:
             self.mispredictions += 1
@@ -256,30 +268,50 @@ class Router:
         if slot is not None:
             cache.finish_generated(slot, out)
         self._learn_rate(st, prompt_ms, prompt_n)
-        return self._drain_queue(st, decision.backend)
+        return self._drain_queue(st, decision.backend, now)
 
-    def _drain_queue(self, st: BackendState, backend: str) -> list[Handoff]:
-        """A slot freed: the server hands it to its oldest deferred request (unpinned),
-        which lands by the server's rules; the model records that placement now."""
+    def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
+        """A slot freed. A request waiting for that very slot gets it, pinned; otherwise
+        the oldest request waiting for any slot gets the one the server would give an
+        unpinned request (the server's own queue rule); the model records it now."""
         out: list[Handoff] = []
-        while st.queued and st.cache.idle_slots():
-            rid = st.queued.popleft()
-            st.queued_n.pop(rid, None)
-            f = self._inflight[rid]
-            self.tree.drop((backend, PENDING, rid))
-            p = st.cache.start(None, f.prompt, *self._lcps(st.cache, f.prompt), f.n)
-            f.slot = None if p is None else p.slot
-            if p is not None:
-                out.append(Handoff(rid, backend, p.slot, p.reuse))
+        cache = st.cache
+        for slot, rid in list(st.awaited.items()):
+            if not cache.slots[slot].busy:
+                out.append(self._hand(st, backend, rid, slot, now))
+        while cache.idle:
+            rid = next((r for r in st.queued if r not in st.targets), None)
+            if rid is None:
+                break
+            out.append(self._hand(st, backend, rid, None, now))
         return out
+
+    def _hand(self, st: BackendState, backend: str, rid: int, slot: int | None,
+              now: float) -> Handoff:
+        f = self._inflight[rid]
+        self._unqueue(st, backend, rid)
+        p = st.cache.start(slot, f.prompt, *self._lcps(st.cache, f.prompt), f.n)
+        assert p is not None, "handed an idle slot"
+        f.slot = p.slot
+        f.started = max(f.started, now)  # its duration counts from here, not its wait
+        self._expect_free(st, p.slot, now)
+        return Handoff(rid, backend, p.slot, p.reuse)
+
+    def _expect_free(self, st: BackendState, slot: int, now: float) -> None:
+        # the backend's modelled prefill queue ends after this request's prefill, then it
+        # decodes for about as long as requests here did after their prefill
+        st.slot_free_at[slot] = max(st.busy_until, now) + st.after_prefill_s
 
     def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
         self.tree.drop((backend, PENDING, rid))
         st.queued_n.pop(rid, None)
+        slot = st.targets.pop(rid, None)
+        if slot is not None:
+            st.awaited.pop(slot, None)
         if rid in st.queued:
             st.queued.remove(rid)
 
-    def abort(self, decision: Decision) -> list[Handoff]:
+    def abort(self, decision: Decision, *, now: float = 0.0) -> list[Handoff]:
         """The request failed or was cancelled: free its slot, forget its content.
         Returns the queued requests handed a slot as a result (as ``complete``)."""
         f = self._inflight.pop(decision.request_id, None)
@@ -292,7 +324,7 @@ class Router:
             self._unqueue(st, decision.backend, decision.request_id)
             return []
         st.cache.finish(f.slot, None, 0)
-        return self._drain_queue(st, decision.backend)
+        return self._drain_queue(st, decision.backend, now)
 
     # ---------------------------------------------------------------- helpers
     def _release(self, st: BackendState, f: _Inflight, now: float) -> None:
@@ -348,6 +380,7 @@ class Router:
                     "work_tokens": st.work,
                     "inflight": st.inflight,
                     "service_s": round(st.service_s, 4),
+                    "after_prefill_s": round(st.after_prefill_s, 4),
                 }
                 for name, st in self._backends.items()
             },

@@ -5,7 +5,8 @@ and for seeing exactly what reaches a backend (headers, paths, bodies).
     fake = FakeBackend()
     url = await fake.start()
     fake.mode = "hang"          # ok | hang (nothing answers) | stall (only completions hang)
-                                # | sick (/health 503)
+                                # | sick (/health 503) | linger (streams stay open after
+                                # their last event until `release`)
     fake.release.set()          # let hung requests finish
     await fake.stop()
 """
@@ -91,5 +92,7 @@ class FakeBackend:
             chunk = {"choices": [{"index": 0, "delta": {"content": "ok"}}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
+            if self.mode == "linger":
+                await self.release.wait()
             return resp
         return web.json_response(ANSWER)

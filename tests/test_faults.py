@@ -206,6 +206,34 @@ async def test_backend_stalling_completions_hits_the_first_byte_timeout(
         await fake.stop()
 
 
+async def test_client_leaving_right_after_the_last_event_still_completes(
+        demo_model: Path, tmp_path: Path) -> None:
+    """A client that closes its connection as soon as it has a stream's last event (as
+    load testers and SDKs do) cancels the proxy's handler while it still waits for the
+    backend's end of stream. The backend finished: the router must record what the slot
+    now holds (it aborted instead and forgot it; the next turn was predicted 0)."""
+    fake = FakeBackend(slots=1)
+    await fake.start()
+    fake.mode = "linger"
+    settings = ProxySettings(tokenizer=demo_model, health=FAST_HEALTH)
+    try:
+        async with external(tmp_path, {"f": (fake.url, None)}) as sup, \
+                proxy(sup, settings) as client:
+            body = {**chat_body(200), "stream": True}
+            async with client.post("/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if line.startswith(b"data: [DONE]"):
+                        break
+                r.close()  # gone before the backend ended its stream
+            router = client.server.app[ROUTER]
+            await until(lambda: router.completed == 1, 5)
+            slot = router.snapshot()["backends"]["f"]["slots"][0]
+            assert slot["tokens"] > 0 and not slot["busy"]
+    finally:
+        await fake.stop()
+
+
 async def test_requests_timing_out_together_all_retry() -> None:
     """Several requests waiting on one backend time out in the same loop turn: the first
     one's failure trips the breaker, which must not try to move the others' timeouts,

@@ -183,8 +183,9 @@ def test_queued_request_predicted_from_the_slot_it_will_get(
     """1 backend x 2 slots, 4 requests sharing a system prompt at once: the last two
     wait on the server, unpinned; when a slot frees the server hands it to the oldest
     one, which keeps the shared prefix. The prediction made when queueing must match the
-    placement the model records at hand-off."""
-    r = Router()
+    placement the model records at hand-off. (Waiting for the first request's busy slot
+    is switched off here: it is what the second one would do, see below.)"""
+    r = Router(settings=RouterSettings(wait_min_tokens=10**9))
     r.add_backend(cap("a", slots=2, ctx=8192))
     ds = [decide(r, [*SYSTEM, *range(i * 100, i * 100 + 40)]) for i in range(4)]
     assert [d.slot is None for d in ds] == [False, False, True, True]
@@ -253,3 +254,55 @@ def test_a_continuing_conversation_is_not_moved_off_a_busy_holder(
     assert (turn.backend == dx.backend) is stays, turn.reasons
     if stays:
         assert turn.predicted_cached >= len(x), turn.reasons
+
+
+@pytest.mark.parametrize("other_session_idle", [True, False])
+def test_side_call_waits_for_its_sessions_busy_slot(other_session_idle: bool) -> None:
+    """An agent's summary call is sent together with its session's next turn: it shares
+    the whole history and diverges only at the end. The session's slot is busy; idle
+    slots hold another session or nothing. It waits for the session's slot (held, then
+    handed that slot pinned, with the reuse predicted when it was queued) instead of
+    recomputing the history elsewhere or truncating the other session."""
+    r = Router()
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    x = [*SYSTEM, *range(10_000, 11_500)]  # session X: 2k shared + 1.5k of its own
+    y = [*SYSTEM, *range(20_000, 21_500)]
+    dx = decide(r, x)
+    r.complete(dx, output_tokens=[7] * 4, now=1.0)
+    dy = decide(r, y, now=1.0)
+    if other_session_idle:
+        r.complete(dy, output_tokens=[7] * 4, now=2.0)
+    x2 = [*x, 7, 7, 7, 7, *range(12_000, 12_100)]  # X's next turn: its slot, busy
+    d2 = decide(r, x2, now=2.0)
+    assert (d2.backend, d2.slot) == (dx.backend, dx.slot)
+    summary = [*x2[:-5], *range(13_000, 13_010)]
+    ds = decide(r, summary, now=2.0)
+    assert ds.queued and ds.slot is None
+    assert (ds.backend, ds.reasons["waits_for_slot"]) == (dx.backend, dx.slot)
+    assert ds.predicted_cached == len(x2) - 5
+    got = r.complete(d2, output_tokens=[7] * 4, reported_cached=d2.predicted_cached, now=3.0)
+    assert got == [Handoff(ds.request_id, dx.backend, dx.slot, ds.predicted_cached)]
+    r.complete(ds, reported_cached=ds.predicted_cached, now=4.0)
+    if not other_session_idle:
+        r.complete(dy, now=4.0)
+    assert r.mispredictions == 0 and r.snapshot()["inflight"] == 0
+    # Y's history is still whole wherever it went
+    y2 = decide(r, [*y, 7, 7, 7, 7, 1], now=5.0)
+    assert y2.predicted_cached >= len(y)
+
+
+def test_no_wait_when_running_now_elsewhere_is_faster() -> None:
+    """A busy slot holding the prompt's prefix is not worth waiting for when an idle
+    backend would answer sooner: a burst of new sessions over one system prompt spreads
+    instead of queueing for the first one's slot."""
+    r = Router()
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    first = decide(r, [*SYSTEM, *range(10_000, 10_040)])
+    # learns that requests decode long after their prefill: a busy slot frees late
+    r.complete(first, prompt_ms=1000.0, prompt_n=2040, now=30.0)
+    busy = decide(r, [*SYSTEM, *range(20_000, 20_040)], now=30.0)
+    d = decide(r, [*SYSTEM, *range(30_000, 30_040)], now=30.0)
+    assert not d.queued and "waits_for_slot" not in d.reasons
+    assert d.slot is not None and (d.backend, d.slot) != (busy.backend, busy.slot)
