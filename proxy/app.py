@@ -193,7 +193,9 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s,
                                     sock_read=s.read_timeout_s)
     # No connection cap: llama-server queues itself, and the router bounds work per backend.
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    # Idle connections are dropped before llama-server's own 5 s keep-alive timeout
+    # (cpp-httplib) would close them under a request (see forward._request).
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
     # No cookie jar: a proxy must not keep one backend answer's cookies and send them with
     # other clients' requests (and filtering/updating a jar costs time on every request).
     session = aiohttp.ClientSession(connector=connector, timeout=timeout,

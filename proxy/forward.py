@@ -142,9 +142,8 @@ async def send(session: aiohttp.ClientSession, request: web.Request, target: Tar
     try:
         async with asyncio.timeout(first_byte_timeout) as ttfb:
             with health.waiting(name, ttfb) if health else contextlib.nullcontext():
-                upstream = await session.request(method, target.info.url + path,
-                                                 data=payload,
-                                                 headers=backend_headers(target.info))
+                upstream = await _request(session, method, target.info.url + path,
+                                          payload, backend_headers(target.info))
                 outcome.status = upstream.status
                 ctype = upstream.headers.get("Content-Type", "application/json")
                 if upstream.status < 400 and ctype.startswith("text/event-stream"):
@@ -179,6 +178,20 @@ async def send(session: aiohttp.ClientSession, request: web.Request, target: Tar
         await resp.prepare(request)
         await resp.write_eof()
     return resp
+
+
+async def _request(session: aiohttp.ClientSession, method: str, url: str, payload: bytes,
+                   headers: dict[str, str]) -> aiohttp.ClientResponse:
+    """One request, tried again once on a fresh connection when a pooled keep-alive
+    connection turns out closed (llama-server's HTTP library closes idle ones after 5 s,
+    and one closed while this request was written is not seen until it fails). A backend
+    that is really down fails the second try too: connection refused, or the same."""
+    try:
+        return await session.request(method, url, data=payload, headers=headers)
+    except aiohttp.ClientConnectorError:
+        raise  # no connection was made: nothing stale about it
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return await session.request(method, url, data=payload, headers=headers)
 
 
 def _close(upstream: aiohttp.ClientResponse | None) -> None:

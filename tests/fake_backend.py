@@ -6,7 +6,9 @@ and for seeing exactly what reaches a backend (headers, paths, bodies).
     url = await fake.start()
     fake.mode = "hang"          # ok | hang (nothing answers) | stall (only completions hang)
                                 # | sick (/health 503) | linger (streams stay open after
-                                # their last event until `release`)
+                                # their last event until `release`) | drop-reused (the
+                                # first request on a reused connection is cut, once: a
+                                # keep-alive connection closed by the server as it came)
     fake.release.set()          # let hung requests finish
     await fake.stop()
 """
@@ -38,6 +40,7 @@ class FakeBackend:
         self.requests: list[tuple[str, dict[str, str], bytes]] = []  # completions only
         self.url = ""
         self._runner: web.AppRunner | None = None
+        self._served: set[int] = set()  # connections that answered a request
 
     @property
     def hits(self) -> int:
@@ -80,6 +83,14 @@ class FakeBackend:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         self.requests.append((request.path, dict(request.headers), raw))
+        if self.mode == "drop-reused":
+            conn = id(request.transport)
+            if conn in self._served:
+                self.mode = "ok"
+                assert request.transport is not None
+                request.transport.close()  # the client sees the connection drop
+                raise web.HTTPInternalServerError()  # not sent: the socket is gone
+            self._served.add(conn)
         if self.mode in ("hang", "stall"):
             await self.release.wait()
         try:

@@ -234,6 +234,28 @@ async def test_client_leaving_right_after_the_last_event_still_completes(
         await fake.stop()
 
 
+async def test_stale_keep_alive_connection_is_retried_on_the_same_backend(
+        demo_model: Path, tmp_path: Path) -> None:
+    """llama-server closes idle keep-alive connections after 5 s; one closed just as the
+    proxy reuses it fails before any answer. That is no reason to call the backend down:
+    the request is sent again on a fresh connection (it was a 502, or a retry elsewhere
+    with the backend's breaker opened)."""
+    fake = FakeBackend(slots=1)
+    await fake.start()
+    fake.mode = "drop-reused"
+    settings = ProxySettings(tokenizer=demo_model, health=FAST_HEALTH)
+    try:
+        async with external(tmp_path, {"f": (fake.url, None)}) as sup, \
+                proxy(sup, settings) as client:
+            for i in range(3):
+                r = await client.post("/v1/chat/completions", json=chat_body(i))
+                assert r.status == 200, await r.text()
+            assert fake.mode == "ok" and fake.hits == 4  # one was cut and sent again
+            assert client.server.app[HEALTH].state("f")["breaker"] == "closed"
+    finally:
+        await fake.stop()
+
+
 async def test_requests_timing_out_together_all_retry() -> None:
     """Several requests waiting on one backend time out in the same loop turn: the first
     one's failure trips the breaker, which must not try to move the others' timeouts,
