@@ -96,9 +96,8 @@ class BackendState:
     after_prefill_s: float = 0.0  # EWMA of duration - reported prefill time (decode etc.)
     queued: deque[int] = field(default_factory=deque)  # request ids waiting on the server
     queued_n: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
-    # queued request id -> the busy slot it waits for (see _best_option), and the reverse
+    # queued request id -> the busy slot it waits for (see _best_option)
     targets: dict[int, int] = field(default_factory=dict)
-    awaited: dict[int, int] = field(default_factory=dict)
     slot_free_at: dict[int, float] = field(default_factory=dict)  # busy slot -> expected end
 
 
@@ -208,8 +207,9 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float
     # another conversation, destroy it. One waiter per slot: a second would wait for the
     # first and find its prompt there, not the one modelled.
     wait: tuple[tuple[float, float, int], Placement, int] | None = None
+    awaited = st.targets.values()
     for i, got in slot_lcp.items():
-        if got < s.wait_min_tokens or not slots[i].busy or i in st.awaited:
+        if got < s.wait_min_tokens or not slots[i].busy or i in awaited:
             continue
         p = cache.predict(i, slot_lcp, ram_lcp, n, after_busy=True)
         assert p is not None

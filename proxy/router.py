@@ -190,7 +190,6 @@ class Router:
             st.queued_n[rid] = n
             if choice.slot is not None:  # waits for that busy slot (see _drain_queue)
                 st.targets[rid] = choice.slot
-                st.awaited[choice.slot] = rid
             reuse, tier, slot = pq.reuse, pq.tier, None
         else:
             reuse, tier, slot = placed.reuse, placed.tier, placed.slot
@@ -276,7 +275,7 @@ class Router:
         unpinned request (the server's own queue rule); the model records it now."""
         out: list[Handoff] = []
         cache = st.cache
-        for slot, rid in list(st.awaited.items()):
+        for rid, slot in list(st.targets.items()):
             if not cache.slots[slot].busy:
                 out.append(self._hand(st, backend, rid, slot, now))
         while cache.idle:
@@ -305,9 +304,7 @@ class Router:
     def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
         self.tree.drop((backend, PENDING, rid))
         st.queued_n.pop(rid, None)
-        slot = st.targets.pop(rid, None)
-        if slot is not None:
-            st.awaited.pop(slot, None)
+        st.targets.pop(rid, None)
         if rid in st.queued:
             st.queued.remove(rid)
 
