@@ -55,7 +55,8 @@ def _printable(value: str) -> str:
 
 
 class BackendLeft(NoBackendAvailable):
-    """The backend a held request waited for went away; nothing was sent: retry."""
+    """The backend (or busy slot) a held request waited for went away (or is taking far
+    longer than expected); nothing was sent: retry."""
 
 
 class Forwarder:
@@ -185,6 +186,9 @@ class Forwarder:
                                                predicted_cached=h.predicted_cached)
                 if self.backends.get(decision.backend) is not info:
                     raise BackendLeft(f"backend {info.name} went away", retry_after=1)
+                if self.router.wait_overdue(decision, time.monotonic()):
+                    raise BackendLeft(f"the busy slot of {info.name} waited for is taking "
+                                      "long", retry_after=1)
         finally:
             self._held.pop(decision.request_id, None)
 

@@ -30,7 +30,8 @@
   ttft = the slot's expected end (its prefill in the backlog, then the backend's mean
   time after prefill) + the rest of the prompt. Taken only when that is sooner than
   running now anywhere (a burst of new sessions over one prefix still spreads), one
-  waiter per slot. Without it such a call recomputes the history elsewhere, or lands in
+  waiter per slot; a waiter whose slot runs far past its expected end (``wait_grace_s``)
+  is routed again. Without it such a call recomputes the history elsewhere, or lands in
   another session's slot and destroys that history.
 - The choice minimises ``ttft + queue_cost_weight x (prompt - reuse) / rate(b)``: the
   uncached prefill also delays every request that queues behind it on that backend, so

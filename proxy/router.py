@@ -298,8 +298,24 @@ class Router:
 
     def _expect_free(self, st: BackendState, slot: int, now: float) -> None:
         # the backend's modelled prefill queue ends after this request's prefill, then it
-        # decodes for about as long as requests here did after their prefill
+        # decodes for about as long as requests here did after their prefill (0 until one
+        # is observed: a waiter misled by that gives up, see wait_overdue)
         st.slot_free_at[slot] = max(st.busy_until, now) + st.after_prefill_s
+
+    def wait_overdue(self, decision: Decision, now: float) -> bool:
+        """Has a request waiting for a busy slot waited well past that slot's expected end
+        (a long generation)? Then the caller gives up (``abort``) and decides again;
+        the slot's expected end moves as far again, so that it is not chosen anew."""
+        st = self._backends.get(decision.backend)
+        f = self._inflight.get(decision.request_id)
+        slot = None if st is None else st.targets.get(decision.request_id)
+        if st is None or f is None or slot is None:
+            return False
+        end = st.slot_free_at.get(slot, now)
+        if now <= end + max(self.settings.wait_grace_s, end - f.started):
+            return False
+        st.slot_free_at[slot] = now + (now - f.started)
+        return True
 
     def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
         self.tree.drop((backend, PENDING, rid))

@@ -18,6 +18,10 @@ class RouterSettings:
     continuation_min_tokens: int = 1024
     # a request may wait for a busy slot holding at least this many of its tokens
     wait_min_tokens: int = 1024
+    # a waiter gives up and is routed again once its slot is this late (or as late again
+    # as its expected wait, if longer): a bound for generations far longer than learned,
+    # loose because early estimates (default rate, no decode time yet) are rough
+    wait_grace_s: float = 30.0
     max_resident_tokens: int = 64_000_000  # cap on tokens in the router's tree (LRU leaves)
     default_prefill_tps: float = 1500.0  # prefill tokens/s until a backend reports timings
     rate_ewma_alpha: float = 0.2  # weight of a new prefill-rate sample
@@ -69,6 +73,7 @@ class RouterSettings:
             "destroy_weight": self.destroy_weight,
             "min_rate_sample_tokens": self.min_rate_sample_tokens,
             "wait_min_tokens": self.wait_min_tokens,
+            "wait_grace_s": self.wait_grace_s,
         }
         for name, value in nonneg.items():
             if value < 0:

@@ -269,7 +269,8 @@ def test_side_call_waits_for_its_sessions_busy_slot(other_session_idle: bool) ->
     x = [*SYSTEM, *range(10_000, 11_500)]  # session X: 2k shared + 1.5k of its own
     y = [*SYSTEM, *range(20_000, 21_500)]
     dx = decide(r, x)
-    r.complete(dx, output_tokens=[7] * 4, now=1.0)
+    # feedback as the backend reports it: 0.9 s of prefill in a 1 s request
+    r.complete(dx, output_tokens=[7] * 4, prompt_ms=900.0, prompt_n=len(x), now=1.0)
     dy = decide(r, y, now=1.0)
     if other_session_idle:
         r.complete(dy, output_tokens=[7] * 4, now=2.0)
@@ -306,3 +307,23 @@ def test_no_wait_when_running_now_elsewhere_is_faster() -> None:
     d = decide(r, [*SYSTEM, *range(30_000, 30_040)], now=30.0)
     assert not d.queued and "waits_for_slot" not in d.reasons
     assert d.slot is not None and (d.backend, d.slot) != (busy.backend, busy.slot)
+
+
+def test_a_waiter_gives_up_on_a_slot_that_runs_long() -> None:
+    """The slot waited for runs far past its expected end (a long generation): the waiter
+    is told to give up, and decided again it does not wait for that slot anew."""
+    r = Router(settings=RouterSettings(wait_grace_s=5.0))
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    x = [*SYSTEM, *range(10_000, 11_500)]
+    first = decide(r, x)
+    r.complete(first, output_tokens=[7] * 4, prompt_ms=1000.0, prompt_n=len(x), now=2.0)
+    turn = decide(r, [*x, 7, 7, 7, 7, *range(12_000, 12_100)], now=2.0)
+    side = decide(r, [*x, 7, 7, 7, 7, *range(13_000, 13_010)], now=2.0)
+    assert side.reasons["waits_for_slot"] == turn.slot
+    assert not r.wait_overdue(side, now=4.0)
+    assert r.wait_overdue(side, now=60.0)
+    r.abort(side, now=60.0)
+    again = decide(r, [*x, 7, 7, 7, 7, *range(13_000, 13_010)], now=60.0)
+    assert "waits_for_slot" not in again.reasons and not again.queued
+    r.complete(turn, now=61.0)
