@@ -72,6 +72,22 @@ async def external(tmp_path: Path, backends: dict[str, tuple[str, str | None]],
         await sup.stop()
 
 
+@asynccontextmanager
+async def fake_behind_proxy(tmp_path: Path, demo_model: Path, mode: str
+                            ) -> AsyncIterator[tuple[FakeBackend, TestClient[Any, Any]]]:
+    """One FakeBackend "f" (1 slot) in `mode`, the only backend of a proxy."""
+    fake = FakeBackend(slots=1)
+    await fake.start()
+    fake.mode = mode
+    settings = ProxySettings(tokenizer=demo_model, health=FAST_HEALTH)
+    try:
+        async with external(tmp_path, {"f": (fake.url, None)}) as sup, \
+                proxy(sup, settings) as client:
+            yield fake, client
+    finally:
+        await fake.stop()
+
+
 async def until(cond: Callable[[], Any], timeout: float, step: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -212,26 +228,18 @@ async def test_client_leaving_right_after_the_last_event_still_completes(
     load testers and SDKs do) cancels the proxy's handler while it still waits for the
     backend's end of stream. The backend finished: the router must record what the slot
     now holds (it aborted instead and forgot it; the next turn was predicted 0)."""
-    fake = FakeBackend(slots=1)
-    await fake.start()
-    fake.mode = "linger"
-    settings = ProxySettings(tokenizer=demo_model, health=FAST_HEALTH)
-    try:
-        async with external(tmp_path, {"f": (fake.url, None)}) as sup, \
-                proxy(sup, settings) as client:
-            body = {**chat_body(200), "stream": True}
-            async with client.post("/v1/chat/completions", json=body) as r:
-                assert r.status == 200
-                async for line in r.content:
-                    if line.startswith(b"data: [DONE]"):
-                        break
-                r.close()  # gone before the backend ended its stream
-            router = client.server.app[ROUTER]
-            await until(lambda: router.completed == 1, 5)
-            slot = router.snapshot()["backends"]["f"]["slots"][0]
-            assert slot["tokens"] > 0 and not slot["busy"]
-    finally:
-        await fake.stop()
+    async with fake_behind_proxy(tmp_path, demo_model, "linger") as (_, client):
+        body = {**chat_body(200), "stream": True}
+        async with client.post("/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if line.startswith(b"data: [DONE]"):
+                    break
+            r.close()  # gone before the backend ended its stream
+        router = client.server.app[ROUTER]
+        await until(lambda: router.completed == 1, 5)
+        slot = router.snapshot()["backends"]["f"]["slots"][0]
+        assert slot["tokens"] > 0 and not slot["busy"]
 
 
 async def test_stale_keep_alive_connection_is_retried_on_the_same_backend(
@@ -240,20 +248,12 @@ async def test_stale_keep_alive_connection_is_retried_on_the_same_backend(
     proxy reuses it fails before any answer. That is no reason to call the backend down:
     the request is sent again on a fresh connection (it was a 502, or a retry elsewhere
     with the backend's breaker opened)."""
-    fake = FakeBackend(slots=1)
-    await fake.start()
-    fake.mode = "drop-reused"
-    settings = ProxySettings(tokenizer=demo_model, health=FAST_HEALTH)
-    try:
-        async with external(tmp_path, {"f": (fake.url, None)}) as sup, \
-                proxy(sup, settings) as client:
-            for i in range(3):
-                r = await client.post("/v1/chat/completions", json=chat_body(i))
-                assert r.status == 200, await r.text()
-            assert fake.mode == "ok" and fake.hits == 4  # one was cut and sent again
-            assert client.server.app[HEALTH].state("f")["breaker"] == "closed"
-    finally:
-        await fake.stop()
+    async with fake_behind_proxy(tmp_path, demo_model, "drop-reused") as (fake, client):
+        for i in range(3):
+            r = await client.post("/v1/chat/completions", json=chat_body(i))
+            assert r.status == 200, await r.text()
+        assert fake.mode == "ok" and fake.hits == 4  # one was cut and sent again
+        assert client.server.app[HEALTH].state("f")["breaker"] == "closed"
 
 
 async def test_requests_timing_out_together_all_retry() -> None:
