@@ -184,9 +184,7 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float
     for opt in options:
         p = cache.predict(opt, slot_lcp, ram_lcp, n)
         assert p is not None, "idle slots exist"
-        ttft = backlog + (n - p.reuse) / rate
-        if p.tier == "ram":
-            ttft += s.ram_load_s_per_token * p.reuse
+        ttft = _ttft(backlog, p, n, rate, s)
         key = (ttft + _penalty(p, s, rate), ttft, slots[p.slot].last_used)
         if best is None or key < best[0]:
             best = (key, p, opt)
@@ -197,9 +195,7 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float
         # queued on the server: it gets the slot that frees, whose content it may share
         service = st.service_s or s.default_service_s
         p = c.predict_queued(n)
-        ttft = backlog + service / cache.cap.n_slots + (n - p.reuse) / rate
-        if p.tier == "ram":
-            ttft += s.ram_load_s_per_token * p.reuse
+        ttft = _ttft(backlog + service / cache.cap.n_slots, p, n, rate, s)
         plain = (ttft + _penalty(p, s, rate), ttft, p, None, True)
     # Waiting for a busy slot that holds much of the prompt (a side call sent with its
     # session's turn, a turn sent before the previous answer ended): the caller holds the
@@ -214,15 +210,21 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float
             continue
         p = cache.predict(i, slot_lcp, ram_lcp, n, after_busy=True)
         assert p is not None
-        ttft = max(backlog, st.slot_free_at.get(i, now) - now) + (n - p.reuse) / rate
-        if p.tier == "ram":
-            ttft += s.ram_load_s_per_token * p.reuse
+        ttft = _ttft(max(backlog, st.slot_free_at.get(i, now) - now), p, n, rate, s)
         key = (ttft + _penalty(p, s, rate), ttft, slots[i].last_used)
         if wait is None or key < wait[0]:
             wait = (key, p, i)
     if wait is None:
         return plain, None
     return plain, (wait[0][0], wait[0][1], wait[1], wait[2], True)
+
+
+def _ttft(wait: float, p: Placement, n: int, rate: float, s: RouterSettings) -> float:
+    """Expected time to first token: waiting, then the uncached prefill (and a RAM load)."""
+    ttft = wait + (n - p.reuse) / rate
+    if p.tier == "ram":
+        ttft += s.ram_load_s_per_token * p.reuse
+    return ttft
 
 
 def _penalty(p: Placement, s: RouterSettings, rate: float) -> float:
