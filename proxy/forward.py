@@ -27,6 +27,7 @@ import orjson
 from aiohttp import web
 
 from backends.supervisor import BackendInfo
+from proxy.assemble import Assembler
 from proxy.errors import (
     ErrorFormat,
     UpstreamError,
@@ -108,7 +109,7 @@ def upstream_payload(raw: bytes, body: JSON, extra: JSON) -> bytes:
             merged[key] = {**merged[key], **val}
         else:
             merged[key] = val
-    return json.dumps(merged, separators=(",", ":")).encode()
+    return orjson.dumps(merged)  # ~10x faster than json on a long conversation
 
 
 def backend_headers(info: BackendInfo) -> dict[str, str]:
@@ -127,18 +128,21 @@ async def send(session: aiohttp.ClientSession, request: web.Request, target: Tar
                path: str, payload: bytes, outcome: Outcome, *, relay: Relay = PASSTHROUGH,
                strip_usage: bool = False, method: str = "POST",
                health: BackendHealth | None = None,
-               first_byte_timeout: float | None = None) -> web.StreamResponse:
+               first_byte_timeout: float | None = None,
+               assemble: Assembler | None = None) -> web.StreamResponse:
     """Send `payload` to `target` at `path` and answer `request` with what comes back.
 
     Until the client has received its first byte (a whole body, or a stream's first
     event), failures raise `UpstreamError` / `UpstreamTimeout`: the caller may retry
     elsewhere. That phase is bounded by `first_byte_timeout` and cut short when `health`
     trips the backend (a hung backend). `strip_usage` drops the usage-only stream chunk
-    the proxy asked for on the client's behalf. Fills `outcome`.
+    the proxy asked for on the client's behalf. With `assemble`, the upstream stream (asked
+    for by the caller) becomes one non-streamed answer (proxy/assemble.py). Fills `outcome`.
     """
     name = target.info.name
     outcome.started = time.perf_counter()
     upstream: aiohttp.ClientResponse | None = None
+    assembled = False
     try:
         async with asyncio.timeout(first_byte_timeout) as ttfb:
             with health.waiting(name, ttfb) if health else contextlib.nullcontext():
@@ -148,7 +152,12 @@ async def send(session: aiohttp.ClientSession, request: web.Request, target: Tar
                 ctype = upstream.headers.get("Content-Type", "application/json")
                 if upstream.status < 400 and ctype.startswith("text/event-stream"):
                     events = _events(upstream)
-                    first = await _first_output(events, outcome, relay, strip_usage)
+                    if assemble is not None:
+                        data = _answer(await _assembled(events, outcome, assemble, name),
+                                       outcome, relay)
+                        ctype, assembled = "application/json", True
+                    else:
+                        first = await _first_output(events, outcome, relay, strip_usage)
                 else:
                     data = await upstream.read()
     except TimeoutError as e:
@@ -160,16 +169,18 @@ async def send(session: aiohttp.ClientSession, request: web.Request, target: Tar
     except BaseException:
         _close(upstream)  # cancelled (client left): dropping the connection stops the task
         raise
-    if upstream.status < 400 and ctype.startswith("text/event-stream"):
+    if upstream.status < 400 and ctype.startswith("text/event-stream"):  # not assembled
         return await _relay_stream(request, upstream, events, first, target, outcome,
                                    relay, strip_usage, health)
     upstream.release()
     outcome.finished_at = time.perf_counter()
-    if upstream.status >= 400:
+    if assembled:
+        pass  # already read, fed to `outcome` and translated
+    elif upstream.status >= 400:
         data = relay.error(upstream.status, data) or data
-    elif ctype.startswith("application/json"):
+    elif ctype.startswith("application/json"):  # (also a backend that ignored "stream")
         data = _absorb_body(data, outcome, relay)
-    resp = web.Response(status=upstream.status, body=data, headers=target.headers(),
+    resp = web.Response(status=outcome.status, body=data, headers=target.headers(),
                         content_type=ctype.split(";")[0].strip())
     # Written here, not by aiohttp after the handler returns: the client has its answer
     # before the caller's feedback work (tree update, output tokens, log line, metrics)
@@ -211,6 +222,44 @@ def _absorb_body(data: bytes, outcome: Outcome, relay: Relay) -> bytes:
         if translated is not None:
             return json.dumps(translated, separators=(",", ":")).encode()
     return data
+
+
+async def _assembled(events: AsyncIterator[list[bytes]], outcome: Outcome,
+                     assemble: Assembler, name: str) -> JSON:
+    """The whole stream, fed to `assemble` and `outcome`: the assembled answer. An error
+    event becomes the error answer llama-server would have sent instead (its `code` as
+    the status, set in `outcome`)."""
+    async for lines in events:
+        data = b"".join(ln[5:].strip() for ln in lines if ln.startswith(b"data:"))
+        if not data or data == b"[DONE]":
+            continue
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if "error" in obj:
+            err = obj["error"]
+            code = err.get("code") if isinstance(err, dict) else None
+            outcome.status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            return obj
+        outcome.absorb(obj)
+        assemble.add(obj)
+    body = assemble.body()
+    if body is None:
+        raise UpstreamError(f"backend {name} ended its stream before the answer did")
+    outcome.complete = True
+    return body
+
+
+def _answer(obj: JSON, outcome: Outcome, relay: Relay) -> bytes:
+    """The bytes the client gets for an assembled answer (or error) `obj`."""
+    raw = orjson.dumps(obj)
+    if outcome.status >= 400:
+        return relay.error(outcome.status, raw) or raw
+    translated = relay.body(obj)
+    return raw if translated is None else orjson.dumps(translated)
 
 
 async def _events(upstream: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:

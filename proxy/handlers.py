@@ -135,7 +135,7 @@ async def _completion(request: web.Request, path: str, endpoint: str) -> web.Str
     raw, body = await read_json(request)
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", code="missing_prompt")
-    check_fields(body)
+    check_fields(body, chat=False)
     if endpoint == "completions":
         check_model(request, body)
     prompt = request.app[PROMPT]

@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from backends.supervisor import BackendInfo
+from proxy.assemble import assembler_for
 from proxy.errors import (
     BadRequest,
     NoBackendAvailable,
@@ -207,13 +208,19 @@ class Forwarder:
         if body.get("stream") is True and path in _USAGE_PATHS and not _wants_usage(body):
             extra["stream_options"] = {"include_usage": True}
             strip_usage = True
+        assemble = None if body.get("stream") is True else assembler_for(path, body)
+        if assemble is not None:
+            # streamed upstream so that a client that leaves stops it (proxy/assemble.py)
+            extra["stream"] = True
+            if path in _USAGE_PATHS:
+                extra["stream_options"] = {"include_usage": True}
         if path == "/completion" and "return_tokens" not in body:
             extra["return_tokens"] = True  # exact generated ids: the slot holds these
         payload = upstream_payload(raw, body, extra)
         target = Target(info, decision.slot, decision.predicted_cached)
         return await send(self.session, request, target, path, payload, outcome,
                           relay=relay, strip_usage=strip_usage, health=self.health,
-                          first_byte_timeout=self.first_byte_timeout)
+                          first_byte_timeout=self.first_byte_timeout, assemble=assemble)
 
     async def passthrough(self, request: web.Request, path: str, info: BackendInfo,
                           raw: bytes, *, relay: Relay = PASSTHROUGH,

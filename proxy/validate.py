@@ -46,13 +46,20 @@ _NAMES = {"int": "an integer", "num": "a number", "bool": "a boolean", "str": "a
           "obj": "an object", "list": "an array", "stop": "a string or an array of strings"}
 
 
-def check_fields(body: Mapping[str, Any]) -> None:
-    """BadRequest (400, code invalid_type / invalid_value) for the first bad field."""
-    for key in _FIELDS.keys() & body.keys():
+# Completions (OpenAI legacy, llama.cpp native): `logprobs` is how many top tokens to
+# report (an alias of n_probs), where chat has a boolean and `top_logprobs`.
+_COMPLETION_FIELDS = {**_FIELDS, "logprobs": ("int", 0, 1024)}
+
+
+def check_fields(body: Mapping[str, Any], *, chat: bool = True) -> None:
+    """BadRequest (400, code invalid_type / invalid_value) for the first bad field of a chat
+    (`chat`) or completion body."""
+    fields = _FIELDS if chat else _COMPLETION_FIELDS
+    for key in fields.keys() & body.keys():
         value = body[key]
         if value is None:
             continue  # null = default, as llama-server reads it
-        kind, lo, hi = _FIELDS[key]
+        kind, lo, hi = fields[key]
         if not _type_ok(kind, value):
             raise BadRequest(f"'{key}' must be {_NAMES[kind]}", code="invalid_type")
         if kind in ("int", "num") and not (lo <= value <= hi and math.isfinite(value)):

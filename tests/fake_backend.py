@@ -9,6 +9,7 @@ and for seeing exactly what reaches a backend (headers, paths, bodies).
                                 # their last event until `release`) | drop-reused (the
                                 # first request on a reused connection is cut, once: a
                                 # keep-alive connection closed by the server as it came)
+                                # | error-event (streams end with an error event)
     fake.release.set()          # let hung requests finish
     await fake.stop()
 """
@@ -100,8 +101,11 @@ class FakeBackend:
         if isinstance(body, dict) and body.get("stream") is True:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            chunk = {"choices": [{"index": 0, "delta": {"content": "ok"}}]}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            for chunk in ({"choices": [{"index": 0, "delta": {"content": "ok"}}]},
+                          {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}):
+                if self.mode == "error-event" and "finish_reason" in chunk["choices"][0]:
+                    chunk = {"error": {"code": 500, "message": "boom", "type": "server_error"}}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             if self.mode == "linger":
                 await self.release.wait()

@@ -123,6 +123,12 @@ CASES: list[tuple[str, bytes, int, str]] = [
     ("/v1/chat/completions", json.dumps({"messages": msgs("apple " * 600)}).encode(), 400,
      "context"),
     ("/v1/completions", json.dumps({"prompt": "hi", "model": 5}).encode(), 400, "model"),
+    # chat: logprobs is a boolean; completions: how many top tokens (tests/test_assemble.py
+    # sends one that is accepted)
+    ("/v1/chat/completions", json.dumps({"messages": msgs("hi"), "logprobs": 2}).encode(),
+     400, "logprobs"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "logprobs": True}).encode(), 400,
+     "logprobs"),
     ("/completion", json.dumps({"prompt": [10**9]}).encode(), 400, "out of range"),
     ("/completion", json.dumps({"prompt": {"x": 1}}).encode(), 400, "prompt"),
     ("/completion", json.dumps({"n_predict": 3}).encode(), 400, "prompt"),

@@ -256,6 +256,27 @@ async def test_stale_keep_alive_connection_is_retried_on_the_same_backend(
         assert client.server.app[HEALTH].state("f")["breaker"] == "closed"
 
 
+async def test_error_event_in_an_assembled_stream_is_an_error_answer(
+        tmp_path: Path, demo_model: Path) -> None:
+    """A non-streamed request is streamed upstream and assembled (proxy/assemble.py); an
+    error event in that stream reaches its client as the error answer llama-server would
+    have sent without a stream: its status, its body."""
+    async with fake_behind_proxy(tmp_path, demo_model, "error-event") as (fake, client):
+        r = await client.post("/v1/chat/completions", json=chat_body(1, max_tokens=100))
+        assert r.status == 500
+        assert (await r.json())["error"]["message"] == "boom"
+        assert json.loads(fake.requests[-1][2])["stream"] is True
+        fake.mode = "ok"
+        r = await client.post("/v1/chat/completions", json=chat_body(2, max_tokens=100))
+        assert r.status == 200
+        assert (await r.json())["choices"][0]["message"]["content"] == "ok"
+        assert app_inflight(client) == 0
+
+
+def app_inflight(client: TestClient[Any, Any]) -> int:
+    return int(client.server.app[ROUTER].snapshot()["inflight"])
+
+
 async def test_requests_timing_out_together_all_retry() -> None:
     """Several requests waiting on one backend time out in the same loop turn: the first
     one's failure trips the breaker, which must not try to move the others' timeouts,
@@ -333,17 +354,45 @@ async def test_client_leaving_frees_the_slot(backend_pool: Any) -> None:
             random.randrange(10**9), n_words=1500, stream=True, max_tokens=2000,
             ignore_eos=True)))
         await until(lambda: _any_busy(infos), 20, 0.05)
-        req.cancel()  # the client goes away before its first byte
-        with contextlib.suppress(asyncio.CancelledError):
-            await req
-        t0 = time.monotonic()
-        # the proxy lets go at once (its upstream connection is closed) ...
-        await until(lambda: app[ROUTER].snapshot()["inflight"] == 0, 0.5, 0.02)
-        # ... but llama-server only notices a closed connection when it next writes (its
-        # first chunk, after the prompt is processed; measured on the pinned build), not
-        # after the 2,000 tokens it was asked for
-        await until(lambda: _none_busy(infos), 15, 0.05)
-        print(f"slot freed {time.monotonic() - t0:.2f} s after a pre-first-byte disconnect")
+        # the client goes away before its first byte. llama-server only notices a closed
+        # connection when it next writes (its first chunk, after the prompt is processed;
+        # measured on the pinned build), not after the 2,000 tokens it was asked for
+        took = await _leave(req, app, infos, 15)
+        print(f"slot freed {took:.2f} s after a pre-first-byte disconnect")
+
+
+async def _leave(req: asyncio.Task[Any], app: Any, infos: list[BackendInfo],
+                 within: float) -> float:
+    """Cancel the client's request `req`: the proxy must let go at once (its upstream
+    connection closed) and the backends' slots be free `within` s; how long that took."""
+    req.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await req
+    t0 = time.monotonic()
+    await until(lambda: app[ROUTER].snapshot()["inflight"] == 0, 0.5, 0.02)
+    await until(lambda: _none_busy(infos), within, 0.05)
+    return time.monotonic() - t0
+
+
+async def test_client_leaving_a_non_streamed_request_frees_the_slot(backend_pool: Any
+                                                                    ) -> None:
+    """A non-streamed answer is written only at the end, and llama-server's poll of the
+    connection meanwhile runs only after a second with no result for any task (pinned
+    build): the /slots queries of this test, like any other slot's stream on a busy
+    server, starve it, and without the proxy the generation runs on to its 2,000 tokens
+    (~30 s; seen before proxy/assemble.py). The proxy streams it upstream, so the server
+    stops at its next token once the proxy drops the connection."""
+    sup = await backend_pool()
+    infos = sup.ready()
+    async with proxy(sup) as client:
+        app = client.server.app
+        req = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(
+            random.randrange(10**9), n_words=40, max_tokens=2000, ignore_eos=True)))
+        await until(lambda: _any_busy(infos), 20, 0.05)
+        await asyncio.sleep(1.0)  # past the prompt: generating, nothing written yet
+        assert not req.done()
+        took = await _leave(req, app, infos, 5)
+        print(f"slot freed {took:.2f} s after a non-streamed client left")
 
 
 async def _any_busy(infos: list[BackendInfo]) -> bool:
