@@ -6,8 +6,9 @@ Three processes: the fake backend, one kvroute proxy (full pipeline: exact token
 the demo model's vocabulary, prefix routing, feedback, metrics, one JSON log line per
 request to a file), and this client. Measured in one run:
 
-- added median latency of a small chat request (proxied - direct, interleaved);
-- added median latency of a 30k-token turn whose history was seen;
+- added median latency of a small chat request (proxied - direct, interleaved request by
+  request, and in runs of requests to one target: see `added_latency`);
+- added median latency of a 30k-token turn whose history was seen (both ways);
 - the proxy's CPU time per request of both kinds (the latencies move with whatever else
   the machine runs; CPU per request much less);
 - requests/s through the proxy (64 concurrent clients), and requests per proxy CPU-second
@@ -148,27 +149,40 @@ async def wait_up(session: aiohttp.ClientSession, url: str, timeout: float = 60)
 
 async def added_latency(session: aiohttp.ClientSession, direct: str, proxied: str,
                         bodies: list[bytes], warmup: int, proxy_pid: int,
-                        bare: str | None = None) -> dict[str, float]:
+                        bare: str | None = None, block: int = 1) -> dict[str, float]:
     """Median direct and proxied latency (ms), interleaved so drift hits both alike (and
     the bare aiohttp forwarder's, when given), and the proxy's CPU time per proxied
     request (ms; after the warm-up, and robust to the load other processes put on the
-    machine, unlike the latencies)."""
+    machine, unlike the latencies).
+
+    `block` = 1 sends each body to every target, in turn: each server sits idle while
+    the others answer, and on this VM a process woken from idle pays for it (the direct
+    request alone doubles in some minutes). `block` > 1 sends the bodies in runs of
+    `block` to one target after the other (each body to one target; the first fifth of
+    each run is not counted): a server in steady use, as a proxy under traffic is."""
     bases = [b for b in (proxied, direct, bare) if b]
     times: dict[str, list[float]] = {b: [] for b in bases}
     hdr = {"Content-Type": "application/json"}
     cpu0 = cpu_seconds(proxy_pid)
+    skip = block // 5
+    n_proxied = 0
     for i, body in enumerate(bodies):
         if i == warmup:
-            cpu0 = cpu_seconds(proxy_pid)
-        for base in bases[i % len(bases):] + bases[:i % len(bases)]:
+            cpu0, n_proxied = cpu_seconds(proxy_pid), 0
+        if block == 1:
+            order = bases[i % len(bases):] + bases[:i % len(bases)]
+        else:
+            order = [bases[(i // block) % len(bases)]]
+        n_proxied += proxied in order
+        for base in order:
             t0 = time.perf_counter()
             async with session.post(base + "/v1/chat/completions", data=body,
                                     headers=hdr) as r:
                 await r.read()
                 assert r.status == 200, await r.text()
-            if i >= warmup:
+            if i >= warmup and i % block >= skip:
                 times[base].append((time.perf_counter() - t0) * 1000)
-    cpu_ms = (cpu_seconds(proxy_pid) - cpu0) * 1000 / max(1, len(bodies) - warmup)
+    cpu_ms = (cpu_seconds(proxy_pid) - cpu0) * 1000 / max(1, n_proxied)
     med = {b: statistics.median(t) for b, t in times.items()}
     out = {"direct": med[direct], "proxied": med[proxied],
            "added": med[proxied] - med[direct], "cpu": cpu_ms}
@@ -216,6 +230,10 @@ async def client_main(fake: str, proxy: str, bare: str, proxy_pid: int, quick: b
         small = [json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}],
                              "max_tokens": 1}).encode() for i in range(n_small)]
         sm = await added_latency(session, fake, proxy, small, 50, proxy_pid, bare)
+        small_runs = [json.dumps({"messages": [{"role": "user", "content": f"ho {i}"}],
+                                  "max_tokens": 1}).encode() for i in range(3 * n_small)]
+        sm_steady = await added_latency(session, fake, proxy, small_runs, 150, proxy_pid,
+                                        bare, block=50)
 
         history: list[dict[str, str]] = [{"role": "system", "content": words(300, rng)}]
         while len(history) < 100:  # ~30k tokens: 99 turns of ~300 words
@@ -227,6 +245,11 @@ async def client_main(fake: str, proxy: str, bare: str, proxy_pid: int, quick: b
                                    "max_tokens": 1}).encode() for _ in range(n_long + 1)]
         # the first one is the turn that makes the history "seen"
         lg = await added_latency(session, fake, proxy, long_bodies, 1, proxy_pid, bare)
+        long_runs = [json.dumps({"messages": [*history, {"role": "user",
+                                                         "content": words(40, rng)}],
+                                 "max_tokens": 1}).encode() for _ in range(3 * n_long)]
+        lg_steady = await added_latency(session, fake, proxy, long_runs, 0, proxy_pid,
+                                        bare, block=10)
         async with session.get(proxy + "/kvroute/status") as r:
             status = await r.json()
         prompt_tokens = status["router"]["tree"]["resident_tokens"]
@@ -236,6 +259,12 @@ async def client_main(fake: str, proxy: str, bare: str, proxy_pid: int, quick: b
             "small_proxy_cpu_ms": sm["cpu"], "long_direct_ms": lg["direct"],
             "long_proxied_ms": lg["proxied"], "long_added_ms": lg["added"],
             "long_bare_added_ms": lg["bare_added"], "long_proxy_cpu_ms": lg["cpu"],
+            "small_steady_added_ms": sm_steady["added"],
+            "small_steady_bare_added_ms": sm_steady["bare_added"],
+            "small_steady_proxy_cpu_ms": sm_steady["cpu"],
+            "long_steady_added_ms": lg_steady["added"],
+            "long_steady_bare_added_ms": lg_steady["bare_added"],
+            "long_steady_proxy_cpu_ms": lg_steady["cpu"],
             "tree_tokens": prompt_tokens, "long_body_kib": len(long_bodies[0]) / 1024,
             "rps": rps, "rps_per_proxy_cpu_s": per_cpu}
 
@@ -300,6 +329,13 @@ def main() -> int:
           f"(target <= 3 ms: {res['long_added_ms'] / 3.0:.2f}x of budget); proxy CPU "
           f"{res['long_proxy_cpu_ms']:.3f} ms/request; bare aiohttp forwarder adds "
           f"{res['long_bare_added_ms']:.3f} ms")
+    print(f"in steady use (runs of requests to one target): small added "
+          f"{res['small_steady_added_ms']:.3f} ms ({res['small_steady_added_ms']:.2f}x of "
+          f"budget; bare {res['small_steady_bare_added_ms']:.3f} ms; proxy CPU "
+          f"{res['small_steady_proxy_cpu_ms']:.3f} ms/request), 30k turn added "
+          f"{res['long_steady_added_ms']:.3f} ms ({res['long_steady_added_ms'] / 3:.2f}x; "
+          f"bare {res['long_steady_bare_added_ms']:.3f} ms; proxy CPU "
+          f"{res['long_steady_proxy_cpu_ms']:.3f} ms/request)")
     print(f"throughput    : {res['rps']:.0f} req/s through one proxy process "
           f"({res['rps'] / 1500:.2f}x of 1,500), {res['rps_per_proxy_cpu_s']:.0f} req per "
           f"proxy CPU-second; {res['log_lines']} log lines written")
