@@ -117,6 +117,6 @@ async def _unrouted(request: web.Request, raw: bytes,
     """No local tokenizer (external backends only): the backend converts itself."""
     info = pick_ready(request.app)
     outcome = Outcome(started=time.perf_counter())
-    return await send(request.app[FORWARDER].session, request, Target(info), path, raw,
+    return await send(request.app[FORWARDER].upstream, request, Target(info), path, raw,
                       outcome, relay=AnthropicErrors())
 

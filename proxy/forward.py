@@ -36,6 +36,7 @@ from proxy.errors import (
 )
 from proxy.feedback import Outcome
 from proxy.health import BackendHealth
+from proxy.upstream import Response, TransportError, Upstream
 
 JSON = dict[str, Any]
 
@@ -124,7 +125,7 @@ def _is_usage_only(obj: JSON) -> bool:
     return "usage" in obj and not obj.get("choices")
 
 
-async def send(session: aiohttp.ClientSession, request: web.Request, target: Target,
+async def send(session: Upstream, request: web.Request, target: Target,
                path: str, payload: bytes, outcome: Outcome, *, relay: Relay = PASSTHROUGH,
                strip_usage: bool = False, method: str = "POST",
                health: BackendHealth | None = None,
@@ -141,15 +142,15 @@ async def send(session: aiohttp.ClientSession, request: web.Request, target: Tar
     """
     name = target.info.name
     outcome.started = time.perf_counter()
-    upstream: aiohttp.ClientResponse | None = None
+    upstream: Response | None = None
     assembled = False
     try:
         async with asyncio.timeout(first_byte_timeout) as ttfb:
             with health.waiting(name, ttfb) if health else contextlib.nullcontext():
-                upstream = await _request(session, method, target.info.url + path,
-                                          payload, backend_headers(target.info))
+                upstream = await session.request(method, target.info.url, path, payload,
+                                                 backend_headers(target.info))
                 outcome.status = upstream.status
-                ctype = upstream.headers.get("Content-Type", "application/json")
+                ctype = upstream.headers.get("content-type", "application/json")
                 if upstream.status < 400 and ctype.startswith("text/event-stream"):
                     events = _events(upstream)
                     if assemble is not None:
@@ -163,7 +164,7 @@ async def send(session: aiohttp.ClientSession, request: web.Request, target: Tar
     except TimeoutError as e:
         _close(upstream)
         raise UpstreamTimeout(f"backend {name} did not answer in time") from e
-    except aiohttp.ClientError as e:
+    except TransportError as e:
         _close(upstream)
         raise UpstreamError(f"backend {name} unreachable: {type(e).__name__}") from e
     except BaseException:
@@ -191,21 +192,7 @@ async def send(session: aiohttp.ClientSession, request: web.Request, target: Tar
     return resp
 
 
-async def _request(session: aiohttp.ClientSession, method: str, url: str, payload: bytes,
-                   headers: dict[str, str]) -> aiohttp.ClientResponse:
-    """One request, tried again once on a fresh connection when a pooled keep-alive
-    connection turns out closed (llama-server's HTTP library closes idle ones after 5 s,
-    and one closed while this request was written is not seen until it fails). A backend
-    that is really down fails the second try too: connection refused, or the same."""
-    try:
-        return await session.request(method, url, data=payload, headers=headers)
-    except aiohttp.ClientConnectorError:
-        raise  # no connection was made: nothing stale about it
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-        return await session.request(method, url, data=payload, headers=headers)
-
-
-def _close(upstream: aiohttp.ClientResponse | None) -> None:
+def _close(upstream: Response | None) -> None:
     if upstream is not None:
         upstream.close()
 
@@ -262,15 +249,22 @@ def _answer(obj: JSON, outcome: Outcome, relay: Relay) -> bytes:
     return raw if translated is None else orjson.dumps(translated)
 
 
-async def _events(upstream: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
-    """The upstream's SSE events, each as its lines (a blank line ends an event)."""
+async def _events(upstream: Response) -> AsyncIterator[list[bytes]]:
+    """The upstream's SSE events, each as its lines, "\n" kept (a blank line ends an
+    event)."""
     event: list[bytes] = []
-    async for line in upstream.content:
-        if line.strip():
-            event.append(line)
-        elif event:
-            yield event
-            event = []
+    tail = b""
+    async for chunk in upstream.chunks():
+        lines = (tail + chunk if tail else chunk).split(b"\n")
+        tail = lines.pop()  # the part after the last "\n": an unfinished line
+        for line in lines:
+            if line.strip():
+                event.append(line + b"\n")
+            elif event:
+                yield event
+                event = []
+    if tail.strip():
+        event.append(tail)
     if event:
         yield event
 
@@ -285,7 +279,7 @@ async def _first_output(events: AsyncIterator[list[bytes]], outcome: Outcome, re
     return []
 
 
-async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
+async def _relay_stream(request: web.Request, upstream: Response,
                         events: AsyncIterator[list[bytes]], first: list[bytes],
                         target: Target, outcome: Outcome, relay: Relay, strip_usage: bool,
                         health: BackendHealth | None) -> web.StreamResponse:
@@ -303,7 +297,7 @@ async def _relay_stream(request: web.Request, upstream: aiohttp.ClientResponse,
     except _CLIENT_GONE:
         upstream.close()
         return resp  # the client left; outcome.complete stays False -> abort
-    except (TimeoutError, aiohttp.ClientError) as e:
+    except (TimeoutError, TransportError) as e:
         upstream.close()
         err = (UpstreamTimeout if isinstance(e, TimeoutError) else UpstreamError)(
             f"backend {target.info.name} failed mid-stream: {type(e).__name__}")

@@ -11,7 +11,6 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-import aiohttp
 from aiohttp import web
 
 from backends.supervisor import BackendInfo
@@ -27,6 +26,7 @@ from proxy.feedback import Outcome, Recorder, held_output
 from proxy.forward import JSON, PASSTHROUGH, Relay, Target, send, upstream_payload
 from proxy.health import BackendHealth
 from proxy.router import Decision, Handoff, NoBackend, Router
+from proxy.upstream import Upstream
 
 # Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
 _USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -69,12 +69,12 @@ class Forwarder:
     it. At most `max_attempts` backends are tried; the client never sees the failures.
     """
 
-    def __init__(self, session: aiohttp.ClientSession, router: Router,
+    def __init__(self, upstream: Upstream, router: Router,
                  backends: Mapping[str, BackendInfo], recorder: Recorder,
                  tokenize_output: Callable[[str], Sequence[int]],
                  health: BackendHealth | None = None, *, max_attempts: int = 3,
                  first_byte_timeout: float | None = None, log_prompts: bool = False) -> None:
-        self.session = session
+        self.upstream = upstream
         self.router = router
         self.backends = backends        # live view of routable backends, kept by the app
         self.recorder = recorder
@@ -218,7 +218,7 @@ class Forwarder:
             extra["return_tokens"] = True  # exact generated ids: the slot holds these
         payload = upstream_payload(raw, body, extra)
         target = Target(info, decision.slot, decision.predicted_cached)
-        return await send(self.session, request, target, path, payload, outcome,
+        return await send(self.upstream, request, target, path, payload, outcome,
                           relay=relay, strip_usage=strip_usage, health=self.health,
                           first_byte_timeout=self.first_byte_timeout, assemble=assemble)
 
@@ -230,7 +230,7 @@ class Forwarder:
         for attempt in (1, 2):
             outcome = Outcome(started=time.perf_counter())
             try:
-                return await send(self.session, request, Target(info), path, raw, outcome,
+                return await send(self.upstream, request, Target(info), path, raw, outcome,
                                   relay=relay, method=request.method, health=self.health,
                                   first_byte_timeout=self.first_byte_timeout)
             except (UpstreamError, UpstreamTimeout) as e:

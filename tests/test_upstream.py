@@ -1,0 +1,232 @@
+"""proxy/upstream.py, the request path's HTTP client, against real servers on loopback: an
+aiohttp app for well-formed exchanges, raw asyncio servers for precise faults (a
+connection closed at a given byte, a head that never comes, a body ended by EOF)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from aiohttp import web
+
+from proxy.upstream import ConnectFailed, ConnectionDropped, Upstream
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@contextlib.asynccontextmanager
+async def app_server() -> AsyncIterator[tuple[str, dict[str, object]]]:
+    """An aiohttp server; `seen` records each request's peer port and body."""
+    seen: dict[str, object] = {"peers": [], "bodies": [], "headers": []}
+    step = asyncio.Event()
+
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.read()
+        assert request.transport is not None
+        seen["peers"].append(request.transport.get_extra_info("peername")[1])  # type: ignore[attr-defined]
+        seen["bodies"].append(body)  # type: ignore[attr-defined]
+        seen["headers"].append(dict(request.headers))  # type: ignore[attr-defined]
+        status = int(request.query.get("status", "200"))
+        headers = {"Connection": "close"} if "close" in request.query else None
+        return web.Response(status=status, body=b"got:" + body, headers=headers,
+                            content_type="application/json")
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: one\n\n")
+        await step.wait()  # the second event only once the client has the first
+        await resp.write(b"data: two\n\n")
+        return resp
+
+    async def big(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i in range(64):
+            await resp.write(bytes([i]) * 65536)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/echo", echo)
+    app.router.add_get("/echo", echo)
+    app.router.add_get("/stream", stream)
+    app.router.add_get("/big", big)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    seen["step"] = step
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                      Awaitable[None]]) -> AsyncIterator[str]:
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def read_head(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+async def test_body_status_headers_and_keep_alive() -> None:
+    up = Upstream()
+    async with app_server() as (url, seen):
+        for i in range(3):
+            r = await up.request("POST", url, "/echo", b'{"n": %d}' % i,
+                                 {"Content-Type": "application/json", "X-Key": "k"})
+            assert r.status == 200 and r.headers["content-type"] == "application/json"
+            assert await r.read() == b'got:{"n": %d}' % i
+            r.release()
+        assert len(set(seen["peers"])) == 1  # type: ignore[arg-type]  # one connection
+        h = seen["headers"][0]  # type: ignore[index]
+        assert h["X-Key"] == "k" and h["Host"] == url.removeprefix("http://")
+        r = await up.request("POST", url, "/echo?status=404", b"x", {})
+        assert r.status == 404 and await r.read() == b"got:x"
+        r.release()
+        r = await up.request("GET", url, "/echo", b"", {})
+        assert r.status == 200 and await r.read() == b"got:"
+        r.release()
+    await up.close()
+
+
+async def test_connection_close_and_idle_expiry_are_not_reused() -> None:
+    up = Upstream(keepalive_s=0.2)
+    async with app_server() as (url, seen):
+        for query in ("?close", "", ""):
+            r = await up.request("POST", url, "/echo" + query, b"x", {})
+            await r.read()
+            r.release()
+            if not query:
+                await asyncio.sleep(0.3)  # past keepalive_s: dropped, not reused
+        assert len(set(seen["peers"])) == 3  # type: ignore[arg-type]
+    await up.close()
+
+
+async def test_stream_events_arrive_as_they_are_sent() -> None:
+    up = Upstream()
+    async with app_server() as (url, seen):
+        r = await up.request("GET", url, "/stream", b"", {})
+        assert r.headers["transfer-encoding"] == "chunked"
+        got: list[bytes] = []
+        async for chunk in r.chunks():
+            got.append(chunk)
+            seen["step"].set()  # type: ignore[attr-defined]
+        assert got == [b"data: one\n\n", b"data: two\n\n"]
+        r.release()
+    await up.close()
+
+
+async def test_large_answer_read_slowly_is_whole() -> None:
+    """4 MiB (over the buffer bound, so reading pauses and resumes) read slowly."""
+    up = Upstream()
+    async with app_server() as (url, _):
+        r = await up.request("GET", url, "/big", b"", {})
+        data = bytearray()
+        async for chunk in r.chunks():
+            data += chunk
+            await asyncio.sleep(0.001)
+        assert data == b"".join(bytes([i]) * 65536 for i in range(64))
+        r.release()
+    await up.close()
+
+
+async def test_refused_connection_is_connect_failed() -> None:
+    async with raw_server(lambda r, w: asyncio.sleep(0)) as url:
+        pass  # closed: nothing listens on its port any more
+    with pytest.raises(ConnectFailed):
+        await Upstream().request("POST", url, "/x", b"", {})
+
+
+async def test_no_answer_is_a_timeout_and_the_connection_is_dropped() -> None:
+    closed = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        await reader.read()  # until the client closes
+        closed.set()
+
+    up = Upstream(read_timeout=0.2)
+    async with raw_server(silent) as url:
+        with pytest.raises(TimeoutError):
+            await up.request("POST", url, "/x", b"body", {})
+        await asyncio.wait_for(closed.wait(), 5)
+
+
+async def test_connection_cut_mid_body_is_dropped_and_eof_body_is_whole() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+        await writer.drain()
+        writer.close()
+
+    async def eof_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
+        await writer.drain()
+        writer.close()
+
+    up = Upstream()
+    async with raw_server(cut) as url:
+        r = await up.request("POST", url, "/x", b"", {})
+        with pytest.raises(ConnectionDropped):
+            await r.read()
+    async with raw_server(eof_body) as url:
+        r = await up.request("POST", url, "/x", b"", {})
+        assert await r.read() == b"all of it"
+        r.release()
+    await up.close()
+
+
+async def test_reused_connection_closed_by_the_server_is_retried_once() -> None:
+    """A keep-alive connection the server closes as the next request comes (llama-server
+    closes idle ones after 5 s): the request goes again on a new connection. A fresh
+    connection that drops is not retried (the backend may have started the work)."""
+    conns = 0
+
+    async def one_per_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                           ) -> None:
+        nonlocal conns
+        conns += 1
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await read_head(reader)  # the second request on this connection: cut
+        writer.close()
+
+    up = Upstream()
+    async with raw_server(one_per_conn) as url:
+        for _ in range(3):
+            r = await up.request("POST", url, "/x", b"{}", {})
+            assert await r.read() == b"ok"
+            r.release()
+        assert conns == 3
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.close()
+
+    async with raw_server(drop) as url:
+        with pytest.raises(ConnectionDropped):
+            await up.request("POST", url, "/x", b"{}", {})
+    await up.close()
+
+
+async def test_line_break_in_a_header_value_is_refused() -> None:
+    with pytest.raises(ValueError, match="line break"):
+        await Upstream().request("POST", "http://127.0.0.1:9", "/x", b"",
+                                 {"Authorization": "Bearer k\r\nX-Evil: 1"})
