@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.cache_model import RAM, SLOT, BackendCache, BackendCapacity, Placement, ServerRules
@@ -191,6 +191,30 @@ def test_busy_holder_prefix_is_loadable_from_its_idle_copy() -> None:
         assert p.reuse == want, f"cache_idle_slots={idle}"
 
 
+class ServerPromptCache:
+    """Reference for the RAM tier: server_prompt_cache (server-task.cpp) as whole token
+    sequences in a list, oldest first, without the tree or the model's bookkeeping."""
+
+    def __init__(self, limit_tokens: int) -> None:
+        self.limit = limit_tokens
+        self.states: list[bytes] = []
+        self.evicted: list[bytes] = []  # popped from the front to make room
+
+    def save(self, seq: bytes) -> None:
+        """slot.prompt_save -> alloc: skip an empty, contained or over-limit state, drop
+        the entries it contains, pop the oldest until it fits, append it."""
+        n = len(seq) // 4
+        if n == 0 or n > self.limit or any(s.startswith(seq) for s in self.states):
+            return
+        self.states = [s for s in self.states if not seq.startswith(s)]
+        while self.states and sum(len(s) for s in self.states) // 4 + n > self.limit:
+            self.evicted.append(self.states.pop(0))
+        self.states.append(seq)
+
+    def load(self, seq: bytes) -> None:
+        self.states.remove(seq)  # moved into the slot, not copied
+
+
 prompts = st.sampled_from([A, B, U, A[:400], A + [5] * 300, B[:200] + U])
 
 
@@ -200,13 +224,29 @@ prompts = st.sampled_from([A, B, U, A[:400], A + [5] * 300, B[:200] + U])
     st.sampled_from([900, 2000, 10_000]),
     st.booleans(),
 )
+@example(  # saving slot 2 (B) evicts slot 1's copy (U), saved by an earlier start: FIFO
+    ops=[
+        (A, -1, False),
+        (B, 0, False),
+        (U, 1, True),
+        (A, 1, True),
+        (A[:400], 0, True),
+        (B, -1, True),
+        (A, 0, True),
+    ],
+    ram_tokens=2000,
+    unified=False,
+)
 def test_ram_invariants(
     ops: list[tuple[list[int], int, bool]], ram_tokens: int, unified: bool
 ) -> None:
     """Whatever runs: RAM within its bytes, entries' lengths match the tree, no entry is a
-    prefix of another (the server skips or drops those), and right after a task starts
-    every idle slot's state is in RAM when they all fit."""
+    prefix of another (the server skips or drops those), the entries and their FIFO order
+    are the server's (ServerPromptCache fed the same saves and loads), and right after a
+    task starts every idle slot's state is in RAM unless it is larger than the whole
+    cache, or a later save of that same start evicted the (older) entry holding it."""
     c = make(slots=3, ram_bytes=ram_tokens * KVB, unified=unified)
+    ref = ServerPromptCache(ram_tokens)
     running: list[tuple[int, list[int]]] = []
     for prompt, pin, finish_one in ops:
         if finish_one and running:
@@ -215,28 +255,37 @@ def test_ram_invariants(
         slot = None if pin < 0 else pin
         if slot is not None and c.slots[slot].busy:
             continue
-        sizes = [s.n_tokens for s in c.slots]
+        held = [c.tree.tokens_of(("b0", SLOT, i)) for i in range(len(c.slots))]
+        before = {e: c.tree.tokens_of(("b0", RAM, e)) for e in c.ram}
         p = c.start(slot, to_token_bytes(prompt), *lcps(c, prompt), len(prompt))
         if p is None:
             continue
-        saved_now = sizes[p.slot] if p.saved else 0  # the started slot's own save
         running.append((p.slot, prompt))
+        idle = [i for i, s in enumerate(c.slots) if not s.busy]
+        # the same start on the reference (server-context.cpp): the taken slot's save and
+        # load (get_available_slot), then each idle slot's save, in slot order
+        ref.evicted.clear()
+        if p.saved:
+            ref.save(held[p.slot])
+        if p.ram_entry is not None:
+            assert before[p.ram_entry] in ref.states, "loaded an entry the save evicted"
+            ref.load(before[p.ram_entry])
+        for i in idle:
+            ref.save(held[i])
         assert c.ram_bytes == sum(c.ram.values()) * KVB <= ram_tokens * KVB
         seqs = {e: c.tree.tokens_of(("b0", RAM, e)) for e in c.ram}
         for e, n in c.ram.items():
             assert len(seqs[e]) == 4 * n
         for e, a in seqs.items():
             assert not any(e != f and b.startswith(a) for f, b in seqs.items())
-        idle = [i for i, s in enumerate(c.slots) if not s.busy and s.n_tokens]
-        copies = {c.slots[i].ram_copy for i in idle}
-        others = sum(n for e, n in c.ram.items() if e not in copies)
-        if sum(c.slots[i].n_tokens for i in idle) + saved_now + others > ram_tokens:
-            # saving one slot may evict another's entry (FIFO): an idle slot's copy saved
-            # earlier is older than an entry a busy slot left, as in the server
-            continue
+        assert [seqs[e] for e in c.ram] == ref.states
         for i in idle:
-            mine = c.tree.tokens_of(("b0", SLOT, i))
-            assert any(b.startswith(mine) for b in seqs.values()), f"slot {i} not saved"
+            mine = held[i]  # with a unified KV the slot is cleared once saved
+            if not mine or len(mine) // 4 > ram_tokens:
+                continue  # nothing to save, or skipped: larger than the whole cache
+            in_ram = any(b.startswith(mine) for b in seqs.values())
+            evicted = any(b.startswith(mine) for b in ref.evicted)
+            assert in_ram or evicted, f"slot {i} not saved"
 
 
 @pytest.mark.parametrize("max_resident", [None, 500])  # 500: the tree evicts the tail
