@@ -102,7 +102,7 @@ def upstream_payload(raw: bytes, body: JSON, extra: JSON) -> bytes:
         return raw
     if body and extra.keys().isdisjoint(body):
         start = raw.index(b"{") + 1
-        fields = json.dumps(extra, separators=(",", ":"))[1:-1].encode()
+        fields = orjson.dumps(extra)[1:-1]
         return b"".join((raw[:start], fields, b",", memoryview(raw)[start:]))
     merged = dict(body)
     for key, val in extra.items():

@@ -233,8 +233,11 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         r = self.response = Response(self)
         self.received = False
-        # one write, one send(): a small request costs a syscall less than head + body
-        self.transport.write(head + body if len(body) < 65536 else b"".join((head, body)))
+        if len(body) < 65536:  # one write, one send(): a syscall less than head + body
+            self.transport.write(head + body)
+        else:  # a send() more, not a copy of a 200 KB conversation
+            self.transport.write(head)
+            self.transport.write(body)
         while not r._head:
             await r._wait()
         return r
