@@ -142,8 +142,12 @@ def _backend(raw: object, i: int, base: Path, demo: Path, allow_missing_demo: bo
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"{where}url: expected an http(s) URL, got {_show(url)} "
                               "(fix: e.g. url: http://127.0.0.1:8081)")
+        key = sec.get_str("api_key", None, "sk-backend")
+        if key is not None and not (key.isascii() and key.isprintable()):  # a header value
+            raise ConfigError(f"{where}api_key: holds a control character, line break or "
+                              "non-ASCII character (fix: the key alone, on one line)")
         ext = ExternalBackendConfig(
-            name=name, url=url.rstrip("/"), api_key=sec.get_str("api_key", None),
+            name=name, url=url.rstrip("/"), api_key=key,
             kv_bytes_per_token=sec.get_int("kv_bytes_per_token", 131072),
             cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
         )

@@ -106,7 +106,7 @@ class Response:
     def release(self) -> None:
         """The connection goes back to the pool if the answer was read to its end and
         the backend keeps it alive; otherwise it is closed."""
-        if self._done and self._keep_alive and not self._chunks:
+        if self._done and self._keep_alive and not self._chunks and not self._conn.closed:
             self._conn.idle()
         else:
             self._conn.close()
@@ -175,8 +175,8 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.response is None:  # bytes no request asked for: the stream is out of step
-            self.close()
+        if self.response is None or self.response._done:
+            self.close()  # bytes no request asked for: the stream is out of step
             return
         self.received = True
         try:
@@ -199,6 +199,11 @@ class _Connection(asyncio.Protocol):
         r._fail(ConnectionDropped(f"the backend closed the connection{why}"))
 
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.response is not None and self.response._head:
+            # a second answer behind the first in one read: stops the parser (-> close)
+            raise ConnectionDropped("the backend sent an answer nobody asked for")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.response is not None
         self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")

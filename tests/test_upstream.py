@@ -230,3 +230,30 @@ async def test_line_break_in_a_header_value_is_refused() -> None:
     with pytest.raises(ValueError, match="line break"):
         await Upstream().request("POST", "http://127.0.0.1:9", "/x", b"",
                                  {"Authorization": "Bearer k\r\nX-Evil: 1"})
+
+
+async def test_bytes_past_the_answer_spoil_the_connection() -> None:
+    """A backend that sends more than the answer (a second one, or stray bytes while
+    idle) is out of step: its connection is closed, never reused for the next request."""
+    conns = 0
+
+    async def extra(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal conns
+        conns += 1
+        while True:
+            try:
+                await read_head(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                         b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nbad")
+            await writer.drain()
+
+    up = Upstream()
+    async with raw_server(extra) as url:
+        for _ in range(2):
+            r = await up.request("POST", url, "/x", b"{}", {})
+            assert r.status == 200 and await r.read() == b"ok"
+            r.release()
+        assert conns == 2
+    await up.close()
