@@ -42,8 +42,12 @@ claude-code:
 test: artifacts lint claude-code
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The benchmarks behind BENCHMARKS.md that need no backends: routing core, proxy
+# overhead (against a fake backend), the backend client. Load tests: `python -m loadtest`.
 bench: artifacts
-	$(PY) -m loadtest bench
+	$(PY) bench/bench_core.py
+	$(PY) bench/bench_proxy.py
+	$(PY) bench/bench_upstream.py
 
 clean:
 	rm -rf $(VENV) logs

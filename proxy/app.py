@@ -191,7 +191,7 @@ async def _prompt_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS]
-    # The request path's own client (proxy/upstream.py: aiohttp's costs ~3x the CPU per
+    # The request path's own client (proxy/upstream.py: aiohttp's costs 2-3x the CPU per
     # request). No connection cap: llama-server queues itself, and the router bounds work
     # per backend. Idle connections are dropped before llama-server's own 5 s keep-alive
     # timeout (cpp-httplib) would close them under a request.

@@ -2,9 +2,9 @@
 parsed by llhttp (httptools) and read whole or as they arrive.
 
 Why not aiohttp's client (which still serves the health prober and the CLI): the proxy's
-whole budget for a small request is 1 ms, and `ClientSession.request` spends ~240 us of
-CPU on one (URL objects, tracing hooks, timers, payload registry, a response object
-tree), this ~75 us (same VM, same fake backend, sequential requests). What the proxy
+whole budget for a small request is 1 ms, and `ClientSession.request` spends 2-3x the
+CPU of this on one (URL objects, tracing hooks, timers, payload registry, a response
+object tree; `bench/bench_upstream.py` measures both in one run). What the proxy
 needs of a client is little: one request at a time per connection, a body whose length
 is known, answers with a Content-Length or chunked (llama-server's streams), a connect
 timeout and a timeout between reads.
