@@ -175,7 +175,9 @@ class _Env(ImmutableSandboxedEnvironment):
             try:
                 return obj[attribute]
             except KeyError:
-                pass
+                # what the sandbox ends with for a missing key (`message.tool_calls` on
+                # every plain message), without its getattr + item lookups first
+                return self.undefined(obj=obj, name=attribute)
         return super().getattr(obj, attribute)
 
 
