@@ -125,7 +125,7 @@ def _is_usage_only(obj: JSON) -> bool:
     return "usage" in obj and not obj.get("choices")
 
 
-async def send(session: Upstream, request: web.Request, target: Target,
+async def send(client: Upstream, request: web.Request, target: Target,
                path: str, payload: bytes, outcome: Outcome, *, relay: Relay = PASSTHROUGH,
                strip_usage: bool = False, method: str = "POST",
                health: BackendHealth | None = None,
@@ -147,8 +147,8 @@ async def send(session: Upstream, request: web.Request, target: Target,
     try:
         async with asyncio.timeout(first_byte_timeout) as ttfb:
             with health.waiting(name, ttfb) if health else contextlib.nullcontext():
-                upstream = await session.request(method, target.info.url, path, payload,
-                                                 backend_headers(target.info))
+                upstream = await client.request(method, target.info.url, path, payload,
+                                                backend_headers(target.info))
                 outcome.status = upstream.status
                 ctype = upstream.headers.get("content-type", "application/json")
                 if upstream.status < 400 and ctype.startswith("text/event-stream"):
