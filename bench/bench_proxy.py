@@ -336,6 +336,13 @@ def main() -> int:
           f"{res['long_steady_added_ms']:.3f} ms ({res['long_steady_added_ms'] / 3:.2f}x; "
           f"bare {res['long_steady_bare_added_ms']:.3f} ms; proxy CPU "
           f"{res['long_steady_proxy_cpu_ms']:.3f} ms/request)")
+    # The floor moves ~2x with the VM's speed from one minute to the next: the multiple
+    # of it is what compares across runs (see BENCHMARKS.md, bench/bench_wakeup.py).
+    print(f"vs the floor  : the bare aiohttp forwarder of this run adds "
+          f"{res['small_bare_added_ms']:.3f} / {res['long_bare_added_ms']:.3f} ms "
+          f"(small / 30k turn); kvroute adds "
+          f"{res['small_added_ms'] / res['small_bare_added_ms']:.2f}x / "
+          f"{res['long_added_ms'] / res['long_bare_added_ms']:.2f}x that")
     print(f"throughput    : {res['rps']:.0f} req/s through one proxy process "
           f"({res['rps'] / 1500:.2f}x of 1,500), {res['rps_per_proxy_cpu_s']:.0f} req per "
           f"proxy CPU-second; {res['log_lines']} log lines written")
