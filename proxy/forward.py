@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -207,7 +206,7 @@ def _absorb_body(data: bytes, outcome: Outcome, relay: Relay) -> bytes:
     if isinstance(obj, dict):
         translated = relay.body(obj)
         if translated is not None:
-            return json.dumps(translated, separators=(",", ":")).encode()
+            return orjson.dumps(translated)
     return data
 
 

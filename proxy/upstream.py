@@ -41,6 +41,9 @@ import httptools
 # Answer bytes buffered (not yet taken by the reader) before reading from the backend
 # pauses: a client slower than the backend must not make the proxy hold the whole stream.
 _HIGH_WATER = 1 << 20
+# An answer's status line and headers larger than this end the connection (llama-server's
+# are < 1 KiB; an external backend gone wrong must not grow them without bound).
+_MAX_HEAD = 64 << 10
 
 
 class TransportError(Exception):
@@ -164,7 +167,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
-        self.received = False       # any byte of the current answer arrived
+        self.received = 0           # bytes of the current answer so far
         self.closed = False
         self.idle_since = 0.0
         self._paused = False
@@ -178,11 +181,16 @@ class _Connection(asyncio.Protocol):
         if self.response is None or self.response._done:
             self.close()  # bytes no request asked for: the stream is out of step
             return
-        self.received = True
+        r = self.response
+        self.received += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self.response._fail(ConnectionDropped(f"malformed HTTP answer: {e}"))
+            r._fail(ConnectionDropped(f"malformed HTTP answer: {e}"))
+            self.close()
+            return
+        if not r._head and self.received > _MAX_HEAD:
+            r._fail(ConnectionDropped(f"answer head over {_MAX_HEAD} bytes"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -237,7 +245,7 @@ class _Connection(asyncio.Protocol):
         """Send one request; its Response once the answer's head is in."""
         assert self.transport is not None
         r = self.response = Response(self)
-        self.received = False
+        self.received = 0
         if len(body) < 65536:  # one write, one send(): a syscall less than head + body
             self.transport.write(head + body)
         else:  # a send() more, not a copy of a 200 KB conversation

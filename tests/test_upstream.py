@@ -257,3 +257,18 @@ async def test_bytes_past_the_answer_spoil_the_connection() -> None:
             r.release()
         assert conns == 2
     await up.close()
+
+
+async def test_endless_answer_head_is_cut() -> None:
+    async def headers_forever(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                              ) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        with contextlib.suppress(ConnectionError):
+            for i in range(10_000):
+                writer.write(b"X-Filler-%d: %s\r\n" % (i, b"y" * 100))
+                await writer.drain()
+
+    async with raw_server(headers_forever) as url:
+        with pytest.raises(ConnectionDropped, match="head over"):
+            await Upstream().request("POST", url, "/x", b"", {})
