@@ -46,6 +46,19 @@ CHAT_ANSWER = json.dumps({
     "timings": {"cache_n": 0, "prompt_n": 10, "prompt_ms": 1.0, "predicted_n": 1,
                 "predicted_ms": 1.0},
 }).encode()
+# A streamed answer: the first token, the last chunk (timings, as llama-server sends them),
+# the usage chunk asked for with stream_options, [DONE].
+STREAM_EVENTS = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in (
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}],
+     "object": "chat.completion.chunk", "id": "x", "model": "fake", "created": 0},
+    {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+     "object": "chat.completion.chunk", "id": "x", "model": "fake", "created": 0,
+     "timings": {"cache_n": 0, "prompt_n": 10, "prompt_ms": 1.0, "predicted_n": 1,
+                 "predicted_ms": 1.0}},
+    {"choices": [], "object": "chat.completion.chunk", "id": "x", "model": "fake",
+     "created": 0, "usage": {"completion_tokens": 1, "prompt_tokens": 10,
+                             "total_tokens": 11}},
+)] + [b"data: [DONE]\n\n"]
 PROPS = {"total_slots": 4, "default_generation_settings": {"n_ctx": 65536},
          "model_alias": "fake", "model_path": "fake.gguf", "build_info": "fake",
          "chat_template": ""}
@@ -53,9 +66,15 @@ PROPS = {"total_slots": 4, "default_generation_settings": {"n_ctx": 65536},
 
 # ------------------------------------------------------------------------ fake backend
 def run_fake(port: int) -> None:
-    async def chat(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=CHAT_ANSWER, content_type="application/json")
+    async def chat(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if b'"stream":true' not in raw.replace(b" ", b""):
+            return web.Response(body=CHAT_ANSWER, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in STREAM_EVENTS:
+            await resp.write(event)
+        return resp
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -80,12 +99,18 @@ def run_bare(port: int, backend_port: int) -> None:
         yield
         await app[SESSION].close()
 
-    async def chat(request: web.Request) -> web.Response:
+    async def chat(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         async with request.app[SESSION].post(
                 f"http://127.0.0.1:{backend_port}/v1/chat/completions", data=raw,
                 headers={"Content-Type": "application/json"}) as r:
-            return web.Response(body=await r.read(), content_type="application/json")
+            if r.content_type != "text/event-stream":
+                return web.Response(body=await r.read(), content_type="application/json")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            async for chunk in r.content.iter_any():  # relayed as it comes
+                await resp.write(chunk)
+            return resp
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -149,11 +174,14 @@ async def wait_up(session: aiohttp.ClientSession, url: str, timeout: float = 60)
 
 async def added_latency(session: aiohttp.ClientSession, direct: str, proxied: str,
                         bodies: list[bytes], warmup: int, proxy_pid: int,
-                        bare: str | None = None, block: int = 1) -> dict[str, float]:
+                        bare: str | None = None, block: int = 1,
+                        first_event: bool = False) -> dict[str, float]:
     """Median direct and proxied latency (ms), interleaved so drift hits both alike (and
     the bare aiohttp forwarder's, when given), and the proxy's CPU time per proxied
     request (ms; after the warm-up, and robust to the load other processes put on the
     machine, unlike the latencies).
+
+    `first_event`: the bodies ask for a stream; the time is to its first event (TTFT).
 
     `block` = 1 sends each body to every target, in turn: each server sits idle while
     the others answer, and on this VM a process woken from idle pays for it (the direct
@@ -178,10 +206,14 @@ async def added_latency(session: aiohttp.ClientSession, direct: str, proxied: st
             t0 = time.perf_counter()
             async with session.post(base + "/v1/chat/completions", data=body,
                                     headers=hdr) as r:
-                await r.read()
                 assert r.status == 200, await r.text()
+                if first_event:  # a stream: the time to its first event
+                    await r.content.readuntil(b"\n\n")
+                    t1 = time.perf_counter()
+                await r.read()
             if i >= warmup and i % block >= skip:
-                times[base].append((time.perf_counter() - t0) * 1000)
+                t_end = t1 if first_event else time.perf_counter()
+                times[base].append((t_end - t0) * 1000)
     cpu_ms = (cpu_seconds(proxy_pid) - cpu0) * 1000 / max(1, n_proxied)
     med = {b: statistics.median(t) for b, t in times.items()}
     out = {"direct": med[direct], "proxied": med[proxied],
@@ -235,6 +267,12 @@ async def client_main(fake: str, proxy: str, bare: str, proxy_pid: int, quick: b
         sm_steady = await added_latency(session, fake, proxy, small_runs, 150, proxy_pid,
                                         bare, block=50)
 
+        streamed = [json.dumps({"messages": [{"role": "user", "content": f"hu {i}"}],
+                                "max_tokens": 1, "stream": True}).encode()
+                    for i in range(n_small)]
+        st = await added_latency(session, fake, proxy, streamed, 50, proxy_pid, bare,
+                                 first_event=True)
+
         history: list[dict[str, str]] = [{"role": "system", "content": words(300, rng)}]
         while len(history) < 100:  # ~30k tokens: 99 turns of ~300 words
             role = "user" if len(history) % 2 else "assistant"
@@ -259,6 +297,10 @@ async def client_main(fake: str, proxy: str, bare: str, proxy_pid: int, quick: b
             "small_proxy_cpu_ms": sm["cpu"], "long_direct_ms": lg["direct"],
             "long_proxied_ms": lg["proxied"], "long_added_ms": lg["added"],
             "long_bare_added_ms": lg["bare_added"], "long_proxy_cpu_ms": lg["cpu"],
+            "stream_first_event_direct_ms": st["direct"],
+            "stream_first_event_added_ms": st["added"],
+            "stream_first_event_bare_added_ms": st["bare_added"],
+            "stream_proxy_cpu_ms": st["cpu"],
             "small_steady_added_ms": sm_steady["added"],
             "small_steady_bare_added_ms": sm_steady["bare_added"],
             "small_steady_proxy_cpu_ms": sm_steady["cpu"],
@@ -329,6 +371,11 @@ def main() -> int:
           f"(target <= 3 ms: {res['long_added_ms'] / 3.0:.2f}x of budget); proxy CPU "
           f"{res['long_proxy_cpu_ms']:.3f} ms/request; bare aiohttp forwarder adds "
           f"{res['long_bare_added_ms']:.3f} ms")
+    print(f"streamed small: first event direct {res['stream_first_event_direct_ms']:.3f} "
+          f"ms, added {res['stream_first_event_added_ms']:.3f} ms (bare aiohttp forwarder "
+          f"{res['stream_first_event_bare_added_ms']:.3f} ms); proxy CPU "
+          f"{res['stream_proxy_cpu_ms']:.3f} ms/request (no target: what a Claude Code "
+          "client sees)")
     print(f"in steady use (runs of requests to one target): small added "
           f"{res['small_steady_added_ms']:.3f} ms ({res['small_steady_added_ms']:.2f}x of "
           f"budget; bare {res['small_steady_bare_added_ms']:.3f} ms; proxy CPU "
