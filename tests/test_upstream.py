@@ -272,3 +272,38 @@ async def test_endless_answer_head_is_cut() -> None:
     async with raw_server(headers_forever) as url:
         with pytest.raises(ConnectionDropped, match="head over"):
             await Upstream().request("POST", url, "/x", b"", {})
+
+
+async def test_sse_events_split_anywhere_come_out_whole() -> None:
+    """The relay's event splitter (forward._events) over this client: an event cut
+    mid-line, CRLF line ends, a two-line event and a last line with no newline all come
+    out as the events the backend meant, each as soon as its blank line is in."""
+    from proxy.forward import _events
+
+    pieces = [b"data: {\"a\":", b" 1}\n", b"\ndata: x\r\n\r", b"\nid: 7\ndata: y\n\n",
+              b"data: [DONE]"]
+    sent = asyncio.Event()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0.02)  # separate reads on the client's side
+        sent.set()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    up = Upstream()
+    async with raw_server(stream) as url:
+        r = await up.request("POST", url, "/x", b"{}", {})
+        got = []
+        async for event in _events(r):
+            got.append((b"".join(event), sent.is_set()))
+        r.release()
+    await up.close()
+    assert [e for e, _ in got] == [b'data: {"a": 1}\n', b"data: x\r\n",
+                                   b"id: 7\ndata: y\n", b"data: [DONE]"]
+    assert [late for _, late in got] == [False, False, False, True]  # none held back
