@@ -85,12 +85,9 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
 
     async def read(self) -> bytes:
-        """The whole body."""
-        while not self._done:
-            await self._wait()
-        data = b"".join(self._chunks)
-        self._chunks.clear()
-        return data
+        """The whole body (taken as it arrives: reading pauses past `_HIGH_WATER` until
+        the buffered part is taken)."""
+        return b"".join([chunk async for chunk in self.chunks()])
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (chunked encoding already undone)."""

@@ -145,6 +145,16 @@ async def test_large_answer_read_slowly_is_whole() -> None:
     await up.close()
 
 
+async def test_large_answer_read_whole_at_once() -> None:
+    """`read()` of an answer over the buffer bound (reading pauses) still gets it all."""
+    up = Upstream(read_timeout=5)
+    async with app_server() as (url, _):
+        r = await up.request("GET", url, "/big", b"", {})
+        assert await r.read() == b"".join(bytes([i]) * 65536 for i in range(64))
+        r.release()
+    await up.close()
+
+
 async def test_refused_connection_is_connect_failed() -> None:
     async with raw_server(lambda r, w: asyncio.sleep(0)) as url:
         pass  # closed: nothing listens on its port any more
