@@ -9,6 +9,8 @@ request to a file), and this client. Measured in one run:
 - added median latency of a small chat request (proxied - direct, interleaved request by
   request, and in runs of requests to one target: see `added_latency`);
 - added median latency of a 30k-token turn whose history was seen (both ways);
+- added time to the first event of a streamed coding-agent turn (~24k tokens: tool
+  schemas, tool calls and results; the last call and result new: bench/agent_turn.py);
 - the proxy's CPU time per request of both kinds (the latencies move with whatever else
   the machine runs; CPU per request much less);
 - requests/s through the proxy (64 concurrent clients), and requests per proxy CPU-second
@@ -36,6 +38,7 @@ from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from agent_turn import agent_bodies  # noqa: E402  (bench/, beside this script)
 
 CHAT_ANSWER = json.dumps({
     "choices": [{"finish_reason": "stop", "index": 0,
@@ -288,6 +291,11 @@ async def client_main(fake: str, proxy: str, bare: str, proxy_pid: int, quick: b
                                  "max_tokens": 1}).encode() for _ in range(3 * n_long)]
         lg_steady = await added_latency(session, fake, proxy, long_runs, 0, proxy_pid,
                                         bare, block=10)
+        # A coding agent's turn (bench/agent_turn.py): tool schemas, tool calls and
+        # results, streamed; the first body makes the history seen.
+        agent = [json.dumps(b).encode() for b in agent_bodies(n_long + 1, seed=1)]
+        ag = await added_latency(session, fake, proxy, agent, 1, proxy_pid, bare,
+                                 first_event=True)
         async with session.get(proxy + "/kvroute/status") as r:
             status = await r.json()
         prompt_tokens = status["router"]["tree"]["resident_tokens"]
@@ -308,6 +316,10 @@ async def client_main(fake: str, proxy: str, bare: str, proxy_pid: int, quick: b
             "long_steady_bare_added_ms": lg_steady["bare_added"],
             "long_steady_proxy_cpu_ms": lg_steady["cpu"],
             "tree_tokens": prompt_tokens, "long_body_kib": len(long_bodies[0]) / 1024,
+            "agent_first_event_direct_ms": ag["direct"],
+            "agent_first_event_added_ms": ag["added"],
+            "agent_first_event_bare_added_ms": ag["bare_added"], "agent_proxy_cpu_ms": ag["cpu"],
+            "agent_body_kib": len(agent[0]) / 1024,
             "rps": rps, "rps_per_proxy_cpu_s": per_cpu}
 
 
@@ -376,6 +388,11 @@ def main() -> int:
           f"{res['stream_first_event_bare_added_ms']:.3f} ms); proxy CPU "
           f"{res['stream_proxy_cpu_ms']:.3f} ms/request (no target: what a Claude Code "
           "client sees)")
+    print(f"agent turn    : body {res['agent_body_kib']:.0f} KiB (tools, tool calls and "
+          f"results, streamed), first event direct {res['agent_first_event_direct_ms']:.3f} "
+          f"ms, added {res['agent_first_event_added_ms']:.3f} ms (bare aiohttp forwarder "
+          f"{res['agent_first_event_bare_added_ms']:.3f} ms); proxy CPU "
+          f"{res['agent_proxy_cpu_ms']:.3f} ms/request")
     print(f"in steady use (runs of requests to one target): small added "
           f"{res['small_steady_added_ms']:.3f} ms ({res['small_steady_added_ms']:.2f}x of "
           f"budget; bare {res['small_steady_bare_added_ms']:.3f} ms; proxy CPU "

@@ -23,11 +23,10 @@ builds -- and caches -- for `POST /v1/messages`. Quirks kept on purpose:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.chat_request import PromptError
+from proxy.chat_request import PromptError, dump_compact
 
 _BILLING_PREFIX = b"x-anthropic-billing-header:"
 _CCH_LEN = 5
@@ -50,16 +49,12 @@ def normalize_billing_header(text: str) -> str:
 
 def _val(obj: Any, key: str, default: Any, kind: type | tuple[type, ...]) -> Any:
     """json_value(): missing, null, non-object container or wrong type -> default."""
-    if not isinstance(obj, Mapping):
+    if not isinstance(obj, dict):
         return default
     v = obj.get(key)
     if v is None or not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
         return default
     return v
-
-
-def _dump_compact(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _image_part(source: Any) -> dict[str, Any] | None:
@@ -88,7 +83,7 @@ def _tool_result(block: Mapping[str, Any]) -> dict[str, Any]:
                 parts.append({"type": "text", "text": t})
             elif ctype == "image":
                 has_images = True
-                part = _image_part(_val(c, "source", {}, Mapping))
+                part = _image_part(_val(c, "source", {}, dict))
                 if part is not None:
                     parts.append(part)
         content = parts if has_images else text
@@ -99,7 +94,7 @@ def _tool_result(block: Mapping[str, Any]) -> dict[str, Any]:
 
 def _convert_message(msg: Any, out: list[Any]) -> None:
     role = _val(msg, "role", "", str)
-    if not isinstance(msg, Mapping) or "content" not in msg:
+    if not isinstance(msg, dict) or "content" not in msg:
         if role != "assistant":
             out.append(msg)
         return
@@ -118,7 +113,7 @@ def _convert_message(msg: Any, out: list[Any]) -> None:
         elif btype == "thinking":
             reasoning += _val(block, "thinking", "", str)
         elif btype == "image":
-            part = _image_part(_val(block, "source", {}, Mapping))
+            part = _image_part(_val(block, "source", {}, dict))
             if part is not None:
                 converted.append(part)
         elif btype == "tool_use":
@@ -127,7 +122,7 @@ def _convert_message(msg: Any, out: list[Any]) -> None:
                 "id": _val(block, "id", "", str),
                 "type": "function",
                 "function": {"name": _val(block, "name", "", str),
-                             "arguments": _dump_compact({} if tool_input is None
+                             "arguments": dump_compact({} if tool_input is None
                                                         else tool_input)},
             })
         elif btype == "tool_result":
@@ -144,7 +139,7 @@ def _convert_message(msg: Any, out: list[Any]) -> None:
 
 def anthropic_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     """The OpenAI chat body llama-server builds from an Anthropic `/v1/messages` body."""
-    if not isinstance(body, Mapping):
+    if not isinstance(body, dict):
         raise PromptError("request body must be a JSON object")
     messages: list[Any] = []
     system = body.get("system")
@@ -170,11 +165,11 @@ def anthropic_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
         oai["tools"] = [{"type": "function", "function": {
             "name": _val(t, "name", "", str),
             "description": _val(t, "description", "", str),
-            "parameters": t["input_schema"] if isinstance(t, Mapping) and "input_schema" in t
+            "parameters": t["input_schema"] if isinstance(t, dict) and "input_schema" in t
             else {},
         }} for t in tools]
     tc = body.get("tool_choice")
-    if isinstance(tc, Mapping):
+    if isinstance(tc, dict):
         tc_type = _val(tc, "type", "", str)
         if tc_type == "auto":
             oai["tool_choice"] = "auto"
@@ -187,12 +182,12 @@ def anthropic_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
         if key in body:
             oai[key] = body[key]
     if "thinking" in body:
-        thinking = _val(body, "thinking", {}, Mapping)
+        thinking = _val(body, "thinking", {}, dict)
         if _val(thinking, "type", "", str) == "enabled":
             budget = _val(thinking, "budget_tokens", 10000, (int, float))
             oai["thinking_budget_tokens"] = int(budget)
     if "metadata" in body:
-        user_id = _val(_val(body, "metadata", {}, Mapping), "user_id", "", str)
+        user_id = _val(_val(body, "metadata", {}, dict), "user_id", "", str)
         if user_id:
             oai["__metadata_user_id"] = user_id
     return oai

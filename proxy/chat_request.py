@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from proxy.chat_template import TemplateCaps
 
 
@@ -56,9 +58,30 @@ class ChatInputs:
     continue_text: str | None
 
 
-def _dump_compact(value: Any) -> str:
-    # nlohmann::json::dump(): no spaces, raw UTF-8.
+def dump_compact(value: Any) -> str:
+    """nlohmann::json::dump(): no spaces, raw UTF-8 (tool-call arguments, every turn)."""
+    if _float_free(value):
+        try:
+            # same text as json.dumps below for these values (escapes included), ~10x
+            # faster; it differs on floats (1e+16 vs 1e16)
+            return orjson.dumps(value).decode()
+        except TypeError:
+            pass  # a key that is not a string, an int past 64 bits
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _float_free(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is dict:
+            stack.extend(v.values())
+        elif t is list:
+            stack.extend(v)
+        elif not (t is str or t is int or t is bool or v is None):
+            return False
+    return True
 
 
 def _get(obj: Mapping[str, Any], key: str, default: Any, kind: type | tuple[type, ...]) -> Any:
@@ -78,7 +101,7 @@ def _need_str(v: Any, what: str) -> str:
 def _content_parts(content: list[Any]) -> list[dict[str, str]]:
     parts = []
     for part in content:
-        if not isinstance(part, Mapping):
+        if not isinstance(part, dict):
             raise PromptError(f"content parts must be objects, got {json.dumps(part)[:200]}")
         ptype = part.get("type")
         if ptype in ("image_url", "input_audio", "input_video", "video_url"):
@@ -105,7 +128,7 @@ def _join_parts(parts: Sequence[Mapping[str, str]]) -> str:
 
 def _parse_message(msg: Any) -> dict[str, Any]:
     """common_chat_msgs_parse_oaicompat + to_json_oaicompat for one message."""
-    if not isinstance(msg, Mapping):
+    if not isinstance(msg, dict):
         raise PromptError(f"Expected 'message' to be an object, got {json.dumps(msg)[:200]}")
     if "role" not in msg:
         raise PromptError("Failed to parse messages: Missing 'role' in message")
@@ -141,12 +164,12 @@ def _parse_message(msg: Any) -> dict[str, Any]:
 
 
 def _parse_tool_call(tc: Any) -> dict[str, Any]:
-    if not isinstance(tc, Mapping) or "type" not in tc:
+    if not isinstance(tc, dict) or "type" not in tc:
         raise PromptError("Failed to parse messages: Missing tool call type")
     if tc["type"] != "function":
         raise PromptError("Failed to parse messages: Unsupported tool call type")
     fc = tc.get("function")
-    if not isinstance(fc, Mapping):
+    if not isinstance(fc, dict):
         raise PromptError("Failed to parse messages: Missing tool call function")
     if "name" not in fc:
         raise PromptError("Failed to parse messages: Missing tool call name")
@@ -155,7 +178,7 @@ def _parse_tool_call(tc: Any) -> dict[str, Any]:
     args = fc["arguments"]
     out: dict[str, Any] = {"type": "function", "function": {
         "name": _need_str(fc["name"], "tool call name"),
-        "arguments": args if isinstance(args, str) else _dump_compact(args)}}
+        "arguments": args if isinstance(args, str) else dump_compact(args)}}
     if "id" in tc:
         tc_id = _need_str(tc["id"], "tool call id")
         if tc_id:
@@ -171,12 +194,12 @@ def parse_tools(tools: Any) -> list[dict[str, Any]]:
         raise PromptError("Failed to parse tools: Expected 'tools' to be an array")
     out = []
     for tool in tools:
-        if not isinstance(tool, Mapping) or "type" not in tool:
+        if not isinstance(tool, dict) or "type" not in tool:
             raise PromptError("Failed to parse tools: Missing tool type")
         if tool["type"] != "function":
             raise PromptError("Failed to parse tools: Unsupported tool type")
         fn = tool.get("function")
-        if not isinstance(fn, Mapping):
+        if not isinstance(fn, dict):
             raise PromptError("Failed to parse tools: Missing tool function")
         if "name" not in fn:
             raise PromptError("Failed to parse tools: Missing tool name")
@@ -198,7 +221,7 @@ def _render_content(msg: Mapping[str, Any]) -> str:
 def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
                  bos_token: str, eos_token: str, options: ServerChatOptions) -> ChatInputs:
     """The Jinja context for `body` (see module docstring); `source` picks workarounds."""
-    if not isinstance(body, Mapping):
+    if not isinstance(body, dict):
         raise PromptError("request body must be a JSON object")
     if "messages" not in body:
         raise PromptError("'messages' is required")
@@ -302,7 +325,7 @@ def _normalize_content(messages: list[dict[str, Any]], caps: TemplateCaps
 def _template_kwargs(body: Mapping[str, Any], options: ServerChatOptions) -> dict[str, Any]:
     kwargs = dict(options.chat_template_kwargs)
     req = body.get("chat_template_kwargs")
-    if isinstance(req, Mapping):
+    if isinstance(req, dict):
         kwargs.update(req)
     enable_thinking = options.enable_thinking
     et = kwargs.get("enable_thinking")

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
+import orjson
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # llama.cpp's fallback when a model has no template (common/chat.cpp CHATML_TEMPLATE_SRC).
@@ -104,6 +107,54 @@ def _slow_json(v: Any, item_sep: str, key_sep: str, indent: int, lvl: int) -> st
     return "null"
 
 
+class _JsonMemo:
+    """`tojson` outputs of recent containers, keyed by their content.
+
+    Templates write every tool schema (Claude Code's: ~50k characters) and every tool
+    call's arguments with `tojson`, on every turn: exact but slow (the float check walks
+    the value, then the encoder runs), ~40% of rendering an agent turn. The key is the
+    value's orjson text, which tells apart every value that prints differently except a
+    non-finite float (orjson writes NaN/Infinity as `null`): a key holding a bare `null`
+    is never memoised. Values orjson cannot write (Undefined, huge ints, non-string
+    keys) are not either. Renders may run on the loop and the tokenizing thread at once:
+    locked.
+    """
+
+    def __init__(self, max_chars: int = 8 << 20) -> None:
+        self._memo: dict[tuple[bytes, str, str, int, bool], str] = {}
+        self._chars = 0
+        self._max_chars = max_chars
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key_of(value: Any) -> bytes | None:
+        if not isinstance(value, dict | list) or not value:
+            return None  # scalars and empty containers are cheap to write
+        try:
+            key = orjson.dumps(value)
+        except TypeError:
+            return None
+        if b":null" in key or b",null" in key or b"[null" in key:
+            return None  # might be a NaN or an infinity (see the class doc)
+        return key
+
+    def get(self, key: tuple[bytes, str, str, int, bool]) -> str | None:
+        return self._memo.get(key)
+
+    def put(self, key: tuple[bytes, str, str, int, bool], out: str) -> None:
+        with self._lock:
+            if key in self._memo or len(out) > self._max_chars // 8:
+                return
+            self._memo[key] = out
+            self._chars += len(out) + len(key[0])
+            while self._chars > self._max_chars:  # oldest first (dict order)
+                k = next(iter(self._memo))
+                self._chars -= len(self._memo.pop(k)) + len(k[0])
+
+
+_TOJSON_MEMO = _JsonMemo()
+
+
 def llama_tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                  separators: Any = None, sort_keys: bool = False) -> str:
     """`tojson` byte for byte as llama.cpp's Jinja engine writes it."""
@@ -113,6 +164,18 @@ def llama_tojson(value: Any, ensure_ascii: bool = False, indent: int | None = No
     seps = list(separators) if isinstance(separators, list | tuple) else []
     item_sep = str(seps[0]) if seps else (", " if ind < 0 else ",")
     key_sep = str(seps[1]) if len(seps) > 1 else ": "
+    content = _TOJSON_MEMO.key_of(value)
+    if content is None:
+        return _tojson(value, ensure_ascii, ind, item_sep, key_sep)
+    key = (content, item_sep, key_sep, ind, bool(ensure_ascii))
+    out = _TOJSON_MEMO.get(key)
+    if out is None:
+        out = _tojson(value, ensure_ascii, ind, item_sep, key_sep)
+        _TOJSON_MEMO.put(key, out)
+    return out
+
+
+def _tojson(value: Any, ensure_ascii: bool, ind: int, item_sep: str, key_sep: str) -> str:
     if ind < 0 and not _needs_slow_json(value):
         # Fast path (C encoder): identical output when there are no floats/huge ints.
         try:
@@ -178,10 +241,19 @@ class _Env(ImmutableSandboxedEnvironment):
                 # what the sandbox ends with for a missing key (`message.tool_calls` on
                 # every plain message), without its getattr + item lookups first
                 return self.undefined(obj=obj, name=attribute)
+        # `loop.index0`, `loop.last`, `content.rstrip`: what the sandbox allows anyway
+        # (public, read-only), without its checks. str.format is wrapped by the sandbox.
+        if (type(obj) is LoopContext and attribute in _LOOP_ATTRS) or (
+                type(obj) is str and attribute in _STR_ATTRS):
+            return getattr(obj, attribute)
         return super().getattr(obj, attribute)
 
 
 _DICT_ATTRS = frozenset(dir(dict))
+_LOOP_ATTRS = frozenset(("index", "index0", "revindex", "revindex0", "first", "last",
+                         "length", "depth", "depth0", "previtem", "nextitem"))
+_STR_ATTRS = frozenset(a for a in dir(str) if not a.startswith("_")) - {"format",
+                                                                          "format_map"}
 
 
 _ENV = _Env()

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prompt_corpus import COMPLETION_PROMPTS, CORPUS, INVALID, Backend
 
-from proxy.chat_template import TemplateCaps, llama_tojson
+from proxy.chat_request import dump_compact
+from proxy.chat_template import TemplateCaps, _tojson, llama_tojson
 from proxy.prompt import PromptBuilder, PromptError
 
 # -- template and caps ----------------------------------------------------------------
@@ -229,6 +230,42 @@ def test_tojson_matches_llama_cpp_format() -> None:
     assert llama_tojson({"a": [1, {"b": 2}], "c": []}, indent=2) == \
         '{\n  "a": [\n    1,\n    {\n      "b": 2\n    }\n  ],\n  "c": []\n}'
     assert llama_tojson(["é"], ensure_ascii=True) == '["\\u00e9"]'
+
+
+# JSON values as requests carry them, plus the floats (and non-finite ones) a template
+# could make: what the tojson memo and the compact dump must never confuse.
+_SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
+_JSON = st.recursive(_SCALARS, lambda kids: st.lists(kids, max_size=4)
+                     | st.dictionaries(st.text(max_size=4), kids, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_JSON, min_size=2, max_size=6), st.sampled_from([None, 2]),
+       st.booleans())
+def test_tojson_memo_is_exact(values: list[Any], indent: int | None,
+                              ascii_: bool) -> None:
+    """Each value prints as it does with the memo bypassed, whatever was printed before
+    (NaN after null, 1 after 1.0, True after 1, other separators and indents)."""
+    for v in values + values[::-1]:
+        want = _tojson(v, ascii_, -1 if indent is None else indent,
+                       ", " if indent is None else ",", ": ")
+        assert llama_tojson(v, ensure_ascii=ascii_, indent=indent) == want, v
+
+
+def test_tojson_memo_keeps_nan_apart_from_null() -> None:
+    assert llama_tojson({"a": None, "b": [1]}) == '{"a": null, "b": [1]}'
+    assert llama_tojson({"a": float("nan"), "b": [1]}) == '{"a": nan, "b": [1]}'
+    assert llama_tojson([1.0, 2]) == "[1, 2]" and llama_tojson([1, 2]) == "[1, 2]"
+    assert llama_tojson([True]) == "[true]" and llama_tojson([1]) == "[1]"
+
+
+@settings(max_examples=400, deadline=None)
+@given(_JSON)
+def test_dump_compact_is_json_dumps(value: Any) -> None:
+    """The orjson fast path writes what nlohmann-like json.dumps writes, or is skipped."""
+    assert dump_compact(value) == json.dumps(value, ensure_ascii=False,
+                                             separators=(",", ":"))
 
 
 # -- micro-benchmark helper (not a test) -------------------------------------------------
