@@ -139,8 +139,11 @@ def run_proxy(port: int, backend_port: int, model: Path, log_path: Path) -> None
     log_file = log_path.open("w")
     configure_logging("info", stream=log_file)
     cfg = Config(proxy=ProxyConfig(port=port), routing=RoutingConfig(),
+                 # modelled as a managed demo backend is (1 GiB host-RAM prompt cache,
+                 # 8 KiB of KV per token): the RAM tier fills as requests pass
                  backends=(ExternalBackendConfig(
-                     name="fake", url=f"http://127.0.0.1:{backend_port}"),),
+                     name="fake", url=f"http://127.0.0.1:{backend_port}",
+                     kv_bytes_per_token=8192, cache_ram_mib=1024),),
                  llama_server=None, cache_dir=cache_dir(), log_dir=log_path.parent)
 
     async def main() -> None:

@@ -121,7 +121,8 @@ class Router:
         """Add a backend, or reset it (fresh and empty) when it comes back healthy."""
         if cap.name in self._backends:
             self.remove_backend(cap.name)
-        cache = BackendCache(cap, self.tree, self.settings.rules)
+        cache = BackendCache(cap, self.tree, self.settings.rules,
+                             max_tracked=self.settings.ram_entries_tracked)
         self._backends[cap.name] = BackendState(cache, rate=self.settings.default_prefill_tps)
 
     def remove_backend(self, name: str) -> None:

@@ -32,6 +32,8 @@ class RouterSettings:
     destroy_weight: float = 8.0  # x prefill time of unique tokens a placement destroys
     min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
     queue_cost_weight: float = 1.0  # extra charge on uncached prefill s (delays the queue)
+    # RAM entries per backend the tree matches against (the largest; see BackendCache)
+    ram_entries_tracked: int = 64
     # llama-server behaviour mirrored by the cache model (defaults of the pinned build)
     slot_prompt_similarity: float = 0.10  # --slot-prompt-similarity
     keep_threshold: float = 0.5  # below this kept fraction the slot state goes to RAM
@@ -53,6 +55,7 @@ class RouterSettings:
         positive = {
             "load_factor": self.load_factor,
             "max_resident_tokens": self.max_resident_tokens,
+            "ram_entries_tracked": self.ram_entries_tracked,
             "default_prefill_tps": self.default_prefill_tps,
             "default_service_s": self.default_service_s,
         }

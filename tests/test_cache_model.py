@@ -387,3 +387,29 @@ def test_predict_queued_lands_in_the_slot_that_frees(
         assert c.start(s, to_token_bytes(p), *lcps(c, p), len(p)) is not None
     q = c.predict_queued(*lcps(c, prompt), ahead, len(prompt))
     assert (q.slot, q.reuse, q.tier) == (slot, reuse, tier), q
+
+
+def test_only_the_largest_ram_entries_are_matched_and_evictions_stay_exact() -> None:
+    """A RAM tier full of small prompts: the tree keeps the `max_tracked` largest entries
+    (what one match walks stays bounded), the byte LRU still counts every entry (the same
+    entries, in the same order, as with every entry tracked), and a long conversation saved
+    before the flood is still loaded whole when it comes back."""
+    def flood(c: BackendCache) -> None:
+        run(c, A, 0)
+        for i in range(30):  # 16+ tokens: the 3 template tokens are < 25% of an entry
+            run(c, TEMPLATE + list(range(10_000 + 20 * i, 10_013 + 20 * i + i % 5)), 0)
+        run(c, B, 1)
+
+    small, full = make(ram_bytes=4000 * KVB), make(ram_bytes=4000 * KVB)
+    small.max_tracked, full.max_tracked = 4, 1000
+    flood(small)
+    flood(full)
+    assert list(small.ram.items()) == list(full.ram.items())
+    assert small.ram_bytes == full.ram_bytes
+    in_tree = {e for (_, kind, e) in small.tree.holders() if kind == RAM}  # type: ignore[misc]
+    largest = sorted(small.ram, key=lambda e: (small.ram[e], e))[-4:]
+    assert in_tree == set(largest)
+    assert len(small.tree.match([*TEMPLATE, 1]).held) <= len(small.slots) + 4
+    assert len(full.tree.match([*TEMPLATE, 1]).held) > 30
+    p = run(small, A, 0)
+    assert (p.tier, p.reuse) == ("ram", len(A) - 1)
