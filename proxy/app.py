@@ -44,8 +44,8 @@ from proxy.health import BackendHealth
 from proxy.health import capacity as capacity
 from proxy.logging import get_logger
 from proxy.metrics import ProxyMetrics
-from proxy.pipeline import Forwarder
-from proxy.prompt import Plan, PromptBuilder
+from proxy.pipeline import Forwarder, PendingPrompt
+from proxy.prompt import Plan, PromptBuilder, PromptError
 from proxy.router import Router
 from proxy.settings import ProxySettings
 from proxy.upstream import Upstream
@@ -119,6 +119,10 @@ def tokenizer_model(config: Config) -> tuple[Path, str | None] | None:
 # Bodies larger than this are rendered and tokenized on the worker thread (~1-4 ms of
 # rendering; a 30k-token turn's body is ~200 KiB).
 RENDER_INLINE_BYTES = 1 << 20
+# A prompt is routed on its head (see PendingPrompt) when that head is at least this many
+# tokens and the rest at most this many bytes per head token.
+DEFER_MIN_HEAD = 256
+DEFER_REST_BYTES_PER_HEAD = 4
 
 
 class Tokenizing:
@@ -166,6 +170,44 @@ class Tokenizing:
         else:
             prompt.fetch(p)
         return prompt.finish(p)
+
+    async def prompt_ids(self, size: int, plan: Callable[[], Plan]) -> array | PendingPrompt:
+        """`ids`, or the prompt's head when only a short rest of it is new: see
+        `PendingPrompt` (the rest is tokenized by a task, beside the send)."""
+        prompt = self.prompt
+        assert prompt is not None
+        if size > RENDER_INLINE_BYTES:
+            return await self.ids(size, plan)
+        p = plan()
+        got = prompt.head(p) if p.missing else None
+        if got is not None:
+            head, at = got
+            rest = len(p.text[at:].encode("utf-8", "surrogatepass"))
+            # NOTE: the head must be most of the prompt: a rest as long as it may be a
+            # conversation the fragment cache forgot (the tree can still hold it), and
+            # routing it on its head alone could miss the backend that has it
+            if len(head) >= DEFER_MIN_HEAD and rest <= DEFER_REST_BYTES_PER_HEAD * len(head):
+                # every token covers >= 1 byte; ~4 bytes a token in English text and code
+                return PendingPrompt(head, len(head) + rest // 4 + 1, len(head) + rest + 1,
+                                     asyncio.create_task(self._rest(p)))
+        if p.missing_bytes > self.inline_bytes:
+            await asyncio.get_running_loop().run_in_executor(self.pool, prompt.fetch, p)
+        else:
+            prompt.fetch(p)
+        return prompt.finish(p)
+
+    async def _rest(self, p: Plan) -> array | None:
+        prompt = self.prompt
+        assert prompt is not None
+        try:
+            # started when the handler first waits: after the request is written
+            if p.missing_bytes > self.inline_bytes:
+                await asyncio.get_running_loop().run_in_executor(self.pool, prompt.fetch, p)
+            else:
+                prompt.fetch(p)
+            return prompt.finish(p)
+        except PromptError:
+            return None
 
     def output_tokens(self, text: str) -> Sequence[int]:
         # Answers are short (and mostly cached fragments): inline.

@@ -150,6 +150,20 @@ class BackendCache(CachePrediction):
             self._save_idle_slots()
         return p
 
+    def extend_prompt(self, slot: int, prompt: bytes) -> None:
+        """A busy slot's prompt turns out longer: ``prompt`` extends what it started
+        with (the request was decided on the prompt's head, see Router.extend)."""
+        s = self.slots[slot]
+        if not s.busy or s.prompt is None or not prompt.startswith(s.prompt):
+            return
+        h = self.slot_holder(slot)
+        if self.tree.held_len(h) * 4 == len(s.prompt):
+            self.tree.extend(h, prompt[len(s.prompt):])
+        else:  # the tree evicted part of the head: assign it in full
+            self.tree.assign(h, prompt)
+        s.prompt = prompt
+        s.n_tokens = len(prompt) // 4
+
     def _save_idle_slots(self) -> None:
         """--cache-idle-slots: after a task starts, save every idle slot to RAM."""
         unified = self.rules.kv_unified

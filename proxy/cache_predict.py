@@ -253,18 +253,19 @@ class CachePrediction:
         if not ram_lcp:
             return None, lcp
         f_best = lcp / n_slot if n_slot else 0.0
-        sim_best = lcp / n_prompt
         best, got = None, lcp
+        ram, min_share = self.ram, self.rules.ram_min_share
         for e, n_lcp in ram_lcp.items():
-            n_entry = self.ram.get(e)
+            # sim = n_lcp / n_prompt must beat the best's, got / n_prompt: most entries
+            # share only the template's first tokens and stop here
+            if n_lcp <= got:
+                continue
+            n_entry = ram.get(e)
             if n_entry is None or e in gone:
                 continue
             f = n_lcp / n_entry
-            if f < self.rules.ram_min_share:
-                continue
-            sim = n_lcp / n_prompt
-            if f > f_best and sim > sim_best:
-                best, got, f_best, sim_best = e, n_lcp, f, sim
+            if f >= min_share and f > f_best:
+                best, got, f_best = e, n_lcp, f
         return best, got
 
     def _evicted_by_save(self, slot: int) -> set[int]:

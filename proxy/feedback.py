@@ -179,11 +179,14 @@ class Recorder:
         # NOTE: the policy's full reasons (nested dicts) cost as much to render as the rest
         # of the line: only its one-line `why` at info, everything at debug
         reasons = decision.reasons
+        head = reasons.get("head")
+        if head is not None:
+            m.routed_on_head.inc()
         self.log.info(
             "routed", request_id=decision.request_id, endpoint=endpoint, backend=backend,
             slot=decision.slot, tier=decision.tier, status=status, stream=stream,
             prompt_tokens=decision.prompt_tokens, predicted_cached=decision.predicted_cached,
             reported_cached=outcome.reported_cached, prompt_n=outcome.prompt_n,
             ttft_ms=None if ttft is None else round(ttft * 1000, 2),
-            latency_ms=round(latency * 1000, 2), why=reasons.get("why"))
+            latency_ms=round(latency * 1000, 2), why=reasons.get("why"), head_tokens=head)
         self.log.debug("routed.reasons", request_id=decision.request_id, reasons=reasons)

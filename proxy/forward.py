@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +89,10 @@ class Relay:
 
 PASSTHROUGH = Relay()
 
+# Called once the backend's answer has begun, before anything is written to the client:
+# the final Target (its prediction may change; see pipeline.PendingPrompt).
+Settle = Callable[[Target], Awaitable[Target]]
+
 
 def upstream_payload(raw: bytes, body: JSON, extra: JSON) -> bytes:
     """The client's body with `extra` fields set (cache_prompt is never touched).
@@ -129,7 +133,8 @@ async def send(client: Upstream, request: web.Request, target: Target,
                strip_usage: bool = False, method: str = "POST",
                health: BackendHealth | None = None,
                first_byte_timeout: float | None = None,
-               assemble: Assembler | None = None) -> web.StreamResponse:
+               assemble: Assembler | None = None,
+               settle: Settle | None = None) -> web.StreamResponse:
     """Send `payload` to `target` at `path` and answer `request` with what comes back.
 
     Until the client has received its first byte (a whole body, or a stream's first
@@ -148,6 +153,8 @@ async def send(client: Upstream, request: web.Request, target: Target,
             with health.waiting(name, ttfb) if health else contextlib.nullcontext():
                 upstream = await client.request(method, target.info.url, path, payload,
                                                 backend_headers(target.info))
+                if settle is not None:
+                    target = await settle(target)
                 outcome.status = upstream.status
                 ctype = upstream.headers.get("content-type", "application/json")
                 if upstream.status < 400 and ctype.startswith("text/event-stream"):

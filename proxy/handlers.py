@@ -32,6 +32,7 @@ from proxy.app import (
 from proxy.errors import BadRequest, NoBackendAvailable, NotFound
 from proxy.forward import JSON
 from proxy.metrics import CONTENT_TYPE
+from proxy.pipeline import PendingPrompt
 from proxy.prompt import Plan, PromptError
 from proxy.validate import check_fields, check_messages
 
@@ -108,6 +109,16 @@ async def tokens_for(request: web.Request, raw: bytes,
         raise BadRequest(str(e)) from None
 
 
+async def prompt_for(request: web.Request, raw: bytes,
+                     plan: Callable[[], Plan]) -> array | PendingPrompt:
+    """`tokens_for`, or the head of the prompt to route on while the rest is tokenized
+    (Tokenizing.prompt_ids)."""
+    try:
+        return await request.app[TOKENIZING].prompt_ids(len(raw), plan)
+    except PromptError as e:
+        raise BadRequest(str(e)) from None
+
+
 # ---------------------------------------------------------------------- endpoints
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
@@ -117,7 +128,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = request.app[PROMPT]
     if prompt is None:
         return await unrouted(request, "/v1/chat/completions", raw)
-    tokens = await tokens_for(request, raw, lambda: prompt.plan_chat(body))
+    tokens = await prompt_for(request, raw, lambda: prompt.plan_chat(body))
     return await request.app[FORWARDER].routed(
         request, endpoint="chat", path="/v1/chat/completions", raw=raw, body=body,
         tokens=tokens)

@@ -63,6 +63,9 @@ class ProxyMetrics:
             registry=r)
         self.queued = Gauge(
             "kvroute_queued", "Requests waiting for admission.", registry=r)
+        self.routed_on_head = Counter(
+            "kvroute_routed_on_head", "Requests routed on the head of their prompt while "
+            "the rest (new text) was tokenized.", registry=r)
 
         # labelled children by (collector, labels): `labels()` validates and locks on
         # every call; the label sets are few (endpoints x backends x statuses)

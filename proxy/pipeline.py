@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from array import array
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -23,7 +25,7 @@ from proxy.errors import (
     UpstreamTimeout,
 )
 from proxy.feedback import Outcome, Recorder, held_output
-from proxy.forward import JSON, PASSTHROUGH, Relay, Target, send, upstream_payload
+from proxy.forward import JSON, PASSTHROUGH, Relay, Settle, Target, send, upstream_payload
 from proxy.health import BackendHealth
 from proxy.router import Decision, Handoff, NoBackend, Router
 from proxy.upstream import Upstream
@@ -53,6 +55,22 @@ def _printable(value: str) -> str:
     if value.isascii():
         return value
     return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@dataclass
+class PendingPrompt:
+    """A prompt routed on its head while its rest is tokenized (Tokenizing.prompt_ids).
+
+    llama.cpp tokenizes ~4 KB/ms here: a coding agent's new tool result would hold the
+    request that long before anything is sent, though nothing in it can be matched (no
+    cache has seen it). So the request is decided on the head, sent at once, and the rest
+    is tokenized while the backend prefills; `Router.extend` then records the whole
+    prompt before the answer's headers (which carry the prediction) are written."""
+
+    head: array
+    n_estimate: int            # the whole prompt's tokens, estimated (for the policy)
+    n_bound: int               # ... at most (for the context-length check)
+    rest: asyncio.Task[array | None]  # the whole prompt's ids; None if they failed
 
 
 class BackendLeft(NoBackendAvailable):
@@ -94,12 +112,15 @@ class Forwarder:
         return max((i.slot_ctx for i in infos), default=None)
 
     async def routed(self, request: web.Request, *, endpoint: str, path: str, raw: bytes,
-                     body: JSON, tokens: Sequence[int], relay: Relay = PASSTHROUGH
-                     ) -> web.StreamResponse:
+                     body: JSON, tokens: Sequence[int] | PendingPrompt,
+                     relay: Relay = PASSTHROUGH) -> web.StreamResponse:
         """Route `tokens`, send `body` to `path` on the chosen backend, learn from it."""
         started = time.perf_counter()
         ctx = self.max_context()
-        if ctx is not None and len(tokens) >= ctx:
+        pending = tokens if isinstance(tokens, PendingPrompt) else None
+        if pending is not None and ctx is not None and pending.n_bound >= ctx:
+            pending, tokens = None, await _whole(pending)  # may not fit: know it first
+        if pending is None and ctx is not None and len(tokens) >= ctx:
             # NOTE: the server needs room for the prompt and one generated token
             raise BadRequest(f"prompt is {len(tokens)} tokens, more than any backend's "
                              f"context ({ctx} tokens per slot): shorten the conversation",
@@ -112,23 +133,43 @@ class Forwarder:
         while True:
             try:
                 return await self._attempt(request, endpoint, path, raw, body, tokens,
-                                           relay, hint, started)
+                                           pending, relay, hint, started)
             except (UpstreamError, UpstreamTimeout, BackendLeft) as e:
                 # nothing reached the client: the backend is out (breaker), try another
                 if attempt >= self.max_attempts or not self.backends:
                     raise
                 attempt += 1
                 self.recorder.retried(endpoint, e)
+                if pending is not None:  # the next try is decided on the whole prompt
+                    pending, tokens = None, await _whole(pending)
 
     async def _attempt(self, request: web.Request, endpoint: str, path: str, raw: bytes,
-                       body: JSON, tokens: Sequence[int], relay: Relay, hint: str | None,
+                       body: JSON, tokens: Sequence[int] | PendingPrompt,
+                       pending: PendingPrompt | None, relay: Relay, hint: str | None,
                        started: float) -> web.StreamResponse:
         """One backend, one try. The slot claim made by `decide` is released however this
         ends: `complete` on a normal answer, `abort` on errors, cancellation, disconnects.
         """
-        decision = self.router.decide(tokens, session=hint, now=time.monotonic())
-        if isinstance(decision, NoBackend):
-            raise _no_backend_error(decision)
+        if pending is None:
+            got = self.router.decide(tokens, session=hint, now=time.monotonic())  # type: ignore[arg-type]
+        else:
+            got = self.router.decide(pending.head, session=hint, now=time.monotonic(),
+                                     n_prompt=pending.n_estimate)
+        if isinstance(got, NoBackend):
+            raise _no_backend_error(got)
+        decision = got
+        whole = pending is None  # the model has the whole prompt
+
+        async def settle(target: Target) -> Target:
+            # the answer is coming: the model takes the whole prompt before the headers
+            # (with the prediction) are written and before any feedback
+            nonlocal decision, whole
+            assert pending is not None
+            ids = await pending.rest
+            if ids is not None:
+                decision, whole = self.router.extend(decision, ids), True
+            return dataclasses.replace(target, predicted_cached=decision.predicted_cached)
+
         info = self.backends.get(decision.backend)
         if info is None:  # removed between the event and now
             self._hand_off(self.router.abort(decision, now=time.monotonic()))
@@ -140,7 +181,7 @@ class Forwarder:
             if decision.queued:
                 decision = await self._hold(decision, info)
             return await self._send(request, path, raw, body, relay, info, decision,
-                                    outcome, extra)
+                                    outcome, extra, None if pending is None else settle)
         except (UpstreamError, UpstreamTimeout) as e:
             outcome.status = 0
             if self.health is not None:
@@ -151,7 +192,7 @@ class Forwarder:
             # its connection as soon as it has the stream's last event cancels this
             # handler in its final write, after the backend finished; an abort there
             # would forget what the slot now holds (its next turn then predicted 0).
-            if outcome.complete and 0 < outcome.status < 400:
+            if outcome.complete and 0 < outcome.status < 400 and whole:
                 self._complete(decision, outcome)
             else:
                 self._hand_off(self.router.abort(decision, now=time.monotonic()))
@@ -201,7 +242,7 @@ class Forwarder:
 
     async def _send(self, request: web.Request, path: str, raw: bytes, body: JSON,
                     relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
-                    extra: JSON) -> web.StreamResponse:
+                    extra: JSON, settle: Settle | None) -> web.StreamResponse:
         if decision.slot is not None:
             extra["id_slot"] = decision.slot
         strip_usage = False
@@ -220,7 +261,8 @@ class Forwarder:
         target = Target(info, decision.slot, decision.predicted_cached)
         return await send(self.upstream, request, target, path, payload, outcome,
                           relay=relay, strip_usage=strip_usage, health=self.health,
-                          first_byte_timeout=self.first_byte_timeout, assemble=assemble)
+                          first_byte_timeout=self.first_byte_timeout, assemble=assemble,
+                          settle=settle)
 
     async def passthrough(self, request: web.Request, path: str, info: BackendInfo,
                           raw: bytes, *, relay: Relay = PASSTHROUGH,
@@ -241,6 +283,13 @@ class Forwarder:
                 self.recorder.retried("passthrough", e)
                 info = pick()
         raise AssertionError("unreachable")
+
+
+async def _whole(pending: PendingPrompt) -> array:
+    ids = await pending.rest
+    if ids is None:
+        raise BadRequest("prompt text is not valid Unicode")
+    return ids
 
 
 def _no_backend_error(nb: NoBackend) -> ProxyError:

@@ -137,6 +137,11 @@ class PromptBuilder:
         """The prompt's ids (on the thread that made `plan`)."""
         return self.tokenizer.finish(plan)
 
+    def head(self, plan: Plan) -> tuple[array, int] | None:
+        """The ids of the prompt before its first text no cache holds, and that text's
+        offset (see FragmentTokenizer.head); None when `plan` has no fast path."""
+        return None if plan.pieces is None else self.tokenizer.head(plan)
+
     # -- completions --------------------------------------------------------------------
 
     def completion_tokens(self, prompt: object) -> list[int]:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
 
-from proxy.cache_model import PENDING, RAM, SLOT, BackendCache, BackendCapacity
+from proxy.cache_model import PENDING, RAM, SLOT, BackendCache, BackendCapacity, Placement
+from proxy.decision import Decision, Handoff, NoBackend, NoBackendKind
 from proxy.policy import POLICIES, BackendState, Baselines, Candidate, RouterSettings, choose_prefix
+from proxy.token_bytes import common_len
 from proxy.tree import RadixTree, to_token_bytes
 
 __all__ = [
@@ -30,58 +31,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Decision:
-    request_id: int
-    backend: str
-    slot: int | None  # slot to pin via id_slot, or None = let the server pick
-    predicted_cached: int  # tokens we expect the backend to reuse
-    prompt_tokens: int
-    tier: str  # "slot" | "ram" | "none"
-    reasons: dict[str, object]  # JSON-serialisable, for one log line
-    # every slot was busy: the request waits for one (unpinned, predicted from the slot it
-    # will get); see Handoff for holding it in the caller instead of the server's queue
-    queued: bool = False
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """A queued request the model just gave a freed slot (returned by complete/abort).
-
-    Why it exists: the server takes deferred requests in the order its HTTP threads
-    *post* them, which for requests arriving together is not the order they were
-    decided in; an unpinned queued request can thus overtake a request pinned to an idle
-    slot and take that slot (observed in the e2e spread test: the two swap reuse, both
-    mispredicted). A caller that holds ``Decision.queued`` requests until their hand-off
-    and only then sends them, pinned to ``slot`` (idle by then: the server releases a
-    slot right after its final response), removes that race. The model placed it by the
-    server's own unpinned pick, so pinning it changes nothing except for an empty slot
-    (a pinned request there cannot load from RAM). ``predicted_cached`` is the model's
-    reuse at hand-off."""
-
-    request_id: int
-    backend: str
-    slot: int
-    predicted_cached: int
-
-
-NoBackendKind = Literal["unavailable", "too_long", "empty"]
-
-
-@dataclass(frozen=True)
-class NoBackend:
-    """No backend can take the request (a result, not an exception).
-
-    ``kind`` is for the caller's status code; ``reason`` is for humans and may change:
-    - "unavailable": no (healthy) backend right now -> 503, retry later;
-    - "too_long": the prompt does not fit any backend's slot context -> 400 (client);
-    - "empty": an empty prompt -> 400 (client).
-    """
-
-    reason: str
-    kind: NoBackendKind = "unavailable"
-
-
 @dataclass
 class _Inflight:
     backend: str
@@ -90,6 +39,9 @@ class _Inflight:
     n: int
     work: int
     started: float
+    # decided on the head of its prompt (see `extend`): what the holder it reuses from
+    # had beyond that head, when it held all of it
+    beyond: bytes | None = None
 
 
 class Router:
@@ -142,11 +94,18 @@ class Router:
         *,
         session: str | None = None,
         now: float = 0.0,
+        n_prompt: int | None = None,
     ) -> Decision | NoBackend:
         """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
-        native int32 bytes (the tree's format, see proxy/token_bytes.py)."""
+        native int32 bytes (the tree's format, see proxy/token_bytes.py).
+
+        ``n_prompt``: ``tokens`` is only the head of the prompt, whose whole length is
+        estimated at ``n_prompt``; ``extend`` gives the rest once it is tokenized."""
         q = to_token_bytes(tokens)
         n = len(q) // 4
+        head = n_prompt is not None and n_prompt > n
+        if head:
+            n = n_prompt  # type: ignore[assignment]
         if n == 0:
             return NoBackend("empty prompt", "empty")
         if not self._backends:
@@ -177,7 +136,11 @@ class Router:
         st = self._backends[choice.backend]
         slot_lcp, ram_lcp, _ = per[choice.backend]
         placed = None
+        beyond = None
         if choice.placement is not None:
+            if head:
+                beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
+                                      len(q))
             # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
             placed = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement)
         queued = placed is None
@@ -200,9 +163,11 @@ class Router:
         st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
         if slot is not None:
             self._expect_free(st, slot, now)
-        self._inflight[rid] = _Inflight(choice.backend, slot, q, n, work, now)
+        self._inflight[rid] = _Inflight(choice.backend, slot, q, n, work, now, beyond)
         reasons = dict(choice.reasons)
         reasons.update({"chosen": choice.backend, "slot": slot, "tier": tier, "reuse": reuse})
+        if head:
+            reasons["head"] = len(q) // 4  # routed on these tokens (see extend)
         if queued:
             reasons["queued"] = len(st.queued)  # position in the server's deferred queue
             if choice.slot is not None:
@@ -217,6 +182,47 @@ class Router:
             reasons=reasons,
             queued=queued,
         )
+
+    def _beyond(self, backend: str, p: Placement, slot_lcp: dict[int, int],
+                ram_lcp: dict[int, int], head_bytes: int) -> bytes | None:
+        """The tokens after the prompt's head held by what the placement reuses (the RAM
+        entry it loads, else its slot), if that holds the whole head: the rest of the
+        prompt may match them further (the conversation's last answer, typically)."""
+        if p.ram_entry is not None:
+            holder, lcp = (backend, RAM, p.ram_entry), ram_lcp.get(p.ram_entry, 0)
+        else:
+            holder, lcp = (backend, SLOT, p.slot), slot_lcp.get(p.slot, 0)
+        if lcp * 4 < head_bytes:
+            return None
+        held = self.tree.tokens_of(holder)
+        return held[head_bytes:] if len(held) > head_bytes else None
+
+    def extend(self, decision: Decision, tokens: Sequence[int] | array | bytes) -> Decision:
+        """The whole prompt of a request decided on its head (``decide(n_prompt=...)``):
+        the model records it, and the reuse is predicted again (the rest may go on
+        matching what the reused holder had). Returns the decision with the prompt's
+        length and that prediction; unchanged if the request is over, or ``tokens`` does
+        not start with the head."""
+        f = self._inflight.get(decision.request_id)
+        st = self._backends.get(decision.backend)
+        q = to_token_bytes(tokens)
+        if f is None or st is None or not q.startswith(f.prompt) or len(q) == len(f.prompt):
+            return decision
+        n = len(q) // 4
+        reuse = min(decision.predicted_cached, n - 1)
+        if f.beyond is not None:
+            more = common_len(f.beyond, q, len(f.prompt))
+            reuse = min(len(f.prompt) // 4 + more, n - 1)
+        if f.slot is not None:
+            st.cache.extend_prompt(f.slot, q)
+        elif decision.request_id in st.queued_n:
+            self.tree.assign((decision.backend, PENDING, decision.request_id), q)
+            st.queued_n[decision.request_id] = n
+        work = n - reuse + self.settings.request_overhead_tokens
+        st.work += work - f.work
+        st.busy_until += ((n - reuse) - (f.n - decision.predicted_cached)) / st.rate
+        f.prompt, f.n, f.work, f.beyond = q, n, work, None
+        return replace(decision, prompt_tokens=n, predicted_cached=reuse)
 
     # --------------------------------------------------------------- feedback
     def complete(

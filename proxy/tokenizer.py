@@ -186,6 +186,27 @@ class FragmentTokenizer:
             out.append(self.eos_id)
         return out
 
+    def head(self, plan: Plan) -> tuple[array, int]:
+        """The ids of `plan.text` up to its first fragment no cache holds (BOS included),
+        and where in the text that fragment starts: what can be routed on before `fetch`.
+        Read-only (no cache is touched). Only for a plan with a fast path."""
+        assert plan.pieces is not None
+        hit, k = plan.base, plan.shared
+        out = array("i") if hit is None else hit.tokens[:hit.counts[k - 1]]
+        known, ids, pos = plan.known, self._ids, plan.start
+        for i, piece in enumerate(plan.pieces):
+            if i & 1:
+                out.append(ids[piece])
+            elif piece:
+                got = known.get(piece)
+                if got is None:
+                    break
+                out.frombytes(got)
+            pos += len(piece)
+        if plan.add_special and self.add_bos:
+            out.insert(0, self.bos_id)
+        return out, pos
+
     def _raw_ids(self, text: str, add_special: bool) -> array:
         out = array("i")
         out.frombytes(self._llama_tokenize(text.encode("utf-8"), add_special, True))

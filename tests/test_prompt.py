@@ -209,6 +209,33 @@ def test_fragment_cache_equals_cold(pieces: list[str], builder: PromptBuilder) -
     assert tok.tokenize(text, add_special=False) == tok.tokenize_uncached(text, False)
 
 
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=_PIECES, add_special=st.booleans())
+def test_head_is_the_ids_before_the_first_unseen_fragment(
+        pieces: list[str], add_special: bool, builder: PromptBuilder) -> None:
+    """What a request is routed on before its rest is tokenized: the whole ids up to the
+    text no cache holds, and that text's offset (`head` then `rest` = the cold ids)."""
+    tok = builder.tokenizer
+    seen = "".join(pieces[:len(pieces) // 2])
+    tok.tokenize(seen, add_special)
+    text = "".join(pieces)
+    plan = tok.plan(text, add_special)
+    got = builder.head(plan)
+    assert got is not None
+    head, at = got
+    whole = tok.tokenize_uncached(text, add_special)
+    assert whole[:len(head)] == head.tolist()
+    if not plan.missing:
+        assert at == len(text) and len(head) == len(whole)
+    else:  # the head ends at a fragment boundary before the first unseen fragment
+        assert text[at:].startswith(next(iter(plan.missing)))
+        assert len(head) == len(tok.tokenize_uncached(text[:at], add_special)) - (
+            1 if add_special and tok.add_eos else 0)
+    tok.fetch(plan)
+    assert tok.finish(plan).tolist() == whole
+
+
 def test_fragment_cache_is_used_and_bounded(demo_model: Path) -> None:
     b = PromptBuilder.load(demo_model, max_cached_tokens=2_000)
     body = CORPUS["multi_turn"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from typing import Any
 
@@ -129,6 +130,50 @@ async def test_conversations_return_to_their_own_prefix(backend_pool: Any) -> No
     # server keeps, not saves, a slot that similar): each must get its prompt back
     short = [r for r in returns if r[1] < r[2]]
     assert not short, f"a conversation lost its own prefix: {short}"
+
+
+async def routed_on_head(client: TestClient[Any, Any]) -> int:
+    async with client.get("/metrics") as r:
+        found = re.search(r"^kvroute_routed_on_head_total (\S+)$", await r.text(), re.M)
+    assert found, "metric missing"
+    return int(float(found.group(1)))
+
+
+async def test_turns_are_sent_before_their_new_text_is_tokenized(backend_pool: Any) -> None:
+    """A turn whose history was seen is routed on that history and sent while its new text
+    is tokenized; its prediction (header, feedback) is still the whole prompt's, and the
+    conversation stays put. Mostly new text (on a known system prompt) is tokenized whole
+    before routing."""
+    sup = await backend_pool()
+    acc = Accuracy()
+    async with proxy(sup) as client:
+        messages = [{"role": "system", "content": words(400, 31)}]
+        backends = set()
+        for turn in range(4):
+            messages.append({"role": "user", "content": words(60, 300 + turn)})
+            headers, data = await chat(client, messages)
+            backends.add(headers["X-Kvroute-Backend"])
+            acc.add(headers, data)
+            messages.append({"role": "assistant",
+                             "content": data["choices"][0]["message"]["content"] or ""})
+        assert await routed_on_head(client) >= 3  # all but the first turn
+        # streamed: the header goes out with the first event, once the rest is known
+        messages.append({"role": "user", "content": words(60, 399)})
+        body = {"messages": messages, "max_tokens": 4, "stream": True, "temperature": 0,
+                "stream_options": {"include_usage": True}}
+        async with client.post("/v1/chat/completions", json=body) as r:
+            predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+            backends.add(r.headers["X-Kvroute-Backend"])
+            text = await r.text()
+        final = [json.loads(ln[5:]) for ln in text.splitlines()
+                 if ln.startswith("data:") and '"timings"' in ln][-1]
+        assert abs(predicted - final["timings"]["cache_n"]) <= 16, (predicted, final)
+        assert await routed_on_head(client) >= 4
+        before = await routed_on_head(client)
+        await chat(client, [messages[0], {"role": "user", "content": words(2000, 77)}])
+        assert await routed_on_head(client) == before
+    acc.check()
+    assert len(backends) == 1
 
 
 async def test_stream_is_relayed_chunk_by_chunk(backend_pool: Any) -> None:

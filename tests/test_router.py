@@ -327,3 +327,58 @@ def test_a_waiter_gives_up_on_a_slot_that_runs_long() -> None:
     again = decide(r, [*x, 7, 7, 7, 7, *range(13_000, 13_010)], now=60.0)
     assert "waits_for_slot" not in again.reasons and not again.queued
     r.complete(turn, now=61.0)
+
+
+HISTORY = list(range(1000, 1400))  # a conversation's first turn (prompt)
+ANSWER = [7, 8, 9]  # what the backend generated for it
+
+
+@pytest.mark.parametrize(
+    ("rest", "reuse"),
+    [
+        # the next turn: the head stops before the answer's re-rendered tokens, which go
+        # on matching what the slot holds: the whole prediction comes with the rest
+        ([*ANSWER, 50, 51, 52], 403),
+        ([7, 50, 51], 401),  # the rest matches the answer's first token only
+        ([60, 61], 400),  # nothing of the rest was held
+    ],
+)
+def test_decided_on_the_head_then_extended_as_if_decided_whole(rest: list[int],
+                                                               reuse: int) -> None:
+    """`decide(head, n_prompt=...)` + `extend(whole)` ends where `decide(whole)` does: same
+    slot, same predicted reuse, same model state after `complete`."""
+    def first_turn(r: Router) -> int:
+        r.add_backend(cap("a"))
+        d = decide(r, HISTORY)
+        r.complete(d, output_tokens=ANSWER, now=1)
+        assert d.slot is not None
+        return d.slot
+
+    whole = HISTORY + rest
+    ref, r = Router(), Router()
+    first_turn(ref)
+    slot = first_turn(r)
+    want = decide(ref, whole, now=2)
+    head = r.decide(HISTORY, now=2, n_prompt=len(whole) + 5)  # an estimate, not exact
+    assert isinstance(head, Decision) and head.slot == slot == want.slot
+    assert head.reasons["head"] == len(HISTORY) and head.predicted_cached == 400
+    got = r.extend(head, whole)
+    assert (got.prompt_tokens, got.predicted_cached) == (len(whole), reuse)
+    assert (want.prompt_tokens, want.predicted_cached) == (len(whole), reuse)
+    assert r.extend(got, whole) == got  # once only
+    for router, d in ((ref, want), (r, got)):
+        router.complete(d, output_tokens=[5], reported_cached=reuse, now=3)
+    assert r.snapshot()["backends"] == ref.snapshot()["backends"]
+    nxt = [*whole, 5, 99]
+    assert decide(r, nxt, now=4).predicted_cached == decide(ref, nxt, now=4).predicted_cached
+
+
+def test_extend_after_the_request_ended_or_with_another_prompt_changes_nothing() -> None:
+    r = Router()
+    r.add_backend(cap("a"))
+    d = r.decide(HISTORY, n_prompt=500)
+    assert isinstance(d, Decision)
+    assert r.extend(d, [1, 2, *HISTORY]) == d  # not an extension of the head
+    r.abort(d)
+    assert r.extend(d, [*HISTORY, 1, 2]) == d
+    assert r.snapshot()["backends"]["a"]["work_tokens"] == 0  # type: ignore[index]
