@@ -1,6 +1,6 @@
 """Proxy overhead against a fake backend (a real aiohttp server on a real loopback port).
 
-    python bench/bench_proxy.py [--quick]
+    python bench/bench_proxy.py [--quick] [--ram-mib N]
 
 Three processes: the fake backend, one kvroute proxy (full pipeline: exact tokens with
 the demo model's vocabulary, prefix routing, feedback, metrics, one JSON log line per
@@ -129,7 +129,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 
 # ------------------------------------------------------------------------------- proxy
-def run_proxy(port: int, backend_port: int, model: Path, log_path: Path) -> None:
+def run_proxy(port: int, backend_port: int, model: Path, log_path: Path, ram_mib: int) -> None:
     from backends.binary import cache_dir
     from backends.supervisor import Supervisor
     from proxy.app import ProxySettings, create_app
@@ -139,11 +139,12 @@ def run_proxy(port: int, backend_port: int, model: Path, log_path: Path) -> None
     log_file = log_path.open("w")
     configure_logging("info", stream=log_file)
     cfg = Config(proxy=ProxyConfig(port=port), routing=RoutingConfig(),
-                 # modelled as a managed demo backend is (1 GiB host-RAM prompt cache,
-                 # 8 KiB of KV per token): the RAM tier fills as requests pass
+                 # modelled as a managed demo backend is (by default a 1 GiB host-RAM
+                 # prompt cache, 8 KiB of KV per token): the RAM tier fills as requests
+                 # pass. --ram-mib 0: no RAM tier (as measured before 2026-11-23 12:00)
                  backends=(ExternalBackendConfig(
                      name="fake", url=f"http://127.0.0.1:{backend_port}",
-                     kv_bytes_per_token=8192, cache_ram_mib=1024),),
+                     kv_bytes_per_token=8192, cache_ram_mib=ram_mib),),
                  llama_server=None, cache_dir=cache_dir(), log_dir=log_path.parent)
 
     async def main() -> None:
@@ -342,6 +343,8 @@ def main() -> int:
     ap.add_argument("--model", type=Path)
     ap.add_argument("--log", type=Path)
     ap.add_argument("--quick", action="store_true", help="fewer iterations (CI smoke)")
+    ap.add_argument("--ram-mib", type=int, default=1024,
+                    help="the fake backend's modelled host-RAM prompt cache (0: none)")
     args = ap.parse_args()
     if args.role == "fake":
         run_fake(args.port)
@@ -350,7 +353,7 @@ def main() -> int:
         run_bare(args.port, args.backend_port)
         return 0
     if args.role == "proxy":
-        run_proxy(args.port, args.backend_port, args.model, args.log)
+        run_proxy(args.port, args.backend_port, args.model, args.log, args.ram_mib)
         return 0
 
     from backends.demo_model import DemoModelParams, ensure_demo_model
@@ -365,16 +368,18 @@ def main() -> int:
                                  "--backend-port", str(fport)])
         prox = subprocess.Popen([*me, "--role", "proxy", "--port", str(pport),
                                  "--backend-port", str(fport), "--model", str(model),
-                                 "--log", str(log)])
+                                 "--log", str(log), "--ram-mib", str(args.ram_mib)])
         try:
             res = asyncio.run(client_main(f"http://127.0.0.1:{fport}",
                                           f"http://127.0.0.1:{pport}",
                                           f"http://127.0.0.1:{bport}", prox.pid, args.quick))
             res["log_lines"] = sum(1 for _ in log.open())
+            res["ram_mib"] = args.ram_mib
         finally:
             for p in (prox, bare, fake):
                 p.terminate()
                 p.wait(10)
+    print(f"fake backend  : 4 slots, modelled host-RAM prompt cache {args.ram_mib} MiB")
     print(f"small request : direct {res['small_direct_ms']:.3f} ms, proxied "
           f"{res['small_proxied_ms']:.3f} ms, added {res['small_added_ms']:.3f} ms "
           f"(target <= 1 ms: {res['small_added_ms'] / 1.0:.2f}x of budget); proxy CPU "
