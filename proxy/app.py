@@ -164,9 +164,14 @@ class Tokenizing:
         if size > RENDER_INLINE_BYTES:
             return await loop.run_in_executor(
                 self.pool, lambda: prompt.finish(prompt.fetch(plan())))
-        p = plan()
+        return await self._complete(plan())
+
+    async def _complete(self, p: Plan) -> array:
+        """Tokenize what `p` misses (on the worker when long) and assemble its ids."""
+        prompt = self.prompt
+        assert prompt is not None
         if p.missing_bytes > self.inline_bytes:
-            await loop.run_in_executor(self.pool, prompt.fetch, p)
+            await asyncio.get_running_loop().run_in_executor(self.pool, prompt.fetch, p)
         else:
             prompt.fetch(p)
         return prompt.finish(p)
@@ -190,22 +195,12 @@ class Tokenizing:
                 # every token covers >= 1 byte; ~4 bytes a token in English text and code
                 return PendingPrompt(head, len(head) + rest // 4 + 1, len(head) + rest + 1,
                                      asyncio.create_task(self._rest(p)))
-        if p.missing_bytes > self.inline_bytes:
-            await asyncio.get_running_loop().run_in_executor(self.pool, prompt.fetch, p)
-        else:
-            prompt.fetch(p)
-        return prompt.finish(p)
+        return await self._complete(p)
 
     async def _rest(self, p: Plan) -> array | None:
-        prompt = self.prompt
-        assert prompt is not None
         try:
             # started when the handler first waits: after the request is written
-            if p.missing_bytes > self.inline_bytes:
-                await asyncio.get_running_loop().run_in_executor(self.pool, prompt.fetch, p)
-            else:
-                prompt.fetch(p)
-            return prompt.finish(p)
+            return await self._complete(p)
         except PromptError:
             return None
 
