@@ -39,6 +39,7 @@ class Outcome:
     text: list[str] = field(default_factory=list)   # generated text, in order
     tokens: list[int] | None = None     # exact generated ids, when the backend gave them
     complete: bool = False              # the backend finished the answer normally
+    cancelled: bool = False             # the client left before the answer began
 
     @property
     def ttft(self) -> float | None:
@@ -164,7 +165,8 @@ class Recorder:
         m = self.metrics
         backend = decision.backend
         latency = time.perf_counter() - started
-        status = str(outcome.status) if outcome.status else "error"
+        status = str(outcome.status) if outcome.status else \
+            "cancelled" if outcome.cancelled else "error"
         if outcome.status and not outcome.complete and outcome.status < 400:
             status = "incomplete"  # client left or the stream broke
         m.child(m.in_flight, backend).dec()

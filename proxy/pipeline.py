@@ -187,6 +187,9 @@ class Forwarder:
             if self.health is not None:
                 self.health.failed(info.name, e.message)
             raise
+        except asyncio.CancelledError:
+            outcome.cancelled = True  # the client left (an interrupt), not a failure
+            raise
         finally:
             # NOTE: decided by the outcome, not by how this ends: a client that closes
             # its connection as soon as it has the stream's last event cancels this
@@ -195,7 +198,11 @@ class Forwarder:
             if outcome.complete and 0 < outcome.status < 400 and whole:
                 self._complete(decision, outcome)
             else:
-                self._hand_off(self.router.abort(decision, now=time.monotonic()))
+                # a client that leaves once output flows (an interrupted agent turn)
+                # leaves its prompt in the slot
+                prefilled = whole and outcome.first_token_at is not None
+                self._hand_off(self.router.abort(decision, now=time.monotonic(),
+                                                 prefilled=prefilled))
             self.recorder.end(endpoint, decision, outcome, started,
                               stream=body.get("stream") is True)
 

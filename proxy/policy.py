@@ -101,6 +101,25 @@ class BackendState:
     targets: dict[int, int] = field(default_factory=dict)
     slot_free_at: dict[int, float] = field(default_factory=dict)  # busy slot -> expected end
 
+    def learn(self, s: RouterSettings, took: float, prompt_ms: float | None,
+              prompt_n: int | None) -> None:
+        """A request here completed in ``took`` seconds; the backend reported evaluating
+        ``prompt_n`` tokens in ``prompt_ms``."""
+        a = s.rate_ewma_alpha
+        if took > 0:
+            self.service_s = _ewma(self.service_s, took, a)
+            if prompt_ms is not None:
+                self.after_prefill_s = _ewma(self.after_prefill_s,
+                                             max(0.0, took - prompt_ms / 1000.0), a)
+        if prompt_ms and prompt_n and prompt_n >= s.min_rate_sample_tokens:
+            sample = prompt_n / (prompt_ms / 1000.0)
+            self.rate = (1 - a) * self.rate + a * sample if self.rate_learned else sample
+            self.rate_learned = True
+
+
+def _ewma(old: float, sample: float, alpha: float) -> float:
+    return sample if not old else (1 - alpha) * old + alpha * sample
+
 
 class Choice(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower
     """A policy's answer before the router applies it."""
@@ -232,8 +251,9 @@ def _penalty(p: Placement, s: RouterSettings, rate: float) -> float:
     return (s.displace_weight * p.displaced + s.destroy_weight * p.destroyed) / rate
 
 
-def _continues(c: Candidate, p: Placement | None, min_tokens: int) -> bool:
-    """Does placement `p` extend the whole sequence its slot (or RAM entry) holds?"""
+def _continues(c: Candidate, p: Placement | None, min_tokens: int, known: int | None) -> bool:
+    """Does placement `p` extend the whole sequence its slot (or RAM entry) holds?
+    ``known``: only that head of the prompt is known (see ``Router.decide``)."""
     if p is None or p.reuse < min_tokens:
         return False
     if p.tier == "ram" and p.ram_entry is not None:
@@ -244,6 +264,10 @@ def _continues(c: Candidate, p: Placement | None, min_tokens: int) -> bool:
         lcp = c.slot_lcp.get(p.slot, 0)
     else:
         return False
+    # NOTE: decided on its head, a turn matches its holder only as far as that head (the
+    # last answer is in the untokenized rest): holding the whole head is all it can show
+    if known is not None and lcp >= known:
+        return True
     # NOTE: the server may not keep the last generated token(s): a few may differ
     return held - lcp <= _CONTINUATION_SLACK
 
@@ -252,8 +276,11 @@ _CONTINUATION_SLACK = 4
 
 
 def choose_prefix(
-    cands: list[Candidate], n: int, s: RouterSettings, now: float, session: str | None
+    cands: list[Candidate], n: int, s: RouterSettings, now: float, session: str | None,
+    known: int | None = None,
 ) -> Choice:
+    """``n``: the prompt's length; ``known``: when only its first ``known`` tokens are
+    known (the rest is being tokenized), that head's length."""
     evals = []
     ttfts: dict[str, float] = {}
     matched: dict[str, int] = {}  # longest match per backend, for the reasons
@@ -294,7 +321,7 @@ def choose_prefix(
         # An idle backend is always within the bound: with k backends and one request
         # in flight, the mean is 1/k of it, and a long prompt would be "over" everywhere.
         if not work or e[4] <= s.load_factor * (total + e[4] - work) / k + slack or \
-                _continues(e[0], e[2], s.continuation_min_tokens):
+                _continues(e[0], e[2], s.continuation_min_tokens, known):
             allowed.append(e)
     why = "lowest expected ttft"
     if not allowed:

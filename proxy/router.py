@@ -127,7 +127,8 @@ class Router:
                 lcps[kind][idx] = got  # SLOT, RAM, PENDING index the tuple
         cands = [Candidate(b, self._backends[b], *per[b]) for b in names]
         if self._policy == "prefix":
-            choice = choose_prefix(cands, n, self.settings, now, session)
+            choice = choose_prefix(cands, n, self.settings, now, session,
+                                   len(q) // 4 if head else None)
         else:
             choice = self._baselines.choose(self._policy, cands, n)
 
@@ -243,11 +244,7 @@ class Router:
         if f is None or st is None:
             return []  # backend was removed meanwhile: nothing to learn
         self._release(st, f, now)
-        if prompt_ms is not None and now > f.started:
-            rest = max(0.0, now - f.started - prompt_ms / 1000.0)
-            a = self.settings.rate_ewma_alpha
-            st.after_prefill_s = rest if not st.after_prefill_s else \
-                (1 - a) * st.after_prefill_s + a * rest
+        st.learn(self.settings, now - f.started, prompt_ms, prompt_n)
         self.completed += 1
         if reported_cached is not None and reported_cached != decision.predicted_cached:
             self.mispredictions += 1
@@ -273,7 +270,6 @@ class Router:
                 slot = None  # busy in our model: leave it alone
         if slot is not None:
             cache.finish_generated(slot, out)
-        self._learn_rate(st, prompt_ms, prompt_n)
         return self._drain_queue(st, decision.backend, now)
 
     def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
@@ -331,9 +327,12 @@ class Router:
         if rid in st.queued:
             st.queued.remove(rid)
 
-    def abort(self, decision: Decision, *, now: float = 0.0) -> list[Handoff]:
-        """The request failed or was cancelled: free its slot, forget its content.
-        Returns the queued requests handed a slot as a result (as ``complete``)."""
+    def abort(self, decision: Decision, *, now: float = 0.0,
+              prefilled: bool = False) -> list[Handoff]:
+        """The request failed or was cancelled: free its slot, forget its content, or
+        with ``prefilled`` (it had produced output: the server keeps a cancelled slot's
+        state) keep its prompt there. Returns the queued requests handed a slot as a
+        result (as ``complete``)."""
         f = self._inflight.pop(decision.request_id, None)
         st = self._backends.get(decision.backend)
         if f is None or st is None:
@@ -343,29 +342,19 @@ class Router:
         if f.slot is None:
             self._unqueue(st, decision.backend, decision.request_id)
             return []
-        st.cache.finish(f.slot, None, 0)
+        if prefilled:
+            # NOTE: an agent's interrupted turn: its next one resends that history
+            st.cache.finish_generated(f.slot, b"")
+        else:
+            st.cache.finish(f.slot, None, 0)
         return self._drain_queue(st, decision.backend, now)
 
     # ---------------------------------------------------------------- helpers
     def _release(self, st: BackendState, f: _Inflight, now: float) -> None:
         st.work -= f.work
         st.inflight -= 1
-        if now > f.started:
-            dur = now - f.started
-            a = self.settings.rate_ewma_alpha
-            st.service_s = dur if st.service_s == 0 else (1 - a) * st.service_s + a * dur
         if st.inflight == 0:
             st.busy_until = min(st.busy_until, now)  # an idle backend has no backlog
-
-    def _learn_rate(self, st: BackendState, prompt_ms: float | None, prompt_n: int | None) -> None:
-        s = self.settings
-        if not prompt_ms or not prompt_n or prompt_n < s.min_rate_sample_tokens:
-            return
-        sample = prompt_n / (prompt_ms / 1000.0)
-        if st.rate_learned:
-            st.rate = (1 - s.rate_ewma_alpha) * st.rate + s.rate_ewma_alpha * sample
-        else:
-            st.rate, st.rate_learned = sample, True
 
     def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
         slot_lcp: dict[int, int] = {}

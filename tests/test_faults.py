@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -242,6 +243,20 @@ async def test_client_leaving_right_after_the_last_event_still_completes(
         assert slot["tokens"] > 0 and not slot["busy"]
 
 
+async def test_client_leaving_before_the_backend_answers_is_counted_cancelled(
+        demo_model: Path, tmp_path: Path) -> None:
+    """An agent's user interrupting a turn while the backend has not answered yet (a long
+    prefill) is the client's act: counted as `cancelled`, not as a backend `error`."""
+    async with fake_behind_proxy(tmp_path, demo_model, "stall") as (fake, client):
+        req = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(210)))
+        await until(lambda: fake.hits >= 1, 5, 0.02)
+        await _cancel(req, client.server.app)
+        async with client.get("/metrics") as m:
+            text = await m.text()
+    statuses = re.findall(r'kvroute_requests_total\{[^}]*status="(\w+)"\} 1\.0', text)
+    assert statuses == ["cancelled"], text
+
+
 async def test_stale_keep_alive_connection_is_retried_on_the_same_backend(
         demo_model: Path, tmp_path: Path) -> None:
     """llama-server closes idle keep-alive connections after 5 s; one closed just as the
@@ -365,13 +380,19 @@ async def _leave(req: asyncio.Task[Any], app: Any, infos: list[BackendInfo],
                  within: float) -> float:
     """Cancel the client's request `req`: the proxy must let go at once (its upstream
     connection closed) and the backends' slots be free `within` s; how long that took."""
+    t0 = await _cancel(req, app)
+    await until(lambda: _none_busy(infos), within, 0.05)
+    return time.monotonic() - t0
+
+
+async def _cancel(req: asyncio.Task[Any], app: Any) -> float:
+    """Cancel `req`; the proxy must let go of it at once. Returns when it was cancelled."""
     req.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await req
     t0 = time.monotonic()
     await until(lambda: app[ROUTER].snapshot()["inflight"] == 0, 0.5, 0.02)
-    await until(lambda: _none_busy(infos), within, 0.05)
-    return time.monotonic() - t0
+    return t0
 
 
 async def test_client_leaving_a_non_streamed_request_frees_the_slot(backend_pool: Any

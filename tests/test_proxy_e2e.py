@@ -282,3 +282,33 @@ async def test_client_disconnect_frees_the_slot(backend_pool: Any) -> None:
         assert not busy, "upstream generation kept running after the client left"
         async with client.get("/kvroute/status") as s:
             assert (await s.json())["router"]["inflight"] == 0
+
+
+async def test_an_interrupted_turn_keeps_its_history_on_its_backend(backend_pool: Any) -> None:
+    """An agent's user interrupts a turn once output flows (the client closes the stream),
+    then sends the next message. llama-server keeps a cancelled slot's state, so the
+    history is still there: the next turn goes back to it, predicted as reported."""
+    sup = await backend_pool()
+    messages = [{"role": "system", "content": words(600, 43)},
+                {"role": "user", "content": words(40, 44)}]
+    body = {"messages": messages, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    async with proxy(sup) as client:
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status == 200
+        first = r.headers["X-Kvroute-Backend"]
+        while b'"content":"' not in await r.content.readline():
+            pass  # up to the first generated text: the prompt is in the slot
+        r.close()  # interrupted
+        for _ in range(50):  # the proxy sees the disconnect and aborts
+            async with client.get("/kvroute/status") as s:
+                if (await s.json())["router"]["inflight"] == 0:
+                    break
+            await asyncio.sleep(0.1)
+        messages.append({"role": "user", "content": "[Request interrupted by user] "
+                         + words(20, 45)})
+        headers, data = await chat(client, messages)
+    assert headers["X-Kvroute-Backend"] == first
+    acc = Accuracy()
+    acc.add(headers, data)
+    assert cached_of(data) >= 600, data["timings"]
+    assert not acc.bad(), acc.rows

@@ -68,15 +68,19 @@ def test_array_input_equals_list_input() -> None:
     assert (d1.backend, d1.slot, d1.prompt_tokens) == (d2.backend, d2.slot, d2.prompt_tokens)
 
 
-def test_abort_frees_slot_and_forgets_content() -> None:
+@pytest.mark.parametrize(("prefilled", "held"), [(False, 0), (True, 100)])
+def test_abort_frees_slot_and_keeps_only_a_prefilled_prompt(prefilled: bool,
+                                                            held: int) -> None:
+    # failed before output: what the slot holds is unknown; cancelled after output (an
+    # interrupted turn): the server keeps the slot's state, the whole prompt
     r = Router()
     r.add_backend(cap("a", slots=1))
     d = decide(r, list(range(100)))
-    r.abort(d)
+    r.abort(d, prefilled=prefilled)
     b = r.snapshot()["backends"]["a"]  # type: ignore[index]
-    assert b["slots"][0] == {"id": 0, "busy": False, "tokens": 0}
+    assert b["slots"][0] == {"id": 0, "busy": False, "tokens": held}
     assert b["inflight"] == 0 and b["work_tokens"] == 0
-    assert decide(r, list(range(100))).predicted_cached == 0
+    assert decide(r, [*range(100), 7]).predicted_cached == held
 
 
 def test_reported_slot_disagreeing_moves_the_content() -> None:
@@ -233,24 +237,30 @@ def test_complete_returns_the_handoff_of_the_oldest_queued_request() -> None:
 
 
 @pytest.mark.parametrize(("min_tokens", "stays"), [(1024, True), (10**9, False)])
+@pytest.mark.parametrize("on_head", [False, True])
 def test_a_continuing_conversation_is_not_moved_off_a_busy_holder(
-        min_tokens: int, stays: bool) -> None:
+        min_tokens: int, stays: bool, on_head: bool) -> None:
     # Claude Code's case: backend A holds conversation X (19k tokens) in an idle slot
     # while a cold 19k-token prompt Z runs in its other slot; B is idle. X's next turn
     # adds ~100 tokens on A but would recompute all 19k on B. The load bound alone would
     # send it to B (A's in-flight work is far above the mean); continuations are exempt
     # (min_tokens=10**9 switches the exemption off: the bound then moves it).
+    # on_head: the turn is decided on its seen history only (the proxy tokenizes the new
+    # text beside the send), which matches the slot up to X but not the answer after it
     r = Router(settings=RouterSettings(continuation_min_tokens=min_tokens))
     r.add_backend(cap("a", ctx=32768))
     r.add_backend(cap("b", ctx=32768))
     x, y, z = ([base + i for i in range(19_000)] for base in (1, 100_000, 200_000))
+    answer = [7] * 47
     dx, dy = decide(r, x), decide(r, y)
     assert dx.backend != dy.backend
-    r.complete(dx, output_tokens=[7, 7], reported_cached=0)
+    r.complete(dx, output_tokens=answer, reported_cached=0)
     dz = decide(r, z)
     assert dz.backend == dx.backend  # the other backend is busy with y
     r.complete(dy, output_tokens=[8], reported_cached=0)
-    turn = decide(r, [*x, 7, *range(300_000, 300_100)])
+    whole = [*x, *answer, *range(300_000, 300_100)]
+    turn = r.decide(x, n_prompt=len(whole)) if on_head else r.decide(whole)
+    assert isinstance(turn, Decision)
     assert (turn.backend == dx.backend) is stays, turn.reasons
     if stays:
         assert turn.predicted_cached >= len(x), turn.reasons
