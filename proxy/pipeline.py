@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import time
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -160,14 +160,18 @@ class Forwarder:
         decision = got
         whole = pending is None  # the model has the whole prompt
 
-        async def settle(target: Target) -> Target:
-            # the answer is coming: the model takes the whole prompt before the headers
-            # (with the prediction) are written and before any feedback
+        async def learn_rest() -> None:
             nonlocal decision, whole
             assert pending is not None
             ids = await pending.rest
             if ids is not None:
                 decision, whole = self.router.extend(decision, ids), True
+
+        async def settle(target: Target) -> Target:
+            # the answer is coming: the model takes the whole prompt before the headers
+            # (with the prediction) are written and before any feedback
+            if not whole:
+                await learn_rest()
             return dataclasses.replace(target, predicted_cached=decision.predicted_cached)
 
         info = self.backends.get(decision.backend)
@@ -179,7 +183,11 @@ class Forwarder:
         self.recorder.begin(info.name)
         try:
             if decision.queued:
-                decision = await self._hold(decision, info)
+                # placed with its whole prompt when handed a slot: the slot it waits for
+                # may hold more of it than the head (a summary sent with its turn)
+                h = await self._hold(decision, info, None if whole else learn_rest)
+                decision = dataclasses.replace(decision, slot=h.slot,
+                                               predicted_cached=h.predicted_cached)
             return await self._send(request, path, raw, body, relay, info, decision,
                                     outcome, extra, None if pending is None else settle)
         except (UpstreamError, UpstreamTimeout) as e:
@@ -216,23 +224,24 @@ class Forwarder:
             prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
             reported_slot=outcome.reported_slot, now=time.monotonic()))
 
-    async def _hold(self, decision: Decision, info: BackendInfo) -> Decision:
+    async def _hold(self, decision: Decision, info: BackendInfo,
+                    meanwhile: Callable[[], Awaitable[None]] | None) -> Handoff:
         """Keep a queued request here until the router hands it a freed slot, then send
         it pinned there. Sent at once instead, it would wait in llama-server's queue, and
         the server takes queued requests in the order its HTTP threads post them, not
         the order they were decided: a request that arrived a moment later could take
         the slot this one was predicted to get (see `Handoff`). Nothing is sent while
         waiting; if the backend goes away (or restarts: a new `BackendInfo`), the caller
-        retries elsewhere."""
+        retries elsewhere. ``meanwhile`` runs once the hand-off can be received."""
         fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
         self._held[decision.request_id] = fut
         try:
+            if meanwhile is not None:
+                await meanwhile()
             while True:
                 done, _ = await asyncio.wait({fut}, timeout=1.0)
                 if done:
-                    h = fut.result()
-                    return dataclasses.replace(decision, slot=h.slot,
-                                               predicted_cached=h.predicted_cached)
+                    return fut.result()
                 if self.backends.get(decision.backend) is not info:
                     raise BackendLeft(f"backend {info.name} went away", retry_after=1)
                 if self.router.wait_overdue(decision, time.monotonic()):
