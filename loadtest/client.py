@@ -30,6 +30,10 @@ from loadtest.workloads import Request, Session, Workload
 Progress = Callable[[int, int, int], None]  # (done, total, errors)
 
 
+# the requests of a coding agent's session: its turns and side calls
+_AGENT_KINDS = frozenset({"main", "title", "summary"})
+
+
 @dataclass
 class Result:
     id: str
@@ -157,6 +161,9 @@ class LoadClient:
         h = {"Content-Type": "application/json"}
         if req.api == "anthropic":
             h["anthropic-version"] = "2023-06-01"
+        if req.kind in _AGENT_KINDS:
+            # as Claude Code names its session (X-Claude-Code-Session-Id) on every call
+            h["X-Session-Id"] = req.session
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
             h["x-api-key"] = self.api_key

@@ -43,7 +43,10 @@
   ``load_slack_s`` seconds of prefill at the mean rate + ``load_slack_tokens``. The slack
   keeps a nearly idle cluster from being forced around; it is in seconds so that the
   bound means the same on a 1.5k tok/s CPU backend as on a 20k tok/s GPU. An idle backend
-  is always eligible. If none is, the one with least work after the request is.
+  is always eligible. If none is, the one with least work after the request is. Exempt:
+  a request that continues the whole sequence a slot holds (the next turn of the
+  conversation there), and one that reuses a slot last used by the session it names
+  (an agent's summary or title call): moving either recomputes its history elsewhere.
 - Destroying unique content is charged ``destroy_weight`` x its prefill time: when the
   server *keeps* a slot (the prompt shares >= ``keep_threshold`` of it) it truncates the
   slot's sequence after the common prefix without saving it, so a conversation's own
@@ -100,6 +103,15 @@ class BackendState:
     # queued request id -> the busy slot it waits for (see _best_option)
     targets: dict[int, int] = field(default_factory=dict)
     slot_free_at: dict[int, float] = field(default_factory=dict)  # busy slot -> expected end
+    # slot -> session hint of the request last placed there (absent: none given)
+    slot_session: dict[int, str] = field(default_factory=dict)
+
+    def occupy(self, slot: int, session: str | None) -> None:
+        """A request of ``session`` was placed in ``slot``."""
+        if session is None:
+            self.slot_session.pop(slot, None)
+        else:
+            self.slot_session[slot] = session
 
     def learn(self, s: RouterSettings, took: float, prompt_ms: float | None,
               prompt_n: int | None) -> None:
@@ -275,6 +287,15 @@ def _continues(c: Candidate, p: Placement | None, min_tokens: int, known: int | 
 _CONTINUATION_SLACK = 4
 
 
+def _own_history(c: Candidate, p: Placement | None, session: str | None,
+                 min_tokens: int) -> bool:
+    """Does placement ``p`` reuse at least ``min_tokens`` from a slot whose last request
+    came from this same session? (An agent's side call, a summary or a title, shares
+    its session's history but is not a continuation of the slot: the turn went on.)"""
+    return (session is not None and p is not None and p.tier == "slot"
+            and p.reuse >= min_tokens and c.state.slot_session.get(p.slot) == session)
+
+
 def choose_prefix(
     cands: list[Candidate], n: int, s: RouterSettings, now: float, session: str | None,
     known: int | None = None,
@@ -317,11 +338,14 @@ def choose_prefix(
         # prefix spread. The next turn of a conversation a backend holds whole adds only
         # its tail there, while moving it re-creates its whole history elsewhere (a
         # Claude Code turn: ~19k tokens for ~100 new); it stays unless the TTFT says
-        # otherwise (the backlog term still moves it off a swamped backend).
+        # otherwise (the backlog term still moves it off a swamped backend). So does a
+        # request of the session whose history the slot holds (a side call): that the
+        # client names its session tells it from a new conversation over a shared prompt.
         # An idle backend is always within the bound: with k backends and one request
         # in flight, the mean is 1/k of it, and a long prompt would be "over" everywhere.
         if not work or e[4] <= s.load_factor * (total + e[4] - work) / k + slack or \
-                _continues(e[0], e[2], s.continuation_min_tokens, known):
+                _continues(e[0], e[2], s.continuation_min_tokens, known) or \
+                _own_history(e[0], e[2], session, s.continuation_min_tokens):
             allowed.append(e)
     why = "lowest expected ttft"
     if not allowed:

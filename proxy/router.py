@@ -42,6 +42,7 @@ class _Inflight:
     # decided on the head of its prompt (see `extend`): what the holder it reuses from
     # had beyond that head, when it held all of it
     beyond: bytes | None = None
+    session: str | None = None  # the client's session hint
 
 
 class Router:
@@ -164,7 +165,9 @@ class Router:
         st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
         if slot is not None:
             self._expect_free(st, slot, now)
-        self._inflight[rid] = _Inflight(choice.backend, slot, q, n, work, now, beyond)
+        self._inflight[rid] = _Inflight(choice.backend, slot, q, n, work, now, beyond, session)
+        if placed is not None:
+            st.occupy(placed.slot, session)
         reasons = dict(choice.reasons)
         reasons.update({"chosen": choice.backend, "slot": slot, "tier": tier, "reuse": reuse})
         if head:
@@ -260,12 +263,14 @@ class Router:
             if slot is not None:
                 held = self._lcps(cache, f.prompt)
                 cache.start(slot, f.prompt, *held, f.n)
+                st.occupy(slot, f.session)
         elif reported_slot is not None and reported_slot != slot:
             # the server chose another slot than modelled: what ours holds is unknown
             cache.finish(slot, None, 0)
             slot = reported_slot if 0 <= reported_slot < len(cache.slots) else None
             if slot is not None and not cache.slots[slot].busy:
                 cache.start(slot, f.prompt, *self._lcps(cache, f.prompt), f.n)
+                st.occupy(slot, f.session)
             elif slot is not None:
                 slot = None  # busy in our model: leave it alone
         if slot is not None:
@@ -295,6 +300,7 @@ class Router:
         p = st.cache.start(slot, f.prompt, *self._lcps(st.cache, f.prompt), f.n)
         assert p is not None, "handed an idle slot"
         f.slot = p.slot
+        st.occupy(p.slot, f.session)
         f.started = max(f.started, now)  # its duration counts from here, not its wait
         self._expect_free(st, p.slot, now)
         return Handoff(rid, backend, p.slot, p.reuse)

@@ -303,6 +303,39 @@ def test_side_call_waits_for_its_sessions_busy_slot(other_session_idle: bool) ->
     assert y2.predicted_cached >= len(y)
 
 
+@pytest.mark.parametrize(("session", "stays"), [("X", True), (None, False), ("Y", False)])
+def test_a_side_call_stays_with_its_sessions_history_over_the_load_bound(
+        session: str | None, stays: bool) -> None:
+    """The load test's case (BENCHMARKS.md, "agentic, session 5"): backends prefilling
+    ~170 tokens/s (the bound's slack is then ~340 tokens), session X's 8k-token history
+    on one backend whose slot runs X's next turn (800 new tokens), the other backend
+    idle. X's summary shares the history but not the turn's end, so it is no
+    continuation, and the bound would send it to recompute 8k tokens on the idle backend
+    (~47 s instead of ~5). Named as X's, it stays; unnamed or another session's (a new
+    conversation over a prompt one backend alone holds), the bound still spreads it."""
+    r = Router()
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    for i, name in enumerate(("a", "b")):  # both learn the slow rate
+        warm = r.decide([500_000 + 1000 * i + j for j in range(340)])
+        assert isinstance(warm, Decision) and warm.backend == name
+        r.complete(warm, prompt_ms=2000.0, prompt_n=340, now=1.0)
+    x = list(range(10_000, 18_000))
+    dx = r.decide(x, session="X", now=1.0)
+    assert isinstance(dx, Decision)
+    r.complete(dx, output_tokens=[7] * 4, prompt_ms=47_000.0, prompt_n=len(x), now=48.0)
+    turn = r.decide([*x, 7, 7, 7, 7, *range(20_000, 20_800)], session="X", now=48.0)
+    assert isinstance(turn, Decision) and turn.backend == dx.backend
+    summary = [*x, 7, 7, 7, 7, *range(30_000, 30_010)]
+    ds = r.decide(summary, session=session, now=48.0)
+    assert isinstance(ds, Decision)
+    assert (ds.backend == dx.backend) is stays, ds.reasons
+    if stays:
+        assert ds.predicted_cached >= len(x), ds.reasons
+    else:
+        assert "over bound" in str(ds.reasons["why"]), ds.reasons
+
+
 def test_no_wait_when_running_now_elsewhere_is_faster() -> None:
     """A busy slot holding the prompt's prefix is not worth waiting for when an idle
     backend would answer sooner: a burst of new sessions over one system prompt spreads
