@@ -216,6 +216,8 @@ def simulate(
         prompt_tokens += req.n
         reused += p.reuse
         order += 1
+        heapq.heappush(events, (first, order, 2, req))  # its first token: prefilled
+        order += 1
         heapq.heappush(events, (first + decode, order, 1, req))
         return True
 
@@ -247,6 +249,9 @@ def simulate(
                     srv.waiting.append(req)
                 continue
             assert req is not None and req.slot is not None
+            if kind == 2:
+                router.prefilled(req.decision)
+                continue
             srv = servers[req.decision.backend]
             out = filler[: 4 * req.out]
             srv.cache.finish_generated(req.slot, out)

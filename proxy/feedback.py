@@ -40,6 +40,7 @@ class Outcome:
     tokens: list[int] | None = None     # exact generated ids, when the backend gave them
     complete: bool = False              # the backend finished the answer normally
     cancelled: bool = False             # the client left before the answer began
+    on_first_token: Callable[[], None] | None = None  # called once, with the first text
 
     @property
     def ttft(self) -> float | None:
@@ -77,6 +78,8 @@ class Outcome:
         self._absorb_text(obj)
         if len(self.text) > had_text and self.first_token_at is None and not final:
             self.first_token_at = time.perf_counter()
+            if self.on_first_token is not None:
+                self.on_first_token()
 
     def _absorb_timings(self, t: dict[str, Any]) -> None:
         if isinstance(t.get("cache_n"), int):

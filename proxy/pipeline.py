@@ -179,7 +179,9 @@ class Forwarder:
             self._hand_off(self.router.abort(decision, now=time.monotonic()))
             raise NoBackendAvailable("backend went away", retry_after=1)
         extra: JSON = {}
-        outcome = Outcome(started=started)
+        # NOTE: reads `decision` when called: `learn_rest` may have replaced it
+        outcome = Outcome(started=started,
+                          on_first_token=lambda: self.router.prefilled(decision))
         self.recorder.begin(info.name)
         try:
             if decision.queued:

@@ -38,7 +38,8 @@
   recomputing a long prefix elsewhere to save a little of this request's ttft is a bad
   trade (on the Mooncake trace it costs hit ratio *and* mean ttft; BENCHMARKS.md).
 - Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
-  in-flight request. A backend is eligible only if its work after taking the request
+  in-flight request (only the latter once its first token came: it then only decodes,
+  see ``Router.prefilled``). A backend is eligible only if its work after taking the request
   stays within ``load_factor`` x the mean work after the request + slack, where slack =
   ``load_slack_s`` seconds of prefill at the mean rate + ``load_slack_tokens``. The slack
   keeps a nearly idle cluster from being forced around; it is in seconds so that the

@@ -229,6 +229,19 @@ class Router:
         return replace(decision, prompt_tokens=n, predicted_cached=reuse)
 
     # --------------------------------------------------------------- feedback
+    def prefilled(self, decision: Decision) -> None:
+        """The request's first token came: its prompt is processed. From here only its
+        decoding loads the backend: its in-flight work (the load bound's measure) drops
+        to ``request_overhead_tokens``, or a backend streaming long answers would look
+        as loaded as one prefilling long prompts."""
+        f = self._inflight.get(decision.request_id)
+        st = self._backends.get(decision.backend)
+        if f is None or st is None or f.slot is None:
+            return
+        left = min(f.work, self.settings.request_overhead_tokens)
+        st.work -= f.work - left
+        f.work = left
+
     def complete(
         self,
         decision: Decision,
@@ -343,8 +356,7 @@ class Router:
         st = self._backends.get(decision.backend)
         if f is None or st is None:
             return []
-        st.work -= f.work
-        st.inflight -= 1
+        self._release(st, f, now)
         if f.slot is None:
             self._unqueue(st, decision.backend, decision.request_id)
             return []

@@ -83,6 +83,22 @@ def test_abort_frees_slot_and_keeps_only_a_prefilled_prompt(prefilled: bool,
     assert decide(r, [*range(100), 7]).predicted_cached == held
 
 
+def test_a_request_only_decoding_counts_its_overhead_as_work() -> None:
+    """Once its first token came, a request's prompt is processed: the load bound sees a
+    backend streaming answers as lightly loaded, not as if it still had to prefill."""
+    r = Router(settings=RouterSettings(request_overhead_tokens=100))
+    r.add_backend(cap("a"))
+    d = decide(r, list(range(1000)))
+    work = lambda: r.snapshot()["backends"]["a"]["work_tokens"]  # noqa: E731
+    assert work() == 1100
+    r.prefilled(d)
+    assert work() == 100
+    r.prefilled(d)  # once only
+    assert work() == 100
+    r.complete(d)
+    assert work() == 0
+
+
 def test_reported_slot_disagreeing_moves_the_content() -> None:
     r = Router("round_robin")
     r.add_backend(cap("a", slots=2))
