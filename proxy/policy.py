@@ -30,9 +30,10 @@
   ttft = the slot's expected end (its prefill in the backlog, then the backend's mean
   time after prefill) + the rest of the prompt. Taken only when that is sooner than
   running now anywhere (a burst of new sessions over one prefix still spreads), one
-  waiter per slot; a waiter whose slot runs far past its expected end (``wait_grace_s``)
-  is routed again. Without it such a call recomputes the history elsewhere, or lands in
-  another session's slot and destroys that history.
+  waiter per slot, and never for a slot running another named session's request (its
+  next turn is due: see ``_best_option``); a waiter whose slot runs far past its
+  expected end (``wait_grace_s``) is routed again. Without it such a call recomputes the
+  history elsewhere, or lands in another session's slot and destroys that history.
 - The choice minimises ``ttft + queue_cost_weight x (prompt - reuse) / rate(b)``: the
   uncached prefill also delays every request that queues behind it on that backend, so
   recomputing a long prefix elsewhere to save a little of this request's ttft is a bad
@@ -173,7 +174,7 @@ def _hash_rank(session: str, name: str) -> int:
 Option = tuple[float, float, Placement | None, int | None, bool]
 
 
-def _best_option(c: Candidate, n: int, s: RouterSettings, now: float
+def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None
                  ) -> tuple[Option, Option | None]:
     """Cheapest way to run on backend ``c`` now or in the server's queue, and cheapest
     way waiting for one of its busy slots (None: no such slot): each (score, ttft,
@@ -234,11 +235,16 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float
     # request and sends it pinned there when the slot frees (Router: targets, Handoff).
     # Landing in an idle slot instead would recompute that part and, in a slot holding
     # another conversation, destroy it. One waiter per slot: a second would wait for the
-    # first and find its prompt there, not the one modelled.
+    # first and find its prompt there, not the one modelled. Never for the busy slot of
+    # another named session: that conversation is in progress, its next turn due in
+    # seconds, and the waiter would take its history just before (the destruction
+    # charge prices history alike, however soon it is needed).
     wait: tuple[tuple[float, float, int], Placement, int] | None = None
     awaited = st.targets.values()
     for i, got in slot_lcp.items():
         if got < s.wait_min_tokens or not slots[i].busy or i in awaited:
+            continue
+        if session is not None and st.slot_session.get(i, session) != session:
             continue
         p = cache.predict(i, slot_lcp, ram_lcp, n, after_busy=True)
         assert p is not None
@@ -311,7 +317,7 @@ def choose_prefix(
     waits = []
     for c in cands:
         st = c.state
-        plain, wait = _best_option(c, n, s, now)
+        plain, wait = _best_option(c, n, s, now, session)
         ttfts[c.name] = round(plain[1], 4)
         matched[c.name] = max(_most(c.slot_lcp), _most(c.ram_lcp))
         for opt in (plain, wait):

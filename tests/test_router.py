@@ -348,8 +348,40 @@ def test_a_side_call_stays_with_its_sessions_history_over_the_load_bound(
     assert (ds.backend == dx.backend) is stays, ds.reasons
     if stays:
         assert ds.predicted_cached >= len(x), ds.reasons
-    else:
+    elif session is None:  # (another named session does not even wait for X's slot)
         assert "over bound" in str(ds.reasons["why"]), ds.reasons
+
+
+@pytest.mark.parametrize(("sessions", "waits"), [(("s0", "s2"), False), (("s0", None), True),
+                                                 ((None, "s2"), True)])
+def test_a_new_session_does_not_wait_for_another_named_sessions_busy_slot(
+        sessions: tuple[str | None, str | None], waits: bool) -> None:
+    """The load test's case: session s0 (a 6k shared prefix + its own 1.4k) runs its turn
+    in a0, s1 in b0; a new session s2 over the same prefix arrives, the other slots
+    empty. Waiting for a0 is sooner than a cold start, but hands s2 the slot s0's next
+    turn needs in seconds (truncated to the shared prefix). Named sessions: s2 starts
+    cold in an empty slot. Unnamed (either one), the wait stays an option."""
+    r = Router()
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    shared = list(range(100_000, 106_084))
+    s0 = [*shared, *range(1000, 2010)]
+    s1 = [*shared, *range(2000, 3010)]
+    d0 = r.decide(s0, session=sessions[0])
+    d1 = r.decide(s1, session="s1")
+    assert isinstance(d0, Decision) and isinstance(d1, Decision)
+    r.complete(d0, output_tokens=[7] * 4, prompt_ms=20_000.0, prompt_n=len(s0), now=20.0)
+    r.complete(d1, output_tokens=[8] * 4, prompt_ms=20_000.0, prompt_n=len(s1), now=21.0)
+    t0 = r.decide([*s0, 7, 7, 7, 7, *range(3000, 3355)], session=sessions[0], now=22.0)
+    t1 = r.decide([*s1, 8, 8, 8, 8, *range(4000, 4355)], session="s1", now=22.0)
+    assert isinstance(t0, Decision) and isinstance(t1, Decision)
+    assert {(t0.backend, t0.slot), (t1.backend, t1.slot)} == {(d0.backend, d0.slot),
+                                                              (d1.backend, d1.slot)}
+    d2 = r.decide([*shared, *range(5000, 6010)], session=sessions[1], now=22.5)
+    assert isinstance(d2, Decision)
+    assert ("waits_for_slot" in d2.reasons) is waits, d2.reasons
+    if not waits:
+        assert not d2.queued and d2.predicted_cached == 0
 
 
 def test_no_wait_when_running_now_elsewhere_is_faster() -> None:
