@@ -76,63 +76,16 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from proxy.cache_model import BackendCache, Placement
+from proxy.backend_state import BackendState
+from proxy.cache_model import Placement
 from proxy.router_settings import RouterSettings
 
 POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 __all__ = ["POLICIES", "BackendState", "Baselines", "Candidate", "Choice", "RouterSettings",
            "choose_prefix"]
-
-
-@dataclass
-class BackendState:
-    """Router-side state of one backend (mutable; owned by the Router)."""
-
-    cache: BackendCache
-    rate: float  # learned prefill tokens/s
-    rate_learned: bool = False
-    busy_until: float = 0.0  # virtual finish time of the modelled prefill queue
-    work: int = 0  # in-flight work, tokens
-    inflight: int = 0  # in-flight requests
-    service_s: float = 0.0  # EWMA of request durations (0 = not learned)
-    after_prefill_s: float = 0.0  # EWMA of duration - reported prefill time (decode etc.)
-    queued: deque[int] = field(default_factory=deque)  # request ids waiting on the server
-    queued_n: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
-    # queued request id -> the busy slot it waits for (see _best_option)
-    targets: dict[int, int] = field(default_factory=dict)
-    slot_free_at: dict[int, float] = field(default_factory=dict)  # busy slot -> expected end
-    # slot -> session hint of the request last placed there (absent: none given)
-    slot_session: dict[int, str] = field(default_factory=dict)
-
-    def occupy(self, slot: int, session: str | None) -> None:
-        """A request of ``session`` was placed in ``slot``."""
-        if session is None:
-            self.slot_session.pop(slot, None)
-        else:
-            self.slot_session[slot] = session
-
-    def learn(self, s: RouterSettings, took: float, prompt_ms: float | None,
-              prompt_n: int | None) -> None:
-        """A request here completed in ``took`` seconds; the backend reported evaluating
-        ``prompt_n`` tokens in ``prompt_ms``."""
-        a = s.rate_ewma_alpha
-        if took > 0:
-            self.service_s = _ewma(self.service_s, took, a)
-            if prompt_ms is not None:
-                self.after_prefill_s = _ewma(self.after_prefill_s,
-                                             max(0.0, took - prompt_ms / 1000.0), a)
-        if prompt_ms and prompt_n and prompt_n >= s.min_rate_sample_tokens:
-            sample = prompt_n / (prompt_ms / 1000.0)
-            self.rate = (1 - a) * self.rate + a * sample if self.rate_learned else sample
-            self.rate_learned = True
-
-
-def _ewma(old: float, sample: float, alpha: float) -> float:
-    return sample if not old else (1 - alpha) * old + alpha * sample
 
 
 class Choice(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower

@@ -164,7 +164,7 @@ class Router:
         st.inflight += 1
         st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
         if slot is not None:
-            self._expect_free(st, slot, now)
+            st.expect_free(slot, now)
         self._inflight[rid] = _Inflight(choice.backend, slot, q, n, work, now, beyond, session)
         if placed is not None:
             st.occupy(placed.slot, session)
@@ -259,7 +259,7 @@ class Router:
         st = self._backends.get(decision.backend)
         if f is None or st is None:
             return []  # backend was removed meanwhile: nothing to learn
-        self._release(st, f, now)
+        st.release(f.work, now)
         st.learn(self.settings, now - f.started, prompt_ms, prompt_n)
         self.completed += 1
         if reported_cached is not None and reported_cached != decision.predicted_cached:
@@ -315,14 +315,8 @@ class Router:
         f.slot = p.slot
         st.occupy(p.slot, f.session)
         f.started = max(f.started, now)  # its duration counts from here, not its wait
-        self._expect_free(st, p.slot, now)
+        st.expect_free(p.slot, now)
         return Handoff(rid, backend, p.slot, p.reuse)
-
-    def _expect_free(self, st: BackendState, slot: int, now: float) -> None:
-        # the backend's modelled prefill queue ends after this request's prefill, then it
-        # decodes for about as long as requests here did after their prefill (0 until one
-        # is observed: a waiter misled by that gives up, see wait_overdue)
-        st.slot_free_at[slot] = max(st.busy_until, now) + st.after_prefill_s
 
     def wait_overdue(self, decision: Decision, now: float) -> bool:
         """Has a request waiting for a busy slot waited well past that slot's expected end
@@ -356,7 +350,7 @@ class Router:
         st = self._backends.get(decision.backend)
         if f is None or st is None:
             return []
-        self._release(st, f, now)
+        st.release(f.work, now)
         if f.slot is None:
             self._unqueue(st, decision.backend, decision.request_id)
             return []
@@ -368,12 +362,6 @@ class Router:
         return self._drain_queue(st, decision.backend, now)
 
     # ---------------------------------------------------------------- helpers
-    def _release(self, st: BackendState, f: _Inflight, now: float) -> None:
-        st.work -= f.work
-        st.inflight -= 1
-        if st.inflight == 0:
-            st.busy_until = min(st.busy_until, now)  # an idle backend has no backlog
-
     def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
         slot_lcp: dict[int, int] = {}
         ram_lcp: dict[int, int] = {}
