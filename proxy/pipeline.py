@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -27,7 +27,7 @@ from proxy.errors import (
 from proxy.feedback import Outcome, Recorder, held_output
 from proxy.forward import JSON, PASSTHROUGH, Relay, Settle, Target, send, upstream_payload
 from proxy.health import BackendHealth
-from proxy.router import Decision, Handoff, NoBackend, Router
+from proxy.router import Decision, Handoff, NeedWholePrompt, NoBackend, Router
 from proxy.upstream import Upstream
 
 # Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
@@ -155,17 +155,33 @@ class Forwarder:
         else:
             got = self.router.decide(pending.head, session=hint, now=time.monotonic(),
                                      n_prompt=pending.n_estimate)
+            if isinstance(got, NeedWholePrompt):  # not moved off its history on the head
+                pending, tokens = None, await _whole(pending)
+                got = self.router.decide(tokens, session=hint, now=time.monotonic())
         if isinstance(got, NoBackend):
             raise _no_backend_error(got)
+        assert not isinstance(got, NeedWholePrompt), "only ever for a head"
         decision = got
         whole = pending is None  # the model has the whole prompt
 
-        async def learn_rest() -> None:
+        def take_rest(task: asyncio.Task[array | None]) -> None:
+            # NOTE: as soon as the rest is tokenized, not when the answer comes: requests
+            # decided meanwhile see all this one's slot will hold (a summary sent with its
+            # turn reuses the turn's tool result there)
             nonlocal decision, whole
-            assert pending is not None
-            ids = await pending.rest
+            if whole or task.cancelled() or task.exception() is not None:
+                return
+            ids = task.result()
             if ids is not None:
                 decision, whole = self.router.extend(decision, ids), True
+
+        if pending is not None:
+            pending.rest.add_done_callback(take_rest)
+
+        async def learn_rest() -> None:
+            assert pending is not None
+            await asyncio.wait({pending.rest})
+            take_rest(pending.rest)  # (a no-op if its callback ran first)
 
         async def settle(target: Target) -> Target:
             # the answer is coming: the model takes the whole prompt before the headers
@@ -185,9 +201,9 @@ class Forwarder:
         self.recorder.begin(info.name)
         try:
             if decision.queued:
-                # placed with its whole prompt when handed a slot: the slot it waits for
-                # may hold more of it than the head (a summary sent with its turn)
-                h = await self._hold(decision, info, None if whole else learn_rest)
+                # NOTE: placed with the whole prompt if tokenized by then (take_rest): the
+                # slot it waits for may hold more than the head (a summary with its turn)
+                h = await self._hold(decision, info)
                 decision = dataclasses.replace(decision, slot=h.slot,
                                                predicted_cached=h.predicted_cached)
             return await self._send(request, path, raw, body, relay, info, decision,
@@ -226,20 +242,17 @@ class Forwarder:
             prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
             reported_slot=outcome.reported_slot, now=time.monotonic()))
 
-    async def _hold(self, decision: Decision, info: BackendInfo,
-                    meanwhile: Callable[[], Awaitable[None]] | None) -> Handoff:
+    async def _hold(self, decision: Decision, info: BackendInfo) -> Handoff:
         """Keep a queued request here until the router hands it a freed slot, then send
         it pinned there. Sent at once instead, it would wait in llama-server's queue, and
         the server takes queued requests in the order its HTTP threads post them, not
         the order they were decided: a request that arrived a moment later could take
         the slot this one was predicted to get (see `Handoff`). Nothing is sent while
         waiting; if the backend goes away (or restarts: a new `BackendInfo`), the caller
-        retries elsewhere. ``meanwhile`` runs once the hand-off can be received."""
+        retries elsewhere."""
         fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
         self._held[decision.request_id] = fut
         try:
-            if meanwhile is not None:
-                await meanwhile()
             while True:
                 done, _ = await asyncio.wait({fut}, timeout=1.0)
                 if done:

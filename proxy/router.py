@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from proxy.cache_model import PENDING, RAM, SLOT, BackendCache, BackendCapacity, Placement
-from proxy.decision import Decision, Handoff, NoBackend, NoBackendKind
+from proxy.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
 from proxy.policy import POLICIES, BackendState, Baselines, Candidate, RouterSettings, choose_prefix
 from proxy.token_bytes import common_len
 from proxy.tree import RadixTree, to_token_bytes
@@ -24,6 +24,7 @@ __all__ = [
     "BackendCapacity",
     "Decision",
     "Handoff",
+    "NeedWholePrompt",
     "NoBackend",
     "NoBackendKind",
     "Router",
@@ -96,12 +97,13 @@ class Router:
         session: str | None = None,
         now: float = 0.0,
         n_prompt: int | None = None,
-    ) -> Decision | NoBackend:
+    ) -> Decision | NoBackend | NeedWholePrompt:
         """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
         native int32 bytes (the tree's format, see proxy/token_bytes.py).
 
         ``n_prompt``: ``tokens`` is only the head of the prompt, whose whole length is
-        estimated at ``n_prompt``; ``extend`` gives the rest once it is tokenized."""
+        estimated at ``n_prompt``; ``extend`` gives the rest once it is tokenized, unless
+        the answer is ``NeedWholePrompt``."""
         q = to_token_bytes(tokens)
         n = len(q) // 4
         head = n_prompt is not None and n_prompt > n
@@ -132,6 +134,13 @@ class Router:
                                    len(q) // 4 if head else None)
         else:
             choice = self._baselines.choose(self._policy, cands, n)
+        if head and self._policy == "prefix":
+            p = choice.placement or choice.queued or next(
+                c for c in cands if c.name == choice.backend).predict_queued(n)
+            most = max((got for (_, kind, _), got in held.items() if kind != PENDING),
+                       default=0)
+            if p.reuse < most:
+                return NeedWholePrompt(most, p.reuse)
 
         rid = self._next_id
         self._next_id += 1

@@ -312,3 +312,46 @@ async def test_an_interrupted_turn_keeps_its_history_on_its_backend(backend_pool
     acc.add(headers, data)
     assert cached_of(data) >= 600, data["timings"]
     assert not acc.bad(), acc.rows
+
+
+async def test_a_summary_waiting_for_its_turns_slot_is_predicted_whole(backend_pool: Any
+                                                                      ) -> None:
+    """An agent sends a summary call together with its next turn: the same history, the
+    turn's tool result extended by an instruction. The summary (routed on its seen head:
+    the history, its last message being new text) waits for the turn's busy slot and is
+    sent there when the turn ends: it reuses the history *and* the tool result the turn
+    put in the slot. Its prediction must count both (it once counted the head only: 250
+    tokens short), and it must not be sent cold elsewhere because, on the head alone,
+    waiting looked like truncating the turn's (unknown) tool result."""
+    sup = await backend_pool()
+    acc = Accuracy()
+    messages = [{"role": "system", "content": words(4500, 51)},
+                {"role": "user", "content": words(200, 52)}]
+    async with proxy(sup) as client:
+        headers, data = await chat(client, messages)
+        acc.add(headers, data)
+        history = cached_of(data) + int(data["timings"]["prompt_n"])
+        result = "Tool result: " + words(250, 53)
+        messages += [{"role": "assistant",
+                      "content": data["choices"][0]["message"]["content"] or ""},
+                     {"role": "user", "content": result}]
+        summary = [*messages[:-1], {"role": "user",
+                                    "content": result + "\nSummarize the session so far."}]
+        on_head = await routed_on_head(client)
+
+        async def later() -> tuple[Any, dict[str, Any]]:
+            await asyncio.sleep(0.05)  # the turn is decided first and holds its slot
+            return await chat(client, summary)
+
+        (th, turn), (sh, summ) = await asyncio.gather(chat(client, messages, max_tokens=24),
+                                                      later())
+        acc.add(th, turn)
+        acc.add(sh, summ)
+        # the turn; the summary too, unless decided before the turn's rest was known
+        # (then the head alone would move it off the turn's slot: decided whole)
+        assert await routed_on_head(client) - on_head >= 1
+    # it ran in the turn's slot after the turn: it reused the tool result too
+    assert (sh["X-Kvroute-Backend"], sh["X-Kvroute-Slot"]) == \
+        (th["X-Kvroute-Backend"], th["X-Kvroute-Slot"])
+    assert cached_of(summ) >= history + 240, (history, summ["timings"])
+    assert not acc.bad(), acc.rows

@@ -7,7 +7,15 @@ from array import array
 
 import pytest
 
-from proxy.router import BackendCapacity, Decision, Handoff, NoBackend, Router, RouterSettings
+from proxy.router import (
+    BackendCapacity,
+    Decision,
+    Handoff,
+    NeedWholePrompt,
+    NoBackend,
+    Router,
+    RouterSettings,
+)
 
 
 def cap(name: str, slots: int = 2, ctx: int = 4096, ram: int = 1 << 30) -> BackendCapacity:
@@ -276,6 +284,9 @@ def test_a_continuing_conversation_is_not_moved_off_a_busy_holder(
     r.complete(dy, output_tokens=[8], reported_cached=0)
     whole = [*x, *answer, *range(300_000, 300_100)]
     turn = r.decide(x, n_prompt=len(whole)) if on_head else r.decide(whole)
+    if on_head and not stays:  # it would move off its holder: decided on the whole
+        assert isinstance(turn, NeedWholePrompt), turn
+        turn = r.decide(whole)
     assert isinstance(turn, Decision)
     assert (turn.backend == dx.backend) is stays, turn.reasons
     if stays:
@@ -462,6 +473,33 @@ def test_decided_on_the_head_then_extended_as_if_decided_whole(rest: list[int],
     assert r.snapshot()["backends"] == ref.snapshot()["backends"]
     nxt = [*whole, 5, 99]
     assert decide(r, nxt, now=4).predicted_cached == decide(ref, nxt, now=4).predicted_cached
+
+
+def test_not_moved_off_its_history_on_the_head_alone() -> None:
+    """A summary sent with its turn: its head (the history) is held by the slot running
+    the turn, which also holds the turn's tool result, unknown to a decision on the
+    head. On the head alone, waiting there looks like truncating 600 unknown tokens
+    (charged as destroyed history) and an idle backend wins: the router asks for the
+    whole prompt instead of moving it, records nothing, and decided whole it waits for
+    the turn's slot and reuses the tool result too."""
+    r = Router()
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    x = list(range(10_000, 14_712))
+    d = decide(r, x)
+    r.complete(d, output_tokens=[7] * 4, prompt_ms=7_800.0, prompt_n=len(x), now=8.0)
+    tool = list(range(20_000, 20_600))
+    turn = decide(r, [*x, 7, 7, 7, 7, *tool], now=8.0)
+    assert (turn.backend, turn.slot) == (d.backend, d.slot)
+    head = [*x, 7, 7, 7, 7]
+    whole = [*head, *tool[:-2], *range(30_000, 30_010)]
+    got = r.decide(head, n_prompt=len(whole), now=8.1)
+    assert isinstance(got, NeedWholePrompt), got
+    assert got.most_held >= len(head) > got.reuse
+    assert r.snapshot()["inflight"] == 1  # nothing recorded
+    ds = decide(r, whole, now=8.1)
+    assert ds.queued and ds.reasons["waits_for_slot"] == d.slot and ds.backend == d.backend
+    assert ds.predicted_cached == len(head) + len(tool) - 2
 
 
 def test_extend_after_the_request_ended_or_with_another_prompt_changes_nothing() -> None:
