@@ -64,8 +64,9 @@ class PendingPrompt:
     llama.cpp tokenizes ~4 KB/ms here: a coding agent's new tool result would hold the
     request that long before anything is sent, though nothing in it can be matched (no
     cache has seen it). So the request is decided on the head, sent at once, and the rest
-    is tokenized while the backend prefills; `Router.extend` then records the whole
-    prompt before the answer's headers (which carry the prediction) are written."""
+    is tokenized while the backend prefills; `Router.extend` records the whole prompt as
+    soon as it is known, at the latest before the answer's headers (which carry the
+    prediction) are written."""
 
     head: array
     n_estimate: int            # the whole prompt's tokens, estimated (for the policy)
