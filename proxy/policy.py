@@ -15,8 +15,8 @@
   herd them, and the load bound below spreads them even when one backend holds it alone.
 - ``backlog(b)`` is the modelled prefill queue: each decision adds its uncached tokens /
   rate to a per-backend virtual finish time; ``rate(b)`` is learned (EWMA,
-  ``rate_ewma_alpha``) from the ``prompt_n`` / ``prompt_ms`` the backend reports, starting
-  at ``default_prefill_tps``.
+  ``rate_ewma_alpha``) from the ``prompt_n`` / ``prompt_ms`` the backend reports; until
+  it reports one, the mean learned rate of the others, or ``default_prefill_tps``.
 - ``slot_wait(b)``: when no slot is idle the request is not pinned (a pinned request to a
   busy slot would disturb it) and queues on the server; it waits about one mean service
   time (EWMA of observed durations, ``default_service_s`` until learned) / n_slots. Its

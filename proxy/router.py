@@ -77,7 +77,7 @@ class Router:
             self.remove_backend(cap.name)
         cache = BackendCache(cap, self.tree, self.settings.rules,
                              max_tracked=self.settings.ram_entries_tracked)
-        self._backends[cap.name] = BackendState(cache, rate=self.settings.default_prefill_tps)
+        self._backends[cap.name] = BackendState(cache, rate=self._peer_rate())
 
     def remove_backend(self, name: str) -> None:
         """Forget everything a dead or unhealthy backend held."""
@@ -270,6 +270,14 @@ class Router:
             return []  # backend was removed meanwhile: nothing to learn
         st.release(f.work, now)
         st.learn(self.settings, now - f.started, prompt_ms, prompt_n)
+        if st.rate_learned:
+            # NOTE: backends that reported no prefill yet are priced at their peers' rate,
+            # not the default: the same model on the same kind of device, mostly (one
+            # managed llama-server per GPU), and a measured rate beats a constant
+            peer = self._peer_rate()
+            for other in self._backends.values():
+                if not other.rate_learned:
+                    other.rate = peer
         self.completed += 1
         if reported_cached is not None and reported_cached != decision.predicted_cached:
             self.mispredictions += 1
@@ -371,6 +379,11 @@ class Router:
         return self._drain_queue(st, decision.backend, now)
 
     # ---------------------------------------------------------------- helpers
+    def _peer_rate(self) -> float:
+        """The mean learned prefill rate of the backends, or the default if none."""
+        rates = [st.rate for st in self._backends.values() if st.rate_learned]
+        return sum(rates) / len(rates) if rates else self.settings.default_prefill_tps
+
     def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
         slot_lcp: dict[int, int] = {}
         ram_lcp: dict[int, int] = {}

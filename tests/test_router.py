@@ -66,6 +66,25 @@ def test_complete_extends_slot_and_learns_rate() -> None:
     json.dumps(snap)
 
 
+def test_a_backend_without_timings_is_priced_at_its_peers_learned_rate() -> None:
+    """Until a backend reports a prefill, it is priced at the mean learned rate of the
+    others (the same model on the same kind of device, mostly), not the default: with
+    the default, an untried backend looked 2.5x faster than a measured one (e2e)."""
+    r = Router(settings=RouterSettings(default_prefill_tps=1500.0))
+    r.add_backend(cap("a", slots=1))
+    r.add_backend(cap("b", slots=1))
+    rate = lambda name: r.snapshot()["backends"][name]["prefill_tps"]  # noqa: E731
+    x = decide(r, list(range(600)))
+    y = decide(r, list(range(1000, 1600)))  # x's backend is full: the other one
+    assert x.backend != y.backend and rate(x.backend) == rate(y.backend) == 1500.0
+    r.complete(x, prompt_ms=1000.0, prompt_n=600, now=1.0)  # 600 tokens/s
+    assert rate(x.backend) == rate(y.backend) == 600.0
+    r.complete(y, prompt_ms=2000.0, prompt_n=600, now=2.0)  # its own: 300 tokens/s
+    assert (rate(x.backend), rate(y.backend)) == (600.0, 300.0)
+    r.add_backend(cap("c"))  # new, or back after a restart: the others' mean
+    assert rate("c") == 450.0
+
+
 def test_array_input_equals_list_input() -> None:
     r1, r2 = Router(), Router()
     for r in (r1, r2):
@@ -419,11 +438,11 @@ def test_a_waiter_gives_up_on_a_slot_that_runs_long() -> None:
         r.add_backend(cap(name, slots=2, ctx=16384))
     x = [*SYSTEM, *range(10_000, 11_500)]
     first = decide(r, x)
-    r.complete(first, output_tokens=[7] * 4, prompt_ms=1000.0, prompt_n=len(x), now=2.0)
-    turn = decide(r, [*x, 7, 7, 7, 7, *range(12_000, 12_100)], now=2.0)
-    side = decide(r, [*x, 7, 7, 7, 7, *range(13_000, 13_010)], now=2.0)
+    r.complete(first, output_tokens=[7] * 4, prompt_ms=5000.0, prompt_n=len(x), now=6.0)
+    turn = decide(r, [*x, 7, 7, 7, 7, *range(12_000, 12_100)], now=6.0)
+    side = decide(r, [*x, 7, 7, 7, 7, *range(13_000, 13_010)], now=6.0)
     assert side.reasons["waits_for_slot"] == turn.slot
-    assert not r.wait_overdue(side, now=4.0)
+    assert not r.wait_overdue(side, now=8.0)
     assert r.wait_overdue(side, now=60.0)
     r.abort(side, now=60.0)
     again = decide(r, [*x, 7, 7, 7, 7, *range(13_000, 13_010)], now=60.0)
@@ -483,11 +502,14 @@ def test_not_moved_off_its_history_on_the_head_alone() -> None:
     whole prompt instead of moving it, records nothing, and decided whole it waits for
     the turn's slot and reuses the tool result too."""
     r = Router()
-    for name in ("a", "b"):
-        r.add_backend(cap(name, slots=2, ctx=16384))
+    r.add_backend(cap("a", slots=1, ctx=16384))
+    r.add_backend(cap("b", slots=2, ctx=16384))
     x = list(range(10_000, 14_712))
     d = decide(r, x)
+    warm = decide(r, list(range(40_000, 41_500)))  # the other backend, learning its rate
+    assert warm.backend != d.backend
     r.complete(d, output_tokens=[7] * 4, prompt_ms=7_800.0, prompt_n=len(x), now=8.0)
+    r.complete(warm, prompt_ms=1_000.0, prompt_n=1500, now=8.0)  # 2.5x faster
     tool = list(range(20_000, 20_600))
     turn = decide(r, [*x, 7, 7, 7, 7, *tool], now=8.0)
     assert (turn.backend, turn.slot) == (d.backend, d.slot)
