@@ -4,6 +4,7 @@ the requests queued on it. Mutable, owned by the Router; read by the policy."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from proxy.cache_model import BackendCache
@@ -59,12 +60,39 @@ class BackendState:
         by that gives up, see ``Router.wait_overdue``)."""
         self.slot_free_at[slot] = max(self.busy_until, now) + self.after_prefill_s
 
+    def snapshot(self) -> dict[str, object]:
+        return {
+            **self.cache.snapshot(),
+            "prefill_tps": round(self.rate, 1),
+            "rate_learned": self.rate_learned,
+            "work_tokens": self.work,
+            "inflight": self.inflight,
+            "service_s": round(self.service_s, 4),
+            "after_prefill_s": round(self.after_prefill_s, 4),
+        }
+
     def release(self, work: int, now: float) -> None:
         """A request carrying ``work`` left (completed, aborted or removed)."""
         self.work -= work
         self.inflight -= 1
         if self.inflight == 0:
             self.busy_until = min(self.busy_until, now)  # an idle backend has no backlog
+
+
+def peer_rate(states: Iterable[BackendState], default: float) -> float:
+    """The mean learned prefill rate of ``states``, or ``default`` if none learned one."""
+    rates = [st.rate for st in states if st.rate_learned]
+    return sum(rates) / len(rates) if rates else default
+
+
+def share_rate(states: Collection[BackendState], default: float) -> None:
+    """Price the backends that reported no prefill yet at their peers' learned rate.
+    Not the default: the same model on the same kind of device, mostly (one managed
+    llama-server per GPU), and a measured rate beats a constant."""
+    peer = peer_rate(states, default)
+    for st in states:
+        if not st.rate_learned:
+            st.rate = peer
 
 
 def _ewma(old: float, sample: float, alpha: float) -> float:

@@ -14,9 +14,10 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from proxy.backend_state import BackendState, peer_rate, share_rate
 from proxy.cache_model import PENDING, RAM, SLOT, BackendCache, BackendCapacity, Placement
 from proxy.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
-from proxy.policy import POLICIES, BackendState, Baselines, Candidate, RouterSettings, choose_prefix
+from proxy.policy import POLICIES, Baselines, Candidate, RouterSettings, choose_prefix
 from proxy.token_bytes import common_len
 from proxy.tree import RadixTree, to_token_bytes
 
@@ -77,7 +78,8 @@ class Router:
             self.remove_backend(cap.name)
         cache = BackendCache(cap, self.tree, self.settings.rules,
                              max_tracked=self.settings.ram_entries_tracked)
-        self._backends[cap.name] = BackendState(cache, rate=self._peer_rate())
+        rate = peer_rate(self._backends.values(), self.settings.default_prefill_tps)
+        self._backends[cap.name] = BackendState(cache, rate=rate)
 
     def remove_backend(self, name: str) -> None:
         """Forget everything a dead or unhealthy backend held."""
@@ -271,13 +273,7 @@ class Router:
         st.release(f.work, now)
         st.learn(self.settings, now - f.started, prompt_ms, prompt_n)
         if st.rate_learned:
-            # NOTE: backends that reported no prefill yet are priced at their peers' rate,
-            # not the default: the same model on the same kind of device, mostly (one
-            # managed llama-server per GPU), and a measured rate beats a constant
-            peer = self._peer_rate()
-            for other in self._backends.values():
-                if not other.rate_learned:
-                    other.rate = peer
+            share_rate(self._backends.values(), self.settings.default_prefill_tps)
         self.completed += 1
         if reported_cached is not None and reported_cached != decision.predicted_cached:
             self.mispredictions += 1
@@ -379,11 +375,6 @@ class Router:
         return self._drain_queue(st, decision.backend, now)
 
     # ---------------------------------------------------------------- helpers
-    def _peer_rate(self) -> float:
-        """The mean learned prefill rate of the backends, or the default if none."""
-        rates = [st.rate for st in self._backends.values() if st.rate_learned]
-        return sum(rates) / len(rates) if rates else self.settings.default_prefill_tps
-
     def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
         slot_lcp: dict[int, int] = {}
         ram_lcp: dict[int, int] = {}
@@ -409,16 +400,5 @@ class Router:
             "inflight": len(self._inflight),
             "completed": self.completed,
             "mispredictions": self.mispredictions,
-            "backends": {
-                name: {
-                    **st.cache.snapshot(),
-                    "prefill_tps": round(st.rate, 1),
-                    "rate_learned": st.rate_learned,
-                    "work_tokens": st.work,
-                    "inflight": st.inflight,
-                    "service_s": round(st.service_s, 4),
-                    "after_prefill_s": round(st.after_prefill_s, 4),
-                }
-                for name, st in self._backends.items()
-            },
+            "backends": {name: st.snapshot() for name, st in self._backends.items()},
         }
