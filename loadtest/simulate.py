@@ -170,7 +170,9 @@ def simulate(
     servers: dict[str, _Server] = {}
     for cap in caps:
         router.add_backend(cap)
-        servers[cap.name] = _Server(BackendCache(cap, truth_tree, s.rules))
+        # the server itself searches every RAM entry it has (the router's model may not)
+        servers[cap.name] = _Server(BackendCache(cap, truth_tree, s.rules,
+                                                 max_tracked=1 << 62))
     blocks = _Blocks()
     filler = bytes(4 * max((r.output_length for r in trace), default=0))  # token 0
     events: list[tuple[float, int, int, _Req | None]] = []  # (t, order, kind, req)

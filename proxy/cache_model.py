@@ -83,18 +83,22 @@ class BackendCache(CachePrediction):
     """Model of one backend's slots and RAM prompt cache."""
 
     def __init__(self, cap: BackendCapacity, tree: RadixTree, rules: ServerRules | None = None,
-                 *, max_tracked: int = 64):
+                 *, max_tracked: int = 64, track_min_tokens: int = 1024):
         self.cap = cap
         self.tree = tree
         self.rules = rules or ServerRules()
-        # RAM entries whose sequences stay in the tree: the largest `max_tracked`. Every
-        # prompt of a chat template starts with the same tokens, so every holder is matched
-        # by every request; a RAM tier full of small prompts (thousands fit in 1 GiB) made
-        # each decision walk all of them (5.7 ms after 10k small requests on the demo
-        # model, 0.1 ms before). The rest keep their place in the byte LRU (evictions stay
-        # exact) but are no longer matched: the model may then miss a load the server
-        # makes (mostly predicting less reuse than it gets); small entries are worth least.
+        # RAM entries whose sequences stay in the tree: every one of `track_min_tokens` or
+        # more, and smaller ones only while there are no more than `max_tracked` in all
+        # (the largest stay). Every prompt of a chat template starts with the same tokens,
+        # so every holder is matched by every request; a RAM tier full of small prompts
+        # (thousands fit in 1 GiB) made each decision walk all of them (5.7 ms after 10k
+        # small requests on the demo model, 0.1 ms before). Large entries are few (the
+        # RAM's size bounds them) and are what a load saves most on: with only the 64
+        # largest tracked, the Mooncake replay lost 6.5 points of hit ratio (BENCHMARKS).
+        # Untracked entries keep their place in the byte LRU (evictions stay exact) but
+        # are not matched: the model may miss a load the server makes.
         self.max_tracked = max_tracked
+        self.track_min_tokens = track_min_tokens
         self._tracked: SortedList[tuple[int, int]] = SortedList()  # (tokens, entry id)
         self.slots = [_Slot() for _ in range(cap.n_slots)]
         # indices of the idle slots, ascending; read-only outside start/_free/clear (the
@@ -256,8 +260,9 @@ class BackendCache(CachePrediction):
         self.ram[e] = s.n_tokens
         self.ram_bytes += new_bytes
         self._tracked.add((s.n_tokens, e))
-        if len(self._tracked) > self.max_tracked:  # smallest (then oldest) leaves the tree
-            _, e_small = self._tracked.pop(0)
+        tracked = self._tracked
+        while len(tracked) > self.max_tracked and tracked[0][0] < self.track_min_tokens:
+            _, e_small = tracked.pop(0)  # smallest (then oldest) leaves the tree
             self.tree.drop(self.ram_holder(e_small))
         while self.ram_bytes > limit and self.ram:
             old = next(iter(self.ram))

@@ -77,7 +77,8 @@ class Router:
         if cap.name in self._backends:
             self.remove_backend(cap.name)
         cache = BackendCache(cap, self.tree, self.settings.rules,
-                             max_tracked=self.settings.ram_entries_tracked)
+                             max_tracked=self.settings.ram_entries_tracked,
+                             track_min_tokens=self.settings.ram_track_min_tokens)
         rate = peer_rate(self._backends.values(), self.settings.default_prefill_tps)
         self._backends[cap.name] = BackendState(cache, rate=rate)
 

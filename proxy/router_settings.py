@@ -32,8 +32,11 @@ class RouterSettings:
     destroy_weight: float = 8.0  # x prefill time of unique tokens a placement destroys
     min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
     queue_cost_weight: float = 1.0  # extra charge on uncached prefill s (delays the queue)
-    # RAM entries per backend the tree matches against (the largest; see BackendCache)
+    # RAM entries per backend the tree matches against: all of at least
+    # ram_track_min_tokens, and smaller ones while there are no more than
+    # ram_entries_tracked in all (the largest first; see BackendCache)
     ram_entries_tracked: int = 64
+    ram_track_min_tokens: int = 1024
     # llama-server behaviour mirrored by the cache model (defaults of the pinned build)
     slot_prompt_similarity: float = 0.10  # --slot-prompt-similarity
     keep_threshold: float = 0.5  # below this kept fraction the slot state goes to RAM
@@ -77,6 +80,7 @@ class RouterSettings:
             "min_rate_sample_tokens": self.min_rate_sample_tokens,
             "wait_min_tokens": self.wait_min_tokens,
             "wait_grace_s": self.wait_grace_s,
+            "ram_track_min_tokens": self.ram_track_min_tokens,
         }
         for name, value in nonneg.items():
             if value < 0:
