@@ -148,7 +148,12 @@ def _parse_message(msg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": content}
     tool_calls = []
     if "tool_calls" in msg:
-        for tc in msg["tool_calls"] or []:
+        tcs = msg["tool_calls"]
+        # NOTE: nlohmann::json iterates an object's values and a scalar as itself, and
+        # each must then be a tool call: any JSON is a 400, not a TypeError
+        items = tcs if isinstance(tcs, list) else list(tcs.values()) \
+            if isinstance(tcs, dict) else [] if tcs is None else [tcs]
+        for tc in items:
             tool_calls.append(_parse_tool_call(tc))
     elif "content" not in msg:
         raise PromptError("Assistant message must contain either 'content' or 'tool_calls'!")

@@ -102,6 +102,10 @@ CASES: list[tuple[str, bytes, int, str]] = [
     ("/v1/chat/completions", b'{"messages": "\xff"}', 400, "UTF-8"),
     ("/v1/chat/completions", b"{}", 400, "messages"),
     ("/v1/chat/completions", json.dumps({"messages": [1]}).encode(), 400, "messages[0]"),
+    # tool_calls of any JSON type (an int once raised a TypeError: a 500)
+    *[("/v1/chat/completions", json.dumps({"messages": [
+        {"role": "assistant", "content": "x", "tool_calls": tcs}]}).encode(), 400,
+       "tool call type") for tcs in (7, "x", {"a": 1}, [1], True)],
     ("/v1/chat/completions", json.dumps({"messages": [{"content": "x"}]}).encode(), 400,
      "role"),
     ("/v1/chat/completions", json.dumps({"messages": msgs({"a": 1})}).encode(), 400,
