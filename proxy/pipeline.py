@@ -179,16 +179,13 @@ class Forwarder:
         if pending is not None:
             pending.rest.add_done_callback(take_rest)
 
-        async def learn_rest() -> None:
-            assert pending is not None
-            await asyncio.wait({pending.rest})
-            take_rest(pending.rest)  # (a no-op if its callback ran first)
-
         async def settle(target: Target) -> Target:
             # the answer is coming: the model takes the whole prompt before the headers
             # (with the prediction) are written and before any feedback
             if not whole:
-                await learn_rest()
+                assert pending is not None
+                await asyncio.wait({pending.rest})
+                take_rest(pending.rest)  # (a no-op if its callback ran first)
             return dataclasses.replace(target, predicted_cached=decision.predicted_cached)
 
         info = self.backends.get(decision.backend)
@@ -196,7 +193,7 @@ class Forwarder:
             self._hand_off(self.router.abort(decision, now=time.monotonic()))
             raise NoBackendAvailable("backend went away", retry_after=1)
         extra: JSON = {}
-        # NOTE: reads `decision` when called: `learn_rest` may have replaced it
+        # NOTE: reads `decision` when called: `take_rest` may have replaced it
         outcome = Outcome(started=started,
                           on_first_token=lambda: self.router.prefilled(decision))
         self.recorder.begin(info.name)

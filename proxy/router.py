@@ -138,8 +138,8 @@ class Router:
         else:
             choice = self._baselines.choose(self._policy, cands, n)
         if head and self._policy == "prefix":
-            p = choice.placement or choice.queued or next(
-                c for c in cands if c.name == choice.backend).predict_queued(n)
+            p = choice.placement or choice.queued  # (prefix sets one or the other)
+            assert p is not None
             most = max((got for (_, kind, _), got in held.items() if kind != PENDING),
                        default=0)
             if p.reuse < most:
