@@ -134,7 +134,8 @@ async def send(client: Upstream, request: web.Request, target: Target,
                health: BackendHealth | None = None,
                first_byte_timeout: float | None = None,
                assemble: Assembler | None = None,
-               settle: Settle | None = None) -> web.StreamResponse:
+               settle: Settle | None = None,
+               sent: Callable[[], None] | None = None) -> web.StreamResponse:
     """Send `payload` to `target` at `path` and answer `request` with what comes back.
 
     Until the client has received its first byte (a whole body, or a stream's first
@@ -142,7 +143,10 @@ async def send(client: Upstream, request: web.Request, target: Target,
     elsewhere. That phase is bounded by `first_byte_timeout` and cut short when `health`
     trips the backend (a hung backend). `strip_usage` drops the usage-only stream chunk
     the proxy asked for on the client's behalf. With `assemble`, the upstream stream (asked
-    for by the caller) becomes one non-streamed answer (proxy/assemble.py). Fills `outcome`.
+    for by the caller) becomes one non-streamed answer (proxy/assemble.py). `sent` is
+    called once the request is written (see `Upstream.request`); `settle`, once the
+    answer's head is in, returns the target the response headers are made from. Fills
+    `outcome`.
     """
     name = target.info.name
     outcome.started = time.perf_counter()
@@ -152,7 +156,7 @@ async def send(client: Upstream, request: web.Request, target: Target,
         async with asyncio.timeout(first_byte_timeout) as ttfb:
             with health.waiting(name, ttfb) if health else contextlib.nullcontext():
                 upstream = await client.request(method, target.info.url, path, payload,
-                                                backend_headers(target.info))
+                                                backend_headers(target.info), sent=sent)
                 if settle is not None:
                     target = await settle(target)
                 outcome.status = upstream.status

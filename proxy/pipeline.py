@@ -151,14 +151,17 @@ class Forwarder:
         """One backend, one try. The slot claim made by `decide` is released however this
         ends: `complete` on a normal answer, `abort` on errors, cancellation, disconnects.
         """
+        # NOTE: defer: the slot model's update runs once the request is written (`placed`)
         if pending is None:
-            got = self.router.decide(tokens, session=hint, now=time.monotonic())  # type: ignore[arg-type]
+            got = self.router.decide(tokens, session=hint, now=time.monotonic(),  # type: ignore[arg-type]
+                                     defer=True)
         else:
             got = self.router.decide(pending.head, session=hint, now=time.monotonic(),
-                                     n_prompt=pending.n_estimate)
+                                     n_prompt=pending.n_estimate, defer=True)
             if isinstance(got, NeedWholePrompt):  # not moved off its history on the head
                 pending, tokens = None, await _whole(pending)
-                got = self.router.decide(tokens, session=hint, now=time.monotonic())
+                got = self.router.decide(tokens, session=hint, now=time.monotonic(),
+                                         defer=True)
         if isinstance(got, NoBackend):
             raise _no_backend_error(got)
         assert not isinstance(got, NeedWholePrompt), "only ever for a head"
@@ -179,6 +182,11 @@ class Forwarder:
         if pending is not None:
             pending.rest.add_done_callback(take_rest)
 
+        def placed() -> None:
+            # the request is written: the model's bookkeeping runs while the backend works
+            nonlocal decision
+            decision = self.router.place(decision)
+
         async def settle(target: Target) -> Target:
             # the answer is coming: the model takes the whole prompt before the headers
             # (with the prediction) are written and before any feedback
@@ -186,6 +194,8 @@ class Forwarder:
                 assert pending is not None
                 await asyncio.wait({pending.rest})
                 take_rest(pending.rest)  # (a no-op if its callback ran first)
+            if target.predicted_cached == decision.predicted_cached:
+                return target
             return dataclasses.replace(target, predicted_cached=decision.predicted_cached)
 
         info = self.backends.get(decision.backend)
@@ -205,7 +215,7 @@ class Forwarder:
                 decision = dataclasses.replace(decision, slot=h.slot,
                                                predicted_cached=h.predicted_cached)
             return await self._send(request, path, raw, body, relay, info, decision,
-                                    outcome, extra, None if pending is None else settle)
+                                    outcome, extra, settle, placed)
         except (UpstreamError, UpstreamTimeout) as e:
             outcome.status = 0
             if self.health is not None:
@@ -271,7 +281,8 @@ class Forwarder:
 
     async def _send(self, request: web.Request, path: str, raw: bytes, body: JSON,
                     relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
-                    extra: JSON, settle: Settle | None) -> web.StreamResponse:
+                    extra: JSON, settle: Settle | None,
+                    sent: Callable[[], None] | None) -> web.StreamResponse:
         if decision.slot is not None:
             extra["id_slot"] = decision.slot
         strip_usage = False
@@ -291,7 +302,7 @@ class Forwarder:
         return await send(self.upstream, request, target, path, payload, outcome,
                           relay=relay, strip_usage=strip_usage, health=self.health,
                           first_byte_timeout=self.first_byte_timeout, assemble=assemble,
-                          settle=settle)
+                          settle=settle, sent=sent)
 
     async def passthrough(self, request: web.Request, path: str, info: BackendInfo,
                           raw: bytes, *, relay: Relay = PASSTHROUGH,

@@ -6,6 +6,12 @@ Pure and synchronous: no I/O, no asyncio, no clock (callers pass ``now``). One
 Life of a request: ``decide()`` -> (proxy forwards with ``id_slot``) -> ``complete()`` or
 ``abort()``. ``decide`` records its choice in the tree at once (fallbacks included), so
 affinity starts with the first request of a conversation.
+
+``decide(defer=True)`` leaves the slot model's update (the modelled saves to RAM, the
+slot's new content in the tree) to ``place()``, which the proxy calls once the request
+is written to its backend: that bookkeeping then runs while the backend works, not
+before the request leaves. Every other call applies a deferred update first, so no
+decision ever sees the model without it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from proxy.backend_state import BackendState, peer_rate, share_rate
 from proxy.cache_model import PENDING, RAM, SLOT, BackendCache, BackendCapacity, Placement
 from proxy.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
 from proxy.policy import POLICIES, Baselines, Candidate, RouterSettings, choose_prefix
+from proxy.router_queue import Inflight, QueuedRequests
 from proxy.token_bytes import common_len
 from proxy.tree import RadixTree, to_token_bytes
 
@@ -33,21 +40,21 @@ __all__ = [
 ]
 
 
-@dataclass
-class _Inflight:
+@dataclass(frozen=True)
+class _Unplaced:
+    """A decision whose slot model update is deferred (``decide(defer=True)``)."""
+
+    request_id: int
     backend: str
-    slot: int | None  # slot the model placed it in (None: queued on the server)
+    pin: int | None  # the slot pinned, or None: the server's pick (predicted)
     prompt: bytes
+    slot_lcp: dict[int, int]
+    ram_lcp: dict[int, int]
     n: int
-    work: int
-    started: float
-    # decided on the head of its prompt (see `extend`): what the holder it reuses from
-    # had beyond that head, when it held all of it
-    beyond: bytes | None = None
-    session: str | None = None  # the client's session hint
+    predicted: Placement
 
 
-class Router:
+class Router(QueuedRequests):
     def __init__(
         self, policy: str = "prefix", *, settings: RouterSettings | None = None, seed: int = 0
     ) -> None:
@@ -57,9 +64,11 @@ class Router:
         self.settings = settings or RouterSettings()
         self.tree = RadixTree(max_resident=self.settings.max_resident_tokens)
         self._backends: dict[str, BackendState] = {}
-        self._inflight: dict[int, _Inflight] = {}
+        self._inflight: dict[int, Inflight] = {}
         self._baselines = Baselines(seed)
         self._next_id = 0
+        # at most one: every call but `decide(defer=True)` itself applies it first
+        self._unplaced: _Unplaced | None = None
         self.mispredictions = 0  # completions whose reported reuse differed from ours
         self.completed = 0
 
@@ -74,6 +83,7 @@ class Router:
     # ------------------------------------------------------------- membership
     def add_backend(self, cap: BackendCapacity) -> None:
         """Add a backend, or reset it (fresh and empty) when it comes back healthy."""
+        self._apply_unplaced()
         if cap.name in self._backends:
             self.remove_backend(cap.name)
         cache = BackendCache(cap, self.tree, self.settings.rules,
@@ -84,6 +94,7 @@ class Router:
 
     def remove_backend(self, name: str) -> None:
         """Forget everything a dead or unhealthy backend held."""
+        self._apply_unplaced()
         st = self._backends.pop(name, None)
         if st is None:
             return
@@ -100,13 +111,17 @@ class Router:
         session: str | None = None,
         now: float = 0.0,
         n_prompt: int | None = None,
+        defer: bool = False,
     ) -> Decision | NoBackend | NeedWholePrompt:
         """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
         native int32 bytes (the tree's format, see proxy/token_bytes.py).
 
         ``n_prompt``: ``tokens`` is only the head of the prompt, whose whole length is
         estimated at ``n_prompt``; ``extend`` gives the rest once it is tokenized, unless
-        the answer is ``NeedWholePrompt``."""
+        the answer is ``NeedWholePrompt``.
+
+        ``defer``: leave the slot model's update to ``place`` (see the module doc)."""
+        self._apply_unplaced()
         q = to_token_bytes(tokens)
         n = len(q) // 4
         head = n_prompt is not None and n_prompt > n
@@ -155,8 +170,14 @@ class Router:
             if head:
                 beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
                                       len(q))
-            # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
-            placed = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement)
+            if defer:
+                placed = choice.placement
+                self._unplaced = _Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
+                                           ram_lcp, n, placed)
+            else:
+                # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
+                placed = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
+                                        choice.placement)
         queued = placed is None
         if placed is None:
             # queued on the server (unpinned): predict what it gets when a slot frees,
@@ -177,7 +198,7 @@ class Router:
         st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
         if slot is not None:
             st.expect_free(slot, now)
-        self._inflight[rid] = _Inflight(choice.backend, slot, q, n, work, now, beyond, session)
+        self._inflight[rid] = Inflight(choice.backend, slot, q, n, work, now, beyond, session)
         if placed is not None:
             st.occupy(placed.slot, session)
         reasons = dict(choice.reasons)
@@ -213,12 +234,43 @@ class Router:
         held = self.tree.tokens_of(holder)
         return held[head_bytes:] if len(held) > head_bytes else None
 
+    def place(self, decision: Decision) -> Decision:
+        """Apply the slot model update ``decide(defer=True)`` left (if not done yet).
+        Returns the decision with the model's reuse: saving the slot's old content to
+        RAM may evict other entries than predicted, and so change what it loads."""
+        self._apply_unplaced()
+        f = self._inflight.get(decision.request_id)
+        if f is None or f.replaced is None:
+            return decision
+        (reuse, tier), f.replaced = f.replaced, None
+        decision.reasons.update(reuse=reuse, tier=tier)
+        return replace(decision, predicted_cached=reuse, tier=tier)
+
+    def _apply_unplaced(self) -> None:
+        u, self._unplaced = self._unplaced, None
+        if u is None:
+            return
+        f = self._inflight.get(u.request_id)
+        st = self._backends.get(u.backend)
+        if f is None or st is None:
+            return
+        p = st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n, u.predicted)
+        assert p is not None and p.slot == f.slot, "placed where predicted"
+        if (p.reuse, p.tier) != (u.predicted.reuse, u.predicted.tier):
+            more = u.predicted.reuse - p.reuse  # tokens to prefill beyond the prediction
+            st.work += more
+            f.work += more
+            st.busy_until += more / st.rate
+            st.expect_free(p.slot, f.started)
+            f.replaced = (p.reuse, p.tier)
+
     def extend(self, decision: Decision, tokens: Sequence[int] | array | bytes) -> Decision:
         """The whole prompt of a request decided on its head (``decide(n_prompt=...)``):
         the model records it, and the reuse is predicted again (the rest may go on
         matching what the reused holder had). Returns the decision with the prompt's
         length and that prediction; unchanged if the request is over, or ``tokens`` does
         not start with the head."""
+        self._apply_unplaced()
         f = self._inflight.get(decision.request_id)
         st = self._backends.get(decision.backend)
         q = to_token_bytes(tokens)
@@ -246,6 +298,7 @@ class Router:
         decoding loads the backend: its in-flight work (the load bound's measure) drops
         to ``request_overhead_tokens``, or a backend streaming long answers would look
         as loaded as one prefilling long prompts."""
+        self._apply_unplaced()
         f = self._inflight.get(decision.request_id)
         st = self._backends.get(decision.backend)
         if f is None or st is None or f.slot is None:
@@ -267,6 +320,7 @@ class Router:
     ) -> list[Handoff]:
         """The request finished: its slot is free and holds prompt + output. Returns the
         queued requests handed a slot as a result (oldest first)."""
+        self._apply_unplaced()
         f = self._inflight.pop(decision.request_id, None)
         st = self._backends.get(decision.backend)
         if f is None or st is None:
@@ -304,38 +358,11 @@ class Router:
             cache.finish_generated(slot, out)
         return self._drain_queue(st, decision.backend, now)
 
-    def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
-        """A slot freed. A request waiting for that very slot gets it, pinned; otherwise
-        the oldest request waiting for any slot gets the one the server would give an
-        unpinned request (the server's own queue rule); the model records it now."""
-        out: list[Handoff] = []
-        cache = st.cache
-        for rid, slot in list(st.targets.items()):
-            if not cache.slots[slot].busy:
-                out.append(self._hand(st, backend, rid, slot, now))
-        while cache.idle:
-            rid = next((r for r in st.queued if r not in st.targets), None)
-            if rid is None:
-                break
-            out.append(self._hand(st, backend, rid, None, now))
-        return out
-
-    def _hand(self, st: BackendState, backend: str, rid: int, slot: int | None,
-              now: float) -> Handoff:
-        f = self._inflight[rid]
-        self._unqueue(st, backend, rid)
-        p = st.cache.start(slot, f.prompt, *self._lcps(st.cache, f.prompt), f.n)
-        assert p is not None, "handed an idle slot"
-        f.slot = p.slot
-        st.occupy(p.slot, f.session)
-        f.started = max(f.started, now)  # its duration counts from here, not its wait
-        st.expect_free(p.slot, now)
-        return Handoff(rid, backend, p.slot, p.reuse)
-
     def wait_overdue(self, decision: Decision, now: float) -> bool:
         """Has a request waiting for a busy slot waited well past that slot's expected end
         (a long generation)? Then the caller gives up (``abort``) and decides again;
         the slot's expected end moves as far again, so that it is not chosen anew."""
+        self._apply_unplaced()
         st = self._backends.get(decision.backend)
         f = self._inflight.get(decision.request_id)
         slot = None if st is None else st.targets.get(decision.request_id)
@@ -347,19 +374,13 @@ class Router:
         st.slot_free_at[slot] = now + (now - f.started)
         return True
 
-    def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
-        self.tree.drop((backend, PENDING, rid))
-        st.queued_n.pop(rid, None)
-        st.targets.pop(rid, None)
-        if rid in st.queued:
-            st.queued.remove(rid)
-
     def abort(self, decision: Decision, *, now: float = 0.0,
               prefilled: bool = False) -> list[Handoff]:
         """The request failed or was cancelled: free its slot, forget its content, or
         with ``prefilled`` (it had produced output: the server keeps a cancelled slot's
         state) keep its prompt there. Returns the queued requests handed a slot as a
         result (as ``complete``)."""
+        self._apply_unplaced()
         f = self._inflight.pop(decision.request_id, None)
         st = self._backends.get(decision.backend)
         if f is None or st is None:
@@ -375,22 +396,8 @@ class Router:
             st.cache.finish(f.slot, None, 0)
         return self._drain_queue(st, decision.backend, now)
 
-    # ---------------------------------------------------------------- helpers
-    def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
-        slot_lcp: dict[int, int] = {}
-        ram_lcp: dict[int, int] = {}
-        for (b, kind, idx), got in self.tree.match(q).held.items():  # type: ignore[misc]
-            if b == cache.cap.name:
-                if kind == SLOT:
-                    slot_lcp[idx] = got
-                elif kind == RAM:
-                    ram_lcp[idx] = got
-        return slot_lcp, ram_lcp
-
-    def _server_pick_now(self, cache: BackendCache, q: bytes) -> int | None:
-        return cache.server_pick(self._lcps(cache, q)[0], max(1, len(q) // 4))
-
     def snapshot(self) -> dict[str, object]:
+        self._apply_unplaced()
         return {
             "policy": self._policy,
             "tree": {

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -140,9 +140,10 @@ class Response:
                 self._waiter.set_exception(exc)
 
 
-async def _exchange(conn: _Connection, head: bytes, body: bytes) -> Response:
+async def _exchange(conn: _Connection, head: bytes, body: bytes,
+                    sent: Callable[[], None] | None) -> Response:
     try:
-        return await conn.exchange(head, body)
+        return await conn.exchange(head, body, sent)
     except BaseException:
         conn.close()  # timed out, cancelled or dropped: the connection is out of step
         raise
@@ -238,8 +239,9 @@ class _Connection(asyncio.Protocol):
         r._wake()
 
     # -- pool side
-    async def exchange(self, head: bytes, body: bytes) -> Response:
-        """Send one request; its Response once the answer's head is in."""
+    async def exchange(self, head: bytes, body: bytes,
+                       sent: Callable[[], None] | None = None) -> Response:
+        """Send one request (then call `sent`); its Response once the answer's head is in."""
         assert self.transport is not None
         r = self.response = Response(self)
         self.received = 0
@@ -248,6 +250,8 @@ class _Connection(asyncio.Protocol):
         else:  # a send() more, not a copy of a 200 KB conversation
             self.transport.write(head)
             self.transport.write(body)
+        if sent is not None:
+            sent()
         while not r._head:
             await r._wait()
         return r
@@ -291,19 +295,24 @@ class Upstream:
         self._tls: ssl.SSLContext | None = None
 
     async def request(self, method: str, base_url: str, path: str, body: bytes,
-                      headers: Mapping[str, str]) -> Response:
-        """Send `method base_url+path` with `body`; the Response once its head is in."""
+                      headers: Mapping[str, str], *,
+                      sent: Callable[[], None] | None = None) -> Response:
+        """Send `method base_url+path` with `body`; the Response once its head is in.
+
+        `sent()` is called right after the request is written, before waiting for the
+        answer: work the caller can do while the backend works (once per write: twice
+        when a reused connection turns out closed and the request is sent again)."""
         origin = self._origin(base_url)
         head = self._head(method, origin, path, body, headers)
         conn = self._take(origin)
         if conn is not None:
             try:
-                return await _exchange(conn, head, body)
+                return await _exchange(conn, head, body, sent)
             except ConnectionDropped:
                 if conn.received:
                     raise
                 # closed by the backend as this request came: once more, on a new one
-        return await _exchange(await self._connect(origin), head, body)
+        return await _exchange(await self._connect(origin), head, body, sent)
 
     async def close(self) -> None:
         for conn in list(self._open):

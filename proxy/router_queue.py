@@ -1,0 +1,90 @@
+"""The requests the router holds for a slot, and the record of every request in flight.
+
+A mixin of :class:`~proxy.router.Router` (as HolderQueries is of the tree): a request
+decided while every slot of its backend is busy is queued in the model, and handed a
+slot when one frees, in the server's own order (see ``Handoff``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.backend_state import BackendState
+from proxy.cache_model import PENDING, RAM, SLOT, BackendCache
+from proxy.decision import Handoff
+from proxy.tree import RadixTree
+
+
+@dataclass
+class Inflight:
+    """The router's record of one request in flight."""
+
+    backend: str
+    slot: int | None  # slot the model placed it in (None: queued on the server)
+    prompt: bytes
+    n: int
+    work: int
+    started: float
+    # decided on the head of its prompt (see `Router.extend`): what the holder it reuses from
+    # had beyond that head, when it held all of it
+    beyond: bytes | None = None
+    session: str | None = None  # the client's session hint
+    # the reuse and tier the deferred slot model update found instead of the predicted
+    # ones, until `Router.place` returns them
+    replaced: tuple[int, str] | None = None
+
+
+class QueuedRequests:
+    """Hand-offs of queued requests (over ``tree`` and ``_inflight``)."""
+
+    tree: RadixTree
+    _inflight: dict[int, Inflight]
+
+    def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
+        """A slot freed. A request waiting for that very slot gets it, pinned; otherwise
+        the oldest request waiting for any slot gets the one the server would give an
+        unpinned request (the server's own queue rule); the model records it now."""
+        out: list[Handoff] = []
+        cache = st.cache
+        for rid, slot in list(st.targets.items()):
+            if not cache.slots[slot].busy:
+                out.append(self._hand(st, backend, rid, slot, now))
+        while cache.idle:
+            rid = next((r for r in st.queued if r not in st.targets), None)
+            if rid is None:
+                break
+            out.append(self._hand(st, backend, rid, None, now))
+        return out
+
+    def _hand(self, st: BackendState, backend: str, rid: int, slot: int | None,
+              now: float) -> Handoff:
+        f = self._inflight[rid]
+        self._unqueue(st, backend, rid)
+        p = st.cache.start(slot, f.prompt, *self._lcps(st.cache, f.prompt), f.n)
+        assert p is not None, "handed an idle slot"
+        f.slot = p.slot
+        st.occupy(p.slot, f.session)
+        f.started = max(f.started, now)  # its duration counts from here, not its wait
+        st.expect_free(p.slot, now)
+        return Handoff(rid, backend, p.slot, p.reuse)
+
+    def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
+        self.tree.drop((backend, PENDING, rid))
+        st.queued_n.pop(rid, None)
+        st.targets.pop(rid, None)
+        if rid in st.queued:
+            st.queued.remove(rid)
+
+    def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
+        slot_lcp: dict[int, int] = {}
+        ram_lcp: dict[int, int] = {}
+        for (b, kind, idx), got in self.tree.match(q).held.items():  # type: ignore[misc]
+            if b == cache.cap.name:
+                if kind == SLOT:
+                    slot_lcp[idx] = got
+                elif kind == RAM:
+                    ram_lcp[idx] = got
+        return slot_lcp, ram_lcp
+
+    def _server_pick_now(self, cache: BackendCache, q: bytes) -> int | None:
+        return cache.server_pick(self._lcps(cache, q)[0], max(1, len(q) // 4))
