@@ -20,7 +20,8 @@ from loadtest.simulate import SimBackend, oracle_hit_ratio, simulate
 from loadtest.trace import load_mooncake
 from proxy.tree import RadixTree
 
-TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+TRACE = str(Path(__file__).resolve().parent.parent / "loadtest" / "traces"
+            / "mooncake_synthetic_trace.jsonl")
 
 
 def _seq(rng: random.Random, n: int) -> bytes:

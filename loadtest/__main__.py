@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-DEFAULT_TRACE = "../shared/traces/mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = str(Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl")
 
 
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -15,7 +15,7 @@ from loadtest.__main__ import DEFAULT_TRACE
 from loadtest.client import check_loopback
 from loadtest.trace import TraceRequest, block_tokens
 
-TRACE = Path(__file__).resolve().parents[1] / DEFAULT_TRACE
+TRACE = Path(DEFAULT_TRACE)
 
 
 def test_agentic_is_deterministic_and_shares_the_prefix() -> None:
