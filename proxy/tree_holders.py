@@ -24,18 +24,17 @@ class HolderQueries:
 
     def common_prefix(self, a: Holder, b: Holder) -> int:
         """Length of the common prefix of two holders' sequences (depth of their LCA)."""
-        na, nb = self._end.get(a), self._end.get(b)
-        if na is None or nb is None:
+        x, y = self._end.get(a), self._end.get(b)
+        if x is None or y is None:
             return 0
-        seen: set[int] = set()
-        x: _Node | None = na
-        while x is not None:
-            seen.add(id(x))
-            x = x.parent
-        y: _Node | None = nb
-        while y is not None and id(y) not in seen:
-            y = y.parent
-        return 0 if y is None else y.depth
+        # Depth grows strictly down a path (every edge has a token), so the deeper of two
+        # distinct nodes is not an ancestor of the other: step it up until they meet.
+        while x is not y:
+            if x.depth >= y.depth:
+                x = x.parent  # type: ignore[assignment]
+            else:
+                y = y.parent  # type: ignore[assignment]
+        return x.depth
 
     def relations(self, holder: Holder) -> tuple[set[Holder], list[Holder]]:
         """Holders whose sequence contains ``holder``'s, and holders whose sequence is a
