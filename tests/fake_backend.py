@@ -30,6 +30,18 @@ ANSWER: dict[str, Any] = {
     "timings": {"cache_n": 0, "prompt_n": 10, "prompt_ms": 1.0, "predicted_n": 1,
                 "predicted_ms": 1.0},
 }
+_TIMINGS = ANSWER["timings"]
+STREAMS: dict[str, tuple[dict[str, Any], ...]] = {
+    "chat": ({"choices": [{"index": 0, "delta": {"content": "ok"}}]},
+             {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+              "timings": _TIMINGS}),
+    "/v1/completions": ({"choices": [{"index": 0, "text": "ok"}], "object": "text_completion"},
+                        {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}],
+                         "object": "text_completion", "timings": _TIMINGS}),
+    "/completion": ({"content": "ok", "tokens": [1], "stop": False},
+                    {"content": "", "tokens": [], "stop": True, "stop_type": "eos",
+                     "timings": _TIMINGS}),
+}
 
 
 class FakeBackend:
@@ -101,12 +113,15 @@ class FakeBackend:
         if isinstance(body, dict) and body.get("stream") is True:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            for chunk in ({"choices": [{"index": 0, "delta": {"content": "ok"}}]},
-                          {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}):
-                if self.mode == "error-event" and "finish_reason" in chunk["choices"][0]:
+            # each endpoint's own stream format (the proxy assembles non-streamed answers
+            # from them); llama-native streams end with stop:true, not [DONE]
+            chunks: tuple[dict[str, Any], ...] = STREAMS.get(request.path, STREAMS["chat"])
+            for i, chunk in enumerate(chunks):
+                if self.mode == "error-event" and i == len(chunks) - 1:
                     chunk = {"error": {"code": 500, "message": "boom", "type": "server_error"}}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
+            if request.path != "/completion":
+                await resp.write(b"data: [DONE]\n\n")
             if self.mode == "linger":
                 await self.release.wait()
             return resp

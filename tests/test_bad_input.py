@@ -90,6 +90,23 @@ async def still_healthy(client: TestClient[Any, Any]) -> None:
         assert r.status == 200
 
 
+# The generated-request test below once sent these: valid, non-streamed requests the proxy
+# assembles from a stream; the fake backend must answer each in its endpoint's format, or
+# the proxy rightly says 502 and trips the backend (fixed 2026-11-23).
+@pytest.mark.parametrize(("path", "body"), [
+    ("/completion", b'{"prompt": [828]}'),
+    ("/completion", b'{"prompt": "hello"}'),
+    ("/v1/completions", b'{"prompt": "hello"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hello"}]}'),
+])
+async def test_valid_non_streamed_requests_are_answered(client: TestClient[Any, Any],
+                                                        path: str, body: bytes) -> None:
+    status, text = await post(client, path, body)
+    assert status == 200, text
+    assert "ok" in text  # the fake's streamed answer, assembled
+    await still_healthy(client)
+
+
 # ------------------------------------------------------------------ explicit cases
 def msgs(*contents: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": c} for c in contents]
