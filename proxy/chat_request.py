@@ -220,7 +220,15 @@ def parse_tools(tools: Any) -> list[dict[str, Any]]:
 def _render_content(msg: Mapping[str, Any]) -> str:
     # common_chat_msg::render_content(delimiter="\n\n")
     c = msg.get("content", "")
-    return c if isinstance(c, str) else "\n\n".join(p["text"] for p in c)
+    if isinstance(c, str):
+        return c
+    text = ""
+    for p in c:
+        # the delimiter only once text has accumulated: leading empty parts add nothing
+        if text:
+            text += "\n\n"
+        text += p["text"]
+    return text
 
 
 def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,

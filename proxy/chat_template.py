@@ -88,7 +88,10 @@ def _slow_json(v: Any, item_sep: str, key_sep: str, indent: int, lvl: int) -> st
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
-        return str(v) if -(2**63) <= v < 2**63 else _g(float(v))
+        if -(2**63) <= v < 2**63:
+            return str(v)
+        # from_json reads JSON integers as int64_t: an unsigned one in [2^63, 2^64) wraps
+        return str(v - 2**64) if v < 2**64 else _g(float(v))
     if isinstance(v, float):
         return _g(v)
     if isinstance(v, str):

@@ -158,6 +158,20 @@ CORPUS: dict[str, dict[str, Any]] = {
         {"role": "user", "content": "Go"},
         {"role": "assistant", "content": [{"type": "text", "text": "a"},
                                           {"type": "text", "text": "b"}]}]},
+    "prefill_parts_leading_empty": {"messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "text", "text": ""},
+                                          {"type": "text", "text": "abc"}]}]},
+    # JSON integers in [2^63, 2^64) (a u64 bound in a schema): the server wraps them
+    "unsigned_64bit_ints": {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [
+            _call("u", "get_weather", '{"days": 12345678901234567890}'),
+            _call("v", "get_weather", {"days": 2**63, "max": 2**64 - 1, "over": 2**64})]},
+        {"role": "tool", "tool_call_id": "u", "content": "ok"},
+    ], "tools": [WEATHER, {"type": "function", "function": {"name": "u64", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": -(2**63),
+                                               "maximum": 2**64 - 1}}}}}]},
     "prefill_empty_assistant": {"messages": [{"role": "user", "content": "Go"},
                                              {"role": "assistant", "content": ""}]},
     "template_kwargs": {"messages": [{"role": "user", "content": "think"}],
