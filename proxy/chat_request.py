@@ -116,12 +116,14 @@ def _content_parts(content: list[Any]) -> list[dict[str, str]]:
     return parts
 
 
-def _join_parts(parts: Sequence[Mapping[str, str]]) -> str:
-    # messages_inp_normalizer::concat_content_parts (no media markers here).
+def _join_parts(parts: Sequence[Mapping[str, str]], delimiter: str = "\n") -> str:
+    # messages_inp_normalizer::concat_content_parts (no media markers here), and
+    # render_content: the delimiter only once text has accumulated (leading empty parts
+    # add nothing).
     text = ""
     for p in parts:
         if text:
-            text += "\n"
+            text += delimiter
         text += p["text"]
     return text
 
@@ -220,15 +222,7 @@ def parse_tools(tools: Any) -> list[dict[str, Any]]:
 def _render_content(msg: Mapping[str, Any]) -> str:
     # common_chat_msg::render_content(delimiter="\n\n")
     c = msg.get("content", "")
-    if isinstance(c, str):
-        return c
-    text = ""
-    for p in c:
-        # the delimiter only once text has accumulated: leading empty parts add nothing
-        if text:
-            text += "\n\n"
-        text += p["text"]
-    return text
+    return c if isinstance(c, str) else _join_parts(c, "\n\n")
 
 
 def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
