@@ -7,6 +7,7 @@ Hierarchy::
     ├── Unauthorized            401 missing or wrong client API key
     ├── NotFound                404 unknown path
     ├── MethodNotAllowed        405
+    ├── RequestTimeout          408 the body did not arrive in time
     ├── PayloadTooLarge         413 body over the configured limit
     ├── Overloaded              429 queue full (carries Retry-After)
     ├── NoBackendAvailable      503 no healthy backend (carries Retry-After)
@@ -43,12 +44,15 @@ class ProxyError(Exception):
     code: str | None = None
 
     def __init__(self, message: str, *, code: str | None = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
         self.retry_after = retry_after
+        # the connection ends after this answer: its request's body was not read whole,
+        # so what follows on it is not the next request
+        self.close = close
 
 
 class BadRequest(ProxyError):
@@ -73,6 +77,12 @@ class MethodNotAllowed(ProxyError):
     """The endpoint exists but not with that method."""
 
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class RequestTimeout(ProxyError):
+    """The client did not send its whole body within `body_timeout_s`."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
 class PayloadTooLarge(ProxyError):
@@ -157,8 +167,11 @@ def error_response(err: ProxyError, fmt: ErrorFormat = ErrorFormat.OPENAI) -> we
     headers = {}
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after)))
-    return web.Response(status=err.status, text=json.dumps(error_body(err, fmt)),
+    resp = web.Response(status=err.status, text=json.dumps(error_body(err, fmt)),
                         content_type="application/json", headers=headers)
+    if err.close:
+        resp.force_close()
+    return resp
 
 
 def sse_error_event(err: ProxyError, fmt: ErrorFormat = ErrorFormat.OPENAI) -> bytes:

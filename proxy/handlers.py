@@ -7,6 +7,7 @@ the body to a chat-completions body, `tokens_for(..., prompt.plan_chat(...))` on
 
 from __future__ import annotations
 
+import asyncio
 import json
 from array import array
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.app import (
     ADMISSION,
@@ -29,7 +31,7 @@ from proxy.app import (
     SUPERVISOR,
     TOKENIZING,
 )
-from proxy.errors import BadRequest, NoBackendAvailable, NotFound
+from proxy.errors import BadRequest, NoBackendAvailable, NotFound, PayloadTooLarge, RequestTimeout
 from proxy.forward import JSON
 from proxy.metrics import CONTENT_TYPE
 from proxy.pipeline import PendingPrompt
@@ -63,9 +65,31 @@ def add_routes(app: web.Application) -> None:
 
 
 # ------------------------------------------------------------------------ parsing
+async def read_body(request: web.Request) -> bytes:
+    """The whole body: 413 when it is (or is announced) too large, 408 when it does not
+    arrive within `body_timeout_s`, 400 when it cannot be decoded."""
+    s = request.app[SETTINGS]
+    # NOTE: aiohttp checks the size only while reading: a client announcing 10 GB and
+    # sending one byte would be waited for
+    if request.content_length is not None and request.content_length > s.max_body_bytes:
+        raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the "
+                              f"limit of {s.max_body_bytes} bytes", close=True)
+    try:
+        async with asyncio.timeout(s.body_timeout_s):
+            return await request.read()  # over the size -> HTTPRequestEntityTooLarge -> 413
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {s.body_timeout_s:g} s",
+                             close=True) from None
+    except RequestPayloadError as e:  # a broken gzip/deflate body, a cut chunked one
+        # NOTE: marked ended, or aiohttp reads on after the answer, meets the error again
+        # and logs it as unhandled
+        request.content.feed_eof()
+        raise BadRequest(f"request body could not be read: {e}", close=True) from None
+
+
 async def read_json(request: web.Request) -> tuple[bytes, JSON]:
     """The raw body and its JSON object; 400 for anything else, 413 when too large."""
-    raw = await request.read()  # over client_max_size -> HTTPRequestEntityTooLarge -> 413
+    raw = await read_body(request)
     if not raw:
         raise BadRequest("request body is empty: expected a JSON object")
     try:
@@ -181,10 +205,13 @@ async def unrouted(request: web.Request, path: str, raw: bytes) -> web.StreamRes
 async def passthrough(request: web.Request) -> web.StreamResponse:
     # NOTE: only the fixed paths registered in add_routes get here, so the upstream path
     # is one of ours, never a client-chosen (absolute) URL.
-    raw = await request.read() if request.method == "POST" else b""
+    raw = await read_body(request) if request.method == "POST" else b""
     app = request.app
+    # NOTE: HEAD (aiohttp routes it to GET handlers) goes upstream as GET: aiohttp writes
+    # no body to a HEAD request, and the upstream client cannot frame a HEAD answer
+    method = "GET" if request.method == "HEAD" else request.method
     return await app[FORWARDER].passthrough(request, request.path, pick_ready(app), raw,
-                                            pick=lambda: pick_ready(app))
+                                            pick=lambda: pick_ready(app), method=method)
 
 
 async def models(request: web.Request) -> web.Response:

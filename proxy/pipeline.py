@@ -306,14 +306,15 @@ class Forwarder:
 
     async def passthrough(self, request: web.Request, path: str, info: BackendInfo,
                           raw: bytes, *, relay: Relay = PASSTHROUGH,
-                          pick: Callable[[], BackendInfo] | None = None) -> web.StreamResponse:
+                          pick: Callable[[], BackendInfo] | None = None,
+                          method: str = "POST") -> web.StreamResponse:
         """Forward an unrouted call (/tokenize, /props, ...) to `info` as it is; when it
         gets no answer and `pick` is given, once more to the backend `pick` returns."""
         for attempt in (1, 2):
             outcome = Outcome(started=time.perf_counter())
             try:
                 return await send(self.upstream, request, Target(info), path, raw, outcome,
-                                  relay=relay, method=request.method, health=self.health,
+                                  relay=relay, method=method, health=self.health,
                                   first_byte_timeout=self.first_byte_timeout)
             except (UpstreamError, UpstreamTimeout) as e:
                 if self.health is not None:

@@ -26,6 +26,8 @@ class ProxySettings:
     api_keys: tuple[str, ...] = ()          # client keys; empty = no auth
     protect_admin: bool = True              # /metrics and /kvroute/status need a key too
     max_body_bytes: int = 32 << 20          # larger bodies -> 413
+    # a body not whole by then -> 408: a stalled upload holds one of max_in_flight places
+    body_timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0           # between bytes: a cold 30k prompt on CPU is slow
     # until the client's first byte (a whole non-streamed answer): retried elsewhere past it

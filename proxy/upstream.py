@@ -301,7 +301,12 @@ class Upstream:
 
         `sent()` is called right after the request is written, before waiting for the
         answer: work the caller can do while the backend works (once per write: twice
-        when a reused connection turns out closed and the request is sent again)."""
+        when a reused connection turns out closed and the request is sent again).
+
+        No HEAD: its answer announces a body it does not carry, which this client would
+        wait for (callers send GET and drop the body)."""
+        if method == "HEAD":
+            raise ValueError("HEAD is not supported: send GET")
         origin = self._origin(base_url)
         head = self._head(method, origin, path, body, headers)
         conn = self._take(origin)
@@ -326,7 +331,7 @@ class Upstream:
             if "\r" in value or "\n" in value:  # would split the head (a key from config)
                 raise ValueError(f"header {name!r} holds a line break")
             lines.append(f"{name}: {value}\r\n")
-        if body or method not in ("GET", "HEAD"):
+        if body or method != "GET":
             lines.append(f"Content-Length: {len(body)}\r\n")
         lines.append("\r\n")
         return "".join(lines).encode("latin-1")

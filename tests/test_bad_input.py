@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from aiohttp import ClientTimeout
 from aiohttp.test_utils import TestClient, TestServer
 from fake_backend import FakeBackend
 from hypothesis import HealthCheck, given, settings
@@ -36,6 +37,7 @@ from proxy.config import (
 pytestmark = pytest.mark.timeout(300)
 
 CTX = 512  # the fake backend's context per slot: "too long" is cheap to reach
+BODY_TIMEOUT = 1.5
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion", "/tokenize")
 
 
@@ -52,7 +54,7 @@ async def client(demo_model: Path, tmp_path_factory: pytest.TempPathFactory
     sup = Supervisor(cfg)
     await sup.start()
     app = create_app(cfg, sup, ProxySettings(tokenizer=demo_model, max_body_bytes=256 << 10,
-                                             max_messages=64))
+                                             max_messages=64, body_timeout_s=BODY_TIMEOUT))
     async with TestClient(TestServer(app, handler_cancellation=True)) as c:
         yield c
     await sup.stop()
@@ -238,6 +240,55 @@ async def raw_http(client: TestClient[Any, Any], head: bytes, body: bytes
     return int(lines[0].split()[1]), ctype, payload
 
 
+@pytest.mark.parametrize("path", [*OPENAI_PATHS, "/v1/messages"])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_undecodable_body_is_400(client: TestClient[Any, Any], path: str,
+                                       encoding: str) -> None:
+    status, data = await post(client, path, b"not compressed", {"Content-Encoding": encoding})
+    assert status == 400, data
+    await still_healthy(client)
+
+
+async def stalled_upload(client: TestClient[Any, Any], path: bytes, length: int,
+                         sent: bytes) -> tuple[int, Any, float]:
+    """A client that announces `length` body bytes, sends `sent` and then nothing."""
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    t0 = asyncio.get_running_loop().time()
+    try:
+        writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(length).encode()
+                     + b"\r\n\r\n" + sent)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BODY_TIMEOUT + 10)
+        n = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n")
+                     if ln.lower().startswith(b"content-length:")))
+        payload = await asyncio.wait_for(reader.readexactly(n), 5)
+    finally:
+        writer.close()
+    return int(head.split()[1]), json.loads(payload), asyncio.get_running_loop().time() - t0
+
+
+@pytest.mark.parametrize("path", [b"/v1/chat/completions", b"/tokenize", b"/v1/messages"])
+async def test_stalled_body_is_408_and_frees_its_place(client: TestClient[Any, Any],
+                                                       path: bytes) -> None:
+    # it holds one of max_in_flight places while it waits: it must not hold it forever
+    status, data, took = await stalled_upload(client, path, 1000, b'{"messa')
+    assert status == 408, data
+    check_error(path.decode(), status, data)
+    assert took >= BODY_TIMEOUT
+    async with client.get("/kvroute/status") as r:
+        assert (await r.json())["admission"]["in_flight"] == 0
+    await still_healthy(client)
+
+
+async def test_announced_oversized_body_is_413_at_once(client: TestClient[Any, Any]) -> None:
+    # announced far over max_body_bytes, one byte sent: refused on the head, not waited for
+    status, data, took = await stalled_upload(client, b"/v1/chat/completions", 10**10, b"{")
+    assert status == 413, data
+    assert took < BODY_TIMEOUT
+    check_error("/v1/chat/completions", status, data)
+
+
 @HYPO
 @given(name=st.sampled_from([b"Host", b"X-Forwarded-Host", b"X-Session-Id", b"Content-Type",
                              b"X-Claude-Code-Session-Id", b"Authorization", b"x-api-key",
@@ -264,6 +315,24 @@ async def real(backend_pool: Any) -> AsyncIterator[TestClient[Any, Any]]:
     app = create_app(sup.config, sup, ProxySettings(max_messages=64))
     async with TestClient(TestServer(app, handler_cancellation=True)) as c:
         yield c
+
+
+async def test_head_on_a_forwarded_path_is_answered_and_trips_nothing(
+        real: TestClient[Any, Any]) -> None:
+    # once sent upstream as HEAD: the answer's announced body never came, the request
+    # timed out and opened the backend's breaker
+    async def trips() -> dict[str, int]:
+        async with real.get("/kvroute/status") as r:
+            return {b["name"]: b["proxy"]["trips"] for b in (await r.json())["backends"]}
+
+    before = await trips()
+    for _ in range(2):
+        async with real.head("/props", timeout=ClientTimeout(total=4)) as r:
+            assert r.status == 200
+            assert await r.read() == b""
+    assert await trips() == before
+    async with real.get("/props") as r:
+        assert r.status == 200 and "default_generation_settings" in await r.json()
 
 
 small_bodies = st.fixed_dictionaries(
