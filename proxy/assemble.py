@@ -31,7 +31,9 @@ SHORT_GENERATION = 32
 
 # The fields llama-server puts in an OpenAI body around `choices`, in its order.
 _TOP = ("created", "model", "system_fingerprint")
-_LENGTH_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
+# The generation's length: the first of these the body has (server-schema.cpp: n_predict,
+# then its aliases in this order), whatever the others say.
+_LENGTH_KEYS = ("n_predict", "max_completion_tokens", "max_tokens")
 _PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/completion"})
 
 
@@ -57,11 +59,8 @@ def assembler_for(path: str, body: JSON) -> Assembler | None:
 
 
 def _short(body: JSON) -> bool:
-    for key in _LENGTH_KEYS:
-        n = body.get(key)
-        if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= SHORT_GENERATION:
-            return True
-    return False
+    n = next((body[key] for key in _LENGTH_KEYS if key in body), None)
+    return isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= SHORT_GENERATION
 
 
 def _several(body: JSON) -> bool:

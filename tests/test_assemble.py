@@ -104,6 +104,12 @@ async def test_assembled_answer_is_the_servers_own(backend_pool: Any, path: str,
     ("/v1/completions", {"prompt": ["a", "b"]}, False),      # several prompts, several answers
     ("/v1/completions", {"prompt": [1, 2, 3]}, True),         # one prompt of token ids
     ("/completion", {"n_predict": 4}, False),
+    # the server takes n_predict over its aliases: a short max_tokens beside it is not
+    # what the generation's length is
+    ("/v1/chat/completions", {"max_tokens": 2, "n_predict": -1}, True),
+    ("/completion", {"n_predict": 2000, "max_tokens": 4}, True),
+    ("/v1/chat/completions", {"max_completion_tokens": 4000, "max_tokens": 4}, True),
+    ("/v1/chat/completions", {"max_completion_tokens": 4, "max_tokens": 4000}, False),
     ("/completion", {"response_fields": ["content"]}, False),
     ("/completion", {}, True),
     ("/v1/chat/completions", {"logprobs": True, "tools": [{"type": "function"}]}, False),
