@@ -31,6 +31,7 @@ from proxy.feedback import Outcome
 from proxy.forward import JSON, Target, send
 from proxy.handlers import pick_ready, prompt_for, read_json, tokens_for
 from proxy.prompt import PromptError
+from proxy.validate import check_fields
 
 
 def add_routes(app: web.Application) -> None:
@@ -74,6 +75,9 @@ def chat_body(body: JSON) -> JSON:
         chat = anthropic_to_chat(body)
     except PromptError as e:
         raise BadRequest(str(e)) from None
+    # the ranges the chat endpoint checks (max_tokens, top_k, temperature, ...): out of
+    # range, the server truncates them to 32 bits or worse
+    check_fields(chat)
     # llama-server's converter keeps metadata.user_id under a private key nothing reads
     user = chat.pop("__metadata_user_id", None)
     if isinstance(user, str):

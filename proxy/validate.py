@@ -41,6 +41,7 @@ _FIELDS: dict[str, tuple[str, float, float]] = {
     "chat_template_kwargs": ("obj", 0, 0), "json_schema": ("obj", 0, 0),
     "tools": ("list", 0, 0), "stop": ("stop", 0, 0),
 }
+_REASONING = ("none", "auto", "deepseek", "deepseek-legacy")  # common_reasoning_format_from_name
 _KINDS = {"str": str, "obj": dict, "list": list}
 _NAMES = {"int": "an integer", "num": "a number", "bool": "a boolean", "str": "a string",
           "obj": "an object", "list": "an array", "stop": "a string or an array of strings"}
@@ -65,6 +66,10 @@ def check_fields(body: Mapping[str, Any], *, chat: bool = True) -> None:
         if kind in ("int", "num") and not (lo <= value <= hi and math.isfinite(value)):
             raise BadRequest(f"'{key}' is out of range: expected {lo:g}..{hi:g}",
                              code="invalid_value")
+    if chat and "reasoning_format" in body and body["reasoning_format"] not in _REASONING:
+        # the server throws on any other value, null included (a 500)
+        raise BadRequest(f"'reasoning_format' must be one of {', '.join(_REASONING)}",
+                         code="invalid_value")
     slot = body.get("id_slot")
     if slot is not None and not (_type_ok("int", slot) and -1 <= slot <= _I32):
         raise BadRequest("'id_slot' must be an integer >= -1", code="invalid_type")

@@ -156,7 +156,15 @@ CASES: list[tuple[str, bytes, int, str]] = [
     ("/completion", json.dumps({"prompt": {"x": 1}}).encode(), 400, "prompt"),
     ("/completion", json.dumps({"n_predict": 3}).encode(), 400, "prompt"),
     ("/completion", json.dumps({"prompt": list(range(CTX + 10))}).encode(), 400, "context"),
+    # any other value is a 500 from the server ("Unknown reasoning format")
+    *[("/v1/chat/completions", json.dumps({"messages": msgs("hi"),
+                                           "reasoning_format": v}).encode(), 400,
+       "reasoning_format") for v in ("bad", 1, None)],
     ("/v1/messages", b"{not json", 400, "JSON"),
+    # the chat endpoint's ranges: past 32 bits the server silently truncates max_tokens
+    *[("/v1/messages", json.dumps({"max_tokens": 8, "messages": msgs("hi"), **extra}).encode(),
+       400, next(iter(extra))) for extra in ({"max_tokens": 2**40}, {"top_k": 2**64},
+                                             {"temperature": 1e308})],
     ("/v1/messages", json.dumps({"messages": [{"role": 5, "content": "y"}]}).encode(), 400,
      "role"),
 ]
