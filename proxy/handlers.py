@@ -36,7 +36,7 @@ from proxy.forward import JSON
 from proxy.metrics import CONTENT_TYPE
 from proxy.pipeline import PendingPrompt
 from proxy.prompt import Plan, PromptError
-from proxy.validate import check_fields, check_messages
+from proxy.validate import check_fields, check_forwarded, check_messages
 
 if TYPE_CHECKING:
     from backends.supervisor import BackendInfo
@@ -207,8 +207,12 @@ async def unrouted(request: web.Request, path: str, raw: bytes) -> web.StreamRes
 async def passthrough(request: web.Request) -> web.StreamResponse:
     # NOTE: only the fixed paths registered in add_routes get here, so the upstream path
     # is one of ours, never a client-chosen (absolute) URL.
-    raw = await read_body(request) if request.method == "POST" else b""
     app = request.app
+    raw = b""
+    if request.method == "POST":
+        raw, body = await read_json(request)
+        prompt = app[PROMPT]
+        check_forwarded(request.path, body, None if prompt is None else prompt.tokenizer.n_vocab)
     # NOTE: HEAD (aiohttp routes it to GET handlers) goes upstream as GET: aiohttp writes
     # no body to a HEAD request, and the upstream client cannot frame a HEAD answer
     method = "GET" if request.method == "HEAD" else request.method

@@ -103,3 +103,21 @@ def check_messages(body: Mapping[str, Any], max_messages: int) -> list[Any]:
         if not isinstance(role, str):
             raise BadRequest(f"messages[{i}].role must be a string", code="invalid_messages")
     return messages
+
+
+def check_forwarded(path: str, body: Mapping[str, Any], n_vocab: int | None) -> None:
+    """The fields of a forwarded llama-server call (/tokenize, /detokenize) that the server
+    reads without checking: a wrong type or a token id past the vocabulary is its 500."""
+    if path == "/tokenize" and "content" in body:
+        c = body["content"]
+        if not (isinstance(c, str) or (isinstance(c, list) and all(
+                isinstance(x, str) or _type_ok("int", x) for x in c))):
+            raise BadRequest("'content' must be a string or an array of strings and token "
+                             "ids", code="invalid_type")
+    elif path == "/detokenize" and "tokens" in body:
+        t = body["tokens"]
+        if not (isinstance(t, list) and all(_type_ok("int", x) for x in t)):
+            raise BadRequest("'tokens' must be an array of token ids", code="invalid_type")
+        if n_vocab is not None and not all(0 <= x < n_vocab for x in t):
+            raise BadRequest(f"'tokens' holds an id out of range [0, {n_vocab})",
+                             code="invalid_value")

@@ -160,6 +160,15 @@ CASES: list[tuple[str, bytes, int, str]] = [
     *[("/v1/chat/completions", json.dumps({"messages": msgs("hi"),
                                            "reasoning_format": v}).encode(), 400,
        "reasoning_format") for v in ("bad", 1, None)],
+    # forwarded calls: the server reads these unchecked (a 500, a C++ range_check)
+    ("/tokenize", b"", 400, "empty"),
+    ("/tokenize", b'{"content": "a', 400, "not valid JSON"),
+    ("/tokenize", b'{"content": "\\ud800"}', 400, "JSON"),
+    ("/tokenize", json.dumps({"content": 5}).encode(), 400, "content"),
+    ("/detokenize", json.dumps({"tokens": [999_999_999]}).encode(), 400, "out of range"),
+    ("/detokenize", json.dumps({"tokens": [-1]}).encode(), 400, "out of range"),
+    *[("/detokenize", json.dumps({"tokens": t}).encode(), 400, "tokens")
+      for t in (["a"], 5, [1.5], [True])],
     ("/v1/messages", b"{not json", 400, "JSON"),
     # the chat endpoint's ranges: past 32 bits the server silently truncates max_tokens
     *[("/v1/messages", json.dumps({"max_tokens": 8, "messages": msgs("hi"), **extra}).encode(),
