@@ -152,7 +152,7 @@ FORMATTERS: dict[ErrorFormat, Callable[[ProxyError], dict[str, Any]]] = {
 
 def format_for_path(path: str) -> ErrorFormat:
     """Which API's error shape a request to `path` expects."""
-    if path.startswith("/v1/messages"):
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return ErrorFormat.ANTHROPIC
     return ErrorFormat.OPENAI
 

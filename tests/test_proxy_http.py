@@ -99,9 +99,11 @@ async def test_no_backend_is_503_with_retry_after(client: TestClient[Any, Any]) 
 
 
 async def test_unknown_path_and_method_in_api_format(client: TestClient[Any, Any]) -> None:
-    async with client.get("/v1/nothing", headers=AUTH) as r:
-        assert r.status == 404
-        assert_openai_error(await r.json(), "not_found_error")
+    # (an unknown path that merely starts like Anthropic's is not Anthropic's)
+    for path in ("/v1/nothing", "/v1/messagesXYZ"):
+        async with client.get(path, headers=AUTH) as r:
+            assert r.status == 404
+            assert_openai_error(await r.json(), "not_found_error")
     async with client.get("/v1/chat/completions", headers=AUTH) as r:
         assert r.status == 405
         assert_openai_error(await r.json(), "invalid_request_error")
