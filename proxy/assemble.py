@@ -16,6 +16,8 @@ Only where that buys something: a short generation (`max_tokens` <= SHORT_GENERA
 ends soon anyway and takes the plain path, which costs less per request. Requests whose
 answer is not one object of a known shape (several prompts or choices, `response_fields`)
 take the plain path too, as do those a stream would refuse (chat logprobs with tools).
+If such a long one's client leaves, the pipeline lets the exchange run on to its end
+(`runs_on_when_left`), so that the router frees the slot when the backend does.
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ def assembler_for(path: str, body: JSON) -> Assembler | None:
     if path == "/v1/completions":
         return TextAssembler()
     return NativeAssembler(keep_tokens=body.get("return_tokens") is not False)
+
+
+def runs_on_when_left(path: str, body: JSON) -> bool:
+    """A non-streamed request sent as it is (no assembler) whose generation may run long:
+    its backend goes on generating after the client left (see the module doc). Short
+    ones end soon anyway."""
+    return (body.get("stream") is not True and path in _PATHS and not _short(body)
+            and assembler_for(path, body) is None)
 
 
 def _short(body: JSON) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from backends.supervisor import BackendInfo
-from proxy.assemble import assembler_for
+from proxy.assemble import assembler_for, runs_on_when_left
 from proxy.errors import (
     BadRequest,
     NoBackendAvailable,
@@ -206,6 +206,26 @@ class Forwarder:
         # NOTE: reads `decision` when called: `take_rest` may have replaced it
         outcome = Outcome(started=started,
                           on_first_token=lambda: self.router.prefilled(decision))
+        def feedback() -> None:
+            # NOTE: decided by the outcome, not by how the handler ends: a client that
+            # closes its connection as soon as it has the stream's last event cancels it
+            # in its final write, after the backend finished; an abort there would forget
+            # what the slot now holds (its next turn then predicted 0).
+            if outcome.complete and 0 < outcome.status < 400 and whole:
+                self._complete(decision, outcome)
+            else:
+                # a client that leaves once output flows (an interrupted agent turn)
+                # leaves its prompt in the slot
+                prefilled = whole and outcome.first_token_at is not None
+                self._hand_off(self.router.abort(decision, now=time.monotonic(),
+                                                 prefilled=prefilled))
+
+        def feedback_when_done(task: asyncio.Future[web.StreamResponse]) -> None:
+            if not task.cancelled():
+                task.exception()  # retrieved: a failure there is only the abort below
+            feedback()
+
+        detached: asyncio.Future[web.StreamResponse] | None = None
         self.recorder.begin(info.name)
         try:
             if decision.queued:
@@ -214,8 +234,20 @@ class Forwarder:
                 h = await self._hold(decision, info)
                 decision = dataclasses.replace(decision, slot=h.slot,
                                                predicted_cached=h.predicted_cached)
-            return await self._send(request, path, raw, body, relay, info, decision,
-                                    outcome, extra, settle, placed)
+            sending = self._send(request, path, raw, body, relay, info, decision,
+                                 outcome, extra, settle, placed)
+            if not runs_on_when_left(path, body):
+                return await sending
+            # The backend would not notice this client leave (proxy/assemble.py): the
+            # exchange then goes on without it, and the model frees the slot when the
+            # backend really does (bounded by first_byte_timeout), not when the client left
+            task = asyncio.ensure_future(sending)
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if not task.done():
+                    detached = task
+                raise
         except (UpstreamError, UpstreamTimeout) as e:
             outcome.status = 0
             if self.health is not None:
@@ -225,18 +257,10 @@ class Forwarder:
             outcome.cancelled = True  # the client left (an interrupt), not a failure
             raise
         finally:
-            # NOTE: decided by the outcome, not by how this ends: a client that closes
-            # its connection as soon as it has the stream's last event cancels this
-            # handler in its final write, after the backend finished; an abort there
-            # would forget what the slot now holds (its next turn then predicted 0).
-            if outcome.complete and 0 < outcome.status < 400 and whole:
-                self._complete(decision, outcome)
+            if detached is None:
+                feedback()
             else:
-                # a client that leaves once output flows (an interrupted agent turn)
-                # leaves its prompt in the slot
-                prefilled = whole and outcome.first_token_at is not None
-                self._hand_off(self.router.abort(decision, now=time.monotonic(),
-                                                 prefilled=prefilled))
+                detached.add_done_callback(feedback_when_done)
             self.recorder.end(endpoint, decision, outcome, started,
                               stream=body.get("stream") is True)
 

@@ -257,6 +257,32 @@ async def test_client_leaving_before_the_backend_answers_is_counted_cancelled(
     assert statuses == ["cancelled"], text
 
 
+async def test_client_leaving_a_request_its_backend_runs_on_keeps_the_slot_busy(
+        demo_model: Path, tmp_path: Path) -> None:
+    """A non-streamed request that cannot be assembled from a stream (here n=2) goes to
+    the backend as it is, which goes on generating when the client leaves (it does not
+    notice: see proxy/assemble.py). The slot is busy until the backend answers: freed in
+    the model when the client left, the next request was pinned to a slot still at work."""
+    async with fake_behind_proxy(tmp_path, demo_model, "stall") as (fake, client):
+        router = client.server.app[ROUTER]
+        body = chat_body(220, n=2, max_tokens=4000)
+        req = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        await until(lambda: fake.hits >= 1, 5, 0.02)
+        req.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await req
+        await asyncio.sleep(0.3)
+        snap = router.snapshot()
+        assert snap["inflight"] == 1 and snap["backends"]["f"]["slots"][0]["busy"], snap
+        async with client.get("/metrics") as m:  # the client's request: over, cancelled
+            assert re.search(r'kvroute_requests_total\{[^}]*status="cancelled"\} 1\.0',
+                             await m.text())
+        fake.release.set()  # the backend finishes: the slot is free and holds the prompt
+        await until(lambda: router.completed == 1, 5, 0.02)
+        slot = router.snapshot()["backends"]["f"]["slots"][0]
+        assert not slot["busy"] and slot["tokens"] > 0, slot
+
+
 async def test_stale_keep_alive_connection_is_retried_on_the_same_backend(
         demo_model: Path, tmp_path: Path) -> None:
     """llama-server closes idle keep-alive connections after 5 s; one closed just as the
