@@ -282,7 +282,9 @@ def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
                 args = tc["function"]["arguments"]
                 if isinstance(args, str):
                     try:
-                        tc["function"]["arguments"] = json.loads(args)
+                        # orjson: as strict as the server's parser (no NaN/Infinity,
+                        # no 1e400, integers past 64 bits as floats); json takes them
+                        tc["function"]["arguments"] = orjson.loads(args)
                     except ValueError as e:
                         raise PromptError(
                             f"Failed to parse tool call arguments as JSON: {e}") from e

@@ -227,6 +227,13 @@ INVALID: dict[str, Any] = {
         {"role": "user", "content": "x"},
         {"role": "assistant", "tool_calls": [_call("a", "f", "{not json")]},
         {"role": "user", "content": "y"}]},
+    # the server's JSON parser refuses these (a 500 from it); Python's json takes them
+    **{f"tool_args_{name}": {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [_call("a", "f", args)]},
+        {"role": "user", "content": "y"}]}
+       for name, args in (("nan", '{"x": NaN}'), ("infinity", '{"x": -Infinity}'),
+                          ("overflow", '{"x": 1e400}'))},
     "tool_call_without_type": {"messages": [
         {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
         {"role": "user", "content": "y"}]},
