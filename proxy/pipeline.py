@@ -206,6 +206,7 @@ class Forwarder:
         # NOTE: reads `decision` when called: `take_rest` may have replaced it
         outcome = Outcome(started=started,
                           on_first_token=lambda: self.router.prefilled(decision))
+
         def feedback() -> None:
             # NOTE: decided by the outcome, not by how the handler ends: a client that
             # closes its connection as soon as it has the stream's last event cancels it
