@@ -218,7 +218,8 @@ class AnthropicRelay(AnthropicErrors):
         if isinstance(text, str) and text:
             out += self._open("text", {"type": "text", "text": ""})
             out.append(self._delta({"type": "text_delta", "text": text}))
-        for call in delta.get("tool_calls") or ():
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
             out += self._tool_delta(call)
         finish = choice.get("finish_reason")
         if isinstance(finish, str):
@@ -279,10 +280,15 @@ class AnthropicRelay(AnthropicErrors):
             return []
         fn = call.get("function") if isinstance(call.get("function"), dict) else {}
         tc_index = call.get("index", 0)
+        if not isinstance(tc_index, int):
+            return []  # (an external backend's malformed call: nothing to place it in)
         out: list[bytes] = []
-        if fn.get("name") and tc_index not in self.tool_blocks:
-            out += self._open("tool_use", {"type": "tool_use", "id": call.get("id") or "",
-                                           "name": fn["name"], "input": {}})
+        name = fn.get("name")
+        if isinstance(name, str) and name and tc_index not in self.tool_blocks:
+            cid = call.get("id")
+            out += self._open("tool_use", {"type": "tool_use",
+                                           "id": cid if isinstance(cid, str) else "",
+                                           "name": name, "input": {}})
             self.tool_blocks[tc_index] = self.index
         elif self.tool_blocks.get(tc_index) != self.index:
             return out  # arguments for a block already closed: cannot be sent any more

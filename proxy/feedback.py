@@ -69,10 +69,10 @@ class Outcome:
         usage = obj.get("usage")
         if isinstance(usage, dict) and self.reported_cached is None:
             details = usage.get("prompt_tokens_details")
-            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            if isinstance(details, dict) and _count(details.get("cached_tokens")):
                 self.reported_cached = details["cached_tokens"]
         slot = obj.get("id_slot")
-        if isinstance(slot, int) and slot >= 0:
+        if _count(slot):
             self.reported_slot = slot
         had_text = len(self.text)
         self._absorb_text(obj)
@@ -82,15 +82,17 @@ class Outcome:
                 self.on_first_token()
 
     def _absorb_timings(self, t: dict[str, Any]) -> None:
-        if isinstance(t.get("cache_n"), int):
+        # NOTE: only sane values: an external backend may send anything, and these feed
+        # Prometheus counters (which refuse negatives) and the learned prefill rate
+        if _count(t.get("cache_n")):
             self.reported_cached = t["cache_n"]
-        if isinstance(t.get("prompt_n"), int):
+        if _count(t.get("prompt_n")):
             self.prompt_n = t["prompt_n"]
-        if isinstance(t.get("prompt_ms"), int | float):
+        if _duration(t.get("prompt_ms")):
             self.prompt_ms = float(t["prompt_ms"])
-        if isinstance(t.get("predicted_n"), int):
+        if _count(t.get("predicted_n")):
             self.predicted_n = t["predicted_n"]
-        if isinstance(t.get("predicted_ms"), int | float):
+        if _duration(t.get("predicted_ms")):
             self.predicted_ms = float(t["predicted_ms"])
 
     def _absorb_text(self, obj: dict[str, Any]) -> None:
@@ -101,7 +103,7 @@ class Outcome:
                 self.text.append(content)
             toks = obj.get("tokens")
             if isinstance(toks, list) and toks:
-                self.tokens = (self.tokens or []) + [t for t in toks if isinstance(t, int)]
+                self.tokens = (self.tokens or []) + [t for t in toks if _count(t)]
             return
         choices = obj.get("choices")
         if not isinstance(choices, list) or not choices:
@@ -120,6 +122,14 @@ class Outcome:
                     self.text.append(val)
         elif isinstance(choice.get("text"), str) and choice["text"]:
             self.text.append(choice["text"])
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31
+
+
+def _duration(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x < 1e9
 
 
 def held_output(outcome: Outcome, tokenize: Callable[[str], Sequence[int]]) -> Sequence[int]:

@@ -35,6 +35,7 @@ from proxy.errors import (
 )
 from proxy.feedback import Outcome
 from proxy.health import BackendHealth
+from proxy.logging import get_logger
 from proxy.upstream import Response, TransportError, Upstream
 
 JSON = dict[str, Any]
@@ -316,6 +317,19 @@ async def _relay_stream(request: web.Request, upstream: Response,
         outcome.complete = False
         try:
             await resp.write(sse_error_event(err, relay.error_format))
+        except _CLIENT_GONE:
+            return resp
+    except Exception:
+        # a bug, or an answer we cannot read (an external backend's): the headers are
+        # gone, so the stream ends with an error event rather than leaving the client
+        # waiting on an open connection
+        get_logger().exception("relay_failed", backend=target.info.name)
+        upstream.close()
+        outcome.complete = False
+        try:
+            await resp.write(sse_error_event(
+                UpstreamError(f"backend {target.info.name}: answer not relayable"),
+                relay.error_format))
         except _CLIENT_GONE:
             return resp
     except BaseException:

@@ -49,6 +49,7 @@ class FakeBackend:
                  api_key: str | None = None) -> None:
         self.model, self.n_ctx, self.slots, self.api_key = model, n_ctx, slots, api_key
         self.mode = "ok"
+        self.streams = dict(STREAMS)  # what streams send, per path ("chat": the default)
         self.release = asyncio.Event()
         self.requests: list[tuple[str, dict[str, str], bytes]] = []  # completions only
         self.url = ""
@@ -115,7 +116,7 @@ class FakeBackend:
             await resp.prepare(request)
             # each endpoint's own stream format (the proxy assembles non-streamed answers
             # from them); llama-native streams end with stop:true, not [DONE]
-            chunks: tuple[dict[str, Any], ...] = STREAMS.get(request.path, STREAMS["chat"])
+            chunks = self.streams.get(request.path, self.streams["chat"])
             for i, chunk in enumerate(chunks):
                 if self.mode == "error-event" and i == len(chunks) - 1:
                     chunk = {"error": {"code": 500, "message": "boom", "type": "server_error"}}

@@ -283,6 +283,50 @@ async def test_client_leaving_a_request_its_backend_runs_on_keeps_the_slot_busy(
         assert not slot["busy"] and slot["tokens"] > 0, slot
 
 
+_FINISH = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+MALFORMED_STREAMS: dict[str, tuple[dict[str, Any], ...]] = {
+    "tool_index_list": ({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": [1], "id": "t", "function": {"name": "f", "arguments": "{}"}}]}}]},
+        _FINISH),
+    "tool_calls_int": ({"choices": [{"index": 0, "delta": {"tool_calls": 5}}]}, _FINISH),
+    "tool_name_int": ({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": 5, "function": {"name": 7, "arguments": 9}}]}}]}, _FINISH),
+    "bad_timings": ({"choices": [{"index": 0, "delta": {"content": "ok"}}]},
+                    {**_FINISH, "id_slot": -3, "timings": {
+                        "cache_n": -5, "prompt_n": 2**40, "prompt_ms": -1.0,
+                        "predicted_n": "x", "predicted_ms": float("nan")},
+                     "usage": {"prompt_tokens_details": {"cached_tokens": -1}}}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED_STREAMS))
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_malformed_stream_from_an_external_backend_is_relayed_safely(
+        demo_model: Path, tmp_path: Path, name: str, path: str) -> None:
+    """An external backend may send anything: the client's stream still ends as its API
+    says, the metrics take no nonsense, the router lets go of the request."""
+    async with fake_behind_proxy(tmp_path, demo_model, "ok") as (fake, client):
+        fake.streams["chat"] = MALFORMED_STREAMS[name]
+        body = {**chat_body(230), "stream": True}
+        if path == "/v1/messages":
+            body = {"model": "m", "max_tokens": 8, "stream": True,
+                    "messages": body["messages"]}
+        async with client.post(path, json=body, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            assert r.status == 200
+            text = await r.text()
+        end = "event: message_stop" if path == "/v1/messages" else "data: [DONE]"
+        assert end in text, text
+        assert "internal error" not in text and '"name":7' not in text
+        router = client.server.app[ROUTER]
+        await until(lambda: router.snapshot()["inflight"] == 0, 5, 0.02)
+        assert router.snapshot()["backends"]["f"]["prefill_tps"] > 0
+        async with client.get("/metrics") as m:
+            metrics = await m.text()
+        assert m.status == 200 and not re.search(r"cached_tokens_total\{[^}]*\} -", metrics)
+        async with client.post(path, json={**body, "stream": False}) as r:  # still routed
+            assert r.status == 200
+
+
 async def test_stale_keep_alive_connection_is_retried_on_the_same_backend(
         demo_model: Path, tmp_path: Path) -> None:
     """llama-server closes idle keep-alive connections after 5 s; one closed just as the
