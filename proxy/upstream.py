@@ -169,6 +169,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self._paused = False
+        self._interim = False  # parsing a 1xx answer: the real one follows it
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -217,7 +218,13 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         r = self.response
         assert r is not None
-        r.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            # 100 Continue, 103 Early Hints: informational, the answer comes after it
+            self._interim = True
+            r.headers.clear()
+            return
+        r.status = status
         r._head = True
         r._wake()
 
@@ -234,6 +241,9 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         r = self.response
         assert r is not None
+        if self._interim:
+            self._interim = False
+            return
         r._keep_alive = self.parser.should_keep_alive()
         r._done = True
         r._wake()

@@ -269,6 +269,32 @@ async def test_bytes_past_the_answer_spoil_the_connection() -> None:
     await up.close()
 
 
+async def test_informational_answers_before_the_answer_are_skipped() -> None:
+    """1xx answers (100 Continue, 103 Early Hints) precede the real one: taken for it,
+    the request got a header-only "answer" and the real one spoiled the connection."""
+    async def hints(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_head(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\n"
+                         b"Link: </x>\r\n\r\n")
+            await writer.drain()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                         b"Content-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    up = Upstream()
+    async with raw_server(hints) as url:
+        for _ in range(2):  # and the connection is reused
+            r = await up.request("POST", url, "/x", b"{}", {})
+            assert r.status == 200 and "link" not in r.headers
+            assert await r.read() == b"ok"
+            r.release()
+    await up.close()
+
+
 async def test_endless_answer_head_is_cut() -> None:
     async def headers_forever(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                               ) -> None:
