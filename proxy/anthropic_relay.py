@@ -158,11 +158,14 @@ class AnthropicRelay(AnthropicErrors):
         text = msg.get("content")
         if isinstance(text, str) and text:
             content.append({"type": "text", "text": text})
-        for call in msg.get("tool_calls") or ():
-            fn = call.get("function") or {}
-            content.append({"type": "tool_use", "id": call.get("id", ""),
-                            "name": fn.get("name", ""),
-                            "input": _tool_input(fn.get("arguments"))})
+        calls = msg.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                continue  # (an external backend's malformed call)
+            cid = call.get("id")
+            content.append({"type": "tool_use", "id": cid if isinstance(cid, str) else "",
+                            "name": fn["name"], "input": _tool_input(fn.get("arguments"))})
         cached, prompt = _cached_and_prompt(obj)
         usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
         output = usage.get("completion_tokens")

@@ -39,6 +39,7 @@ class Outcome:
     text: list[str] = field(default_factory=list)   # generated text, in order
     tokens: list[int] | None = None     # exact generated ids, when the backend gave them
     complete: bool = False              # the backend finished the answer normally
+    errored: bool = False               # ... or its stream said why not (an error event)
     cancelled: bool = False             # the client left before the answer began
     on_first_token: Callable[[], None] | None = None  # called once, with the first text
 

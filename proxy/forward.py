@@ -161,7 +161,7 @@ async def send(client: Upstream, request: web.Request, target: Target,
                 if settle is not None:
                     target = await settle(target)
                 outcome.status = upstream.status
-                ctype = upstream.headers.get("content-type", "application/json")
+                ctype = upstream.headers.get("content-type", "application/json").lower()
                 if upstream.status < 400 and ctype.startswith("text/event-stream"):
                     events = _events(upstream)
                     if assemble is not None:
@@ -191,7 +191,10 @@ async def send(client: Upstream, request: web.Request, target: Target,
     elif upstream.status >= 400:
         data = relay.error(upstream.status, data) or data
     elif ctype.startswith("application/json"):  # (also a backend that ignored "stream")
-        data = _absorb_body(data, outcome, relay)
+        absorbed = _absorb_body(data, outcome, relay)
+        if absorbed is None:  # a broken (external) backend: retried elsewhere
+            raise UpstreamError(f"backend {name} answered with a body that is not JSON")
+        data = absorbed
     resp = web.Response(status=outcome.status, body=data, headers=target.headers(),
                         content_type=ctype.split(";")[0].strip())
     # Written here, not by aiohttp after the handler returns: the client has its answer
@@ -208,11 +211,12 @@ def _close(upstream: Response | None) -> None:
         upstream.close()
 
 
-def _absorb_body(data: bytes, outcome: Outcome, relay: Relay) -> bytes:
+def _absorb_body(data: bytes, outcome: Outcome, relay: Relay) -> bytes | None:
+    """The client's bytes for a JSON answer `data`; None if `data` is not JSON."""
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return data
+        return None
     outcome.absorb(obj, final=True)
     outcome.complete = True
     if isinstance(obj, dict):
@@ -302,9 +306,18 @@ async def _relay_stream(request: web.Request, upstream: Response,
         for chunk in first:
             await resp.write(chunk)
         async for ev in events:
+            if outcome.complete:
+                continue  # past the end ([DONE] again, stray events): read, not relayed
             # forward each event whole, as soon as it is complete
             for chunk in _translate_event(ev, outcome, relay, strip_usage):
                 await resp.write(chunk)
+        if not outcome.complete and not outcome.errored:
+            # ended without its end: the client must not take it for a whole answer
+            err = UpstreamError(f"backend {target.info.name} ended its stream before the "
+                                "answer did")
+            if health is not None:
+                health.failed(target.info.name, err.message)
+            await resp.write(sse_error_event(err, relay.error_format))
     except _CLIENT_GONE:
         upstream.close()
         return resp  # the client left; outcome.complete stays False -> abort
@@ -360,6 +373,7 @@ def _translate_event(lines: list[bytes], outcome: Outcome, relay: Relay,
         return (raw + b"\n",)
     if "error" in obj:
         outcome.complete = False
+        outcome.errored = True
     outcome.absorb(obj)
     if obj.get("stop") is True:  # llama-native streams end with stop:true, no [DONE]
         outcome.complete = True

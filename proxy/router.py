@@ -321,6 +321,7 @@ class Router(QueuedRequests):
         """The request finished: its slot is free and holds prompt + output. Returns the
         queued requests handed a slot as a result (oldest first)."""
         self._apply_unplaced()
+        out = to_token_bytes(output_tokens)  # (before the record goes: this may raise)
         f = self._inflight.pop(decision.request_id, None)
         st = self._backends.get(decision.backend)
         if f is None or st is None:
@@ -332,7 +333,6 @@ class Router(QueuedRequests):
         self.completed += 1
         if reported_cached is not None and reported_cached != decision.predicted_cached:
             self.mispredictions += 1
-        out = to_token_bytes(output_tokens)
         cache = st.cache
         slot = f.slot
         if slot is None:

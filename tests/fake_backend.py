@@ -50,6 +50,8 @@ class FakeBackend:
         self.model, self.n_ctx, self.slots, self.api_key = model, n_ctx, slots, api_key
         self.mode = "ok"
         self.streams = dict(STREAMS)  # what streams send, per path ("chat": the default)
+        self.done_events = 1  # [DONE] events that end an OpenAI stream (0: none)
+        self.answer: bytes | None = None  # the non-streamed answer's body (None: ANSWER)
         self.release = asyncio.Event()
         self.requests: list[tuple[str, dict[str, str], bytes]] = []  # completions only
         self.url = ""
@@ -122,8 +124,10 @@ class FakeBackend:
                     chunk = {"error": {"code": 500, "message": "boom", "type": "server_error"}}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if request.path != "/completion":
-                await resp.write(b"data: [DONE]\n\n")
+                await resp.write(b"data: [DONE]\n\n" * self.done_events)
             if self.mode == "linger":
                 await self.release.wait()
             return resp
+        if self.answer is not None:
+            return web.Response(body=self.answer, content_type="application/json")
         return web.json_response(ANSWER)

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
-from fake_backend import FakeBackend
+from fake_backend import ANSWER, FakeBackend
 from proxy_client import proxy
 
 from backends.binary import cache_dir
@@ -325,6 +325,50 @@ async def test_malformed_stream_from_an_external_backend_is_relayed_safely(
         assert m.status == 200 and not re.search(r"cached_tokens_total\{[^}]*\} -", metrics)
         async with client.post(path, json={**body, "stream": False}) as r:  # still routed
             assert r.status == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_stream_ending_without_its_end_ends_with_an_error_and_once(
+        demo_model: Path, tmp_path: Path, path: str) -> None:
+    """A stream cut short by a clean close is not a whole answer: the client gets an
+    error event (it ended silently). And an end sent twice is relayed once (Anthropic
+    clients got message_stop twice)."""
+    body: dict[str, Any] = {**chat_body(240), "stream": True}
+    if path == "/v1/messages":
+        body = {"model": "m", "max_tokens": 8, "stream": True, "messages": body["messages"]}
+    end = "event: message_stop" if path == "/v1/messages" else "data: [DONE]"
+    async with fake_behind_proxy(tmp_path, demo_model, "ok") as (fake, client):
+        fake.done_events = 2
+        async with client.post(path, json=body) as r:
+            text = await r.text()
+        assert text.count(end) == 1 and "error" not in text, text
+        fake.done_events = 0
+        async with client.post(path, json=body) as r:
+            assert r.status == 200
+            text = await r.text()
+        assert end not in text and "ended its stream before the answer did" in text, text
+        assert ("event: error" if path == "/v1/messages" else 'data: {"error"') in text
+
+
+async def test_malformed_non_streamed_answers_are_errors_not_relayed(
+        demo_model: Path, tmp_path: Path) -> None:
+    """A body that is not JSON went to the client as a 200 (to Anthropic clients too); a
+    malformed tool call in a non-streamed answer was a 500 and a traceback."""
+    async with fake_behind_proxy(tmp_path, demo_model, "ok") as (fake, client):
+        fake.answer = b"<html>not json"
+        async with client.post("/v1/chat/completions", json=chat_body(250)) as r:
+            assert r.status == 502, await r.text()
+        bad_calls = {**ANSWER, "choices": [{"index": 0, "finish_reason": "tool_calls",
+                                            "message": {"role": "assistant", "tool_calls": [
+                                                5, {"function": "f"}, {"function": {
+                                                    "name": "ok", "arguments": "{}"}}]}}]}
+        fake.answer = json.dumps(bad_calls).encode()
+        await until(lambda: client.server.app[HEALTH].state("f")["breaker"] == "closed", 10)
+        body = {"model": "m", "max_tokens": 8, "messages": chat_body(251)["messages"]}
+        async with client.post("/v1/messages", json=body) as r:
+            assert r.status == 200, await r.text()
+            content = (await r.json())["content"]
+        assert [c["name"] for c in content if c["type"] == "tool_use"] == ["ok"]
 
 
 async def test_stale_keep_alive_connection_is_retried_on_the_same_backend(
