@@ -36,9 +36,14 @@ from proxy.errors import (
 from proxy.feedback import Outcome
 from proxy.health import BackendHealth
 from proxy.logging import get_logger
-from proxy.upstream import Response, TransportError, Upstream
+from proxy.upstream import ConnectionDropped, Response, TransportError, Upstream
 
 JSON = dict[str, Any]
+
+# One SSE event from a backend: llama-server's are a few KB (a token, a tool call's
+# argument delta, the final timings); a bound keeps a broken backend's endless line from
+# growing the proxy's memory without end.
+MAX_EVENT_BYTES = 16 << 20
 
 # Client errors writing to a peer that went away; the upstream request is then dropped
 # (leaving `async with` closes its connection, which makes llama-server cancel the task).
@@ -266,20 +271,32 @@ def _answer(obj: JSON, outcome: Outcome, relay: Relay) -> bytes:
 
 async def _events(upstream: Response) -> AsyncIterator[list[bytes]]:
     """The upstream's SSE events, each as its lines, "\n" kept (a blank line ends an
-    event)."""
+    event). An event over MAX_EVENT_BYTES is a broken backend (ConnectionDropped)."""
     event: list[bytes] = []
-    tail = b""
+    size = 0  # bytes of `event` and `tail`
+    tail = bytearray()  # an unfinished line: grown in place, not rejoined per chunk
     async for chunk in upstream.chunks():
-        lines = (tail + chunk if tail else chunk).split(b"\n")
-        tail = lines.pop()  # the part after the last "\n": an unfinished line
+        size += len(chunk)
+        if size > MAX_EVENT_BYTES:
+            raise ConnectionDropped(f"an event of the stream is over {MAX_EVENT_BYTES} bytes")
+        if b"\n" not in chunk:
+            tail += chunk
+            continue
+        if tail:
+            tail += chunk
+            lines = bytes(tail).split(b"\n")
+        else:
+            lines = chunk.split(b"\n")
+        tail = bytearray(lines.pop())  # the part after the last "\n"
         for line in lines:
             if line.strip():
                 event.append(line + b"\n")
             elif event:
                 yield event
                 event = []
+        size = len(tail) + sum(map(len, event))
     if tail.strip():
-        event.append(tail)
+        event.append(bytes(tail))
     if event:
         yield event
 

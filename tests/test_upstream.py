@@ -343,3 +343,31 @@ async def test_sse_events_split_anywhere_come_out_whole() -> None:
     assert [e for e, _ in got] == [b'data: {"a": 1}\n', b"data: x\r\n",
                                    b"id: 7\ndata: y\n", b"data: [DONE]"]
     assert [late for _, late in got] == [False, False, False, True]  # none held back
+
+
+async def test_endless_sse_line_is_cut_at_the_event_bound() -> None:
+    """A broken backend's line that never ends (or one in \\r line ends only) was
+    buffered without bound and rejoined with every chunk (50 MB: 9 s, +260 MB)."""
+    from proxy.forward import MAX_EVENT_BYTES, _events
+
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+                     b"data: ok\n\ndata: ")
+        piece = b"x" * (1 << 20)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(MAX_EVENT_BYTES // len(piece) + 8):
+                writer.write(piece)
+                await writer.drain()
+
+    up = Upstream()
+    async with raw_server(endless) as url:
+        r = await up.request("POST", url, "/x", b"{}", {})
+        got = []
+        with pytest.raises(ConnectionDropped, match="over"):
+            async for event in _events(r):
+                got.append(b"".join(event))
+        r.close()
+    await up.close()
+    assert got == [b"data: ok\n"]  # what came before it was relayed
+
