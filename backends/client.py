@@ -15,6 +15,10 @@ from typing import Any
 
 import aiohttp
 
+# What a /props may say: beyond these it is a broken (external) backend, not a server
+MAX_SLOTS = 4096
+MAX_SLOT_CTX = 1 << 24  # tokens per slot (the largest models' context is ~10^6-10^7)
+
 
 @dataclass(frozen=True)
 class BackendDown:
@@ -113,17 +117,23 @@ class BackendClient:
         if isinstance(data, BackendDown | BadResponse):
             return data
         try:
+            slots = int(data["total_slots"])
+            ctx = int(data["default_generation_settings"]["n_ctx"])
+            # NOTE: an external backend may say anything: one claiming 10^12 tokens per
+            # slot would lift the proxy's context check for all (it takes the largest)
+            if not (0 < slots <= MAX_SLOTS and 0 < ctx <= MAX_SLOT_CTX):
+                raise ValueError(f"total_slots {slots} or n_ctx {ctx} out of range")
             return Props(
-                total_slots=int(data["total_slots"]),
-                slot_ctx=int(data["default_generation_settings"]["n_ctx"]),
+                total_slots=slots,
+                slot_ctx=ctx,
                 model_alias=str(data.get("model_alias", "")),
                 model_path=str(data.get("model_path", "")),
                 build_info=str(data.get("build_info", "")),
                 chat_template=str(data.get("chat_template", "")),
                 raw=data,
             )
-        except (KeyError, TypeError, ValueError):
-            return BadResponse(self.url, 200, str(data)[:500])
+        except (KeyError, TypeError, ValueError) as e:
+            return BadResponse(self.url, 200, f"{type(e).__name__} {e}: {str(data)[:400]}")
 
     async def slots(self) -> list[SlotState] | Failure:
         data = await self._json("GET", "/slots")

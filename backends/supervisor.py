@@ -31,7 +31,7 @@ import aiohttp
 import structlog
 
 from backends.binary import find_llama_server
-from backends.client import BackendClient, Health, Props
+from backends.client import BackendClient, BadResponse, Health, Props
 from backends.demo_model import gguf_kv_bytes_per_token
 from backends.process import Failed, LlamaServerProcess, ServerSpec, free_port
 from proxy.config import Config, ExternalBackendConfig, ManagedBackendConfig
@@ -317,7 +317,10 @@ class Supervisor:
                     self._set(b, "ready")
                     self._notify(cfg.name, b.info)
                 else:
-                    error = f"/props: {props} (fix: check api_key)"
+                    # (a 401 when the key is wrong; a 200 of another shape: not a server)
+                    key = isinstance(props, BadResponse) and props.status in (401, 403)
+                    hint = "check api_key" if key else "is it a llama-server?"
+                    error = f"/props: {props} (fix: {hint})"
             if error is not None:
                 if b.info is not None:
                     b.info = None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from fake_backend import FakeBackend
 from procs import gone
 
 from backends.client import BackendClient, BackendDown, Health, Props
@@ -111,6 +112,28 @@ async def test_stop_kills_every_process_group(backend_pool: PoolFactory) -> None
         assert pid is not None and gone(pid) and not group_members(pid)
     assert sup.statuses()[0]["state"] == "stopped"
     await sup.stop()  # idempotent
+
+
+@pytest.mark.parametrize("n_ctx", [0, -5, 10**12])
+async def test_external_backend_with_nonsense_props_is_not_routed(
+        pool_config: Callable[..., Config], n_ctx: int) -> None:
+    # one claiming 10^12 tokens per slot lifted the proxy's context check for every
+    # backend (it takes the largest); 0 rejected every request
+    fake = FakeBackend(n_ctx=n_ctx)
+    await fake.start()
+    base = pool_config(n=1)
+    cfg = Config(proxy=base.proxy, routing=RoutingConfig(), llama_server=base.llama_server,
+                 cache_dir=base.cache_dir, log_dir=base.log_dir, supervision=base.supervision,
+                 backends=(ExternalBackendConfig(name="odd", url=fake.url),))
+    sup = Supervisor(cfg)
+    try:
+        await sup.start()
+        st = sup.statuses()[0]
+        assert sup.ready() == [] and st["healthy"] is False, st
+        assert "out of range" in str(st["last_error"]), st
+    finally:
+        await sup.stop()
+        await fake.stop()
 
 
 async def test_external_backend_down_is_not_fatal(
