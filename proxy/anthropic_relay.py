@@ -132,6 +132,8 @@ class AnthropicRelay(AnthropicErrors):
     One instance per request: the stream translation is stateful.
     """
 
+    translates_events = True
+
     def __init__(self, model: str = "") -> None:
         self.model = model        # fallback when the upstream names none
         self.started = False      # message_start sent

@@ -32,9 +32,11 @@ from backends.supervisor import BackendInfo, Supervisor
 from proxy.admission import Admission, Refused
 from proxy.config import Config, ManagedBackendConfig
 from proxy.errors import (
+    RESPONSE_STARTED,
     Overloaded,
     ProxyError,
     Unauthorized,
+    end_started,
     error_response,
     format_for_path,
     from_http_exception,
@@ -274,21 +276,26 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
 
 @web.middleware
 async def _errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure leaves as a JSON error in the API's format, never a traceback."""
+    """Every failure leaves as a JSON error in the API's format, never a traceback; one
+    after the response began ends that response (see `end_started`)."""
     fmt = format_for_path(request.path)
     try:
         return await handler(request)
     except ProxyError as e:
-        return error_response(e, fmt)
+        err = e
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_response(from_http_exception(e), fmt)
+        err = from_http_exception(e)
     except asyncio.CancelledError:
         raise
     except Exception:
         get_logger().exception("unhandled", path=request.path)
-        return error_response(ProxyError("internal error"), fmt)
+        err = ProxyError("internal error")
+    started = request.get(RESPONSE_STARTED)
+    if started is not None:
+        return await end_started(started, err, fmt)
+    return error_response(err, fmt)
 
 
 _OPEN_PATHS = frozenset({"/health"})

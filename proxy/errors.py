@@ -21,6 +21,7 @@ shape ``{"error": {"message", "type", "code"}}`` today; the Anthropic endpoints
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 from collections.abc import Callable
@@ -171,6 +172,24 @@ def error_response(err: ProxyError, fmt: ErrorFormat = ErrorFormat.OPENAI) -> we
                         content_type="application/json", headers=headers)
     if err.close:
         resp.force_close()
+    return resp
+
+
+# The response a handler has begun to write (its headers may be gone): set before its
+# `prepare`, so that a failure after it ends that response instead of writing a second
+# one into the same connection.
+RESPONSE_STARTED = web.RequestKey("kvroute_response_started", web.StreamResponse)
+
+
+async def end_started(resp: web.StreamResponse, err: ProxyError,
+                      fmt: ErrorFormat) -> web.StreamResponse:
+    """End `resp`, begun before `err` happened: an event stream gets an error event (so
+    the client does not take what it has for a whole answer). The framing stays whole
+    (aiohttp ends the chunked body), so the connection can serve the next request."""
+    if resp.content_type == "text/event-stream":
+        # RuntimeError: the stream was already ended; OSError: the client left
+        with contextlib.suppress(RuntimeError, OSError):
+            await resp.write(sse_error_event(err, fmt))
     return resp
 
 

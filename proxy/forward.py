@@ -28,6 +28,7 @@ from aiohttp import web
 from backends.supervisor import BackendInfo
 from proxy.assemble import Assembler
 from proxy.errors import (
+    RESPONSE_STARTED,
     ErrorFormat,
     UpstreamError,
     UpstreamTimeout,
@@ -75,6 +76,9 @@ class Relay:
     """
 
     error_format: ErrorFormat = ErrorFormat.OPENAI
+    # True when `event` writes the client's stream in another API's shape: an upstream
+    # event it cannot read is then dropped, not relayed raw into that stream
+    translates_events: bool = False
 
     def body(self, obj: JSON) -> JSON | None:
         """A complete (non-streaming) 2xx upstream body."""
@@ -194,17 +198,21 @@ async def send(client: Upstream, request: web.Request, target: Target,
     if assembled:
         pass  # already read, fed to `outcome` and translated
     elif upstream.status >= 400:
-        data = relay.error(upstream.status, data) or data
-    elif ctype.startswith("application/json"):  # (also a backend that ignored "stream")
+        translated = relay.error(upstream.status, data)
+        if translated is not None:
+            data, ctype = translated, "application/json"
+    elif ctype.startswith("application/json") or relay.translates_events:
+        # (also a backend that ignored "stream"; a translated answer must be JSON)
         absorbed = _absorb_body(data, outcome, relay)
         if absorbed is None:  # a broken (external) backend: retried elsewhere
             raise UpstreamError(f"backend {name} answered with a body that is not JSON")
-        data = absorbed
+        data, ctype = absorbed, "application/json"
     resp = web.Response(status=outcome.status, body=data, headers=target.headers(),
                         content_type=ctype.split(";")[0].strip())
     # Written here, not by aiohttp after the handler returns: the client has its answer
     # before the caller's feedback work (tree update, output tokens, log line, metrics)
     # runs, which takes that work off the request's latency.
+    request[RESPONSE_STARTED] = resp
     with contextlib.suppress(*_CLIENT_GONE):
         await resp.prepare(request)
         await resp.write_eof()
@@ -318,6 +326,7 @@ async def _relay_stream(request: web.Request, upstream: Response,
     resp = web.StreamResponse(status=upstream.status, headers={
         **target.headers(), "Content-Type": "text/event-stream",
         "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    request[RESPONSE_STARTED] = resp
     try:
         await resp.prepare(request)
         for chunk in first:
@@ -385,9 +394,9 @@ def _translate_event(lines: list[bytes], outcome: Outcome, relay: Relay,
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return (raw + b"\n",)
+        obj = None
     if not isinstance(obj, dict):
-        return (raw + b"\n",)
+        return () if relay.translates_events else (raw + b"\n",)
     if "error" in obj:
         outcome.complete = False
         outcome.errored = True

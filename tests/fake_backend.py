@@ -31,7 +31,7 @@ ANSWER: dict[str, Any] = {
                 "predicted_ms": 1.0},
 }
 _TIMINGS = ANSWER["timings"]
-STREAMS: dict[str, tuple[dict[str, Any], ...]] = {
+STREAMS: dict[str, tuple[dict[str, Any] | bytes, ...]] = {
     "chat": ({"choices": [{"index": 0, "delta": {"content": "ok"}}]},
              {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
               "timings": _TIMINGS}),
@@ -52,6 +52,7 @@ class FakeBackend:
         self.streams = dict(STREAMS)  # what streams send, per path ("chat": the default)
         self.done_events = 1  # [DONE] events that end an OpenAI stream (0: none)
         self.answer: bytes | None = None  # the non-streamed answer's body (None: ANSWER)
+        self.answer_status, self.answer_type = 200, "application/json"  # ... and its head
         self.release = asyncio.Event()
         self.requests: list[tuple[str, dict[str, str], bytes]] = []  # completions only
         self.url = ""
@@ -122,12 +123,15 @@ class FakeBackend:
             for i, chunk in enumerate(chunks):
                 if self.mode == "error-event" and i == len(chunks) - 1:
                     chunk = {"error": {"code": 500, "message": "boom", "type": "server_error"}}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                # bytes: an event's raw data, as a broken backend may send it
+                data = chunk if isinstance(chunk, bytes) else json.dumps(chunk).encode()
+                await resp.write(b"data: " + data + b"\n\n")
             if request.path != "/completion":
                 await resp.write(b"data: [DONE]\n\n" * self.done_events)
             if self.mode == "linger":
                 await self.release.wait()
             return resp
         if self.answer is not None:
-            return web.Response(body=self.answer, content_type="application/json")
+            return web.Response(body=self.answer, status=self.answer_status,
+                                content_type=self.answer_type)
         return web.json_response(ANSWER)

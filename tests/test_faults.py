@@ -284,7 +284,9 @@ async def test_client_leaving_a_request_its_backend_runs_on_keeps_the_slot_busy(
 
 
 _FINISH = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
-MALFORMED_STREAMS: dict[str, tuple[dict[str, Any], ...]] = {
+MALFORMED_STREAMS: dict[str, tuple[dict[str, Any] | bytes, ...]] = {
+    "not_json": (b"<html>", b"[1, 2]", {"choices": [{"index": 0, "delta": {"content": "ok"}}]},
+                 _FINISH),
     "tool_index_list": ({"choices": [{"index": 0, "delta": {"tool_calls": [
         {"index": [1], "id": "t", "function": {"name": "f", "arguments": "{}"}}]}}]},
         _FINISH),
@@ -317,6 +319,8 @@ async def test_malformed_stream_from_an_external_backend_is_relayed_safely(
         end = "event: message_stop" if path == "/v1/messages" else "data: [DONE]"
         assert end in text, text
         assert "internal error" not in text and '"name":7' not in text
+        if path == "/v1/messages":  # every event is Anthropic's, none relayed raw
+            assert "<html>" not in text and "[1, 2]" not in text and "choices" not in text
         router = client.server.app[ROUTER]
         await until(lambda: router.snapshot()["inflight"] == 0, 5, 0.02)
         assert router.snapshot()["backends"]["f"]["prefill_tps"] > 0
@@ -358,6 +362,19 @@ async def test_malformed_non_streamed_answers_are_errors_not_relayed(
         fake.answer = b"<html>not json"
         async with client.post("/v1/chat/completions", json=chat_body(250)) as r:
             assert r.status == 502, await r.text()
+        fake.answer_type = "text/plain"  # nor to an Anthropic client, whatever its label
+        await until(lambda: client.server.app[HEALTH].state("f")["breaker"] == "closed", 10)
+        messages = {"model": "m", "max_tokens": 8, "messages": chat_body(252)["messages"]}
+        async with client.post("/v1/messages", json=messages) as r:
+            assert r.status == 502 and (await r.json())["type"] == "error", await r.text()
+        # an error answer translated to Anthropic's format is labelled JSON, as it is
+        fake.answer, fake.answer_status = b"data: overloaded", 503
+        fake.answer_type = "text/event-stream"
+        await until(lambda: client.server.app[HEALTH].state("f")["breaker"] == "closed", 10)
+        async with client.post("/v1/messages", json=messages) as r:
+            assert r.status == 503 and r.content_type == "application/json"
+            assert (await r.json())["type"] == "error"
+        fake.answer_status, fake.answer_type = 200, "application/json"
         bad_calls = {**ANSWER, "choices": [{"index": 0, "finish_reason": "tool_calls",
                                             "message": {"role": "assistant", "tool_calls": [
                                                 5, {"function": "f"}, {"function": {

@@ -114,3 +114,43 @@ async def test_status_without_backends(client: TestClient[Any, Any]) -> None:
         data = await r.json()
     assert data["policy"] == "prefix" and data["tokenizer"] == "local"
     assert [b["healthy"] for b in data["backends"]] == [False]
+
+
+async def test_failure_after_the_answer_began_ends_it(
+        pool_config: Callable[..., Config]) -> None:
+    """A handler failing after its response began must not write a second response
+    into the connection (it did: a 500 JSON inside the event stream, the chunked
+    framing broken): a stream ends with an error event in the API's format."""
+    from aiohttp import web
+
+    from proxy.errors import RESPONSE_STARTED
+
+    async def stream_then_fail(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        request[RESPONSE_STARTED] = resp
+        await resp.prepare(request)
+        await resp.write(b"data: {}\n\n")
+        raise RuntimeError("a bug after the first event")
+
+    async def answer_then_fail(request: web.Request) -> web.StreamResponse:
+        resp = web.Response(body=b'{"ok": true}', content_type="application/json")
+        request[RESPONSE_STARTED] = resp
+        await resp.prepare(request)
+        await resp.write_eof()
+        raise RuntimeError("a bug in the work after the answer")
+
+    cfg = pool_config(n=1)
+    app = create_app(cfg, Supervisor(cfg), ProxySettings())
+    app.router.add_post("/v1/messages/test-stream", stream_then_fail)
+    app.router.add_post("/v1/chat/test-answer", answer_then_fail)
+    async with TestClient(TestServer(app)) as c:
+        r = await c.post("/v1/messages/test-stream", json={})
+        assert r.status == 200
+        body = await r.read()  # a broken chunked framing would raise here
+        assert body.startswith(b"data: {}\n\n")
+        event = body[len(b"data: {}\n\n"):]
+        assert event.startswith(b"event: error\ndata: ")
+        assert b'"type": "error"' in event and b"HTTP/1.1" not in body
+        r = await c.post("/v1/chat/test-answer", json={})
+        assert r.status == 200 and await r.json() == {"ok": True}
+        assert (await c.get("/health")).status in (200, 503)  # still serving
