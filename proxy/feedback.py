@@ -173,9 +173,15 @@ class Recorder:
     def begin(self, backend: str) -> None:
         self.metrics.child(self.metrics.in_flight, backend).inc()
 
+    def backend_done(self, backend: str) -> None:
+        """The backend is done with a request `end` was told it still works on."""
+        self.metrics.child(self.metrics.in_flight, backend).dec()
+
     def end(self, endpoint: str, decision: Decision, outcome: Outcome, started: float, *,
-            stream: bool) -> None:
-        """Called exactly once per `begin`, from a `finally`: must not raise."""
+            stream: bool, backend_busy: bool = False) -> None:
+        """Called exactly once per `begin`, from a `finally`: must not raise.
+        `backend_busy`: the client left, the backend still works on it (the in-flight
+        gauge then waits for `backend_done`)."""
         m = self.metrics
         backend = decision.backend
         latency = time.perf_counter() - started
@@ -183,7 +189,8 @@ class Recorder:
             "cancelled" if outcome.cancelled else "error"
         if outcome.status and not outcome.complete and outcome.status < 400:
             status = "incomplete"  # client left or the stream broke
-        m.child(m.in_flight, backend).dec()
+        if not backend_busy:
+            m.child(m.in_flight, backend).dec()
         m.child(m.requests, endpoint, backend, status).inc()
         m.child(m.latency, endpoint).observe(latency)
         ttft = outcome.ttft

@@ -225,6 +225,7 @@ class Forwarder:
             if not task.cancelled():
                 task.exception()  # retrieved: a failure there is only the abort below
             feedback()
+            self.recorder.backend_done(info.name)
 
         detached: asyncio.Future[web.StreamResponse] | None = None
         self.recorder.begin(info.name)
@@ -263,7 +264,8 @@ class Forwarder:
             else:
                 detached.add_done_callback(feedback_when_done)
             self.recorder.end(endpoint, decision, outcome, started,
-                              stream=body.get("stream") is True)
+                              stream=body.get("stream") is True,
+                              backend_busy=detached is not None)
 
     def _complete(self, decision: Decision, outcome: Outcome) -> None:
         output = held_output(outcome, self._tokenize_output)

@@ -275,12 +275,15 @@ async def test_client_leaving_a_request_its_backend_runs_on_keeps_the_slot_busy(
         snap = router.snapshot()
         assert snap["inflight"] == 1 and snap["backends"]["f"]["slots"][0]["busy"], snap
         async with client.get("/metrics") as m:  # the client's request: over, cancelled
-            assert re.search(r'kvroute_requests_total\{[^}]*status="cancelled"\} 1\.0',
-                             await m.text())
+            text = await m.text()  # ... but the backend's work is not
+        assert re.search(r'kvroute_requests_total\{[^}]*status="cancelled"\} 1\.0', text)
+        assert 'kvroute_in_flight{backend="f"} 1.0' in text, text
         fake.release.set()  # the backend finishes: the slot is free and holds the prompt
         await until(lambda: router.completed == 1, 5, 0.02)
         slot = router.snapshot()["backends"]["f"]["slots"][0]
         assert not slot["busy"] and slot["tokens"] > 0, slot
+        async with client.get("/metrics") as m:
+            assert 'kvroute_in_flight{backend="f"} 0.0' in await m.text()
 
 
 _FINISH = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
