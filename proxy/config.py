@@ -175,6 +175,7 @@ def _backend(raw: object, i: int, base: Path, demo: Path, allow_missing_demo: bo
 
 
 # proxy: keys that are not ProxySettings knobs, or not plain scalars
+_HEALTH_ZERO_OFF = frozenset({"stall_timeout_s"})
 _PROXY_OWN = ("host", "port", "policy", "api_keys", "health", "tokenizer")
 # Client API keys may come from the environment, so they need not sit in a file.
 API_KEYS_ENV = "KVROUTE_API_KEYS"
@@ -186,7 +187,13 @@ def _proxy_settings(sec: _Section, base: Path) -> ProxySettings:
     keys = list(sec.get_str_list("api_keys"))
     keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     health_raw = _Section(sec._get("health"), "proxy.health.")
-    health = HealthSettings(**_knobs(health_raw.raw, "proxy.health.", HealthSettings()))
+    health_knobs = _knobs(health_raw.raw, "proxy.health.", HealthSettings())
+    for key, value in health_knobs.items():  # (0 would make the prober spin)
+        if value < 0 or (value == 0 and key not in _HEALTH_ZERO_OFF):
+            off = " (or 0: off)" if key in _HEALTH_ZERO_OFF else ""
+            raise ConfigError(f"proxy.health.{key}: expected a positive number{off}, got "
+                              f"{value!r} (fix: e.g. {key}: {getattr(HealthSettings(), key)})")
+    health = HealthSettings(**health_knobs)
     tokenizer = sec.get_str("tokenizer", None, "/models/my-model.gguf")
     tok_path = _path(base, tokenizer) if tokenizer else None
     if tok_path is not None and not tok_path.is_file():

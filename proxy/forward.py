@@ -191,8 +191,9 @@ async def send(client: Upstream, request: web.Request, target: Target,
         _close(upstream)  # cancelled (client left): dropping the connection stops the task
         raise
     if upstream.status < 400 and ctype.startswith("text/event-stream"):  # not assembled
-        return await _relay_stream(request, upstream, events, first, target, outcome,
-                                   relay, strip_usage, health)
+        with health.relaying(name, upstream) if health else contextlib.nullcontext():
+            return await _relay_stream(request, upstream, events, first, target, outcome,
+                                       relay, strip_usage, health)
     upstream.release()
     outcome.finished_at = time.perf_counter()
     if assembled:

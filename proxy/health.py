@@ -16,6 +16,13 @@ answers requests. Each backend has a circuit breaker:
   `breaker_failures` consecutive failures the breaker opens. This catches a backend
   that hangs while requests wait on it: they are cut (their `asyncio.timeout` is
   rescheduled to now) and rerouted, since nothing reached their clients yet.
+- llama-server answers `/health` even when its main loop (the one that runs every slot)
+  is stuck: completions then hang behind a 200 (after a CUDA error: upstream issue
+  #13281). `/slots` is answered by that loop, between two batches. So while a backend
+  has requests under way, its `/slots` is asked every STALL_PROBE_EVERY_S; unanswered
+  within the stall bound (`stall_timeout_s`, or more on a backend whose batches are
+  slow), the breaker opens as above and the answers already flowing are cut too (they
+  end with an error event); it closes again only once `/slots` answers.
 - An open breaker is probed after a backoff (doubling when it re-trips soon after
   closing); one good probe closes it and the backend rejoins the Router fresh and empty.
 - Supervisor events win: a restarted managed backend (cb(name, info)) is a new process,
@@ -37,8 +44,16 @@ from backends.supervisor import BackendInfo
 from proxy.metrics import ProxyMetrics
 from proxy.router import BackendCapacity, Router
 from proxy.settings import HealthSettings
+from proxy.upstream import Response
 
 CLOSED, OPEN = "closed", "open"
+
+STALL_PROBE_EVERY_S = 5.0
+# A busy main loop answers /slots after the batch it decodes: up to n_batch prompt tokens
+# (llama-server's default -b). The stall bound allows STALL_BATCHES of them at the
+# backend's learned prefill rate, so that a slow (CPU) backend is not called stuck.
+N_BATCH = 2048
+STALL_BATCHES = 3
 
 
 @dataclass
@@ -55,6 +70,11 @@ class Breaker:
     trips: int = 0
     # asyncio.timeout()s of requests still waiting for their first byte from it
     waiting: set[asyncio.Timeout] = field(default_factory=set)
+    relaying: set[Response] = field(default_factory=set)  # answers flowing from it
+    stall_probe: asyncio.Task[None] | None = None
+    stall_checked_at: float = 0.0
+    stalled: bool = False             # opened as stuck: closes on /slots, not /health
+    has_slots: bool = True            # False once it answered that it has no /slots
 
 
 def capacity(info: BackendInfo) -> BackendCapacity:
@@ -110,6 +130,19 @@ class BackendHealth:
         finally:
             b.waiting.discard(timeout)
 
+    @contextlib.contextmanager
+    def relaying(self, name: str, upstream: Response) -> Iterator[None]:
+        """Register an answer being relayed from `name`: a stall cuts it."""
+        b = self.breakers.get(name)
+        if b is None:
+            yield
+            return
+        b.relaying.add(upstream)
+        try:
+            yield
+        finally:
+            b.relaying.discard(upstream)
+
     def state(self, name: str) -> dict[str, object] | None:
         b = self.breakers.get(name)
         if b is None:
@@ -122,24 +155,30 @@ class BackendHealth:
         """Probe forever (cancelled with the app)."""
         s = self.settings
         timeout = aiohttp.ClientTimeout(total=s.probe_timeout_s)
-        while True:
-            now = self._now()
-            due = [b for b in self.breakers.values() if b.state == CLOSED or now >= b.retry_at]
-            if due:
-                await asyncio.gather(*(self._probe(session, b, timeout) for b in due))
-            await asyncio.sleep(s.probe_interval_s)
+        try:
+            while True:
+                now = self._now()
+                due = [b for b in self.breakers.values()
+                       if b.state == CLOSED or now >= b.retry_at]
+                if due:
+                    await asyncio.gather(*(self._probe(session, b, timeout) for b in due))
+                for b in self.breakers.values():
+                    if self._stall_check_due(b):
+                        b.stall_probe = asyncio.create_task(self._stall_probe(session, b))
+                await asyncio.sleep(s.probe_interval_s)
+        finally:
+            for b in self.breakers.values():
+                if b.stall_probe is not None:
+                    b.stall_probe.cancel()
 
     async def _probe(self, session: aiohttp.ClientSession, b: Breaker,
                      timeout: aiohttp.ClientTimeout) -> None:
         info = b.info
-        headers = {"Authorization": f"Bearer {info.api_key}"} if info.api_key else {}
-        try:
-            async with session.get(info.url + "/health", headers=headers,
-                                   timeout=timeout) as r:
-                await r.read()
-                error = None if r.status == 200 else f"/health answered {r.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            error = f"/health: {type(e).__name__}"
+        got = await _ask(session, info, "/health", timeout)
+        error = None if got == 200 else _failed("/health", got)
+        if error is None and b.state == OPEN and b.stalled:
+            got = await _ask(session, info, "/slots", timeout)  # is its main loop back?
+            error = None if got == 200 else _failed("/slots", got) + " (was stuck)"
         if self.breakers.get(info.name) is not b:
             return  # restarted or removed while the probe ran
         if error is None:
@@ -156,6 +195,32 @@ class BackendHealth:
         if b.failures >= self.settings.breaker_failures:
             self._trip(b, f"{error} ({b.failures} probes in a row)")
 
+    def _stall_check_due(self, b: Breaker) -> bool:
+        return (self.settings.stall_timeout_s > 0 and b.state == CLOSED and b.has_slots
+                and bool(b.waiting or b.relaying)
+                and (b.stall_probe is None or b.stall_probe.done())
+                and self._now() - b.stall_checked_at
+                >= min(STALL_PROBE_EVERY_S, self.settings.stall_timeout_s))
+
+    async def _stall_probe(self, session: aiohttp.ClientSession, b: Breaker) -> None:
+        b.stall_checked_at = self._now()
+        rate = self.router.prefill_rate(b.info.name)
+        bound = self.settings.stall_timeout_s
+        if rate:
+            bound = max(bound, STALL_BATCHES * N_BATCH / rate)
+        got = await _ask(session, b.info, "/slots", aiohttp.ClientTimeout(total=bound))
+        if self.breakers.get(b.info.name) is not b or b.state != CLOSED:
+            return
+        if got in (404, 501):  # no /slots (an external backend run with --no-slots)
+            b.has_slots = False
+            self.log.info("backend.no_stall_check", backend=b.info.name, slots=got)
+        elif got == "TimeoutError" and (b.waiting or b.relaying):
+            b.stalled = True
+            self._trip(b, f"stuck: /slots unanswered for {bound:.0f} s with requests under "
+                       "way (its main loop does not run; /health may still answer)")
+            for upstream in list(b.relaying):
+                upstream.cut(f"backend {b.info.name} is stuck")
+
     # -------------------------------------------------------------------- internals
     def _trip(self, b: Breaker, reason: str) -> None:
         s, now = self.settings, self._now()
@@ -171,7 +236,7 @@ class BackendHealth:
         self._cut_waiting(b, reason)
 
     def _close(self, b: Breaker) -> None:
-        b.state, b.failures, b.closed_at = CLOSED, 0, self._now()
+        b.state, b.failures, b.closed_at, b.stalled = CLOSED, 0, self._now(), False
         self.log.info("backend.breaker_closed", backend=b.info.name)
         self._join(b.info)
 
@@ -196,3 +261,19 @@ class BackendHealth:
             if not t.expired():
                 t.reschedule(loop.time())  # the waiting request raises TimeoutError: retry
         b.waiting.clear()
+
+
+async def _ask(session: aiohttp.ClientSession, info: BackendInfo, path: str,
+               timeout: aiohttp.ClientTimeout) -> int | str:
+    """GET `path` on `info`: its status, or the name of the error that stopped it."""
+    headers = {"Authorization": f"Bearer {info.api_key}"} if info.api_key else {}
+    try:
+        async with session.get(info.url + path, headers=headers, timeout=timeout) as r:
+            await r.read()
+            return r.status
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        return type(e).__name__
+
+
+def _failed(path: str, got: int | str) -> str:
+    return f"{path} answered {got}" if isinstance(got, int) else f"{path}: {got}"

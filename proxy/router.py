@@ -396,6 +396,11 @@ class Router(QueuedRequests):
             st.cache.finish(f.slot, None, 0)
         return self._drain_queue(st, decision.backend, now)
 
+    def prefill_rate(self, backend: str) -> float | None:
+        """`backend`'s learned prefill rate (tokens/s), if it is routed."""
+        st = self._backends.get(backend)
+        return None if st is None else st.rate
+
     def snapshot(self) -> dict[str, object]:
         self._apply_unplaced()
         return {

@@ -16,6 +16,9 @@ class HealthSettings:
     breaker_failures: int = 3         # consecutive failed probes that open the breaker
     open_backoff_s: float = 0.5       # first wait before a half-open probe
     open_backoff_max_s: float = 15.0
+    # a backend with requests whose /slots (answered by its main loop between batches)
+    # is not answered for this long is stuck, whatever /health says (see proxy/health.py)
+    stall_timeout_s: float = 60.0
 
 
 

@@ -115,6 +115,12 @@ class Response:
         """Drop the connection (llama-server then cancels the request's task)."""
         self._conn.close()
 
+    def cut(self, reason: str) -> None:
+        """End this answer now: its reader gets ConnectionDropped(reason) (the backend
+        was found stuck), and the connection is dropped."""
+        self._fail(ConnectionDropped(reason))
+        self._conn.close()
+
     async def _wait(self) -> None:
         if self._exc is not None:
             raise self._exc

@@ -10,6 +10,9 @@ and for seeing exactly what reaches a backend (headers, paths, bodies).
                                 # first request on a reused connection is cut, once: a
                                 # keep-alive connection closed by the server as it came)
                                 # | error-event (streams end with an error event)
+                                # | wedged (/health answers; completions and /slots hang:
+                                # a stuck main loop) | wedged-mid (the same once a
+                                # stream's first event is out)
     fake.release.set()          # let hung requests finish
     await fake.stop()
 """
@@ -67,6 +70,7 @@ class FakeBackend:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_get("/health", self._health)
         app.router.add_get("/props", self._props)
+        app.router.add_get("/slots", self._slots)
         for path in ("/v1/chat/completions", "/v1/completions", "/completion", "/tokenize"):
             app.router.add_post(path, self._complete)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
@@ -97,6 +101,12 @@ class FakeBackend:
             "model_alias": self.model, "model_path": "fake.gguf", "build_info": "fake",
             "chat_template": ""})
 
+    async def _slots(self, _: web.Request) -> web.Response:
+        if self.mode in ("hang", "wedged", "wedged-mid"):
+            await self.release.wait()
+        return web.json_response([{"id": i, "n_ctx": self.n_ctx, "is_processing": False}
+                                  for i in range(self.slots)])
+
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         self.requests.append((request.path, dict(request.headers), raw))
@@ -108,7 +118,7 @@ class FakeBackend:
                 request.transport.close()  # the client sees the connection drop
                 raise web.HTTPInternalServerError()  # not sent: the socket is gone
             self._served.add(conn)
-        if self.mode in ("hang", "stall"):
+        if self.mode in ("hang", "stall", "wedged"):
             await self.release.wait()
         try:
             body = json.loads(raw)
@@ -126,6 +136,8 @@ class FakeBackend:
                 # bytes: an event's raw data, as a broken backend may send it
                 data = chunk if isinstance(chunk, bytes) else json.dumps(chunk).encode()
                 await resp.write(b"data: " + data + b"\n\n")
+                if self.mode == "wedged-mid":
+                    await self.release.wait()
             if request.path != "/completion":
                 await resp.write(b"data: [DONE]\n\n" * self.done_events)
             if self.mode == "linger":

@@ -145,6 +145,12 @@ def test_unknown_keys_are_rejected(tmp_path: Path, demo_model: Path, data: Any,
      "proxy.max_in_flght: unknown key (fix: did you mean 'max_in_flight'?)"),
     ({"backends": [managed()], "proxy": {"health": {"breaker": 2}}},
      "proxy.health.breaker: unknown key (fix: did you mean 'breaker_failures'?)"),
+    ({"backends": [managed()], "proxy": {"health": {"probe_interval_s": 0}}},
+     "proxy.health.probe_interval_s: expected a positive number, got 0"),
+    ({"backends": [managed()], "proxy": {"health": {"breaker_failures": -1}}},
+     "proxy.health.breaker_failures: expected a positive number, got -1"),
+    ({"backends": [managed()], "proxy": {"health": {"stall_timeout_s": -5}}},
+     "proxy.health.stall_timeout_s: expected a positive number (or 0: off), got -5"),
     ({"backends": [{"url": "http://10.0.0.1:8080", "api_key": "k\r\nX-Evil: 1"}]},
      "backends[0].api_key: holds a control character, line break"),
     ({"backends": [managed()], "proxy": {"api_keys": "k"}},
@@ -211,8 +217,9 @@ def test_proxy_knobs_and_api_keys_from_the_environment(
     monkeypatch.setenv("KVROUTE_API_KEYS", " env-one, ,env-two ")
     cfg = load(tmp_path, {"backends": [managed()], "proxy": {
         "api_keys": ["file-key"], "max_in_flight": 3, "queue_timeout_s": 2,
-        "health": {"breaker_failures": 5}}})
+        "health": {"breaker_failures": 5, "stall_timeout_s": 0}}})
     s = cfg.proxy.settings
     assert s.api_keys == ("file-key", "env-one", "env-two")
     assert (s.max_in_flight, s.queue_timeout_s, s.health.breaker_failures) == (3, 2.0, 5)
+    assert s.health.stall_timeout_s == 0.0  # (0: no stall check)
     assert isinstance(s.queue_timeout_s, float)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -74,13 +75,14 @@ async def external(tmp_path: Path, backends: dict[str, tuple[str, str | None]],
 
 
 @asynccontextmanager
-async def fake_behind_proxy(tmp_path: Path, demo_model: Path, mode: str
+async def fake_behind_proxy(tmp_path: Path, demo_model: Path, mode: str,
+                            health: HealthSettings | None = None
                             ) -> AsyncIterator[tuple[FakeBackend, TestClient[Any, Any]]]:
     """One FakeBackend "f" (1 slot) in `mode`, the only backend of a proxy."""
     fake = FakeBackend(slots=1)
     await fake.start()
     fake.mode = mode
-    settings = ProxySettings(tokenizer=demo_model, health=FAST_HEALTH)
+    settings = ProxySettings(tokenizer=demo_model, health=health or FAST_HEALTH)
     try:
         async with external(tmp_path, {"f": (fake.url, None)}) as sup, \
                 proxy(sup, settings) as client:
@@ -221,6 +223,98 @@ async def test_backend_stalling_completions_hits_the_first_byte_timeout(
             assert app[METRICS].retries.labels("chat", "timeout")._value.get() >= 1
     finally:
         await fake.stop()
+
+
+STALL_HEALTH = dataclasses.replace(FAST_HEALTH, stall_timeout_s=1.0)
+
+
+async def test_stuck_backend_that_answers_health_is_tripped_and_its_requests_rerouted(
+        backend_pool: Any, demo_model: Path, tmp_path: Path) -> None:
+    """llama-server answers /health even when its main loop is stuck (upstream #13281):
+    completions hang behind a 200. Requests sent there waited the whole first-byte
+    timeout (600 s by default) while another backend was free. /slots, answered by that
+    loop, tells: the backend is tripped, its requests go elsewhere, and it stays out
+    until /slots answers again."""
+    real = (await backend_pool()).ready()[0]
+    fake = FakeBackend(n_ctx=real.slot_ctx)
+    await fake.start()
+    settings = ProxySettings(tokenizer=demo_model, health=STALL_HEALTH)
+    try:
+        async with external(tmp_path, {"stuck": (fake.url, None),
+                                        "real": (real.url, real.api_key)}) as sup, \
+                proxy(sup, settings) as client:
+            fake.mode = "wedged"
+            t0 = time.monotonic()
+            rs = await asyncio.gather(*(client.post("/v1/chat/completions",
+                                                    json=chat_body(400 + i))
+                                        for i in range(4)))
+            elapsed = time.monotonic() - t0
+            for r in rs:
+                assert r.status == 200, await r.text()
+                assert r.headers["X-Kvroute-Backend"] == "real"
+            assert fake.hits >= 1, "no request went to the stuck backend"
+            assert elapsed < 20, elapsed
+            health = client.server.app[HEALTH]
+            state = health.state("stuck")
+            assert state is not None and state["breaker"] == "open", state
+            assert "stuck: /slots unanswered" in str(state["last_error"])
+            await asyncio.sleep(1.5)  # half-open probes: /health 200, /slots still hangs
+            assert health.state("stuck")["breaker"] == "open"  # type: ignore[index]
+            fake.mode = "ok"
+            fake.release.set()
+            await until(lambda: health.state("stuck")["breaker"] == "closed", 10)  # type: ignore[index]
+    finally:
+        await fake.stop()
+
+
+async def test_stream_from_a_backend_stuck_mid_answer_ends_with_an_error(
+        demo_model: Path, tmp_path: Path) -> None:
+    """A stream whose backend gets stuck after its first event waited read_timeout_s
+    (600 s) for the next byte; it now ends with an error event once /slots tells."""
+    async with fake_behind_proxy(tmp_path, demo_model, "wedged-mid",
+                                 STALL_HEALTH) as (_, client):
+        t0 = time.monotonic()
+        async with client.post("/v1/chat/completions", json={**chat_body(410), "stream": True},
+                               timeout=aiohttp.ClientTimeout(total=30)) as r:
+            assert r.status == 200
+            text = await r.text()
+        assert time.monotonic() - t0 < 20
+        assert text.startswith("data: {") and '"content": "ok"' in text, text
+        assert 'data: {"error"' in text and "[DONE]" not in text, text
+        state = client.server.app[HEALTH].state("f")
+        assert state is not None and "stuck" in str(state["last_error"])
+
+
+async def test_slots_answers_between_batches_of_a_long_prefill(backend_pool: Any) -> None:
+    """What the stall check relies on: llama-server answers /slots from its main loop
+    between two batches, so a long prefill (here ~4-8 s) does not hold it; and the
+    proxy does not call such a backend stuck."""
+    sup = await backend_pool(fresh=True)
+    info = sup.ready()[0]
+    headers = {"Authorization": f"Bearer {info.api_key}"}
+    prompt = words(5000, 420)  # ~5k tokens: 3 batches of 2048
+    async with aiohttp.ClientSession() as s:
+        async def prefill() -> float:
+            t = time.monotonic()
+            async with s.post(info.url + "/completion", headers=headers, json={
+                    "prompt": prompt, "n_predict": 1}) as r:
+                assert r.status == 200, await r.text()
+                return time.monotonic() - t
+
+        task = asyncio.create_task(prefill())
+        await asyncio.sleep(0.3)
+        waits = []
+        while not task.done():
+            t = time.monotonic()
+            async with s.get(info.url + "/slots", headers=headers) as r:
+                assert r.status == 200
+                busy = any(slot["is_processing"] for slot in await r.json())
+            if busy:
+                waits.append(time.monotonic() - t)
+            await asyncio.sleep(0.1)
+        took = await task
+    assert took > 3 and len(waits) >= 2, (took, waits)
+    assert max(waits) < took / 2, (took, waits)  # not held until the prompt was done
 
 
 async def test_client_leaving_right_after_the_last_event_still_completes(
