@@ -8,7 +8,9 @@ call returns a value or a `BackendDown`/`BadResponse` result instead of raising.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +148,21 @@ class BackendClient:
                     for s in data]
         except (KeyError, TypeError, ValueError):
             return BadResponse(self.url, 200, str(data)[:500])
+
+    async def slot_when_idle(self, slot: int, limit_s: float, poll_s: float = 0.25
+                             ) -> SlotState | None:
+        """`slot` once it is not processing, asked every `poll_s` (None: not within
+        `limit_s`, no such slot, or no /slots)."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            got = await self.slots()
+            if not isinstance(got, list):
+                return None
+            state = next((s for s in got if s.id == slot), None)
+            if state is None or not state.is_processing:
+                return state
+            await asyncio.sleep(poll_s)
+        return None
 
     async def tokenize(self, content: str | Sequence[Any], add_special: bool = True,
                        parse_special: bool = True, with_pieces: bool = False

@@ -111,6 +111,7 @@ class LlamaServerProcess:
         self.spec = spec
         self.log_path = log_path
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_start = 0  # where this process's lines begin (the log is appended to)
 
     @property
     def pid(self) -> int | None:
@@ -127,6 +128,7 @@ class LlamaServerProcess:
             env["LLAMA_API_KEY"] = self.spec.api_key
         parent = os.getpid()
         with open(self.log_path, "ab") as logf:
+            self._log_start = logf.tell()
             logf.write(f"\n=== kvroute: {' '.join(self.spec.argv())}\n".encode())
             logf.flush()
             self._proc = subprocess.Popen(
@@ -159,9 +161,10 @@ class LlamaServerProcess:
         return self._proc is not None and not self.exited()
 
     def log_tail(self, n: int = 20) -> str:
+        """This process's last `n` log lines (not an earlier process's: a restart)."""
         try:
             with open(self.log_path, "rb") as fh:
-                fh.seek(max(0, os.path.getsize(self.log_path) - 8192))
+                fh.seek(max(self._log_start, os.path.getsize(self.log_path) - 8192))
                 lines = fh.read().decode(errors="replace").splitlines()
         except OSError:
             return ""

@@ -236,7 +236,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     # timeout (cpp-httplib) would close them under a request.
     upstream = Upstream(connect_timeout=s.connect_timeout_s, read_timeout=s.read_timeout_s,
                         keepalive_s=4.0)
-    # aiohttp for the health prober (off the request path). No cookie jar: a proxy must
+    # aiohttp for the health prober and /slots (off the request path). No cookie jar: a proxy must
     # not keep one backend answer's cookies.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=4),
                                     cookie_jar=aiohttp.DummyCookieJar())
@@ -245,12 +245,13 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
                                app[TOKENIZING].output_tokens, app[HEALTH],
                                max_attempts=s.retry_attempts,
                                first_byte_timeout=s.first_byte_timeout_s,
-                               log_prompts=s.log_prompts)
+                               log_prompts=s.log_prompts, session=session)
     prober = asyncio.create_task(app[HEALTH].run(session), name="kvroute-health")
     yield
     prober.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await prober
+    await app[FORWARDER].close()
     await session.close()
     await upstream.close()
 

@@ -24,7 +24,10 @@ answers requests. Each backend has a circuit breaker:
   slow), the breaker opens as above and the answers already flowing are cut too (they
   end with an error event); it closes again only once `/slots` answers.
 - An open breaker is probed after a backoff (doubling when it re-trips soon after
-  closing); one good probe closes it and the backend rejoins the Router fresh and empty.
+  closing); one good probe closes it and the backend rejoins the Router fresh and empty
+  (what it still holds is forgotten: under-predicting is the safe error). A good probe
+  is /health 200 and, where the backend has /slots, no slot still processing (the
+  requests it ran when taken out: new ones would be pinned behind them).
 - Supervisor events win: a restarted managed backend (cb(name, info)) is a new process,
   closed breaker, empty cache; cb(name, None) removes it whatever the breaker says.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
@@ -54,6 +58,9 @@ STALL_PROBE_EVERY_S = 5.0
 # backend's learned prefill rate, so that a slow (CPU) backend is not called stuck.
 N_BATCH = 2048
 STALL_BATCHES = 3
+# A backend back from a hang may still run what it ran when taken out: it rejoins once
+# that is over, or after this long (a shared external backend may never be idle)
+REJOIN_WAIT_S = 120.0
 
 
 @dataclass
@@ -66,6 +73,7 @@ class Breaker:
     backoff_s: float = 0.0
     retry_at: float = 0.0             # monotonic time of the next half-open probe
     closed_at: float = 0.0
+    opened_at: float = 0.0
     last_error: str | None = None
     trips: int = 0
     # asyncio.timeout()s of requests still waiting for their first byte from it
@@ -176,9 +184,8 @@ class BackendHealth:
         info = b.info
         got = await _ask(session, info, "/health", timeout)
         error = None if got == 200 else _failed("/health", got)
-        if error is None and b.state == OPEN and b.stalled:
-            got = await _ask(session, info, "/slots", timeout)  # is its main loop back?
-            error = None if got == 200 else _failed("/slots", got) + " (was stuck)"
+        if error is None and b.state == OPEN and b.has_slots:
+            error = await self._not_yet(session, b, timeout)
         if self.breakers.get(info.name) is not b:
             return  # restarted or removed while the probe ran
         if error is None:
@@ -194,6 +201,23 @@ class BackendHealth:
         b.failures += 1
         if b.failures >= self.settings.breaker_failures:
             self._trip(b, f"{error} ({b.failures} probes in a row)")
+
+    async def _not_yet(self, session: aiohttp.ClientSession, b: Breaker,
+                       timeout: aiohttp.ClientTimeout) -> str | None:
+        """Why `b`, answering /health, may not rejoin yet (None: it may). It rejoins the
+        model with idle slots: the requests it ran when taken out (a hang it recovered
+        from) must be over (for at most REJOIN_WAIT_S), or new ones would be pinned
+        behind them; and once stuck, its main loop must answer /slots again."""
+        got = await _ask(session, b.info, "/slots", timeout)
+        if isinstance(got, list):
+            busy = sum(isinstance(s, dict) and s.get("is_processing") is True for s in got)
+            if busy and self._now() - b.opened_at < REJOIN_WAIT_S:
+                return f"{busy} slot(s) still busy with requests from before it was out"
+            return None
+        if got in (404, 501):
+            b.has_slots = False
+            return None
+        return _failed("/slots", got) + " (was stuck)" if b.stalled else None
 
     def _stall_check_due(self, b: Breaker) -> bool:
         return (self.settings.stall_timeout_s > 0 and b.state == CLOSED and b.has_slots
@@ -227,7 +251,7 @@ class BackendHealth:
         # NOTE: re-tripping soon after a probe closed it (alive but not serving) backs off
         recent = b.trips and now - b.closed_at < 30.0
         b.backoff_s = min(b.backoff_s * 2, s.open_backoff_max_s) if recent else s.open_backoff_s
-        b.state, b.retry_at, b.last_error = OPEN, now + b.backoff_s, reason
+        b.state, b.retry_at, b.last_error, b.opened_at = OPEN, now + b.backoff_s, reason, now
         b.trips += 1
         self.metrics.breaker_trips.labels(b.info.name).inc()
         self.log.warning("backend.breaker_open", backend=b.info.name, reason=reason,
@@ -264,16 +288,22 @@ class BackendHealth:
 
 
 async def _ask(session: aiohttp.ClientSession, info: BackendInfo, path: str,
-               timeout: aiohttp.ClientTimeout) -> int | str:
-    """GET `path` on `info`: its status, or the name of the error that stopped it."""
+               timeout: aiohttp.ClientTimeout) -> int | str | list[Any]:
+    """GET `path` on `info`: its status, or the JSON list it answered with 200 (/slots),
+    or the name of the error that stopped it."""
     headers = {"Authorization": f"Bearer {info.api_key}"} if info.api_key else {}
     try:
         async with session.get(info.url + path, headers=headers, timeout=timeout) as r:
-            await r.read()
+            body = await r.read()
+            if r.status == 200 and body.startswith(b"["):
+                with contextlib.suppress(ValueError):
+                    got = json.loads(body)
+                    if isinstance(got, list):
+                        return got
             return r.status
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
         return type(e).__name__
 
 
-def _failed(path: str, got: int | str) -> str:
+def _failed(path: str, got: int | str | list[Any]) -> str:
     return f"{path} answered {got}" if isinstance(got, int) else f"{path}: {got}"

@@ -13,8 +13,10 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import aiohttp
 from aiohttp import web
 
+from backends.client import BackendClient
 from backends.supervisor import BackendInfo
 from proxy.assemble import assembler_for, runs_on_when_left
 from proxy.errors import (
@@ -29,6 +31,10 @@ from proxy.forward import JSON, PASSTHROUGH, Relay, Settle, Target, send, upstre
 from proxy.health import BackendHealth
 from proxy.router import Decision, Handoff, NeedWholePrompt, NoBackend, Router
 from proxy.upstream import Upstream
+
+# A slot whose client left during its prefill is watched until its server is done with
+# it, for at most SETTLE_MARGIN_S + twice the rest of the prefill.
+SETTLE_MARGIN_S = 10.0
 
 # Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
 _USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -92,7 +98,8 @@ class Forwarder:
                  backends: Mapping[str, BackendInfo], recorder: Recorder,
                  tokenize_output: Callable[[str], Sequence[int]],
                  health: BackendHealth | None = None, *, max_attempts: int = 3,
-                 first_byte_timeout: float | None = None, log_prompts: bool = False) -> None:
+                 first_byte_timeout: float | None = None, log_prompts: bool = False,
+                 session: aiohttp.ClientSession | None = None) -> None:
         self.upstream = upstream
         self.router = router
         self.backends = backends        # live view of routable backends, kept by the app
@@ -105,6 +112,8 @@ class Forwarder:
         # Requests the router queued (every slot busy), held here until it hands them a
         # slot: see `_hold`.
         self._held: dict[int, asyncio.Future[Handoff]] = {}
+        self.session = session  # for /slots (see `_settle`); None: not asked
+        self._settling: set[asyncio.Task[None]] = set()
 
     def max_context(self) -> int | None:
         """The largest slot context of any ready backend (tripped ones included)."""
@@ -167,6 +176,7 @@ class Forwarder:
         assert not isinstance(got, NeedWholePrompt), "only ever for a head"
         decision = got
         whole = pending is None  # the model has the whole prompt
+        no_reuse = body.get("cache_prompt") is False
 
         def take_rest(task: asyncio.Task[array | None]) -> None:
             # NOTE: as soon as the rest is tokenized, not when the answer comes: requests
@@ -194,9 +204,16 @@ class Forwarder:
                 assert pending is not None
                 await asyncio.wait({pending.rest})
                 take_rest(pending.rest)  # (a no-op if its callback ran first)
-            if target.predicted_cached == decision.predicted_cached:
+            predicted = reported(decision).predicted_cached
+            if target.predicted_cached == predicted:
                 return target
-            return dataclasses.replace(target, predicted_cached=decision.predicted_cached)
+            return dataclasses.replace(target, predicted_cached=predicted)
+
+        def reported(d: Decision) -> Decision:
+            # `cache_prompt: false`: the server reuses nothing (and caches the prompt as
+            # usual: the model's state stays right); the prediction the client and the
+            # metrics see is 0
+            return dataclasses.replace(d, predicted_cached=0) if no_reuse else d
 
         info = self.backends.get(decision.backend)
         if info is None:  # removed between the event and now
@@ -213,7 +230,13 @@ class Forwarder:
             # in its final write, after the backend finished; an abort there would forget
             # what the slot now holds (its next turn then predicted 0).
             if outcome.complete and 0 < outcome.status < 400 and whole:
-                self._complete(decision, outcome)
+                self._complete(decision, outcome, check=not no_reuse)
+            elif whole and outcome.cancelled and outcome.status == 200 \
+                    and outcome.first_token_at is None and decision.slot is not None:
+                # the client left during the prefill, which llama-server goes on with
+                # (it notices only when it writes the first token): the slot is busy until
+                # then, and holds what was prefilled
+                self._settle(decision, info)
             else:
                 # a client that leaves once output flows (an interrupted agent turn)
                 # leaves its prompt in the slot
@@ -263,17 +286,50 @@ class Forwarder:
                 feedback()
             else:
                 detached.add_done_callback(feedback_when_done)
-            self.recorder.end(endpoint, decision, outcome, started,
+            self.recorder.end(endpoint, reported(decision), outcome, started,
                               stream=body.get("stream") is True,
                               backend_busy=detached is not None)
 
-    def _complete(self, decision: Decision, outcome: Outcome) -> None:
+    def _settle(self, decision: Decision, info: BackendInfo) -> None:
+        """Free `decision`'s slot once its backend is done with it, holding what /slots
+        says it does (unknown, as on any abort, when it cannot tell in time)."""
+        assert decision.slot is not None
+        left = decision.prompt_tokens - decision.predicted_cached
+        limit = SETTLE_MARGIN_S + 2 * left / (self.router.prefill_rate(info.name) or 1.0)
+        if self.first_byte_timeout is not None:
+            limit = min(limit, self.first_byte_timeout)
+
+        async def settle(slot: int) -> None:
+            held = None
+            try:
+                if self.session is not None:
+                    client = BackendClient(self.session, info.url, info.api_key)
+                    state = await client.slot_when_idle(slot, limit)
+                    held = None if state is None else state.n_prompt_tokens
+            finally:
+                self.recorder.log.debug("settled", request_id=decision.request_id,
+                                        backend=info.name, slot=slot, held=held)
+                self._hand_off(self.router.abort(decision, now=time.monotonic(), held=held))
+
+        task = asyncio.create_task(settle(decision.slot))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def close(self) -> None:
+        """Stop settling slots (the app is closing)."""
+        for task in list(self._settling):
+            task.cancel()
+        await asyncio.gather(*self._settling, return_exceptions=True)
+
+    def _complete(self, decision: Decision, outcome: Outcome, *, check: bool = True) -> None:
+        """Feed a whole answer back; `check`: compare its reuse with the prediction."""
         output = held_output(outcome, self._tokenize_output)
         self.recorder.log.debug("feedback", request_id=decision.request_id,
                                 slot=decision.slot, output_tokens=len(output),
                                 reported_slot=outcome.reported_slot)
         self._hand_off(self.router.complete(
-            decision, output_tokens=output, reported_cached=outcome.reported_cached,
+            decision, output_tokens=output,
+            reported_cached=outcome.reported_cached if check else None,
             prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
             reported_slot=outcome.reported_slot, now=time.monotonic()))
 

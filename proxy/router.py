@@ -365,8 +365,10 @@ class Router(QueuedRequests):
         self._apply_unplaced()
         st = self._backends.get(decision.backend)
         f = self._inflight.get(decision.request_id)
-        slot = None if st is None else st.targets.get(decision.request_id)
-        if st is None or f is None or slot is None:
+        if st is None or f is None:
+            return True  # its backend left the model (tripped; maybe back, fresh)
+        slot = st.targets.get(decision.request_id)
+        if slot is None:
             return False
         end = st.slot_free_at.get(slot, now)
         if now <= end + max(self.settings.wait_grace_s, end - f.started):
@@ -374,12 +376,13 @@ class Router(QueuedRequests):
         st.slot_free_at[slot] = now + (now - f.started)
         return True
 
-    def abort(self, decision: Decision, *, now: float = 0.0,
-              prefilled: bool = False) -> list[Handoff]:
+    def abort(self, decision: Decision, *, now: float = 0.0, prefilled: bool = False,
+              held: int | None = None) -> list[Handoff]:
         """The request failed or was cancelled: free its slot, forget its content, or
         with ``prefilled`` (it had produced output: the server keeps a cancelled slot's
-        state) keep its prompt there. Returns the queued requests handed a slot as a
-        result (as ``complete``)."""
+        state) keep its prompt there; ``held``: the slot holds that many of the prompt's
+        tokens (its server said so once done with it). Returns the queued requests
+        handed a slot as a result (as ``complete``)."""
         self._apply_unplaced()
         f = self._inflight.pop(decision.request_id, None)
         st = self._backends.get(decision.backend)
@@ -392,6 +395,9 @@ class Router(QueuedRequests):
         if prefilled:
             # NOTE: an agent's interrupted turn: its next one resends that history
             st.cache.finish_generated(f.slot, b"")
+        elif held is not None and held > 0:
+            n = min(held, f.n)
+            st.cache.finish(f.slot, f.prompt[:4 * n], n)
         else:
             st.cache.finish(f.slot, None, 0)
         return self._drain_queue(st, decision.backend, now)

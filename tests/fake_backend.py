@@ -56,6 +56,7 @@ class FakeBackend:
         self.done_events = 1  # [DONE] events that end an OpenAI stream (0: none)
         self.answer: bytes | None = None  # the non-streamed answer's body (None: ANSWER)
         self.answer_status, self.answer_type = 200, "application/json"  # ... and its head
+        self.busy_slots = 0  # slots /slots says are processing
         self.release = asyncio.Event()
         self.requests: list[tuple[str, dict[str, str], bytes]] = []  # completions only
         self.url = ""
@@ -104,7 +105,8 @@ class FakeBackend:
     async def _slots(self, _: web.Request) -> web.Response:
         if self.mode in ("hang", "wedged", "wedged-mid"):
             await self.release.wait()
-        return web.json_response([{"id": i, "n_ctx": self.n_ctx, "is_processing": False}
+        return web.json_response([{"id": i, "n_ctx": self.n_ctx,
+                                   "is_processing": i < self.busy_slots}
                                   for i in range(self.slots)])
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:

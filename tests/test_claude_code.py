@@ -84,8 +84,9 @@ class TurnRecorder(Recorder):
         self.turns: list[Turn] = []
 
     def end(self, endpoint: str, decision: Decision, outcome: Outcome, started: float, *,
-            stream: bool) -> None:
-        super().end(endpoint, decision, outcome, started, stream=stream)
+            stream: bool, backend_busy: bool = False) -> None:
+        super().end(endpoint, decision, outcome, started, stream=stream,
+                    backend_busy=backend_busy)
         self.turns.append(Turn(_session.get(), endpoint, outcome.status,
                                outcome.complete, decision.prompt_tokens, outcome.reported_cached,
                                decision.backend, time.monotonic()))

@@ -260,8 +260,15 @@ async def test_stuck_backend_that_answers_health_is_tripped_and_its_requests_rer
             assert "stuck: /slots unanswered" in str(state["last_error"])
             await asyncio.sleep(1.5)  # half-open probes: /health 200, /slots still hangs
             assert health.state("stuck")["breaker"] == "open"  # type: ignore[index]
-            fake.mode = "ok"
+            # back, but still running what it ran when taken out: the model would rejoin
+            # it with idle slots and pin new requests behind those
+            fake.busy_slots, fake.mode = 1, "ok"
             fake.release.set()
+            await asyncio.sleep(1.5)
+            state = health.state("stuck")
+            assert state is not None and state["breaker"] == "open", state
+            assert "still busy" in str(state["last_error"])
+            fake.busy_slots = 0
             await until(lambda: health.state("stuck")["breaker"] == "closed", 10)  # type: ignore[index]
     finally:
         await fake.stop()
@@ -315,6 +322,39 @@ async def test_slots_answers_between_batches_of_a_long_prefill(backend_pool: Any
         took = await task
     assert took > 3 and len(waits) >= 2, (took, waits)
     assert max(waits) < took / 2, (took, waits)  # not held until the prompt was done
+
+
+async def test_client_leaving_during_the_prefill_leaves_its_prompt_in_a_busy_slot(
+        backend_pool: Any) -> None:
+    """llama-server goes on with a prefill its client left (it notices at the first
+    token). The model freed and emptied the slot at once: a request sent there waited
+    behind the rest of that prefill, and the resent turn (an agent interrupted during a
+    long prefill, then resumed) was predicted 0 though the backend held all of it."""
+    sup = await backend_pool(n=1, fresh=True)
+    body = {"model": "kvroute-demo", "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": words(4000, 430)}]}  # ~3 s of prefill
+    async with proxy(sup) as client:
+        router = client.server.app[ROUTER]
+        req = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        await asyncio.sleep(1.0)
+        req.cancel()  # the client leaves during the prefill
+        with contextlib.suppress(asyncio.CancelledError):
+            await req
+        await asyncio.sleep(0.2)
+        slots = router.snapshot()["backends"]["a"]["slots"]
+        assert sum(s["busy"] for s in slots) == 1, slots  # the backend is still at it
+        assert await busy_slots(sup.ready()[0]) == 1
+        await until(lambda: router.snapshot()["inflight"] == 0, 30)
+        held = max(s["tokens"] for s in router.snapshot()["backends"]["a"]["slots"])
+        assert held > 3900, held
+        async with client.post("/v1/chat/completions", json=body) as r:  # resumed
+            text = await r.text()
+            predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+        usage = [json.loads(line[6:]) for line in text.splitlines()
+                 if line.startswith("data: {")][-1]
+        reported = usage["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert predicted == reported and reported > 3900, (predicted, reported)
 
 
 async def test_client_leaving_right_after_the_last_event_still_completes(
@@ -599,8 +639,15 @@ async def test_client_leaving_frees_the_slot(backend_pool: Any) -> None:
         await until(lambda: _any_busy(infos), 20, 0.05)
         # the client goes away before its first byte. llama-server only notices a closed
         # connection when it next writes (its first chunk, after the prompt is processed;
-        # measured on the pinned build), not after the 2,000 tokens it was asked for
-        took = await _leave(req, app, infos, 15)
+        # measured on the pinned build), not after the 2,000 tokens it was asked for. The
+        # router keeps the slot busy until then (it asks /slots), and no longer
+        req.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await req
+        t0 = time.monotonic()
+        await until(lambda: _none_busy(infos), 15, 0.05)
+        took = time.monotonic() - t0
+        await until(lambda: app[ROUTER].snapshot()["inflight"] == 0, 2.0, 0.02)
         print(f"slot freed {took:.2f} s after a pre-first-byte disconnect")
 
 

@@ -17,6 +17,8 @@ from typing import Any
 from aiohttp.test_utils import TestClient
 from proxy_client import proxy
 
+from proxy.app import ROUTER
+
 _WORDS = ("apple", "river", "stone", "cloud", "music", "paper", "window", "garden",
           "silver", "orange", "planet", "forest", "yellow", "rabbit", "engine", "pocket",
           "mirror", "candle", "bridge", "winter", "summer", "castle", "market", "thunder",
@@ -80,6 +82,21 @@ async def test_conversation_stays_on_one_backend_and_reuses_its_history(backend_
                              "content": data["choices"][0]["message"]["content"] or ""})
     assert len(backends) == 1
     acc.check()
+
+
+async def test_cache_prompt_false_is_predicted_to_reuse_nothing(backend_pool: Any) -> None:
+    """A client's `cache_prompt: false`: the server reuses nothing (and still caches the
+    prompt). The router predicted its usual reuse and counted a misprediction."""
+    sup = await backend_pool()
+    async with proxy(sup) as client:
+        messages = [{"role": "user", "content": words(300, 77)}]
+        await chat(client, messages)
+        before = client.server.app[ROUTER].snapshot()["mispredictions"]
+        headers, data = await chat(client, messages, cache_prompt=False)
+        assert int(headers["X-Kvroute-Predicted-Cached"]) == cached_of(data) == 0
+        headers, data = await chat(client, messages)  # the slot holds it, as modelled
+        assert int(headers["X-Kvroute-Predicted-Cached"]) == cached_of(data) > 250
+        assert client.server.app[ROUTER].snapshot()["mispredictions"] == before
 
 
 async def test_shared_system_prompt_spreads_over_both_backends(backend_pool: Any) -> None:

@@ -110,6 +110,23 @@ def test_abort_frees_slot_and_keeps_only_a_prefilled_prompt(prefilled: bool,
     assert decide(r, [*range(100), 7]).predicted_cached == held
 
 
+@pytest.mark.parametrize(("reported", "held"), [
+    (None, 0), (0, 0), (-5, 0),   # unknown / nonsense: the slot holds nothing known
+    (40, 40),                     # the server stopped partway: that much of the prompt
+    (100, 100), (103, 100),       # all of it (+ generated tokens, not known: not claimed)
+])
+def test_abort_with_what_the_server_says_the_slot_holds(reported: int | None,
+                                                        held: int) -> None:
+    # the client left during the prefill; the server went on and /slots told how far
+    r = Router()
+    r.add_backend(cap("a", slots=1))
+    d = decide(r, list(range(100)))
+    r.abort(d, held=reported)
+    b = r.snapshot()["backends"]["a"]  # type: ignore[index]
+    assert b["slots"][0] == {"id": 0, "busy": False, "tokens": held}
+    assert decide(r, [*range(100), 7]).predicted_cached == held
+
+
 def test_a_request_only_decoding_counts_its_overhead_as_work() -> None:
     """Once its first token came, a request's prompt is processed: the load bound sees a
     backend streaming answers as lightly loaded, not as if it still had to prefill."""
@@ -448,6 +465,22 @@ def test_a_waiter_gives_up_on_a_slot_that_runs_long() -> None:
     again = decide(r, [*x, 7, 7, 7, 7, *range(13_000, 13_010)], now=60.0)
     assert "waits_for_slot" not in again.reasons and not again.queued
     r.complete(turn, now=61.0)
+
+
+def test_a_waiter_whose_backend_left_and_came_back_gives_up() -> None:
+    """A breaker trip removes the backend (its queue too) and a probe may bring it back
+    within the waiter's 1 s check: nothing would ever hand the waiter a slot, and it was
+    never overdue (held until its client gave up)."""
+    r = Router()
+    r.add_backend(cap("a", slots=1, ctx=16384))
+    busy = decide(r, list(range(2000)))
+    waiter = decide(r, [*range(2000), 7])
+    assert waiter.queued and not r.wait_overdue(waiter, now=0.5)
+    r.remove_backend("a")
+    assert r.wait_overdue(waiter, now=0.6)  # gone
+    r.add_backend(cap("a", slots=1, ctx=16384))
+    assert r.wait_overdue(waiter, now=0.7)  # back, fresh: it is not waited for there
+    assert r.complete(busy) == [] and r.abort(waiter) == []
 
 
 HISTORY = list(range(1000, 1400))  # a conversation's first turn (prompt)

@@ -251,3 +251,25 @@ async def test_crash_loop_is_reported_not_raised(backend_pool: PoolFactory, bad:
         assert sup.ready() == []
     finally:
         await sup.stop()
+
+
+async def test_log_tail_is_the_failed_process_own(llama_server_bin: Path, demo_model: Path,
+                                                  tmp_path: Path) -> None:
+    """The log is appended to across restarts: a failed start-up's "last log lines"
+    showed the previous process's (a crash's cause hidden behind an old run's lines)."""
+    from backends.process import LlamaServerProcess, ServerSpec, free_port
+
+    log_path = tmp_path / "a.log"
+    log_path.write_text("".join(f"an earlier run's line {i}\n" for i in range(30)))
+    spec = ServerSpec(binary=llama_server_bin, model=demo_model, port=free_port(),
+                      slots=1, ctx_per_slot=512, extra_args=("--no-such-flag",))
+    p = LlamaServerProcess(spec, log_path)
+    p.spawn()
+    try:
+        deadline = time.monotonic() + 10
+        while not p.exited() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        tail = p.log_tail()
+        assert "--no-such-flag" in tail and "an earlier run" not in tail, tail
+    finally:
+        await p.stop()
