@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from array import array
+from typing import Any
 
 import pytest
 
@@ -95,35 +96,24 @@ def test_array_input_equals_list_input() -> None:
     assert (d1.backend, d1.slot, d1.prompt_tokens) == (d2.backend, d2.slot, d2.prompt_tokens)
 
 
-@pytest.mark.parametrize(("prefilled", "held"), [(False, 0), (True, 100)])
-def test_abort_frees_slot_and_keeps_only_a_prefilled_prompt(prefilled: bool,
-                                                            held: int) -> None:
+@pytest.mark.parametrize(("how", "held"), [
     # failed before output: what the slot holds is unknown; cancelled after output (an
     # interrupted turn): the server keeps the slot's state, the whole prompt
+    ({}, 0), ({"prefilled": True}, 100),
+    # the client left during the prefill; the server went on, and /slots told how far:
+    ({"held": None}, 0), ({"held": 0}, 0), ({"held": -5}, 0),  # unknown / nonsense
+    ({"held": 40}, 40),                       # it stopped partway: that much of the prompt
+    ({"held": 100}, 100), ({"held": 103}, 100),  # all (+ generated tokens: not claimed)
+])
+def test_abort_frees_slot_and_keeps_what_it_is_known_to_hold(how: dict[str, Any],
+                                                              held: int) -> None:
     r = Router()
     r.add_backend(cap("a", slots=1))
     d = decide(r, list(range(100)))
-    r.abort(d, prefilled=prefilled)
+    r.abort(d, **how)
     b = r.snapshot()["backends"]["a"]  # type: ignore[index]
     assert b["slots"][0] == {"id": 0, "busy": False, "tokens": held}
     assert b["inflight"] == 0 and b["work_tokens"] == 0
-    assert decide(r, [*range(100), 7]).predicted_cached == held
-
-
-@pytest.mark.parametrize(("reported", "held"), [
-    (None, 0), (0, 0), (-5, 0),   # unknown / nonsense: the slot holds nothing known
-    (40, 40),                     # the server stopped partway: that much of the prompt
-    (100, 100), (103, 100),       # all of it (+ generated tokens, not known: not claimed)
-])
-def test_abort_with_what_the_server_says_the_slot_holds(reported: int | None,
-                                                        held: int) -> None:
-    # the client left during the prefill; the server went on and /slots told how far
-    r = Router()
-    r.add_backend(cap("a", slots=1))
-    d = decide(r, list(range(100)))
-    r.abort(d, held=reported)
-    b = r.snapshot()["backends"]["a"]  # type: ignore[index]
-    assert b["slots"][0] == {"id": 0, "busy": False, "tokens": held}
     assert decide(r, [*range(100), 7]).predicted_cached == held
 
 
