@@ -301,7 +301,9 @@ async def _ask(session: aiohttp.ClientSession, info: BackendInfo, path: str,
                     if isinstance(got, list):
                         return got
             return r.status
-    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+    except TimeoutError:  # (aiohttp's own timeouts are subclasses: one name for all)
+        return "TimeoutError"
+    except (aiohttp.ClientError, OSError) as e:
         return type(e).__name__
 
 
