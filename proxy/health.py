@@ -22,7 +22,9 @@ answers requests. Each backend has a circuit breaker:
   has requests under way, its `/slots` is asked every STALL_PROBE_EVERY_S; unanswered
   within the stall bound (`stall_timeout_s`, or more on a backend whose batches are
   slow), the breaker opens as above and the answers already flowing are cut too (they
-  end with an error event); it closes again only once `/slots` answers.
+  end with an error event); it closes again only once `/slots` answers. Streams of a
+  backend whose breaker /health opened are watched the same way (/health also fails
+  when every HTTP thread is busy streaming: that alone does not cut them).
 - An open breaker is probed after a backoff (doubling when it re-trips soon after
   closing); one good probe closes it and the backend rejoins the Router fresh and empty
   (what it still holds is forgotten: under-predicting is the safe error). A good probe
@@ -220,8 +222,10 @@ class BackendHealth:
         return _failed("/slots", got) + " (was stuck)" if b.stalled else None
 
     def _stall_check_due(self, b: Breaker) -> bool:
-        return (self.settings.stall_timeout_s > 0 and b.state == CLOSED and b.has_slots
-                and bool(b.waiting or b.relaying)
+        # (an open breaker's waiting requests were cut; its streams were not: /health
+        # also fails when every HTTP thread is busy streaming, so only /slots can tell)
+        under_way = b.waiting or b.relaying if b.state == CLOSED else b.relaying
+        return (self.settings.stall_timeout_s > 0 and b.has_slots and bool(under_way)
                 and (b.stall_probe is None or b.stall_probe.done())
                 and self._now() - b.stall_checked_at
                 >= min(STALL_PROBE_EVERY_S, self.settings.stall_timeout_s))
@@ -233,15 +237,16 @@ class BackendHealth:
         if rate:
             bound = max(bound, STALL_BATCHES * N_BATCH / rate)
         got = await _ask(session, b.info, "/slots", aiohttp.ClientTimeout(total=bound))
-        if self.breakers.get(b.info.name) is not b or b.state != CLOSED:
+        if self.breakers.get(b.info.name) is not b:
             return
         if got in (404, 501):  # no /slots (an external backend run with --no-slots)
             b.has_slots = False
             self.log.info("backend.no_stall_check", backend=b.info.name, slots=got)
         elif got == "TimeoutError" and (b.waiting or b.relaying):
             b.stalled = True
-            self._trip(b, f"stuck: /slots unanswered for {bound:.0f} s with requests under "
-                       "way (its main loop does not run; /health may still answer)")
+            if b.state == CLOSED:
+                self._trip(b, f"stuck: /slots unanswered for {bound:.0f} s with requests "
+                           "under way (its main loop does not run; /health may answer)")
             for upstream in list(b.relaying):
                 upstream.cut(f"backend {b.info.name} is stuck")
 

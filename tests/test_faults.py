@@ -292,6 +292,26 @@ async def test_stream_from_a_backend_stuck_mid_answer_ends_with_an_error(
         assert state is not None and "stuck" in str(state["last_error"])
 
 
+async def test_stream_from_a_backend_that_hangs_whole_ends_with_an_error(
+        demo_model: Path, tmp_path: Path) -> None:
+    """A backend that stops answering anything (/health too) mid-stream: its breaker opens
+    on /health, which cut only the requests still waiting for their first byte; the
+    stream waited read_timeout_s (600 s). /slots, unanswered, now ends it."""
+    async with fake_behind_proxy(tmp_path, demo_model, "wedged-mid",
+                                 STALL_HEALTH) as (fake, client):
+        t0 = time.monotonic()
+        async with client.post("/v1/chat/completions", json={**chat_body(415), "stream": True},
+                               timeout=aiohttp.ClientTimeout(total=30)) as r:
+            assert r.status == 200
+            first = await r.content.readline()
+            fake.mode = "hang"  # /health hangs too: the breaker opens on it first
+            text = first.decode() + await r.text()
+        assert time.monotonic() - t0 < 20
+        assert 'data: {"error"' in text and "[DONE]" not in text, text
+        health = client.server.app[HEALTH]
+        assert "/health" in str(health.state("f")["last_error"])  # type: ignore[index]
+
+
 async def test_slots_answers_between_batches_of_a_long_prefill(backend_pool: Any) -> None:
     """What the stall check relies on: llama-server answers /slots from its main loop
     between two batches, so a long prefill (here ~4-8 s) does not hold it; and the
