@@ -244,7 +244,10 @@ async def status(request: web.Request) -> web.Response:
     app = request.app
     prompt = app[PROMPT]
     health = app[HEALTH]
-    backends = [{**s, "proxy": health.state(str(s["name"]))}
+    # "healthy": the supervisor's view (the process serves); "routed": the proxy's (not
+    # tripped by its breaker: requests go there)
+    backends = [{**s, "routed": s["name"] in app[BACKENDS],
+                 "proxy": health.state(str(s["name"]))}
                 for s in app[SUPERVISOR].statuses()]
     admission = app[ADMISSION]
     return web.json_response({

@@ -258,6 +258,9 @@ async def test_stuck_backend_that_answers_health_is_tripped_and_its_requests_rer
             state = health.state("stuck")
             assert state is not None and state["breaker"] == "open", state
             assert "stuck: /slots unanswered" in str(state["last_error"])
+            async with client.get("/kvroute/status") as st:  # the process serves /health,
+                rows = {b["name"]: b for b in (await st.json())["backends"]}
+            assert rows["stuck"]["healthy"] and not rows["stuck"]["routed"]  # but is out
             await asyncio.sleep(1.5)  # half-open probes: /health 200, /slots still hangs
             assert health.state("stuck")["breaker"] == "open"  # type: ignore[index]
             # back, but still running what it ran when taken out: the model would rejoin
