@@ -102,6 +102,14 @@ def _usage(cached: int, prompt_tokens: int, output: int) -> JSON:
             "output_tokens": output}
 
 
+def _stopping_word(obj: JSON) -> str | None:
+    """The stop sequence that ended the answer, from `__verbose` (asked for when the
+    request has stop sequences: a chat answer does not say which matched)."""
+    v = obj.get("__verbose")
+    word = v.get("stopping_word") if isinstance(v, dict) else None
+    return word if isinstance(word, str) and word else None
+
+
 def _cached_and_prompt(obj: JSON) -> tuple[int | None, int | None]:
     """(reused, prompt tokens) from `timings` (preferred) or `usage`."""
     t = obj.get("timings")
@@ -142,6 +150,7 @@ class AnthropicRelay(AnthropicErrors):
         self.prompt_tokens = 0
         self.output_tokens = 0
         self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None  # the stop sequence that ended it
         self.index = -1           # index of the open block (-1: none)
         self.kind: str | None = None   # type of the open block
         self.tool_blocks: dict[int, int] = {}  # OpenAI tool_call index -> block index
@@ -175,11 +184,13 @@ class AnthropicRelay(AnthropicErrors):
             t = obj.get("timings") or {}
             output = t.get("predicted_n", 0) if isinstance(t, dict) else 0
         finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+        stop = _stopping_word(obj)
         return {
             "id": obj.get("id", ""), "type": "message", "role": "assistant",
             "content": content, "model": obj.get("model") or self.model,
-            "stop_reason": _STOP_REASONS.get(str(finish), "max_tokens"),
-            "stop_sequence": None,
+            "stop_reason": "stop_sequence" if stop else
+            _STOP_REASONS.get(str(finish), "max_tokens"),
+            "stop_sequence": stop,
             "usage": _usage(cached or 0, prompt or 0, output or 0),
         }
 
@@ -194,6 +205,7 @@ class AnthropicRelay(AnthropicErrors):
         cached, prompt = _cached_and_prompt(obj)
         if cached is not None and prompt is not None:
             self.cached, self.prompt_tokens = cached, prompt
+        self.stop_sequence = _stopping_word(obj) or self.stop_sequence
         t = obj.get("timings")
         if isinstance(t, dict) and isinstance(t.get("predicted_n"), int):
             self.output_tokens = t["predicted_n"]
@@ -236,7 +248,8 @@ class AnthropicRelay(AnthropicErrors):
         out += self._close()
         out.append(sse("message_delta", {
             "type": "message_delta",
-            "delta": {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": None},
+            "delta": {"stop_reason": "stop_sequence" if self.stop_sequence else
+                      self.stop_reason or "end_turn", "stop_sequence": self.stop_sequence},
             "usage": _usage(self.cached, self.prompt_tokens, self.output_tokens)}))
         out.append(sse("message_stop", {"type": "message_stop"}))
         return out

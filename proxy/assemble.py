@@ -127,12 +127,15 @@ class _OpenAI:
         self.choices: dict[int, _Choice] = {}
         self.usage: Any = None
         self.timings: Any = None
+        self.verbose: Any = None  # `__verbose` (asked for with `verbose`): the last one's
         self.done = False
 
     def add(self, obj: JSON) -> None:
         for key in (*_TOP, "id"):
             if key in obj:
                 self.top[key] = obj[key]
+        if "__verbose" in obj:
+            self.verbose = obj["__verbose"]
         if "usage" in obj:
             self.usage = obj["usage"]
         if "timings" in obj:
@@ -165,6 +168,8 @@ class _OpenAI:
             out["id"] = self.top["id"]
         if self.timings is not None:
             out["timings"] = self.timings
+        if self.verbose is not None:
+            out["__verbose"] = self.verbose
         return out
 
 

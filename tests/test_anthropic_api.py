@@ -94,6 +94,30 @@ async def test_plain_message_and_stream(backend_pool: Any) -> None:
     assert events[-2].delta.stop_reason == "max_tokens"
 
 
+async def test_the_stop_sequence_that_matched_is_reported(backend_pool: Any) -> None:
+    """The chat answer kvroute translates does not say which stop sequence matched: it
+    was always `stop_sequence: null`, `stop_reason: end_turn` (Anthropic's API gives the
+    string and "stop_sequence"; llama-server's own endpoint gives the string)."""
+    sup = await backend_pool()
+    msgs = [{"role": "user", "content": words(50, 3)}]
+    greedy = {"temperature": 0}
+    async with sdk(sup) as (client, _):
+        m = await client.messages.create(model="any", max_tokens=12, messages=msgs,
+                                         extra_body=greedy)  # none: as before
+        assert m.stop_reason == "max_tokens" and m.stop_sequence is None
+        text = m.content[0].text  # type: ignore[union-attr]
+        stops = ["\u2603never", text[len(text) // 2:len(text) // 2 + 2]]  # one it will say
+        for max_tokens in (16, 64):  # the plain path, and the one assembled from a stream
+            m = await client.messages.create(model="any", max_tokens=max_tokens,
+                                             messages=msgs, stop_sequences=stops,
+                                             extra_body=greedy)
+            assert m.stop_reason == "stop_sequence" and m.stop_sequence == stops[1], m
+        async with client.messages.stream(model="any", max_tokens=64, messages=msgs,
+                                          stop_sequences=stops, extra_body=greedy) as st:
+            final = await st.get_final_message()
+        assert final.stop_reason == "stop_sequence" and final.stop_sequence == stops[1]
+
+
 async def test_agent_turns_with_tools_reuse_the_slot(backend_pool: Any) -> None:
     # A Claude-Code-shaped conversation: billing line with a rotating cch, tools, an
     # assistant tool_use answered by a tool_result. Each turn must reuse all of the
