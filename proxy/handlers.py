@@ -55,6 +55,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/completions", completion)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/models", models)
+    app.router.add_get("/v1/models/{name:.+}", model)
+    for path in ("/v1/responses", "/responses"):
+        app.router.add_route("*", path, unsupported)
+        app.router.add_route("*", path + "/{rest:.*}", unsupported)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/kvroute/status", status)
@@ -220,12 +224,37 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
                                             pick=lambda: pick_ready(app), method=method)
 
 
+def _model_objects(request: web.Request) -> list[dict[str, Any]]:
+    """The served models, in the shape of the API the client speaks (Anthropic's SDK
+    sends `anthropic-version`)."""
+    names = dict.fromkeys(info.model for info in request.app[BACKENDS].values())
+    if "anthropic-version" in request.headers:
+        return [{"type": "model", "id": m, "display_name": m,
+                 "created_at": "1970-01-01T00:00:00Z"} for m in names]
+    return [{"id": m, "object": "model", "owned_by": "kvroute", "created": 0} for m in names]
+
+
 async def models(request: web.Request) -> web.Response:
-    seen: dict[str, dict[str, Any]] = {}
-    for info in request.app[BACKENDS].values():
-        seen.setdefault(info.model, {"id": info.model, "object": "model",
-                                     "owned_by": "kvroute", "created": 0})
-    return web.json_response({"object": "list", "data": list(seen.values())})
+    data = _model_objects(request)
+    if "anthropic-version" in request.headers:
+        return web.json_response({"data": data, "has_more": False,
+                                  "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None})
+    return web.json_response({"object": "list", "data": data})
+
+
+async def model(request: web.Request) -> web.Response:
+    """One served model (`client.models.retrieve(id)`)."""
+    name = request.match_info["name"]
+    for obj in _model_objects(request):
+        if obj["id"] == name:
+            return web.json_response(obj)
+    raise NotFound(f"model {name[:100]!r} does not exist")
+
+
+async def unsupported(request: web.Request) -> web.Response:
+    raise NotFound(f"{request.path[:100]} is not served by kvroute (the OpenAI Responses "
+                   "API is not routed yet): use /v1/chat/completions")
 
 
 async def health(request: web.Request) -> web.Response:

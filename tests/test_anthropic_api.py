@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import anthropic
+import pytest
 from aiohttp.test_utils import TestServer
 from anthropic.lib.streaming._messages import accumulate_event
 
@@ -92,6 +93,21 @@ async def test_plain_message_and_stream(backend_pool: Any) -> None:
     assert start.cache_read_input_tokens == n - 1 and start.input_tokens == 1
     assert events[-2].usage.output_tokens == 8
     assert events[-2].delta.stop_reason == "max_tokens"
+
+
+async def test_models_in_anthropics_shape(backend_pool: Any) -> None:
+    """The Anthropic SDK's models.list got the OpenAI shape (type, display_name and
+    created_at missing); models.retrieve was a 404."""
+    sup = await backend_pool()
+    async with sdk(sup) as (client, _):
+        page = await client.models.list()
+        assert [(m.type, m.id, m.display_name) for m in page.data] == [
+            ("model", "kvroute-demo", "kvroute-demo")]
+        assert page.data[0].created_at.year == 1970
+        m = await client.models.retrieve("kvroute-demo")
+        assert m.id == "kvroute-demo" and m.type == "model"
+        with pytest.raises(anthropic.NotFoundError):
+            await client.models.retrieve("nope")
 
 
 async def test_the_stop_sequence_that_matched_is_reported(backend_pool: Any) -> None:

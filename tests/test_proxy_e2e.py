@@ -258,6 +258,13 @@ async def test_headers_completion_endpoints_and_status(backend_pool: Any) -> Non
             assert r.status == 200 and (await r.json())["tokens"]
         async with client.get("/v1/models") as r:
             assert [m["id"] for m in (await r.json())["data"]] == ["kvroute-demo"]
+        async with client.get("/v1/models/kvroute-demo") as r:  # models.retrieve(id)
+            assert r.status == 200 and (await r.json())["id"] == "kvroute-demo"
+        async with client.get("/v1/models/nope") as r:
+            assert r.status == 404 and (await r.json())["error"]["type"]
+        async with client.post("/v1/responses", json={"model": "m", "input": "hi"}) as r:
+            assert r.status == 404  # not routed: said so, not a bare "Not Found"
+            assert "Responses API" in (await r.json())["error"]["message"]
         async with client.get("/health") as r:
             assert r.status == 200
 
