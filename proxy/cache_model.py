@@ -108,6 +108,7 @@ class BackendCache(CachePrediction):
         self.ram_bytes = 0
         self._next_entry = 0
         self._clock = 0
+        self.starts = 0  # tasks started so far (see `saved_idle`)
 
     def idle_slots(self) -> list[int]:
         return list(self.idle)
@@ -150,9 +151,19 @@ class BackendCache(CachePrediction):
         self.idle.remove(p.slot)
         self._clock += 1
         s.last_used = self._clock
+        self.starts += 1
         if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
-            self._save_idle_slots()
+            for i in self.idle:
+                self._save_idle_slot(i)
         return p
+
+    def saved_idle(self, slot: int) -> None:
+        """A task started on the server after the request in ``slot`` ended there, but
+        the model heard of that end later (two slots ending in one server step: the
+        first answer read hands a queued request the other slot): the server saved this
+        slot as an idle one at that start (--cache-idle-slots), so the model does now."""
+        if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
+            self._save_idle_slot(slot)
 
     def extend_prompt(self, slot: int, prompt: bytes) -> None:
         """A busy slot's prompt turns out longer: ``prompt`` extends what it started
@@ -168,21 +179,18 @@ class BackendCache(CachePrediction):
         s.prompt = prompt
         s.n_tokens = len(prompt) // 4
 
-    def _save_idle_slots(self) -> None:
-        """--cache-idle-slots: after a task starts, save every idle slot to RAM."""
+    def _save_idle_slot(self, i: int) -> None:
+        """--cache-idle-slots: after a task starts, every idle slot is saved to RAM."""
         unified = self.rules.kv_unified
-        ram = self.ram
-        slots = self.slots
-        for i in self.idle:
-            s = slots[i]
-            if s.n_tokens == 0:
-                continue
-            if s.ram_copy is None or s.ram_copy not in ram:  # else: already saved
-                self._save(i, keep=not unified)
-            if unified:  # [TAG_IDLE_SLOT_CLEAR]: the slot's KV is freed
-                self.tree.drop(self.slot_holder(i))
-                s.n_tokens = 0
-                s.ram_copy = None
+        s = self.slots[i]
+        if s.n_tokens == 0:
+            return
+        if s.ram_copy is None or s.ram_copy not in self.ram:  # else: already saved
+            self._save(i, keep=not unified)
+        if unified:  # [TAG_IDLE_SLOT_CLEAR]: the slot's KV is freed
+            self.tree.drop(self.slot_holder(i))
+            s.n_tokens = 0
+            s.ram_copy = None
 
     def finish(self, slot: int, sequence: bytes | None, n_tokens: int) -> None:
         """The request in ``slot`` ended; the slot now holds ``sequence`` (None: unknown)."""

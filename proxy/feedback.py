@@ -42,6 +42,7 @@ class Outcome:
     errored: bool = False               # ... or its stream said why not (an error event)
     cancelled: bool = False             # the client left before the answer began
     on_first_token: Callable[[], None] | None = None  # called once, with the first text
+    starts_at_end: int | None = None    # Router.starts(backend) as the last bytes came
 
     @property
     def ttft(self) -> float | None:

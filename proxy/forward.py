@@ -145,7 +145,7 @@ async def send(client: Upstream, request: web.Request, target: Target,
                first_byte_timeout: float | None = None,
                assemble: Assembler | None = None,
                settle: Settle | None = None,
-               sent: Callable[[], None] | None = None) -> web.StreamResponse:
+               sent: Callable[[Response], None] | None = None) -> web.StreamResponse:
     """Send `payload` to `target` at `path` and answer `request` with what comes back.
 
     Until the client has received its first byte (a whole body, or a stream's first

@@ -30,7 +30,7 @@ from proxy.feedback import Outcome, Recorder, held_output
 from proxy.forward import JSON, PASSTHROUGH, Relay, Settle, Target, send, upstream_payload
 from proxy.health import BackendHealth
 from proxy.router import Decision, Handoff, NeedWholePrompt, NoBackend, Router
-from proxy.upstream import Upstream
+from proxy.upstream import Response, Upstream
 
 # A slot whose client left during its prefill is watched until its server is done with
 # it, for at most SETTLE_MARGIN_S + twice the rest of the prefill.
@@ -192,10 +192,18 @@ class Forwarder:
         if pending is not None:
             pending.rest.add_done_callback(take_rest)
 
-        def placed() -> None:
+        def placed(upstream: Response) -> None:
             # the request is written: the model's bookkeeping runs while the backend works
             nonlocal decision
             decision = self.router.place(decision)
+            upstream.on_data = mark  # (the answer's parts arrive after this)
+
+        def mark() -> None:
+            # NOTE: as the bytes come, not when they are read: another answer read first
+            # may hand a queued request a slot meanwhile (see BackendCache.saved_idle)
+            outcome.starts_at_end = starts(backend)
+
+        starts, backend = self.router.starts, decision.backend
 
         async def settle(target: Target) -> Target:
             # the answer is coming: the model takes the whole prompt before the headers
@@ -331,7 +339,8 @@ class Forwarder:
             decision, output_tokens=output,
             reported_cached=outcome.reported_cached if check else None,
             prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
-            reported_slot=outcome.reported_slot, now=time.monotonic()))
+            reported_slot=outcome.reported_slot, now=time.monotonic(),
+            starts_at_end=outcome.starts_at_end))
 
     async def _hold(self, decision: Decision, info: BackendInfo) -> Handoff:
         """Keep a queued request here until the router hands it a freed slot, then send
@@ -365,7 +374,7 @@ class Forwarder:
     async def _send(self, request: web.Request, path: str, raw: bytes, body: JSON,
                     relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
                     extra: JSON, settle: Settle | None,
-                    sent: Callable[[], None] | None) -> web.StreamResponse:
+                    sent: Callable[[Response], None] | None) -> web.StreamResponse:
         if decision.slot is not None:
             extra["id_slot"] = decision.slot
         strip_usage = False

@@ -317,9 +317,12 @@ class Router(QueuedRequests):
         prompt_n: int | None = None,
         reported_slot: int | None = None,
         now: float = 0.0,
+        starts_at_end: int | None = None,
     ) -> list[Handoff]:
         """The request finished: its slot is free and holds prompt + output. Returns the
-        queued requests handed a slot as a result (oldest first)."""
+        queued requests handed a slot as a result (oldest first). ``starts_at_end``:
+        `starts(backend)` when the answer's end reached the proxy (see
+        `BackendCache.saved_idle`)."""
         self._apply_unplaced()
         out = to_token_bytes(output_tokens)  # (before the record goes: this may raise)
         f = self._inflight.pop(decision.request_id, None)
@@ -356,6 +359,8 @@ class Router(QueuedRequests):
                 slot = None  # busy in our model: leave it alone
         if slot is not None:
             cache.finish_generated(slot, out)
+            if starts_at_end is not None and cache.starts > starts_at_end:
+                cache.saved_idle(slot)
         return self._drain_queue(st, decision.backend, now)
 
     def wait_overdue(self, decision: Decision, now: float) -> bool:
@@ -401,6 +406,11 @@ class Router(QueuedRequests):
         else:
             st.cache.finish(f.slot, None, 0)
         return self._drain_queue(st, decision.backend, now)
+
+    def starts(self, backend: str) -> int:
+        """Tasks the model has started on `backend` so far (0 if it is not routed)."""
+        st = self._backends.get(backend)
+        return 0 if st is None else st.cache.starts
 
     def prefill_rate(self, backend: str) -> float | None:
         """`backend`'s learned prefill rate (tokens/s), if it is routed."""

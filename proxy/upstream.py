@@ -83,6 +83,8 @@ class Response:
         self._keep_alive = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        # called as each part of the answer arrives (before it is read: the time it came)
+        self.on_data: Callable[[], None] | None = None
 
     async def read(self) -> bytes:
         """The whole body (taken as it arrives: reading pauses past `_HIGH_WATER` until
@@ -147,7 +149,7 @@ class Response:
 
 
 async def _exchange(conn: _Connection, head: bytes, body: bytes,
-                    sent: Callable[[], None] | None) -> Response:
+                    sent: Callable[[Response], None] | None) -> Response:
     try:
         return await conn.exchange(head, body, sent)
     except BaseException:
@@ -194,6 +196,8 @@ class _Connection(asyncio.Protocol):
             r._fail(ConnectionDropped(f"malformed HTTP answer: {e}"))
             self.close()
             return
+        if r.on_data is not None:
+            r.on_data()
         if not r._head and self.received > _MAX_HEAD:
             r._fail(ConnectionDropped(f"answer head over {_MAX_HEAD} bytes"))
             self.close()
@@ -256,7 +260,7 @@ class _Connection(asyncio.Protocol):
 
     # -- pool side
     async def exchange(self, head: bytes, body: bytes,
-                       sent: Callable[[], None] | None = None) -> Response:
+                       sent: Callable[[Response], None] | None = None) -> Response:
         """Send one request (then call `sent`); its Response once the answer's head is in."""
         assert self.transport is not None
         r = self.response = Response(self)
@@ -267,7 +271,7 @@ class _Connection(asyncio.Protocol):
             self.transport.write(head)
             self.transport.write(body)
         if sent is not None:
-            sent()
+            sent(r)
         while not r._head:
             await r._wait()
         return r
@@ -312,10 +316,10 @@ class Upstream:
 
     async def request(self, method: str, base_url: str, path: str, body: bytes,
                       headers: Mapping[str, str], *,
-                      sent: Callable[[], None] | None = None) -> Response:
+                      sent: Callable[[Response], None] | None = None) -> Response:
         """Send `method base_url+path` with `body`; the Response once its head is in.
 
-        `sent()` is called right after the request is written, before waiting for the
+        `sent(response)` is called right after the request is written, before waiting for the
         answer: work the caller can do while the backend works (once per write: twice
         when a reused connection turns out closed and the request is sent again).
 

@@ -556,3 +556,38 @@ def test_extend_after_the_request_ended_or_with_another_prompt_changes_nothing()
     r.abort(d)
     assert r.extend(d, [*HISTORY, 1, 2]) == d
     assert r.snapshot()["backends"]["a"]["work_tokens"] == 0  # type: ignore[index]
+
+
+def test_a_slot_ended_before_a_hand_off_was_saved_by_it() -> None:
+    """Two slots end in one server step; the proxy reads B's end first and hands a queued
+    request Q B's slot. On the server, Q's start saves the other idle slot (A's finished
+    conversation) to RAM (--cache-idle-slots); the model heard of A's end only after
+    that start, so it saved nothing, and A's next turn was predicted 3 where the server
+    loaded A from RAM and reused all of it (found live: tools/h4 in session 9)."""
+    def toks(seed: int, n: int) -> list[int]:
+        return [1000 + seed * 10000 + i for i in range(n)]
+
+    a, b, q = [1, 2, 3, *toks(1, 3300)], [1, 2, 3, *toks(2, 2000)], [1, 2, 3, *toks(3, 2100)]
+    a_out = toks(9, 29)
+    r = Router()
+    r.add_backend(BackendCapacity("x", 2, 8192, 1 << 30, 8192))
+    da = r.place(r.decide(a, defer=True))
+    db = r.place(r.decide(b, defer=True))
+    dq = r.decide(q, defer=True)
+    assert dq.queued
+    a_end = r.starts("x")  # A's end reached the proxy (its answer not yet read)
+    h = r.complete(db, output_tokens=toks(8, 29))  # B's read first: Q gets slot 1
+    assert [x.slot for x in h] == [db.slot]
+    r.complete(da, output_tokens=a_out, starts_at_end=a_end)
+    # a side call keeps slot 0 (shares 2600 of its 3332 tokens: truncated, not saved)
+    dt = r.place(r.decide([*a[:2600], *toks(4, 30)], session="side", defer=True))
+    assert dt.slot == da.slot
+    a2 = [*a, *a_out, *toks(5, 400)]
+    d2 = r.decide(a2, session="conv-a", defer=True)
+    assert d2.queued  # both slots busy (T, Q)
+    # Q ends: A's turn gets its slot, which shares nothing with it: the server saves
+    # the slot and loads the best RAM entry, A's whole conversation
+    handed = r.complete(Decision(dq.request_id, "x", h[0].slot, h[0].predicted_cached,
+                                 len(q), "none", {}), output_tokens=toks(7, 29))
+    assert [(x.request_id, x.slot) for x in handed] == [(d2.request_id, h[0].slot)]
+    assert handed[0].predicted_cached == len(a) + len(a_out)
