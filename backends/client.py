@@ -149,11 +149,17 @@ class BackendClient:
         except (KeyError, TypeError, ValueError):
             return BadResponse(self.url, 200, str(data)[:500])
 
-    async def slot_when_idle(self, slot: int, limit_s: float, poll_s: float = 0.25
+    async def slot_when_idle(self, slot: int, limit_s: float, poll_s: float = 1.5
                              ) -> SlotState | None:
         """`slot` once it is not processing, asked every `poll_s` (None: not within
-        `limit_s`, no such slot, or no /slots)."""
+        `limit_s`, no such slot, or no /slots).
+
+        NOTE: `poll_s` must stay over a second: a request's HTTP thread checks whether its
+        client left only after a second in which no result at all reached the server's
+        queues (server_response_reader::next), and each /slots answer is one: polling
+        faster keeps an abandoned prefill running to its first token."""
         deadline = time.monotonic() + limit_s
+        await asyncio.sleep(poll_s)  # (the server is still at it: it just lost its client)
         while time.monotonic() < deadline:
             got = await self.slots()
             if not isinstance(got, list):

@@ -106,7 +106,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         payload = json.dumps(chat, separators=(",", ":")).encode()
     return await request.app[FORWARDER].routed(
         request, endpoint="messages", path="/v1/chat/completions", raw=payload, body=chat,
-        tokens=tokens, relay=AnthropicRelay(model))
+        tokens=tokens, relay=AnthropicRelay(model, body.get("stop_sequences") or ()))
 
 
 async def count_tokens(request: web.Request) -> web.StreamResponse:

@@ -179,7 +179,9 @@ def anthropic_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
         oai["stop"] = body["stop_sequences"]
         if body["stop_sequences"]:
             # a chat answer does not say which one matched; `__verbose.stopping_word` does
+            # (trimmed to it by response_fields: whole, it holds the prompt's text)
             oai["verbose"] = True
+            oai["response_fields"] = ["stopping_word"]
     oai["max_tokens"] = body.get("max_tokens", 4096)  # a present null is kept, as in C++
     for key in ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs"):
         if key in body:

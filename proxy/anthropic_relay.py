@@ -21,6 +21,7 @@ repeats the input usage next to `output_tokens`, as Anthropic's API does.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from proxy.errors import ErrorFormat
@@ -102,14 +103,6 @@ def _usage(cached: int, prompt_tokens: int, output: int) -> JSON:
             "output_tokens": output}
 
 
-def _stopping_word(obj: JSON) -> str | None:
-    """The stop sequence that ended the answer, from `__verbose` (asked for when the
-    request has stop sequences: a chat answer does not say which matched)."""
-    v = obj.get("__verbose")
-    word = v.get("stopping_word") if isinstance(v, dict) else None
-    return word if isinstance(word, str) and word else None
-
-
 def _cached_and_prompt(obj: JSON) -> tuple[int | None, int | None]:
     """(reused, prompt tokens) from `timings` (preferred) or `usage`."""
     t = obj.get("timings")
@@ -142,8 +135,11 @@ class AnthropicRelay(AnthropicErrors):
 
     translates_events = True
 
-    def __init__(self, model: str = "") -> None:
+    def __init__(self, model: str = "", stops: Sequence[object] = ()) -> None:
         self.model = model        # fallback when the upstream names none
+        # the client's stop sequences: a stopping word that is none of them (a stop the
+        # chat template adds) is not reported as one
+        self.stops = frozenset(x for x in stops if isinstance(x, str))
         self.started = False      # message_start sent
         self.msg_id = ""
         self.cached = 0           # cache_read_input_tokens
@@ -184,7 +180,7 @@ class AnthropicRelay(AnthropicErrors):
             t = obj.get("timings") or {}
             output = t.get("predicted_n", 0) if isinstance(t, dict) else 0
         finish = choice.get("finish_reason") if isinstance(choice, dict) else None
-        stop = _stopping_word(obj)
+        stop = self._stopping_word(obj)
         return {
             "id": obj.get("id", ""), "type": "message", "role": "assistant",
             "content": content, "model": obj.get("model") or self.model,
@@ -205,7 +201,7 @@ class AnthropicRelay(AnthropicErrors):
         cached, prompt = _cached_and_prompt(obj)
         if cached is not None and prompt is not None:
             self.cached, self.prompt_tokens = cached, prompt
-        self.stop_sequence = _stopping_word(obj) or self.stop_sequence
+        self.stop_sequence = self._stopping_word(obj) or self.stop_sequence
         t = obj.get("timings")
         if isinstance(t, dict) and isinstance(t.get("predicted_n"), int):
             self.output_tokens = t["predicted_n"]
@@ -255,6 +251,13 @@ class AnthropicRelay(AnthropicErrors):
         return out
 
     # ----------------------------------------------------------------- helpers
+    def _stopping_word(self, obj: JSON) -> str | None:
+        """The client's stop sequence that ended the answer, from `__verbose` (asked for
+        when the request has stop sequences: a chat answer does not say which matched)."""
+        v = obj.get("__verbose")
+        word = v.get("stopping_word") if isinstance(v, dict) else None
+        return word if isinstance(word, str) and word in self.stops else None
+
     @staticmethod
     def _has_content(delta: JSON) -> bool:
         return bool(delta.get("content") or delta.get("reasoning_content")

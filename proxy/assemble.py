@@ -49,7 +49,8 @@ class Assembler(Protocol):
 
 def assembler_for(path: str, body: JSON) -> Assembler | None:
     """How to assemble `body`'s answer on `path`, or None to send it as it is."""
-    if path not in _PATHS or _short(body) or _several(body) or "response_fields" in body:
+    if path not in _PATHS or _short(body) or _several(body) or \
+            ("response_fields" in body and path == "/completion"):  # (its body's shape)
         return None
     if body.get("logprobs") is True and body.get("tools"):
         return None  # llama-server refuses logprobs with tools in a stream, not without

@@ -122,8 +122,11 @@ class BackendCache(CachePrediction):
         ram_lcp: dict[int, int],
         n_prompt: int,
         predicted: Placement | None = None,
+        task: bool = True,
     ) -> Placement | None:
         """Apply a request starting now: the slot becomes busy and holds the prompt.
+        ``task`` False: a correction of the model (a request placed where the server
+        says it ran), not a task the server starts now (see `starts`).
 
         ``predicted``: what ``predict`` just returned for these same arguments (saves
         computing it again)."""
@@ -151,7 +154,8 @@ class BackendCache(CachePrediction):
         self.idle.remove(p.slot)
         self._clock += 1
         s.last_used = self._clock
-        self.starts += 1
+        if task:
+            self.starts += 1
         if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
             for i in self.idle:
                 self._save_idle_slot(i)

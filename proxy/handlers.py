@@ -56,6 +56,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/models", models)
     app.router.add_get("/v1/models/{name:.+}", model)
+    app.router.add_get("/models/{name:.+}", model)
     for path in ("/v1/responses", "/responses"):
         app.router.add_route("*", path, unsupported)
         app.router.add_route("*", path + "/{rest:.*}", unsupported)

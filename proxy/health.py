@@ -23,13 +23,14 @@ answers requests. Each backend has a circuit breaker:
   within the stall bound (`stall_timeout_s`, or more on a backend whose batches are
   slow), the breaker opens as above and the answers already flowing are cut too (they
   end with an error event); it closes again only once `/slots` answers. Streams of a
-  backend whose breaker /health opened are watched the same way (/health also fails
-  when every HTTP thread is busy streaming: that alone does not cut them).
+  backend whose breaker /health (or a failed request) opened are watched the same way:
+  they are cut only when /slots goes unanswered too.
 - An open breaker is probed after a backoff (doubling when it re-trips soon after
   closing); one good probe closes it and the backend rejoins the Router fresh and empty
   (what it still holds is forgotten: under-predicting is the safe error). A good probe
-  is /health 200 and, where the backend has /slots, no slot still processing (the
-  requests it ran when taken out: new ones would be pinned behind them).
+  is /health 200 and, where the backend has /slots, a /slots answer with no slot still
+  processing (the requests it ran when taken out: new ones would be pinned behind
+  them); after REJOIN_WAIT_S out, /health alone will do, unless it was stuck.
 - Supervisor events win: a restarted managed backend (cb(name, info)) is a new process,
   closed breaker, empty cache; cb(name, None) removes it whatever the breaker says.
 """
@@ -84,6 +85,7 @@ class Breaker:
     stall_probe: asyncio.Task[None] | None = None
     stall_checked_at: float = 0.0
     stalled: bool = False             # opened as stuck: closes on /slots, not /health
+    rate: float | None = None         # its learned prefill rate, kept while it is out
     has_slots: bool = True            # False once it answered that it has no /slots
 
 
@@ -110,12 +112,17 @@ class BackendHealth:
     # ------------------------------------------------------------ supervisor events
     def backend_up(self, info: BackendInfo) -> None:
         """A (re)started backend: a fresh process with an empty cache."""
-        self._cut_waiting(self.breakers.get(info.name), "restarted")
+        old = self.breakers.get(info.name)
+        if old is not None and old.stall_probe is not None:
+            old.stall_probe.cancel()
+        self._cut_waiting(old, "restarted")
         self.breakers[info.name] = Breaker(info, closed_at=self._now())
         self._join(info)
 
     def backend_down(self, name: str) -> None:
         b = self.breakers.pop(name, None)
+        if b is not None and b.stall_probe is not None:
+            b.stall_probe.cancel()
         self._leave(name)
         self._cut_waiting(b, "went down")
 
@@ -211,15 +218,18 @@ class BackendHealth:
         from) must be over (for at most REJOIN_WAIT_S), or new ones would be pinned
         behind them; and once stuck, its main loop must answer /slots again."""
         got = await _ask(session, b.info, "/slots", timeout)
-        if isinstance(got, list):
-            busy = sum(isinstance(s, dict) and s.get("is_processing") is True for s in got)
-            if busy and self._now() - b.opened_at < REJOIN_WAIT_S:
-                return f"{busy} slot(s) still busy with requests from before it was out"
-            return None
         if got in (404, 501):
             b.has_slots = False
             return None
-        return _failed("/slots", got) + " (was stuck)" if b.stalled else None
+        waited_out = self._now() - b.opened_at >= REJOIN_WAIT_S
+        if isinstance(got, list):
+            busy = sum(isinstance(s, dict) and s.get("is_processing") is True for s in got)
+            if busy and not waited_out:
+                return f"{busy} slot(s) still busy with requests from before it was out"
+            return None
+        if waited_out and not b.stalled:
+            return None
+        return _failed("/slots", got) + (" (was stuck)" if b.stalled else "")
 
     def _stall_check_due(self, b: Breaker) -> bool:
         # (an open breaker's waiting requests were cut; its streams were not: /health
@@ -232,10 +242,12 @@ class BackendHealth:
 
     async def _stall_probe(self, session: aiohttp.ClientSession, b: Breaker) -> None:
         b.stall_checked_at = self._now()
-        rate = self.router.prefill_rate(b.info.name)
+        # NOTE: the router forgets a backend the breaker took out: its rate is kept here,
+        # or a slow backend's streams would be held to the bare stall_timeout_s
+        b.rate = self.router.prefill_rate(b.info.name) or b.rate
         bound = self.settings.stall_timeout_s
-        if rate:
-            bound = max(bound, STALL_BATCHES * N_BATCH / rate)
+        if b.rate:
+            bound = max(bound, STALL_BATCHES * N_BATCH / b.rate)
         got = await _ask(session, b.info, "/slots", aiohttp.ClientTimeout(total=bound))
         if self.breakers.get(b.info.name) is not b:
             return

@@ -255,8 +255,10 @@ class Forwarder:
         def feedback_when_done(task: asyncio.Future[web.StreamResponse]) -> None:
             if not task.cancelled():
                 task.exception()  # retrieved: a failure there is only the abort below
-            feedback()
-            self.recorder.backend_done(info.name)
+            try:
+                feedback()
+            finally:
+                self.recorder.backend_done(info.name)
 
         detached: asyncio.Future[web.StreamResponse] | None = None
         self.recorder.begin(info.name)
@@ -290,13 +292,15 @@ class Forwarder:
             outcome.cancelled = True  # the client left (an interrupt), not a failure
             raise
         finally:
-            if detached is None:
-                feedback()
-            else:
-                detached.add_done_callback(feedback_when_done)
-            self.recorder.end(endpoint, reported(decision), outcome, started,
-                              stream=body.get("stream") is True,
-                              backend_busy=detached is not None)
+            try:
+                if detached is None:
+                    feedback()
+                else:
+                    detached.add_done_callback(feedback_when_done)
+            finally:  # (the gauge and the log line, whatever the feedback did)
+                self.recorder.end(endpoint, reported(decision), outcome, started,
+                                  stream=body.get("stream") is True,
+                                  backend_busy=detached is not None)
 
     def _settle(self, decision: Decision, info: BackendInfo) -> None:
         """Free `decision`'s slot once its backend is done with it, holding what /slots

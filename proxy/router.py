@@ -346,14 +346,14 @@ class Router(QueuedRequests):
                 slot = self._server_pick_now(cache, f.prompt)
             if slot is not None:
                 held = self._lcps(cache, f.prompt)
-                cache.start(slot, f.prompt, *held, f.n)
+                cache.start(slot, f.prompt, *held, f.n, task=False)
                 st.occupy(slot, f.session)
         elif reported_slot is not None and reported_slot != slot:
             # the server chose another slot than modelled: what ours holds is unknown
             cache.finish(slot, None, 0)
             slot = reported_slot if 0 <= reported_slot < len(cache.slots) else None
             if slot is not None and not cache.slots[slot].busy:
-                cache.start(slot, f.prompt, *self._lcps(cache, f.prompt), f.n)
+                cache.start(slot, f.prompt, *self._lcps(cache, f.prompt), f.n, task=False)
                 st.occupy(slot, f.session)
             elif slot is not None:
                 slot = None  # busy in our model: leave it alone

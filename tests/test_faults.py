@@ -349,10 +349,12 @@ async def test_slots_answers_between_batches_of_a_long_prefill(backend_pool: Any
 
 async def test_client_leaving_during_the_prefill_leaves_its_prompt_in_a_busy_slot(
         backend_pool: Any) -> None:
-    """llama-server goes on with a prefill its client left (it notices at the first
+    """llama-server goes on with a prefill its client left (it notices after a second
+    with no result for any task, then ends the batch; on a busy server, at the first
     token). The model freed and emptied the slot at once: a request sent there waited
     behind the rest of that prefill, and the resent turn (an agent interrupted during a
-    long prefill, then resumed) was predicted 0 though the backend held all of it."""
+    long prefill, then resumed) was predicted 0 though the backend held what it had
+    prefilled."""
     sup = await backend_pool(n=1, fresh=True)
     body = {"model": "kvroute-demo", "max_tokens": 2, "stream": True,
             "stream_options": {"include_usage": True},
@@ -370,14 +372,14 @@ async def test_client_leaving_during_the_prefill_leaves_its_prompt_in_a_busy_slo
         assert await busy_slots(sup.ready()[0]) == 1
         await until(lambda: router.snapshot()["inflight"] == 0, 30)
         held = max(s["tokens"] for s in router.snapshot()["backends"]["a"]["slots"])
-        assert held > 3900, held
+        assert held >= 2048, held  # at least its first batch
         async with client.post("/v1/chat/completions", json=body) as r:  # resumed
             text = await r.text()
             predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
         usage = [json.loads(line[6:]) for line in text.splitlines()
                  if line.startswith("data: {")][-1]
         reported = usage["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert predicted == reported and reported > 3900, (predicted, reported)
+        assert predicted == reported >= 2047, (predicted, reported, held)
 
 
 async def test_client_leaving_right_after_the_last_event_still_completes(

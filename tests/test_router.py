@@ -591,3 +591,19 @@ def test_a_slot_ended_before_a_hand_off_was_saved_by_it() -> None:
                                  len(q), "none", {}), output_tokens=toks(7, 29))
     assert [(x.request_id, x.slot) for x in handed] == [(d2.request_id, h[0].slot)]
     assert handed[0].predicted_cached == len(a) + len(a_out)
+
+
+def test_a_correction_of_the_model_is_no_task_start() -> None:
+    """A request the server ran in another slot than modelled is moved there in the
+    model, a start() that is no new task on the server: it saved the request's own slot
+    to RAM as if one had started after its end (the model then held a RAM entry the
+    server never made)."""
+    r = Router("round_robin")
+    r.add_backend(cap("a", slots=2))
+    d = r.decide(list(range(1000, 1300)))
+    assert isinstance(d, Decision) and d.slot is None  # round robin: the server's pick
+    busy = [x["id"] for x in r.snapshot()["backends"]["a"]["slots"] if x["busy"]]  # type: ignore[index]
+    starts = r.starts("a")
+    r.complete(d, output_tokens=[5, 6, 7], reported_slot=1 - busy[0], starts_at_end=starts)
+    assert r.starts("a") == starts
+    assert r.snapshot()["backends"]["a"]["ram_entries"] == []  # type: ignore[index]
