@@ -28,6 +28,7 @@ class BackendDown:
 
     url: str
     reason: str
+    timed_out: bool = False  # no answer in time (not refused or reset)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,9 @@ class BackendClient:
             ) as r:
                 return r.status, await r.text()
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return BackendDown(self.url, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            # (aiohttp's own timeouts are TimeoutError subclasses)
+            return BackendDown(self.url, f"{type(e).__name__}: {e}" if str(e) else
+                               type(e).__name__, timed_out=isinstance(e, TimeoutError))
 
     async def _json(self, method: str, path: str, body: object = None) -> Any | Failure:
         res = await self._request(method, path, body)

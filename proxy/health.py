@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from typing import Any
 
 import aiohttp
 
+from backends.client import BackendClient, BackendDown, BadResponse, Health
 from backends.supervisor import BackendInfo
 from proxy.metrics import ProxyMetrics
 from proxy.router import BackendCapacity, Router
@@ -171,7 +171,7 @@ class BackendHealth:
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Probe forever (cancelled with the app)."""
         s = self.settings
-        timeout = aiohttp.ClientTimeout(total=s.probe_timeout_s)
+        timeout = s.probe_timeout_s
         try:
             while True:
                 now = self._now()
@@ -189,12 +189,13 @@ class BackendHealth:
                     b.stall_probe.cancel()
 
     async def _probe(self, session: aiohttp.ClientSession, b: Breaker,
-                     timeout: aiohttp.ClientTimeout) -> None:
+                     timeout: float) -> None:
         info = b.info
-        got = await _ask(session, info, "/health", timeout)
-        error = None if got == 200 else _failed("/health", got)
+        client = BackendClient(session, info.url, info.api_key, timeout=timeout)
+        got = await client.health()
+        error = None if isinstance(got, Health) and got.ok else _failed("/health", got)
         if error is None and b.state == OPEN and b.has_slots:
-            error = await self._not_yet(session, b, timeout)
+            error = await self._not_yet(client, b)
         if self.breakers.get(info.name) is not b:
             return  # restarted or removed while the probe ran
         if error is None:
@@ -211,19 +212,18 @@ class BackendHealth:
         if b.failures >= self.settings.breaker_failures:
             self._trip(b, f"{error} ({b.failures} probes in a row)")
 
-    async def _not_yet(self, session: aiohttp.ClientSession, b: Breaker,
-                       timeout: aiohttp.ClientTimeout) -> str | None:
+    async def _not_yet(self, client: BackendClient, b: Breaker) -> str | None:
         """Why `b`, answering /health, may not rejoin yet (None: it may). It rejoins the
         model with idle slots: the requests it ran when taken out (a hang it recovered
         from) must be over (for at most REJOIN_WAIT_S), or new ones would be pinned
         behind them; and once stuck, its main loop must answer /slots again."""
-        got = await _ask(session, b.info, "/slots", timeout)
-        if got in (404, 501):
+        got = await client.slots()
+        if _no_slots(got):
             b.has_slots = False
             return None
         waited_out = self._now() - b.opened_at >= REJOIN_WAIT_S
         if isinstance(got, list):
-            busy = sum(isinstance(s, dict) and s.get("is_processing") is True for s in got)
+            busy = sum(s.is_processing for s in got)
             if busy and not waited_out:
                 return f"{busy} slot(s) still busy with requests from before it was out"
             return None
@@ -232,8 +232,8 @@ class BackendHealth:
         return _failed("/slots", got) + (" (was stuck)" if b.stalled else "")
 
     def _stall_check_due(self, b: Breaker) -> bool:
-        # (an open breaker's waiting requests were cut; its streams were not: /health
-        # also fails when every HTTP thread is busy streaming, so only /slots can tell)
+        # (an open breaker's waiting requests were cut; its streams were not: a /health
+        # that fails says nothing of them, an unanswered /slots does)
         under_way = b.waiting or b.relaying if b.state == CLOSED else b.relaying
         return (self.settings.stall_timeout_s > 0 and b.has_slots and bool(under_way)
                 and (b.stall_probe is None or b.stall_probe.done())
@@ -248,13 +248,13 @@ class BackendHealth:
         bound = self.settings.stall_timeout_s
         if b.rate:
             bound = max(bound, STALL_BATCHES * N_BATCH / b.rate)
-        got = await _ask(session, b.info, "/slots", aiohttp.ClientTimeout(total=bound))
+        got = await BackendClient(session, b.info.url, b.info.api_key, timeout=bound).slots()
         if self.breakers.get(b.info.name) is not b:
             return
-        if got in (404, 501):  # no /slots (an external backend run with --no-slots)
+        if _no_slots(got):  # (an external backend run with --no-slots)
             b.has_slots = False
-            self.log.info("backend.no_stall_check", backend=b.info.name, slots=got)
-        elif got == "TimeoutError" and (b.waiting or b.relaying):
+            self.log.info("backend.no_stall_check", backend=b.info.name)
+        elif isinstance(got, BackendDown) and got.timed_out and (b.waiting or b.relaying):
             b.stalled = True
             if b.state == CLOSED:
                 self._trip(b, f"stuck: /slots unanswered for {bound:.0f} s with requests "
@@ -304,25 +304,11 @@ class BackendHealth:
         b.waiting.clear()
 
 
-async def _ask(session: aiohttp.ClientSession, info: BackendInfo, path: str,
-               timeout: aiohttp.ClientTimeout) -> int | str | list[Any]:
-    """GET `path` on `info`: its status, or the JSON list it answered with 200 (/slots),
-    or the name of the error that stopped it."""
-    headers = {"Authorization": f"Bearer {info.api_key}"} if info.api_key else {}
-    try:
-        async with session.get(info.url + path, headers=headers, timeout=timeout) as r:
-            body = await r.read()
-            if r.status == 200 and body.startswith(b"["):
-                with contextlib.suppress(ValueError):
-                    got = json.loads(body)
-                    if isinstance(got, list):
-                        return got
-            return r.status
-    except TimeoutError:  # (aiohttp's own timeouts are subclasses: one name for all)
-        return "TimeoutError"
-    except (aiohttp.ClientError, OSError) as e:
-        return type(e).__name__
+def _no_slots(got: object) -> bool:
+    return isinstance(got, BadResponse) and got.status in (404, 501)
 
 
-def _failed(path: str, got: int | str | list[Any]) -> str:
-    return f"{path} answered {got}" if isinstance(got, int) else f"{path}: {got}"
+def _failed(path: str, got: object) -> str:
+    if isinstance(got, BackendDown):
+        return f"{path}: {got.reason}"
+    return f"{path} answered {got.status}" if isinstance(got, BadResponse | Health) else path
