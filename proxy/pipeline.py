@@ -33,8 +33,8 @@ from proxy.router import Decision, Handoff, NeedWholePrompt, NoBackend, Router
 from proxy.upstream import Response, Upstream
 
 # A slot whose client left during its prefill is watched until its server is done with
-# it, for at most SETTLE_MARGIN_S + twice the rest of the prefill.
-SETTLE_MARGIN_S = 10.0
+# it, for at most FREE_WAIT_MARGIN_S + twice the rest of the prefill.
+FREE_WAIT_MARGIN_S = 10.0
 
 # Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
 _USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -112,8 +112,8 @@ class Forwarder:
         # Requests the router queued (every slot busy), held here until it hands them a
         # slot: see `_hold`.
         self._held: dict[int, asyncio.Future[Handoff]] = {}
-        self.session = session  # for /slots (see `_settle`); None: not asked
-        self._settling: set[asyncio.Task[None]] = set()
+        self.session = session  # for /slots (see `_free_when_idle`); None: not asked
+        self._freeing: set[asyncio.Task[None]] = set()
 
     def max_context(self) -> int | None:
         """The largest slot context of any ready backend (tripped ones included)."""
@@ -244,7 +244,7 @@ class Forwarder:
                 # the client left during the prefill, which llama-server goes on with
                 # (it notices only when it writes the first token): the slot is busy until
                 # then, and holds what was prefilled
-                self._settle(decision, info)
+                self._free_when_idle(decision, info)
             else:
                 # a client that leaves once output flows (an interrupted agent turn)
                 # leaves its prompt in the slot
@@ -302,16 +302,16 @@ class Forwarder:
                                   stream=body.get("stream") is True,
                                   backend_busy=detached is not None)
 
-    def _settle(self, decision: Decision, info: BackendInfo) -> None:
+    def _free_when_idle(self, decision: Decision, info: BackendInfo) -> None:
         """Free `decision`'s slot once its backend is done with it, holding what /slots
         says it does (unknown, as on any abort, when it cannot tell in time)."""
         assert decision.slot is not None
         left = decision.prompt_tokens - decision.predicted_cached
-        limit = SETTLE_MARGIN_S + 2 * left / (self.router.prefill_rate(info.name) or 1.0)
+        limit = FREE_WAIT_MARGIN_S + 2 * left / (self.router.prefill_rate(info.name) or 1.0)
         if self.first_byte_timeout is not None:
             limit = min(limit, self.first_byte_timeout)
 
-        async def settle(slot: int) -> None:
+        async def free(slot: int) -> None:
             held = None
             try:
                 if self.session is not None:
@@ -319,19 +319,19 @@ class Forwarder:
                     state = await client.slot_when_idle(slot, limit)
                     held = None if state is None else state.n_prompt_tokens
             finally:
-                self.recorder.log.debug("settled", request_id=decision.request_id,
+                self.recorder.log.debug("freed_when_idle", request_id=decision.request_id,
                                         backend=info.name, slot=slot, held=held)
                 self._hand_off(self.router.abort(decision, now=time.monotonic(), held=held))
 
-        task = asyncio.create_task(settle(decision.slot))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        task = asyncio.create_task(free(decision.slot))
+        self._freeing.add(task)
+        task.add_done_callback(self._freeing.discard)
 
     async def close(self) -> None:
-        """Stop settling slots (the app is closing)."""
-        for task in list(self._settling):
+        """Stop watching slots to free (the app is closing)."""
+        for task in list(self._freeing):
             task.cancel()
-        await asyncio.gather(*self._settling, return_exceptions=True)
+        await asyncio.gather(*self._freeing, return_exceptions=True)
 
     def _complete(self, decision: Decision, outcome: Outcome, *, check: bool = True) -> None:
         """Feed a whole answer back; `check`: compare its reuse with the prediction."""

@@ -169,60 +169,61 @@ async def test_killed_backend_retries_pending_requests_and_ends_its_streams(
     await sup.stop()
 
 
-async def test_hung_backend_is_tripped_and_its_requests_rerouted(
-        backend_pool: Any, demo_model: Path, tmp_path: Path) -> None:
+@asynccontextmanager
+async def fake_beside_real(backend_pool: Any, tmp_path: Path, name: str,
+                           settings: ProxySettings
+                           ) -> AsyncIterator[tuple[FakeBackend, TestClient[Any, Any]]]:
+    """A FakeBackend `name` and a real backend "real", both external, behind a proxy."""
     real = (await backend_pool()).ready()[0]
     fake = FakeBackend(n_ctx=real.slot_ctx)
     await fake.start()
-    settings = ProxySettings(tokenizer=demo_model, health=FAST_HEALTH)
     try:
-        async with external(tmp_path, {"hang": (fake.url, None),
+        async with external(tmp_path, {name: (fake.url, None),
                                         "real": (real.url, real.api_key)}) as sup:
             assert len(sup.ready()) == 2
             async with proxy(sup, settings) as client:
-                fake.mode = "hang"  # accepts connections, answers nothing, /health included
-                t0 = time.monotonic()
-                rs = await asyncio.gather(*(client.post("/v1/chat/completions",
-                                                        json=chat_body(200 + i))
-                                            for i in range(4)))
-                elapsed = time.monotonic() - t0
-                for r in rs:
-                    assert r.status == 200, await r.text()
-                    assert r.headers["X-Kvroute-Backend"] == "real"
-                assert fake.hits >= 1, "no request went to the hung backend"
-                assert elapsed < 15, elapsed
-                state = client.server.app[HEALTH].state("hang")
-                assert state is not None and state["breaker"] == "open"
-                async with client.get("/health") as h:
-                    assert (await h.json())["backends_ready"] == 1
+                yield fake, client
     finally:
         await fake.stop()
+
+
+async def all_served_by_real(client: TestClient[Any, Any], seed: int) -> float:
+    """Four requests at once, some sent to the faulty backend first: every one answered
+    by "real" (retried there); how long they took."""
+    t0 = time.monotonic()
+    rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat_body(seed + i))
+                                for i in range(4)))
+    for r in rs:
+        assert r.status == 200, await r.text()
+        assert r.headers["X-Kvroute-Backend"] == "real"
+    return time.monotonic() - t0
+
+
+async def test_hung_backend_is_tripped_and_its_requests_rerouted(
+        backend_pool: Any, demo_model: Path, tmp_path: Path) -> None:
+    settings = ProxySettings(tokenizer=demo_model, health=FAST_HEALTH)
+    async with fake_beside_real(backend_pool, tmp_path, "hang", settings) as (fake, client):
+        fake.mode = "hang"  # accepts connections, answers nothing, /health included
+        elapsed = await all_served_by_real(client, 200)
+        assert fake.hits >= 1, "no request went to the hung backend"
+        assert elapsed < 15, elapsed
+        state = client.server.app[HEALTH].state("hang")
+        assert state is not None and state["breaker"] == "open"
+        async with client.get("/health") as h:
+            assert (await h.json())["backends_ready"] == 1
 
 
 async def test_backend_stalling_completions_hits_the_first_byte_timeout(
         backend_pool: Any, demo_model: Path, tmp_path: Path) -> None:
-    real = (await backend_pool()).ready()[0]
-    fake = FakeBackend(n_ctx=real.slot_ctx)
-    await fake.start()
     # /health stays fine: only the first-byte timeout can tell
     settings = ProxySettings(tokenizer=demo_model, first_byte_timeout_s=1.5,
                              health=FAST_HEALTH)
-    try:
-        async with external(tmp_path, {"stall": (fake.url, None),
-                                        "real": (real.url, real.api_key)}) as sup, \
-                proxy(sup, settings) as client:
-            fake.mode = "stall"
-            rs = await asyncio.gather(*(client.post("/v1/chat/completions",
-                                                    json=chat_body(300 + i))
-                                        for i in range(4)))
-            for r in rs:
-                assert r.status == 200, await r.text()
-                assert r.headers["X-Kvroute-Backend"] == "real"
-            assert fake.hits >= 1
-            app = client.server.app
-            assert app[METRICS].retries.labels("chat", "timeout")._value.get() >= 1
-    finally:
-        await fake.stop()
+    async with fake_beside_real(backend_pool, tmp_path, "stall", settings) as (fake, client):
+        fake.mode = "stall"
+        await all_served_by_real(client, 300)
+        assert fake.hits >= 1
+        app = client.server.app
+        assert app[METRICS].retries.labels("chat", "timeout")._value.get() >= 1
 
 
 STALL_HEALTH = dataclasses.replace(FAST_HEALTH, stall_timeout_s=1.0)
@@ -235,46 +236,31 @@ async def test_stuck_backend_that_answers_health_is_tripped_and_its_requests_rer
     timeout (600 s by default) while another backend was free. /slots, answered by that
     loop, tells: the backend is tripped, its requests go elsewhere, and it stays out
     until /slots answers again."""
-    real = (await backend_pool()).ready()[0]
-    fake = FakeBackend(n_ctx=real.slot_ctx)
-    await fake.start()
     settings = ProxySettings(tokenizer=demo_model, health=STALL_HEALTH)
-    try:
-        async with external(tmp_path, {"stuck": (fake.url, None),
-                                        "real": (real.url, real.api_key)}) as sup, \
-                proxy(sup, settings) as client:
-            fake.mode = "wedged"
-            t0 = time.monotonic()
-            rs = await asyncio.gather(*(client.post("/v1/chat/completions",
-                                                    json=chat_body(400 + i))
-                                        for i in range(4)))
-            elapsed = time.monotonic() - t0
-            for r in rs:
-                assert r.status == 200, await r.text()
-                assert r.headers["X-Kvroute-Backend"] == "real"
-            assert fake.hits >= 1, "no request went to the stuck backend"
-            assert elapsed < 20, elapsed
-            health = client.server.app[HEALTH]
-            state = health.state("stuck")
-            assert state is not None and state["breaker"] == "open", state
-            assert "stuck: /slots unanswered" in str(state["last_error"])
-            async with client.get("/kvroute/status") as st:  # the process serves /health,
-                rows = {b["name"]: b for b in (await st.json())["backends"]}
-            assert rows["stuck"]["healthy"] and not rows["stuck"]["routed"]  # but is out
-            await asyncio.sleep(1.5)  # half-open probes: /health 200, /slots still hangs
-            assert health.state("stuck")["breaker"] == "open"  # type: ignore[index]
-            # back, but still running what it ran when taken out: the model would rejoin
-            # it with idle slots and pin new requests behind those
-            fake.busy_slots, fake.mode = 1, "ok"
-            fake.release.set()
-            await asyncio.sleep(1.5)
-            state = health.state("stuck")
-            assert state is not None and state["breaker"] == "open", state
-            assert "still busy" in str(state["last_error"])
-            fake.busy_slots = 0
-            await until(lambda: health.state("stuck")["breaker"] == "closed", 10)  # type: ignore[index]
-    finally:
-        await fake.stop()
+    async with fake_beside_real(backend_pool, tmp_path, "stuck", settings) as (fake, client):
+        fake.mode = "wedged"
+        elapsed = await all_served_by_real(client, 400)
+        assert fake.hits >= 1, "no request went to the stuck backend"
+        assert elapsed < 20, elapsed
+        health = client.server.app[HEALTH]
+        state = health.state("stuck")
+        assert state is not None and state["breaker"] == "open", state
+        assert "stuck: /slots unanswered" in str(state["last_error"])
+        async with client.get("/kvroute/status") as st:  # the process serves /health,
+            rows = {b["name"]: b for b in (await st.json())["backends"]}
+        assert rows["stuck"]["healthy"] and not rows["stuck"]["routed"]  # but is out
+        await asyncio.sleep(1.5)  # half-open probes: /health 200, /slots still hangs
+        assert health.state("stuck")["breaker"] == "open"  # type: ignore[index]
+        # back, but still running what it ran when taken out: the model would rejoin
+        # it with idle slots and pin new requests behind those
+        fake.busy_slots, fake.mode = 1, "ok"
+        fake.release.set()
+        await asyncio.sleep(1.5)
+        state = health.state("stuck")
+        assert state is not None and state["breaker"] == "open", state
+        assert "still busy" in str(state["last_error"])
+        fake.busy_slots = 0
+        await until(lambda: health.state("stuck")["breaker"] == "closed", 10)  # type: ignore[index]
 
 
 async def test_stream_from_a_backend_stuck_mid_answer_ends_with_an_error(
