@@ -34,7 +34,7 @@ from backends.binary import find_llama_server
 from backends.client import BackendClient, BadResponse, Health, Props
 from backends.demo_model import gguf_kv_bytes_per_token
 from backends.process import Failed, LlamaServerProcess, ServerSpec, free_port
-from proxy.config import Config, ExternalBackendConfig, ManagedBackendConfig
+from proxy.config import EXTERNAL_KV_BYTES, Config, ExternalBackendConfig, ManagedBackendConfig
 
 log = structlog.get_logger(__name__)
 
@@ -293,6 +293,14 @@ class Supervisor:
             if failures >= UNHEALTHY_PROBES:
                 return f"/health failed {failures} times in a row ({h})"
 
+    async def _external_kv_bytes(self, cfg: ExternalBackendConfig) -> int:
+        """The configured size, else that of the GGUF the proxy tokenizes with."""
+        if cfg.kv_bytes_per_token is not None:
+            return cfg.kv_bytes_per_token
+        gguf = self.config.proxy.settings.tokenizer
+        kv = None if gguf is None else await asyncio.to_thread(gguf_kv_bytes_per_token, gguf)
+        return kv or EXTERNAL_KV_BYTES
+
     async def _run_external(self, b: _Backend) -> None:
         cfg = b.cfg
         assert isinstance(cfg, ExternalBackendConfig) and self._session is not None
@@ -310,7 +318,7 @@ class Supervisor:
                         name=cfg.name, url=cfg.url, api_key=cfg.api_key,
                         n_slots=props.total_slots, slot_ctx=props.slot_ctx,
                         ram_cache_bytes=cfg.cache_ram_mib * MiB,
-                        kv_bytes_per_token=cfg.kv_bytes_per_token,
+                        kv_bytes_per_token=await self._external_kv_bytes(cfg),
                         model=props.model_alias, managed=False,
                     )
                     b.ready_since = time.time()

@@ -8,7 +8,7 @@ Mirrors the pinned build (../shared/notes/llama-server.md, "Slots", "The prompt 
 - If the new prompt keeps less than ``keep_threshold`` (0.5) of the slot's tokens, the
   slot's state is *saved* to the RAM cache first (unless an entry already contains it;
   entries that are prefixes of it are removed; an entry larger than the cache is
-  skipped) and the cache is LRU-evicted by bytes (tokens * kv_bytes_per_token).
+  skipped) and the cache is LRU-evicted by bytes (``BackendCapacity.entry_bytes``).
 - Then the best RAM entry is *loaded* (moved out of the cache, not copied): candidates
   share >= 25% of their own tokens with the prompt and must beat the slot's current
   state on both kept fraction and similarity.
@@ -144,7 +144,7 @@ class BackendCache(CachePrediction):
         if p.ram_entry is not None:
             n = self.ram.pop(p.ram_entry)
             self._tracked.discard((n, p.ram_entry))
-            self.ram_bytes -= n * self.cap.kv_bytes_per_token
+            self.ram_bytes -= self.cap.entry_bytes(n)
             self.tree.move(self.ram_holder(p.ram_entry), self.slot_holder(p.slot))
         self.tree.assign(self.slot_holder(p.slot), prompt)
         s.n_tokens = n_prompt
@@ -247,10 +247,9 @@ class BackendCache(CachePrediction):
         moves to the new entry (the slot is about to be overwritten)."""
         s = self.slots[slot]
         h = self.slot_holder(slot)
-        kvb = self.cap.kv_bytes_per_token
         limit = self.cap.ram_cache_bytes
         gone: set[int] = set()
-        new_bytes = s.n_tokens * kvb
+        new_bytes = self.cap.entry_bytes(s.n_tokens)
         if limit == 0 or new_bytes > limit or s.n_tokens == 0:
             return gone
         if s.ram_copy is not None and s.ram_copy in self.ram:
@@ -298,7 +297,7 @@ class BackendCache(CachePrediction):
 
     def _drop_entry(self, e: int) -> None:
         n = self.ram.pop(e)
-        self.ram_bytes -= n * self.cap.kv_bytes_per_token
+        self.ram_bytes -= self.cap.entry_bytes(n)
         self.tree.drop(self.ram_holder(e))
         self._tracked.discard((n, e))
 

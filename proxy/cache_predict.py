@@ -33,6 +33,13 @@ class BackendCapacity:
     ram_cache_bytes: int  # 0 = no RAM tier
     kv_bytes_per_token: int
 
+    def entry_bytes(self, n_tokens: int) -> int:
+        """Bytes of a RAM entry of ``n_tokens`` as the server counts them
+        (llama_state_seq_get_size): the KV of each token, each cell's position, sequence
+        count and sequence id (3 x 4 bytes), and a header (stream and cell counts, then a
+        type and row size per layer and K/V: a few hundred bytes, taken as 256)."""
+        return n_tokens * (self.kv_bytes_per_token + 12) + 256
+
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name: must be non-empty")
@@ -193,7 +200,7 @@ class CachePrediction:
 
     def _can_save(self, n_tokens: int) -> bool:
         limit = self.cap.ram_cache_bytes
-        return limit > 0 and n_tokens * self.cap.kv_bytes_per_token <= limit
+        return limit > 0 and self.cap.entry_bytes(n_tokens) <= limit
 
     def _unique_tail(self, slot: int, lcp: int, new_lcp: int, n_new: int) -> int:
         """Tokens of ``slot``'s sequence beyond its first ``lcp`` that no other holder
@@ -255,7 +262,11 @@ class CachePrediction:
         f_best = lcp / n_slot if n_slot else 0.0
         best, got = None, lcp
         ram, min_share = self.ram, self.rules.ram_min_share
-        for e, n_lcp in ram_lcp.items():
+        # the server scans its entries oldest first and a later one must beat the best so
+        # far on both counts, so the order decides between two that each win on one;
+        # entry ids grow with each save and a loaded entry leaves: id order is that order
+        for e in sorted(ram_lcp):
+            n_lcp = ram_lcp[e]
             # sim = n_lcp / n_prompt must beat the best's, got / n_prompt: most entries
             # share only the template's first tokens and stop here
             if n_lcp <= got:
@@ -274,7 +285,7 @@ class CachePrediction:
         s = self.slots[slot]
         if s.ram_copy is not None and s.ram_copy in self.ram:
             return set()  # already saved: the server skips the save
-        new = s.n_tokens * self.cap.kv_bytes_per_token
+        new = self.cap.entry_bytes(s.n_tokens)
         limit = self.cap.ram_cache_bytes
         if limit == 0 or new > limit or self.ram_bytes + new <= limit:
             return set()
@@ -283,5 +294,5 @@ class CachePrediction:
             if freed >= need:
                 break
             gone.add(e)
-            freed += n * self.cap.kv_bytes_per_token
+            freed += self.cap.entry_bytes(n)
         return gone

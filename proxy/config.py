@@ -79,11 +79,14 @@ class ExternalBackendConfig:
     name: str
     url: str  # e.g. "http://10.0.0.5:8080"; kvroute health-checks it, never starts it
     api_key: str | None = None
-    kv_bytes_per_token: int = 131072  # unknown for a remote model: an 8B-class default
+    # KV bytes per token of the remote model; None: from proxy.tokenizer's GGUF (the
+    # model kvroute tokenizes for is the one it serves), else EXTERNAL_KV_BYTES
+    kv_bytes_per_token: int | None = None
     cache_ram_mib: int = 0  # what the remote was started with, if known
 
 
 BackendConfig = ManagedBackendConfig | ExternalBackendConfig
+EXTERNAL_KV_BYTES = 131072  # an 8B-class f16 model: a remote model's size is unknowable
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,8 @@ def _backend(raw: object, i: int, base: Path, demo: Path, allow_missing_demo: bo
                               "non-ASCII character (fix: the key alone, on one line)")
         ext = ExternalBackendConfig(
             name=name, url=url.rstrip("/"), api_key=key,
-            kv_bytes_per_token=sec.get_int("kv_bytes_per_token", 131072),
+            kv_bytes_per_token=(sec.get_int("kv_bytes_per_token", EXTERNAL_KV_BYTES)
+                                if sec.has("kv_bytes_per_token") else None),
             cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
         )
         sec.finish([f.name for f in fields(ExternalBackendConfig)])

@@ -93,6 +93,26 @@ def test_ram_candidate_needs_quarter_of_its_tokens() -> None:
     assert p is not None and p.ram_entry is None and p.reuse == 3
 
 
+@pytest.mark.parametrize("keep_first_older", [True, False])
+def test_ram_load_scans_entries_oldest_first(keep_first_older: bool) -> None:
+    """One entry keeps more of itself, the other shares more of the prompt: the server
+    takes whichever it meets first, as a later one must beat it on both counts."""
+    prompt = TEMPLATE + list(range(4000, 4400))
+    keeps = prompt[:80] + list(range(6000, 6020))  # f_keep 0.8, shares 80
+    shares = prompt[:90] + list(range(7000, 7210))  # f_keep 0.3, shares 90
+    c = make()
+    first, second = (keeps, shares) if keep_first_older else (shares, keeps)
+    run(c, first, 0, gen=[])
+    run(c, second, 1, gen=[])  # idle slot 0 saved: `first` is the older entry
+    run(c, U, 0, gen=[])  # idle slot 1 saved: `second`; slot 0 holds U
+    assert sorted(c.ram.values()) == sorted([len(first), len(second)])
+    slot_lcp, ram_lcp = lcps(c, prompt)
+    for listed in (ram_lcp, dict(reversed(ram_lcp.items()))):  # as the tree lists them
+        p = c.predict(0, slot_lcp, listed, len(prompt))  # U saved (already), then a load
+        assert p is not None and p.tier == "ram"
+        assert p.reuse == (80 if keep_first_older else 90)
+
+
 @pytest.mark.parametrize(
     ("ram_tokens", "want_entries"),
     [
@@ -191,23 +211,30 @@ def test_busy_holder_prefix_is_loadable_from_its_idle_copy() -> None:
         assert p.reuse == want, f"cache_idle_slots={idle}"
 
 
+def state_bytes(n_tokens: int) -> int:
+    """llama_state_seq_get_size of a slot holding ``n_tokens``, as the pinned build sizes
+    it: 601 demo tokens are a 4.702 MiB entry (its log), 12 bytes a cell over the KV."""
+    return n_tokens * (KVB + 12) + 256
+
+
 class ServerPromptCache:
     """Reference for the RAM tier: server_prompt_cache (server-task.cpp) as whole token
     sequences in a list, oldest first, without the tree or the model's bookkeeping."""
 
-    def __init__(self, limit_tokens: int) -> None:
-        self.limit = limit_tokens
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
         self.states: list[bytes] = []
         self.evicted: list[bytes] = []  # popped from the front to make room
 
     def save(self, seq: bytes) -> None:
         """slot.prompt_save -> alloc: skip an empty, contained or over-limit state, drop
         the entries it contains, pop the oldest until it fits, append it."""
-        n = len(seq) // 4
-        if n == 0 or n > self.limit or any(s.startswith(seq) for s in self.states):
+        size = state_bytes(len(seq) // 4)
+        if not seq or size > self.limit or any(s.startswith(seq) for s in self.states):
             return
         self.states = [s for s in self.states if not seq.startswith(s)]
-        while self.states and sum(len(s) for s in self.states) // 4 + n > self.limit:
+        while self.states and sum(state_bytes(len(s) // 4) for s in self.states) + size > \
+                self.limit:
             self.evicted.append(self.states.pop(0))
         self.states.append(seq)
 
@@ -246,7 +273,7 @@ def test_ram_invariants(
     task starts every idle slot's state is in RAM unless it is larger than the whole
     cache, or a later save of that same start evicted the (older) entry holding it."""
     c = make(slots=3, ram_bytes=ram_tokens * KVB, unified=unified)
-    ref = ServerPromptCache(ram_tokens)
+    ref = ServerPromptCache(ram_tokens * KVB)
     running: list[tuple[int, list[int]]] = []
     for prompt, pin, finish_one in ops:
         if finish_one and running:
@@ -272,7 +299,7 @@ def test_ram_invariants(
             ref.load(before[p.ram_entry])
         for i in idle:
             ref.save(held[i])
-        assert c.ram_bytes == sum(c.ram.values()) * KVB <= ram_tokens * KVB
+        assert c.ram_bytes == sum(map(state_bytes, c.ram.values())) <= ram_tokens * KVB
         seqs = {e: c.tree.tokens_of(("b0", RAM, e)) for e in c.ram}
         for e, n in c.ram.items():
             assert len(seqs[e]) == 4 * n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -137,19 +138,23 @@ async def test_external_backend_with_nonsense_props_is_not_routed(
 
 
 async def test_external_backend_down_is_not_fatal(
-    backend_pool: PoolFactory, pool_config: Callable[..., Config]
+    backend_pool: PoolFactory, pool_config: Callable[..., Config], demo_model: Path
 ) -> None:
     live = (await backend_pool()).ready()[0]
     dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     base = pool_config(n=1)
     cfg = Config(
-        proxy=base.proxy, routing=RoutingConfig(), llama_server=base.llama_server,
+        proxy=dataclasses.replace(base.proxy, settings=dataclasses.replace(
+            base.proxy.settings, tokenizer=demo_model)),
+        routing=RoutingConfig(), llama_server=base.llama_server,
         cache_dir=base.cache_dir, log_dir=base.log_dir, supervision=base.supervision,
         backends=(
             ExternalBackendConfig(name="dead", url=dead_url),
             ExternalBackendConfig(name="live", url=live.url, api_key=live.api_key,
                                   kv_bytes_per_token=4096),
             ExternalBackendConfig(name="nokey", url=live.url),
+            # no size given: that of proxy.tokenizer's model
+            ExternalBackendConfig(name="sized", url=live.url, api_key=live.api_key),
         ),
     )
     sup = Supervisor(cfg)
@@ -161,9 +166,10 @@ async def test_external_backend_down_is_not_fatal(
         assert st["dead"]["healthy"] is False and st["dead"]["state"] == "down"
         assert "/health" in str(st["dead"]["last_error"])
         assert st["nokey"]["healthy"] is False and "api_key" in str(st["nokey"]["last_error"])
-        [info] = sup.ready()
+        info, sized = sup.ready()
         assert (info.name, info.managed, info.n_slots, info.kv_bytes_per_token) == (
             "live", False, 2, 4096)
+        assert (sized.name, sized.kv_bytes_per_token) == ("sized", 8 * 4 * 64 * 2 * 2)
         assert sup.pid("live") is None
     finally:
         await sup.stop()
