@@ -52,6 +52,7 @@ class Result:
     backend: str | None = None  # X-Kvroute-Backend (or the runner's label when direct)
     slot: int | None = None
     predicted_cached: int | None = None
+    predicted_tier: str | None = None  # X-Kvroute-Tier
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,6 +181,7 @@ class LoadClient:
                 res.backend = h.get("X-Kvroute-Backend", res.backend)
                 res.slot = _int(_maybe_int(h.get("X-Kvroute-Slot")))
                 res.predicted_cached = _int(_maybe_int(h.get("X-Kvroute-Predicted-Cached")))
+                res.predicted_tier = h.get("X-Kvroute-Tier")
                 if resp.status >= 400:
                     res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 else:

@@ -41,6 +41,27 @@ def reuse(results: Sequence[Result]) -> float | None:
     return sum(c for c, _ in pairs) / total if total else None
 
 
+def mispredicted(r: Result) -> bool | None:
+    """Was the router's prediction off by more than max(16 tokens, 2% of the prompt)?
+    None: nothing to compare (no prediction, or no report)."""
+    if r.predicted_cached is None or r.cached_tokens is None or not r.ok:
+        return None
+    return abs(r.predicted_cached - r.cached_tokens) > max(16, 0.02 * (r.prompt_tokens or 0))
+
+
+def fidelity(results: Sequence[Result]) -> tuple[float | None, dict[str, int]]:
+    """Share of predicted requests within the tolerance, and the others by class:
+    the tier predicted, and whether the server reused more (under) or less (over)."""
+    flags = [(r, m) for r in results if (m := mispredicted(r)) is not None]
+    classes: dict[str, int] = defaultdict(int)
+    for r, m in flags:
+        if m:
+            side = "under" if (r.cached_tokens or 0) > (r.predicted_cached or 0) else "over"
+            classes[f"{r.predicted_tier or '?'}/{side}"] += 1
+    exact = sum(not m for _, m in flags) / len(flags) if flags else None
+    return exact, dict(sorted(classes.items()))
+
+
 def summarize(run: PolicyRun) -> dict[str, Any]:
     res = run.outcome.results
     ok = [r for r in res if r.ok]
@@ -52,6 +73,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         per_backend[r.backend or "?"] += 1
     errs = [abs(r.predicted_cached - r.cached_tokens) for r in ok
             if r.predicted_cached is not None and r.cached_tokens is not None]
+    exact, classes = fidelity(ok)
     by_turn: dict[int, list[Result]] = defaultdict(list)
     for r in ok:
         by_turn[r.turn].append(r)
@@ -70,6 +92,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "reused_tokens": sum(r.cached_tokens or 0 for r in ok),
         "requests_per_backend": dict(sorted(per_backend.items())),
         "prediction_error_mean": sum(errs) / len(errs) if errs else None,
+        "prediction_exact": exact, "mispredicted": classes,
         "kvroute_metrics": run.metrics,
         "wall_s": wall, "startup_s": run.startup_s,
     }
@@ -84,14 +107,14 @@ def _pc(v: object) -> str:
 
 
 _COLUMNS = ("run", "ok/sent", "TTFT p50", "p90", "p99", "e2e p50", "p90", "req/s",
-            "reused", "pred. err (tok)", "requests per backend")
+            "reused", "pred. err (tok)", "pred. exact", "requests per backend")
 
 
 def _rows(summaries: Sequence[dict[str, Any]]) -> list[list[str]]:
     return [[s["label"], f"{s['ok']}/{s['requests']}", _f(s["ttft_p50"]), _f(s["ttft_p90"]),
              _f(s["ttft_p99"]), _f(s["e2e_p50"]), _f(s["e2e_p90"]),
              _f(s["throughput_rps"], "{:.2f}"), _pc(s["reused_ratio"]),
-             _f(s["prediction_error_mean"], "{:.0f}"),
+             _f(s["prediction_error_mean"], "{:.0f}"), _pc(s["prediction_exact"]),
              " ".join(f"{k}:{v}" for k, v in s["requests_per_backend"].items())]
             for s in summaries]
 
@@ -137,6 +160,10 @@ def _markdown(summaries: list[dict[str, Any]], workload: Workload, args: dict[st
                          [[f"{r:g}", *(f"{_f(cell[p, r]['ttft_p50'])} / "
                                        f"{_f(cell[p, r]['ttft_p90'])}" if (p, r) in cell
                                        else "-" for p in pols)] for r in rates]), ""]
+    off = [(s["label"], c, n) for s in summaries for c, n in s["mispredicted"].items()]
+    if off:
+        md += ["## Mispredicted (off by more than max(16, 2%)): predicted tier / side", "",
+               *(f"- {lb}: {c}: {n}" for lb, c, n in off), ""]
     errs = [(s["label"], e) for s in summaries for e in s["first_errors"]]
     if errs:
         md += ["## Errors (first of each run)", "", *(f"- {lb}: `{e}`" for lb, e in errs), ""]

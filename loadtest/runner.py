@@ -3,7 +3,9 @@
 Each policy gets fresh backends (empty caches): `kvroute serve` is started as a
 subprocess on a generated config and free ports, waited for on /health, measured, and
 stopped with SIGTERM (it stops its llama-servers). `direct` is the no-proxy baseline: one
-llama-server (same slots and threads) started in-process by the Supervisor. `--target`
+llama-server (same slots and threads) started in-process by the Supervisor. A peer
+router (``smg:<policy>``) and, with ``--external``, kvroute get fresh llama-servers of
+the runner's as external backends (loadtest/fleet.py). `--target`
 measures any OpenAI-compatible URL (e.g. another router) on the same workload instead.
 With `--rates` the whole comparison is repeated per arrival rate: a sweep, whose TTFT
 percentiles per rate show where each policy's knee is.
@@ -29,6 +31,7 @@ import yaml
 
 from loadtest import workloads as wl
 from loadtest.client import LoadClient, RunOutcome, check_loopback
+from loadtest.fleet import PEERS, external_config, find_smg, fresh_servers, smg_router, split_router
 from proxy.policy import POLICIES
 
 DEFAULT_POLICIES = "prefix,round_robin,least_loaded,direct"
@@ -206,6 +209,9 @@ def build_workload(args: argparse.Namespace, rate: float | None = None) -> wl.Wo
                                 question_tokens=args.question_tokens,
                                 max_tokens=args.max_tokens, rate=rate or args.rate,
                                 api=args.api or "openai", seed=args.seed)
+    if args.workload == "chat-trace":
+        return wl.chat_trace(path=args.trace, requests=args.requests, rate=rate or args.rate,
+                             block=args.block, max_tokens=args.max_tokens, seed=args.seed)
     return wl.trace(path=args.trace, requests=args.requests, rate=rate or args.rate,
                     block=args.block, max_tokens=args.max_tokens, api=args.api or "llama",
                     seed=args.seed)
@@ -235,13 +241,30 @@ async def run_one(policy: str, workload: wl.Workload, cluster: Cluster, work_dir
             started = time.monotonic() - t0
             outcome = await LoadClient(url, key, label="direct", **client_kw).run(workload)
         return PolicyRun(policy, rate, outcome, {}, started)
-    cfg = write_config(work_dir / f"{tag}.yaml", cluster, cluster.backends, policy)
-    async with kvroute_serve(cfg, policy, cluster.backends, cluster.startup_timeout_s,
-                             args.serve_log_level) as url:
-        started = time.monotonic() - t0
-        outcome = await LoadClient(url, **client_kw).run(workload)
-        metrics = await scrape_metrics(url)
-    return PolicyRun(policy, rate, outcome, metrics, started)
+    peer, pol = split_router(policy)
+    tag = tag.replace(":", "-")
+    if peer == "kvroute" and not args.external:
+        cfg = write_config(work_dir / f"{tag}.yaml", cluster, cluster.backends, policy)
+        async with kvroute_serve(cfg, policy, cluster.backends, cluster.startup_timeout_s,
+                                 args.serve_log_level) as url:
+            started = time.monotonic() - t0
+            outcome = await LoadClient(url, **client_kw).run(workload)
+            metrics = await scrape_metrics(url)
+        return PolicyRun(policy, rate, outcome, metrics, started)
+    async with fresh_servers(cluster, work_dir / "logs" / tag) as urls:
+        if peer == "smg":
+            async with smg_router(find_smg(args.smg), urls, pol,
+                                  work_dir / f"{tag}.smg.log") as url:
+                started = time.monotonic() - t0
+                outcome = await LoadClient(url, **client_kw).run(workload)
+            return PolicyRun(policy, rate, outcome, {}, started)
+        cfg = external_config(work_dir / f"{tag}.yaml", cluster, urls, pol)
+        async with kvroute_serve(cfg, pol, cluster.backends, cluster.startup_timeout_s,
+                                 args.serve_log_level) as url:
+            started = time.monotonic() - t0
+            outcome = await LoadClient(url, **client_kw).run(workload)
+            metrics = await scrape_metrics(url)
+        return PolicyRun(policy, rate, outcome, metrics, started)
 
 
 async def run_all(args: argparse.Namespace,
@@ -256,8 +279,10 @@ async def run_all(args: argparse.Namespace,
     policies = ["target"] if args.target else [p.strip() for p in args.policies.split(",")
                                                if p.strip()]
     for p in policies:
-        if p not in (*POLICIES, "direct", "target"):
-            raise ValueError(f"unknown policy {p!r}: {DEFAULT_POLICIES},random")
+        peer, _ = split_router(p)
+        if p not in (*POLICIES, "direct", "target") and peer not in PEERS:
+            raise ValueError(f"unknown policy {p!r}: {DEFAULT_POLICIES},random,"
+                             "smg:<smg policy>")
     rates: list[float | None] = ([float(x) for x in args.rates.split(",")] if args.rates
                                  else [None])
     work_dir = Path(args.out) / "runs"
@@ -280,6 +305,9 @@ def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
     a("--policies", default=DEFAULT_POLICIES, help="comma-separated; direct = 1 backend")
     a("--target", help="measure this OpenAI-compatible loopback URL instead")
     a("--target-key", help="API key for --target")
+    a("--external", action="store_true",
+      help="kvroute runs get fresh llama-servers of the runner's as url: backends")
+    a("--smg", help="smg binary for smg:<policy> runs (default: smg on PATH)")
     a("--out", default="loadtest-out", help="report directory")
     a("--rates", help="comma-separated arrival rates (/s): a sweep")
     a("--rate", type=float, default=0.5, help="arrivals/s (agentic: session starts)")

@@ -16,6 +16,9 @@ policies are compared on the same work.
 - ``trace``: Mooncake replay; every hash id is a fixed block of token ids
   (:func:`loadtest.trace.block_tokens`), sent as a token-id prompt, so the block mapping
   is exact. Whole prefix groups are sampled so reuse survives down-scaling.
+- ``chat-trace``: the same replay as a chat client sends it: every hash id is a fixed
+  block of words, a request's blocks are one user message to ``/v1/chat/completions``,
+  so the server's template and tokenizer are on the path, as with real conversations.
 
 Text is built from words that are one token each in the demo (Qwen2) vocabulary and are
 joined by single spaces, so ``n`` words are ``n`` tokens: sizes given in tokens hold.
@@ -33,7 +36,7 @@ from typing import Any
 from loadtest.trace import BLOCK, TraceRequest, block_tokens, load_mooncake
 
 APIS = ("openai", "anthropic", "llama")
-WORKLOADS = ("agentic", "shared-prefix", "trace")
+WORKLOADS = ("agentic", "shared-prefix", "trace", "chat-trace")
 
 # Each is a single token with a leading space (checked against the demo vocabulary).
 _WORD_TEXT = (
@@ -248,13 +251,9 @@ def trace(*, path: str, requests: int = 100, rate: float = 1.0, block: int = 32,
                                                                seed)]
     if not picked:
         return Workload("trace", (), params, 0.0)
-    t0 = picked[0].timestamp_ms
-    span_s = (picked[-1].timestamp_ms - t0) / 1000
-    # arrivals keep their relative spacing, scaled so that the mean rate is `rate`
-    scale = (len(picked) - 1) / rate / span_s if span_s > 0 and rate > 0 else 0.0
     first_of: dict[int, int] = {}
     out = []
-    for i, r in enumerate(picked):
+    for i, (r, at) in enumerate(zip(picked, _arrivals(picked, rate), strict=True)):
         root = r.hash_ids[0] if r.hash_ids else -1
         turn = first_of.setdefault(root, 0)
         first_of[root] += 1
@@ -266,5 +265,47 @@ def trace(*, path: str, requests: int = 100, rate: float = 1.0, block: int = 32,
         else:
             body.update(model=model, max_tokens=out_n)
         req = Request(f"r{i}", f"h{root}", turn, "trace", api, body, len(prompt))
-        out.append(Session(f"r{i}", (r.timestamp_ms - t0) / 1000 * scale, (Step(0.0, req),)))
+        out.append(Session(f"r{i}", at, (Step(0.0, req),)))
     return Workload("trace", tuple(out), params, oracle_hit_ratio(picked, block))
+
+
+def _arrivals(picked: Sequence[TraceRequest], rate: float) -> list[float]:
+    """Arrival times (s) keeping the trace's relative spacing at a mean ``rate`` per s."""
+    if not picked:
+        return []
+    t0 = picked[0].timestamp_ms
+    span_s = (picked[-1].timestamp_ms - t0) / 1000
+    scale = (len(picked) - 1) / rate / span_s if span_s > 0 and rate > 0 else 0.0
+    return [(r.timestamp_ms - t0) / 1000 * scale for r in picked]
+
+
+def block_text(hash_id: int, n_words: int) -> str:
+    """The fixed text of one hash id: ``n_words`` words seeded by the id alone."""
+    return words(random.Random(hash_id), n_words)
+
+
+def chat_trace(*, path: str, requests: int = 200, rate: float = 2.0, block: int = 32,
+               max_tokens: int = 8, model: str = "kvroute-demo", seed: int = 0) -> Workload:
+    """Mooncake replay in chat form: ``requests`` (whole groups) at a mean ``rate`` per
+    second, each hash id a block of ``block`` words, a request's blocks joined into one
+    user message (the trace's ``input_length`` only says how many blocks: the last one
+    is whole)."""
+    from loadtest.simulate import oracle_hit_ratio
+
+    params = dict(locals())
+    picked = sample_groups(load_mooncake(path), requests, seed)
+    first_of: dict[int, int] = {}
+    out = []
+    for i, (r, at) in enumerate(zip(picked, _arrivals(picked, rate), strict=True)):
+        root = r.hash_ids[0] if r.hash_ids else -1
+        turn = first_of.setdefault(root, 0)
+        first_of[root] += 1
+        n_blocks = max(1, min(len(r.hash_ids), math.ceil(r.input_length / BLOCK)))
+        text = " ".join(block_text(h, block) for h in r.hash_ids[:n_blocks])
+        body = {"model": model, "max_tokens": max(1, min(r.output_length, max_tokens)),
+                "messages": [{"role": "user", "content": text}]}
+        req = Request(f"r{i}", f"h{root}", turn, "trace", "openai", body, n_blocks * block)
+        out.append(Session(f"r{i}", at, (Step(0.0, req),)))
+    whole = [TraceRequest(r.timestamp_ms, min(len(r.hash_ids), math.ceil(r.input_length / BLOCK))
+                          * block, r.output_length, r.hash_ids) for r in picked]
+    return Workload("chat-trace", tuple(out), params, oracle_hit_ratio(whole, block))

@@ -58,6 +58,7 @@ class Target:
     info: BackendInfo
     slot: int | None = None               # id_slot to pin; None lets the server choose
     predicted_cached: int | None = None   # for the X-Kvroute-Predicted-Cached header
+    tier: str | None = None               # where that reuse comes from: slot | ram | none
 
     def headers(self) -> dict[str, str]:
         h = {"X-Kvroute-Backend": self.info.name}
@@ -65,6 +66,8 @@ class Target:
             h["X-Kvroute-Slot"] = str(self.slot)
         if self.predicted_cached is not None:
             h["X-Kvroute-Predicted-Cached"] = str(self.predicted_cached)
+        if self.tier is not None:
+            h["X-Kvroute-Tier"] = self.tier
         return h
 
 

@@ -212,16 +212,16 @@ class Forwarder:
                 assert pending is not None
                 await asyncio.wait({pending.rest})
                 take_rest(pending.rest)  # (a no-op if its callback ran first)
-            predicted = reported(decision).predicted_cached
-            if target.predicted_cached == predicted:
+            d = reported(decision)
+            if (target.predicted_cached, target.tier) == (d.predicted_cached, d.tier):
                 return target
-            return dataclasses.replace(target, predicted_cached=predicted)
+            return dataclasses.replace(target, predicted_cached=d.predicted_cached, tier=d.tier)
 
         def reported(d: Decision) -> Decision:
             # `cache_prompt: false`: the server reuses nothing (and caches the prompt as
             # usual: the model's state stays right); the prediction the client and the
             # metrics see is 0
-            return dataclasses.replace(d, predicted_cached=0) if no_reuse else d
+            return dataclasses.replace(d, predicted_cached=0, tier="none") if no_reuse else d
 
         info = self.backends.get(decision.backend)
         if info is None:  # removed between the event and now
@@ -394,7 +394,7 @@ class Forwarder:
         if path == "/completion" and "return_tokens" not in body:
             extra["return_tokens"] = True  # exact generated ids: the slot holds these
         payload = upstream_payload(raw, body, extra)
-        target = Target(info, decision.slot, decision.predicted_cached)
+        target = Target(info, decision.slot, decision.predicted_cached, decision.tier)
         return await send(self.upstream, request, target, path, payload, outcome,
                           relay=relay, strip_usage=strip_usage, health=self.health,
                           first_byte_timeout=self.first_byte_timeout, assemble=assemble,

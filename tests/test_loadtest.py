@@ -116,3 +116,75 @@ async def test_tiny_live_ab_run(tmp_path: Path, llama_server_bin: Path,
     assert set(prefix["requests_per_backend"]) <= {"a", "b"}
     assert prefix["kvroute_metrics"]["prediction_error_count"] == 4
     assert "| prefix |" in (tmp_path / "report.md").read_text()
+
+
+def test_chat_trace_sends_each_conversation_as_one_growing_user_message() -> None:
+    w = wl.chat_trace(path=str(TRACE), requests=40, rate=2.0, block=8, seed=3)
+    assert w.fingerprint() == wl.chat_trace(path=str(TRACE), requests=40, rate=2.0,
+                                            block=8, seed=3).fingerprint()
+    reqs = w.requests()
+    assert len(reqs) >= 40 and all(len(r.body["messages"]) == 1 for r in reqs)
+    trace = {r.hash_ids: r for r in wl.load_mooncake(TRACE)}
+    by_session: dict[str, list[str]] = {}
+    for r in reqs:
+        by_session.setdefault(r.session, []).append(r.body["messages"][0]["content"])
+    # a block is the same text wherever its hash id appears: a later turn that resends
+    # the conversation's first blocks starts with the same words
+    def shared_words(a: str, b: str) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a.split(), b.split())) if x != y),
+                    min(len(a.split()), len(b.split())))
+
+    grown = [(a, b) for texts in by_session.values() for a, b in itertools.pairwise(texts)
+             if shared_words(a, b) >= 2 * 8]
+    assert grown, "no conversation in the sample shares two blocks"
+    assert wl.block_text(5, 8) == wl.block_text(5, 8) != wl.block_text(6, 8)
+    assert len(wl.block_text(5, 8).split()) == 8
+    assert trace and 0.0 < (w.oracle_reuse or 0) < 1.0
+
+
+@pytest.mark.parametrize(
+    ("predicted", "cached", "prompt", "tier", "off"),
+    [
+        (100, 100, 1000, "slot", None),
+        (100, 116, 500, "slot", None),  # within 16 tokens
+        (100, 117, 500, "slot", "slot/under"),
+        (5000, 4900, 10000, "ram", None),  # within 2%
+        (5000, 4799, 10000, "ram", "ram/over"),
+        (None, 500, 1000, None, "skip"),  # no prediction: not counted
+    ],
+)
+def test_fidelity_tolerance_and_classes(predicted: int | None, cached: int, prompt: int,
+                                        tier: str | None, off: str | None) -> None:
+    from loadtest.client import Result
+    from loadtest.report import fidelity
+
+    r = Result("r", "s", 0, "trace", 0.0, ok=True, prompt_tokens=prompt,
+               cached_tokens=cached, predicted_cached=predicted, predicted_tier=tier)
+    exact, classes = fidelity([r])
+    if off == "skip":
+        assert (exact, classes) == (None, {})
+    elif off is None:
+        assert (exact, classes) == (1.0, {})
+    else:
+        assert (exact, classes) == (0.0, {off: 1})
+
+
+@pytest.mark.timeout(240)
+async def test_external_chat_replay_is_predicted(tmp_path: Path, llama_server_bin: Path,
+                                                 demo_model: Path) -> None:
+    """kvroute in front of llama-servers it did not start, told only their RAM size and
+    the model's GGUF, under RAM pressure: every reuse the servers report is predicted."""
+    from loadtest.report import summarize
+    from loadtest.runner import add_arguments, run_all
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, str(TRACE))
+    args = p.parse_args(["--workload", "chat-trace", "--requests", "30", "--rate", "3",
+                         "--block", "24", "--max-tokens", "4", "--policies", "prefix",
+                         "--external", "--cache-ram-mib", "8", "--ctx", "4096",
+                         "--out", str(tmp_path), "--time-limit", "120"])
+    [run] = await run_all(args)
+    s = summarize(run)
+    assert s["ok"] == s["requests"] >= 30
+    assert s["reused_ratio"] > 0.2
+    assert s["prediction_exact"] == 1.0, s["mispredicted"]

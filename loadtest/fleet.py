@@ -1,0 +1,130 @@
+"""Routers in front of fresh external llama-servers, for side-by-side runs.
+
+A run of ``--external`` or of a peer router (``smg:<policy>``) starts its own
+llama-servers (the pinned build, the demo model, no API key, empty caches), puts the
+router in front, and stops everything when the run ends. kvroute then sees the servers
+as ``url:`` backends, as an operator with servers of their own configures it: told the
+RAM cache size and the model (``proxy.tokenizer``), nothing else.
+
+The peer is SGLang's gateway, ``smg`` on PyPI. It is never a dependency: install it in a
+venv of its own and pass its binary with ``--smg``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+import yaml
+
+from backends.binary import ensure_llama_server
+from backends.demo_model import ensure_demo_model
+from backends.process import LlamaServerProcess, ServerSpec, free_port
+
+if TYPE_CHECKING:
+    from loadtest.runner import Cluster
+
+PEERS = ("smg",)
+
+
+def split_router(name: str) -> tuple[str, str]:
+    """``smg:cache_aware`` -> ("smg", "cache_aware"); a kvroute policy -> ("kvroute", it)."""
+    peer, sep, policy = name.partition(":")
+    return (peer, policy) if sep else ("kvroute", name)
+
+
+@contextlib.asynccontextmanager
+async def fresh_servers(cluster: Cluster, log_dir: Path) -> AsyncIterator[list[str]]:
+    """``cluster.backends`` new llama-servers on free loopback ports; yields their URLs."""
+    binary = ensure_llama_server(None).path
+    model = ensure_demo_model()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = [LlamaServerProcess(ServerSpec(binary, model, free_port(), cluster.slots,
+                                           cluster.ctx_per_slot, cluster.threads,
+                                           cache_ram_mib=cluster.cache_ram_mib,
+                                           alias="kvroute-demo"),
+                                log_dir / f"{chr(ord('a') + i)}.log")
+             for i in range(cluster.backends)]
+    try:
+        async with aiohttp.ClientSession() as http:
+            for p in procs:
+                p.spawn()
+            for p in procs:
+                ready = await p.wait_ready(http, cluster.startup_timeout_s)
+                if not hasattr(ready, "seconds"):
+                    raise RuntimeError(f"llama-server did not start: {ready}")
+        yield [p.spec.url for p in procs]
+    finally:
+        await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+
+
+def external_config(path: Path, cluster: Cluster, urls: list[str], policy: str) -> Path:
+    """A kvroute config with ``urls`` as external backends and the demo model's GGUF as
+    the tokenizer (the servers' model, as an operator would name it)."""
+    cfg = {
+        "proxy": {"host": "127.0.0.1", "port": free_port(), "policy": policy,
+                  "tokenizer": str(ensure_demo_model())},
+        "log_dir": str(path.parent / "logs" / path.stem),
+        "backends": [{"name": chr(ord("a") + i), "url": u,
+                      "cache_ram_mib": cluster.cache_ram_mib} for i, u in enumerate(urls)],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def find_smg(configured: str | None) -> str:
+    found = shutil.which(configured or "smg")
+    if found is None:
+        raise RuntimeError("smg not found: install it in a venv of its own "
+                           "(`python -m venv /tmp/smg && /tmp/smg/bin/pip install "
+                           "smg==1.13.0`) and pass --smg /tmp/smg/bin/smg")
+    return found
+
+
+@contextlib.asynccontextmanager
+async def smg_router(binary: str, urls: list[str], policy: str, log: Path,
+                     timeout_s: float = 60.0) -> AsyncIterator[str]:
+    """``smg launch`` in front of ``urls``; yields its URL once it routes a request."""
+    port = free_port()
+    argv = [binary, "launch", "--worker-urls", *urls, "--policy", policy,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(free_port())]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_models(url, proc, timeout_s)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def _wait_models(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"smg exited with {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(url + "/v1/models") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"smg at {url} not ready within {timeout_s:.0f} s")
