@@ -177,21 +177,28 @@ class CachePrediction:
         (FIFO service), the k-th waiting request gets the (k mod n_slots)-th slot of that
         order, which then holds the prompt of its current occupant (k < n_slots) or of
         the request k - n_slots ahead. It is the only idle slot then: the server keeps its
-        common prefix, or saves it and loads the best RAM entry (the RAM tier as it is
-        now: later saves and loads are not foreseen)."""
+        common prefix, or saves it and loads the best RAM entry still there: every start
+        until then saves its slot's content, and the oldest entries make room (a small
+        RAM tier loses the entry a busy backend was chosen for before its turn comes)."""
         order = sorted(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
         k = len(ahead)
         slot = order[k % len(order)]
-        if k < len(order):
-            n_slot = self.slots[slot].n_tokens
-            lcp = min(slot_lcp.get(slot, 0), n_slot)
-        else:
-            lcp, n_slot = ahead[k - len(order)]
+
+        def held_then(j: int) -> int:  # tokens in the slot the j-th start lands in
+            return self.slots[order[j]].n_tokens if j < len(order) else ahead[j - len(order)][1]
+
+        n_slot = held_then(k)
+        lcp = min(slot_lcp.get(slot, 0), n_slot) if k < len(order) else ahead[k - len(order)][0]
         entry, got, displaced, saved, destroyed = None, lcp, 0, False, 0
         if n_slot == 0 or self._saves(n_slot, lcp, n_prompt, pinned=False):
             saved = n_slot > 0
             displaced = n_slot - lcp
-            entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, set())
+            # each start before ours saves what its slot held (taken as another
+            # conversation's), then ours saves its own: the oldest entries make room
+            pushed = sum(self.cap.entry_bytes(n) for n in map(held_then, range(k + 1))
+                         if n and self._can_save(n))
+            gone = self._fifo_evicted(pushed)
+            entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, gone)
         elif k < len(order) and lcp < n_slot:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
         reuse = max(0, min(got, n_prompt - 1))
@@ -285,9 +292,13 @@ class CachePrediction:
         s = self.slots[slot]
         if s.ram_copy is not None and s.ram_copy in self.ram:
             return set()  # already saved: the server skips the save
-        new = self.cap.entry_bytes(s.n_tokens)
+        n = s.n_tokens
+        return self._fifo_evicted(self.cap.entry_bytes(n) if n and self._can_save(n) else 0)
+
+    def _fifo_evicted(self, new: int) -> set[int]:
+        """RAM entries the byte LRU drops, oldest first, to take in ``new`` bytes."""
         limit = self.cap.ram_cache_bytes
-        if limit == 0 or new > limit or self.ram_bytes + new <= limit:
+        if limit == 0 or self.ram_bytes + new <= limit:
             return set()
         gone, freed, need = set(), 0, self.ram_bytes + new - limit
         for e, n in self.ram.items():

@@ -416,6 +416,23 @@ def test_predict_queued_lands_in_the_slot_that_frees(
     assert (q.slot, q.reuse, q.tier) == (slot, reuse, tier), q
 
 
+@pytest.mark.parametrize(("ram_tokens", "reuse"), [(1000, 3), (100_000, len(A) + len(GEN))])
+def test_predict_queued_sees_the_saves_before_its_turn(ram_tokens: int, reuse: int) -> None:
+    """A's conversation is in RAM and both slots are busy: when a slot frees, the server
+    saves what it held before loading, and a RAM tier with room for one entry then has
+    only that one left."""
+    c = make(ram_bytes=ram_tokens * KVB)
+    run(c, A, 0)
+    run(c, B, 0)  # A saved: the only entry
+    assert list(c.ram.values()) == [len(A) + len(GEN)]
+    for slot, p in ((0, [*B, *GEN, 9]), (1, U)):  # slot 0 goes on with B: no save
+        assert c.start(slot, to_token_bytes(p), *lcps(c, p), len(p)) is not None
+    assert len(c.ram) == 1
+    prompt = [*A, *GEN, 5]
+    q = c.predict_queued(*lcps(c, prompt), [], len(prompt))
+    assert (q.slot, q.reuse) == (0, reuse), q
+
+
 def test_only_the_largest_ram_entries_are_matched_and_evictions_stay_exact() -> None:
     """A RAM tier full of small prompts: the tree keeps the `max_tracked` largest entries
     (what one match walks stays bounded), the byte LRU still counts every entry (the same

@@ -131,8 +131,9 @@ def test_chat_trace_sends_each_conversation_as_one_growing_user_message() -> Non
     # a block is the same text wherever its hash id appears: a later turn that resends
     # the conversation's first blocks starts with the same words
     def shared_words(a: str, b: str) -> int:
-        return next((i for i, (x, y) in enumerate(zip(a.split(), b.split())) if x != y),
-                    min(len(a.split()), len(b.split())))
+        x, y = a.split(), b.split()
+        return next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v),
+                    min(len(x), len(y)))
 
     grown = [(a, b) for texts in by_session.values() for a, b in itertools.pairwise(texts)
              if shared_words(a, b) >= 2 * 8]
