@@ -108,12 +108,28 @@ class Candidate:
     ram_lcp: dict[int, int]  # RAM entry -> tokens of the prompt that entry holds
     pending_lcp: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
 
-    def predict_queued(self, n: int) -> Placement:
-        """Landing of an unpinned request that must wait for a slot here."""
+    def predict_queued(self, n: int, min_tokens: int | None) -> tuple[Placement, int | None]:
+        """Landing of a request that must wait for a slot here, and the busy slot it
+        waits for (None: the first to free). With ``min_tokens``, the busy slot holding
+        the most of its prompt, at least that many tokens, that no one waits for yet, if
+        it reuses as much there: the first slot to free would make it recompute that part,
+        and whoever waits for its own slot would then find it gone. Else the slot the
+        server's queue gives it."""
         st = self.state
         pend = self.pending_lcp
         ahead = [(pend.get(r, 0), st.queued_n[r]) for r in st.queued if r not in st.targets]
-        return st.cache.predict_queued(self.slot_lcp, self.ram_lcp, ahead, n)
+        first = st.cache.predict_queued(self.slot_lcp, self.ram_lcp, ahead, n)
+        if min_tokens is not None:
+            awaited = st.targets.values()
+            held = [(got, i) for i, got in self.slot_lcp.items()
+                    if got >= min_tokens and st.cache.slots[i].busy and i not in awaited]
+            if held:
+                slot = max(held)[1]
+                p = st.cache.predict(slot, self.slot_lcp, self.ram_lcp, n, after_busy=True)
+                assert p is not None
+                if p.reuse >= first.reuse:
+                    return p, slot
+        return first, None
 
 
 def _most(lcp: dict[int, int]) -> int:
@@ -179,10 +195,14 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
         plain = (best[0][0], best[0][1], best[1], best[2], False)
     else:
         # queued on the server: it gets the slot that frees, whose content it may share
-        service = st.service_s or s.default_service_s
-        p = c.predict_queued(n)
-        ttft = _ttft(backlog + service / cache.cap.n_slots, p, n, rate, s)
-        plain = (ttft + _penalty(p, s, rate), ttft, p, None, True)
+        p, slot = c.predict_queued(n, s.wait_min_tokens)
+        if slot is None:
+            service = st.service_s or s.default_service_s
+            wait_s = backlog + service / cache.cap.n_slots
+        else:
+            wait_s = max(backlog, st.slot_free_at.get(slot, now) - now)
+        ttft = _ttft(wait_s, p, n, rate, s)
+        plain = (ttft + _penalty(p, s, rate), ttft, p, slot, True)
     # Waiting for a busy slot that holds much of the prompt (a side call sent with its
     # session's turn, a turn sent before the previous answer ended): the caller holds the
     # request and sends it pinned there when the slot frees (Router: targets, Handoff).

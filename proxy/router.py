@@ -183,7 +183,7 @@ class Router(QueuedRequests):
             # queued on the server (unpinned): predict what it gets when a slot frees,
             # before recording it (it would share its whole prompt with itself)
             cand = next(c for c in cands if c.name == choice.backend)
-            pq = choice.queued or cand.predict_queued(n)
+            pq = choice.queued or cand.predict_queued(n, None)[0]
             self.tree.assign((choice.backend, PENDING, rid), q)
             st.queued.append(rid)
             st.queued_n[rid] = n

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from proxy.backend_state import BackendState
 from proxy.cache_model import PENDING, RAM, SLOT, BackendCache
 from proxy.decision import Handoff
+from proxy.router_settings import RouterSettings
 from proxy.tree import RadixTree
 
 
@@ -39,22 +40,44 @@ class QueuedRequests:
 
     tree: RadixTree
     _inflight: dict[int, Inflight]
+    settings: RouterSettings
+    _policy: str
 
     def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
         """A slot freed. A request waiting for that very slot gets it, pinned; otherwise
-        the oldest request waiting for any slot gets the one the server would give an
-        unpinned request (the server's own queue rule); the model records it now."""
+        a request waiting for any slot gets the one the server would give it unpinned:
+        the one that holds at least ``min_tokens`` of its prompt and the most of all
+        waiters' (its conversation's next turn), else the oldest. The proxy holds them,
+        so it need not hand slots out in arrival order as the server's queue does: a
+        turn that came while its slot was busy would otherwise take whichever slot freed
+        first and leave its history to the waiter behind it, which recomputes it again.
+        The model records the hand-off now."""
         out: list[Handoff] = []
         cache = st.cache
         for rid, slot in list(st.targets.items()):
             if not cache.slots[slot].busy:
                 out.append(self._hand(st, backend, rid, slot, now))
         while cache.idle:
-            rid = next((r for r in st.queued if r not in st.targets), None)
-            if rid is None:
+            waiting = [r for r in st.queued if r not in st.targets]
+            if not waiting:
                 break
-            out.append(self._hand(st, backend, rid, None, now))
+            out.append(self._hand(st, backend, self._next_waiter(st, backend, waiting),
+                                  None, now))
         return out
+
+    def _next_waiter(self, st: BackendState, backend: str, waiting: list[int]) -> int:
+        """The waiter an idle slot of ``backend`` goes to (see ``_drain_queue``); the
+        baseline policies keep the server's order."""
+        best, most = waiting[0], self.settings.wait_min_tokens - 1
+        if self._policy != "prefix":
+            return best
+        for i in st.cache.idle:
+            h = (backend, SLOT, i)
+            for rid in waiting:
+                got = self.tree.common_prefix((backend, PENDING, rid), h)
+                if got > most:
+                    best, most = rid, got
+        return best
 
     def _hand(self, st: BackendState, backend: str, rid: int, slot: int | None,
               now: float) -> Handoff:

@@ -607,3 +607,40 @@ def test_a_correction_of_the_model_is_no_task_start() -> None:
     r.complete(d, output_tokens=[5, 6, 7], reported_slot=1 - busy[0], starts_at_end=starts)
     assert r.starts("a") == starts
     assert r.snapshot()["backends"]["a"]["ram_entries"] == []  # type: ignore[index]
+
+
+def test_a_turn_queued_behind_its_busy_history_waits_for_that_slot() -> None:
+    """Both slots busy, the next turn of the conversation in slot 0 comes: it waits for
+    slot 0, not for the first slot to free (there it would recompute its history)."""
+    r = Router()
+    r.add_backend(cap("a", slots=2, ctx=8192))
+    conv = list(range(5000, 7000))
+    x = decide(r, conv)
+    y = decide(r, list(range(9000, 9400)))
+    new = [decide(r, list(range(k, k + 300))) for k in (20000, 30000)]
+    turn = decide(r, [*conv, *range(7000, 7100)])
+    assert (x.slot, y.slot, turn.queued) == (0, 1, True)
+    assert turn.predicted_cached == len(conv)
+    got = r.complete(y, now=1.0)  # slot 1 frees first: not the turn's
+    assert [h.request_id for h in got] == [new[0].request_id]
+    got = r.complete(x, now=2.0)
+    assert got == [Handoff(turn.request_id, "a", 0, len(conv))]
+
+
+def test_a_freed_slot_goes_to_the_waiter_whose_history_it_holds() -> None:
+    """Both slots busy; a new conversation queues, then the next turn of the one in slot
+    0. Slot 0 frees first: the proxy holds both, so the turn gets its own history (the
+    server's queue would give it to the older request, which would truncate it)."""
+    r = Router()
+    r.add_backend(cap("a", slots=2, ctx=8192))
+    conv = list(range(5000, 7000))
+    x = decide(r, conv)
+    y = decide(r, list(range(9000, 9400)))
+    new = decide(r, list(range(20000, 20300)))
+    turn = decide(r, [*conv, *range(7000, 7100)])
+    assert (x.slot, y.slot, new.queued, turn.queued) == (0, 1, True, True)
+    assert turn.predicted_cached == len(conv)
+    got = r.complete(x, now=1.0)
+    assert got == [Handoff(turn.request_id, "a", 0, len(conv))]
+    got = r.complete(y, now=2.0)
+    assert [(h.request_id, h.slot) for h in got] == [(new.request_id, 1)]
