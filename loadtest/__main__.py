@@ -36,6 +36,15 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="capacity planner: fewest backends whose p90 TTFT (s) meets this target",
     )
     p.add_argument("--max-backends", type=int, default=64)
+    g = p.add_argument_group("chat-trace: the live runner's chat replay, tokenized")
+    g.add_argument("--workload", choices=("trace", "chat-trace"), default="trace")
+    g.add_argument("--requests", type=int, default=200, help="whole groups sampled")
+    g.add_argument("--rate", type=float, default=2.0, help="mean arrivals/s")
+    g.add_argument("--block", type=int, default=32, help="words per hash id")
+    g.add_argument("--max-tokens", type=int, default=8)
+    g.add_argument("--slot-ctx", type=int, default=262_144, help="tokens per slot")
+    g.add_argument("--ram-mib", type=int, help="RAM cache per backend (overrides --ram-tokens)")
+    g.add_argument("--gguf", help="model to tokenize with (default: the demo model)")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -48,21 +57,35 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     from loadtest.trace import load_mooncake
 
-    trace = load_mooncake(args.trace)
-    if args.limit:
-        trace = trace[: args.limit]
+    prompts = None
+    if args.workload == "chat-trace":
+        from backends.demo_model import ensure_demo_model
+        from loadtest.simulate import chat_replay
+        from loadtest.workloads import chat_trace
+
+        w = chat_trace(path=args.trace, requests=args.requests, rate=args.rate,
+                       block=args.block, max_tokens=args.max_tokens, seed=args.seed)
+        trace, prompts = chat_replay(w, Path(args.gguf) if args.gguf else ensure_demo_model())
+        oracle = w.oracle_reuse or 0.0
+    else:
+        trace = load_mooncake(args.trace)
+        if args.limit:
+            trace = trace[: args.limit]
+        oracle = oracle_hit_ratio(trace)
+    ram_tokens = (args.ram_mib << 20) // args.kv_bytes_per_token if args.ram_mib is not None \
+        else args.ram_tokens
     be = SimBackend(
         n_slots=args.slots,
-        ram_cache_tokens=args.ram_tokens,
+        slot_ctx=args.slot_ctx,
+        ram_cache_tokens=ram_tokens,
         kv_bytes_per_token=args.kv_bytes_per_token,
         prefill_tps=args.prefill_tps,
         decode_tps=args.decode_tps,
     )
-    oracle = oracle_hit_ratio(trace)
     if args.plan_p90 > 0:
         n, runs = plan_capacity(
-            trace, args.plan_p90, be, max_backends=args.max_backends, time_scale=args.time_scale
-        )
+            trace, args.plan_p90, be, max_backends=args.max_backends,
+            time_scale=args.time_scale, prompts=prompts)
         for r in runs:
             print(f"{r.n_backends:3d} backends: p90 ttft {r.ttft_p90:.3f} s, hit {r.hit_ratio:.3f}")
         if n is None:
@@ -71,7 +94,8 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"{n} backends meet p90 TTFT <= {args.plan_p90} s")
         return 0
     results = [
-        simulate(trace, pol.strip(), args.backends, be, time_scale=args.time_scale, seed=args.seed)
+        simulate(trace, pol.strip(), args.backends, be, time_scale=args.time_scale,
+                 seed=args.seed, prompts=prompts)
         for pol in args.policies.split(",")
         if pol.strip()
     ]

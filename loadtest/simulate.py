@@ -28,11 +28,16 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loadtest.trace import BLOCK, VOCAB_HI, VOCAB_LO, TraceRequest, block_start
 from proxy.cache_model import RAM, SLOT, BackendCache, BackendCapacity
 from proxy.router import Decision, Router, RouterSettings
 from proxy.tree import RadixTree
+
+if TYPE_CHECKING:
+    from loadtest.workloads import Workload
 
 
 @dataclass(frozen=True)
@@ -156,8 +161,11 @@ def simulate(
     settings: RouterSettings | None = None,
     time_scale: float = 1.0,
     seed: int = 0,
+    prompts: Sequence[bytes] | None = None,
 ) -> SimResult:
-    """Replay ``trace`` (arrivals divided by ``time_scale``) through one policy."""
+    """Replay ``trace`` (arrivals divided by ``time_scale``) through one policy.
+    ``prompts``: each request's prompt as int32 token bytes, instead of its blocks'
+    token ids (a chat replay, tokenized through the template as the server does)."""
     be = backend or SimBackend()
     kvb = be.kv_bytes_per_token
     caps = [
@@ -237,12 +245,12 @@ def simulate(
             now, idx, kind, req = heapq.heappop(events)
             if kind == 0:
                 r = trace[idx]
-                q = blocks.prompt(r)
+                q = blocks.prompt(r) if prompts is None else prompts[idx]
                 d = router.decide(q, now=now)  # int32 token bytes: no conversion
                 if not isinstance(d, Decision):
                     rejected += 1
                     continue
-                req = _Req(idx, now, q, r.input_length, r.output_length, d, d.slot)
+                req = _Req(idx, now, q, len(q) // 4, r.output_length, d, d.slot)
                 if d.queued:
                     held[d.request_id] = req  # the proxy holds it until its Handoff
                     continue
@@ -313,6 +321,7 @@ def plan_capacity(
     policy: str = "prefix",
     max_backends: int = 64,
     time_scale: float = 1.0,
+    prompts: Sequence[bytes] | None = None,
 ) -> tuple[int | None, list[SimResult]]:
     """Fewest backends whose modelled p90 TTFT meets the target (None: not within max).
 
@@ -322,7 +331,8 @@ def plan_capacity(
 
     def ok(n: int) -> bool:
         if n not in runs:
-            runs[n] = simulate(trace, policy, n, backend, time_scale=time_scale)
+            runs[n] = simulate(trace, policy, n, backend, time_scale=time_scale,
+                               prompts=prompts)
         return runs[n].ttft_p90 <= target_p90_s
 
     hi = 1
@@ -362,3 +372,19 @@ def format_table(results: Sequence[SimResult], oracle: float) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body]
     return "\n".join(lines)
+
+
+def chat_replay(workload: Workload, gguf: Path) -> tuple[list[TraceRequest], list[bytes]]:
+    """A chat workload's requests as the simulator takes them: arrivals and output
+    lengths, and each prompt tokenized as the server would (template, then vocabulary)."""
+    from proxy.prompt import PromptBuilder
+
+    builder = PromptBuilder.load(gguf)
+    trace, prompts = [], []
+    for sess in workload.sessions:
+        req = sess.steps[0].main
+        ids = builder.chat_ids(req.body)
+        prompts.append(ids.tobytes())
+        trace.append(TraceRequest(sess.start_s * 1000.0, len(ids),
+                                  int(req.body.get("max_tokens", 1)), ()))
+    return trace, prompts

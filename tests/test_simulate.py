@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.__main__ import main
+from loadtest.__main__ import DEFAULT_TRACE, main
 from loadtest.simulate import SimBackend, oracle_hit_ratio, plan_capacity, simulate
 from loadtest.trace import TraceRequest, block_tokens, load_mooncake, request_tokens
 
@@ -108,3 +108,23 @@ def test_conversations_come_back_from_a_ram_tier_of_many_large_entries() -> None
     oracle = oracle_hit_ratio(trace)
     assert pre.hit_ratio >= oracle - 0.02, (pre.hit_ratio, oracle)
     assert pre.mispredicted <= 0.01  # the router knew where each history was
+
+
+def test_chat_replay_is_simulated_on_its_templated_tokens(demo_model: Path) -> None:
+    """The chat form of the trace, tokenized as the server would: each prompt starts with
+    the template's tokens, a conversation's later turn shares its first blocks, and the
+    router predicts every reuse of the modelled servers."""
+    from loadtest.simulate import chat_replay
+    from loadtest.workloads import chat_trace
+
+    w = chat_trace(path=DEFAULT_TRACE, requests=30, rate=4.0, block=16)
+    trace, prompts = chat_replay(w, demo_model)
+    assert len(trace) == len(prompts) == len(w.requests())
+    assert [t.input_length for t in trace] == [len(p) // 4 for p in prompts]
+    heads = {p[:8] for p in prompts}
+    assert len(heads) == 1  # the template's first tokens
+    be = SimBackend(n_slots=2, slot_ctx=8192, ram_cache_tokens=4096, kv_bytes_per_token=8192,
+                    prefill_tps=1500.0, decode_tps=50.0)
+    res = simulate(trace, "prefix", 2, be, prompts=prompts)
+    assert res.requests == len(trace) and res.mispredicted == 0.0
+    assert res.reused_tokens > 0.2 * res.prompt_tokens
