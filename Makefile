@@ -8,9 +8,11 @@ STAMP := $(VENV)/.kvroute-installed
 PYTEST_ARGS ?=
 
 # The real Claude Code CLI, for the end-to-end test (tests/test_claude_code.py, skipped
-# without it). A native binary in an npm package: ~6 s, ~235 MB.
-CLAUDE_CODE_VERSION ?= 2.1.197
+# without it; it checks that it runs this version). A native binary in an npm package:
+# ~6 s, ~235 MB. Bumping it is a deliberate change: the test then runs the new release.
+CLAUDE_CODE_VERSION ?= 2.1.331
 CLAUDE_CODE_DIR := $(HOME)/.cache/kvroute/npm
+CLAUDE_CODE_PKG := $(CLAUDE_CODE_DIR)/node_modules/@anthropic-ai/claude-code/package.json
 
 .PHONY: run test lint artifacts claude-code bench clean
 
@@ -31,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check proxy backends loadtest tests
 
 claude-code:
-	@if [ -x $(CLAUDE_CODE_DIR)/node_modules/.bin/claude ]; then :; \
+	@if grep -qs '"version": "$(CLAUDE_CODE_VERSION)"' $(CLAUDE_CODE_PKG); then :; \
 	elif command -v npm >/dev/null; then \
 		echo "==> installing Claude Code $(CLAUDE_CODE_VERSION) into $(CLAUDE_CODE_DIR)"; \
 		npm install --silent --no-audit --no-fund --prefix $(CLAUDE_CODE_DIR) \

@@ -81,9 +81,12 @@ async def _serve(cfg: Config) -> int:
                   f"{e.strerror} (fix: pick another port with --port)", file=sys.stderr)
             return 2
         url = f"http://{cfg.proxy.host}:{cfg.proxy.port}"
+        ctx = sorted({b.slot_ctx for b in supervisor.ready()})
         log.info("serve.listening", url=url, policy=cfg.proxy.policy, ready=n_ready,
-                 backends=n_all)
-        print(f"kvroute: listening on {url} ({n_ready}/{n_all} backends ready, "
+                 backends=n_all, slot_tokens=ctx)
+        held = ("" if not ctx else f", a slot holds {ctx[0]:,} tokens" if len(ctx) == 1
+                else f", a slot holds {ctx[0]:,} to {ctx[-1]:,} tokens")
+        print(f"kvroute: listening on {url} ({n_ready}/{n_all} backends ready{held}, "
               f"policy {cfg.proxy.policy}); Ctrl-C stops", file=sys.stderr, flush=True)
         await stop.wait()
         log.info("serve.stopping")

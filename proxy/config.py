@@ -109,8 +109,8 @@ class Config:
 DEFAULT_YAML = """
 proxy: {host: 127.0.0.1, port: 8080, policy: prefix}
 backends:
-  - {name: a, model: demo, slots: 2, threads: 1}
-  - {name: b, model: demo, slots: 2, threads: 1}
+  - {name: a, model: demo, slots: 2, ctx_per_slot: 32768, threads: 1}
+  - {name: b, model: demo, slots: 2, ctx_per_slot: 32768, threads: 1}
 """
 
 

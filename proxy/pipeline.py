@@ -121,6 +121,13 @@ class Forwarder:
             self.backends.values()
         return max((i.slot_ctx for i in infos), default=None)
 
+    def _room_for(self, n: int) -> str:
+        """What to change so that an ``n``-token prompt fits, with room for an answer."""
+        fit = 1 << (n + 1024 - 1).bit_length()
+        if any(b.managed for b in self.backends.values()):
+            return f"give the slots more room: ctx_per_slot: {fit} in config.yaml"
+        return f"start the servers with -c {fit} x their slots (-np)"
+
     async def routed(self, request: web.Request, *, endpoint: str, path: str, raw: bytes,
                      body: JSON, tokens: Sequence[int] | PendingPrompt,
                      relay: Relay = PASSTHROUGH) -> web.StreamResponse:
@@ -133,7 +140,8 @@ class Forwarder:
         if pending is None and ctx is not None and len(tokens) >= ctx:
             # NOTE: the server needs room for the prompt and one generated token
             raise BadRequest(f"prompt is {len(tokens)} tokens, more than any backend's "
-                             f"context ({ctx} tokens per slot): shorten the conversation",
+                             f"context ({ctx} tokens per slot): shorten the conversation, "
+                             f"or {self._room_for(len(tokens))}",
                              code="context_length_exceeded")
         hint = session_hint(request, body)
         if self.log_prompts:

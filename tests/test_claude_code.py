@@ -1,15 +1,17 @@
-"""The real Claude Code CLI, headless, through kvroute to 2 real backends.
+"""The real Claude Code CLI, headless, through kvroute as `make run` serves it: the
+shipped config.yaml and its managed backends, so a config that cannot serve Claude
+Code's first prompt fails here.
 
 Three concurrent `claude -p` sessions (the demo model never stops, so Claude Code keeps
-sending "continue" turns: each run is a real multi-turn session). On every turn after a
-session's first, the backend must report `cache_read_input_tokens` >= 90% of the
-prompt. Turns are observed at the proxy: a middleware tags each request with its
+sending "continue" turns: each run is a real multi-turn session). Over the turns after
+each session's first, the backends must report `cache_read_input_tokens` >= 95% of the
+prompt tokens. Turns are observed at the proxy: a middleware tags each request with its
 `X-Claude-Code-Session-Id`, and the Forwarder's Recorder (subclassed, still doing its
 job) notes what the backend reported.
 
-Skipped when the CLI is not installed; `npm install --prefix ~/.cache/kvroute/npm
-@anthropic-ai/claude-code` installs it where this test looks (as does PATH and a
-project-local node_modules/.bin).
+Skipped when the CLI is not installed; `make claude-code` installs the release the
+Makefile pins where this test looks first (~/.cache/kvroute/npm; then a project-local
+node_modules/.bin, then PATH), and the test checks it runs that release.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import os
+import re
 import shutil
 import signal
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,7 +35,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from backends.supervisor import Supervisor
 from proxy.app import FORWARDER, create_app
+from proxy.config import load_config
 from proxy.feedback import Outcome, Recorder
 from proxy.router import Decision
 
@@ -38,14 +45,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def find_claude() -> Path | None:
-    found = shutil.which("claude")
-    if found:
-        return Path(found)
-    for base in (REPO, Path.home() / ".cache" / "kvroute" / "npm"):
+    """The one `make claude-code` installs first (the pinned release), then others."""
+    for base in (Path.home() / ".cache" / "kvroute" / "npm", REPO):
         p = base / "node_modules" / ".bin" / "claude"
         if p.exists():
             return p
-    return None
+    found = shutil.which("claude")
+    return Path(found) if found else None
+
+
+def pinned_version() -> str:
+    """The release the Makefile pins (CLAUDE_CODE_VERSION): its one owner."""
+    m = re.search(r"^CLAUDE_CODE_VERSION \?= (\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert m, "CLAUDE_CODE_VERSION not found in the Makefile"
+    return m.group(1)
 
 
 CLAUDE = find_claude()
@@ -58,7 +71,7 @@ pytestmark = [
 
 SESSIONS = 3
 TURNS = 3            # turns observed per session before it is stopped (>= 2 required)
-DEADLINE_S = 540.0   # whole run; cold prompts are ~20k tokens at ~1,500 tok/s per core
+DEADLINE_S = 540.0   # whole run; cold prompts are ~30k tokens at ~1,500 tok/s per core
 
 _session: contextvars.ContextVar[str | None] = contextvars.ContextVar("cc_session",
                                                                        default=None)
@@ -125,12 +138,22 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-async def test_claude_code_sessions_reuse_the_backend_kv(backend_pool: Any,
+async def test_claude_code_sessions_reuse_the_backend_kv(llama_server_bin: Path,
+                                                         demo_model: Path,
                                                          tmp_path: Path) -> None:
+    """Against the shipped config.yaml as `make run` serves it (only the log directory
+    moves to the test's own), with the release the Makefile pins."""
     assert CLAUDE is not None
-    # 32k per slot: Claude Code's first prompt is ~20k tokens on the demo vocabulary
-    sup = await backend_pool(n=2, slots=2, ctx_per_slot=32768, fresh=True)
-    app = create_app(sup.config, sup)
+    version = subprocess.run([str(CLAUDE), "--version"], capture_output=True, text=True,
+                             timeout=60).stdout.split()
+    assert version and version[0] == pinned_version(), \
+        f"Claude Code {version} is not the pinned {pinned_version()}: run `make claude-code`"
+    cfg = dataclasses.replace(load_config(REPO / "config.yaml", check_port=False),
+                              log_dir=tmp_path / "logs")
+    sup = Supervisor(cfg)
+    await sup.start()
+    assert len(sup.ready()) == len(cfg.backends), sup.statuses()
+    app = create_app(cfg, sup)
     app.middlewares.append(tag_session)
     server = TestServer(app, handler_cancellation=True)
     await server.start_server()
@@ -167,6 +190,7 @@ async def test_claude_code_sessions_reuse_the_backend_kv(backend_pool: Any,
         for p in procs.values():
             await stop(p)
         await server.close()
+        await sup.stop()
     errs = [((await p.stdout.read()) + (await p.stderr.read())).decode(errors="replace")[-2000:]
             for p in procs.values() if p.stderr is not None and p.stdout is not None]
 
@@ -178,9 +202,10 @@ async def test_claude_code_sessions_reuse_the_backend_kv(backend_pool: Any,
     for s, ts in per.items():
         assert len(ts) >= 2, (s, report, errs)
         assert ts[0].prompt_tokens > 5000, report  # the real system prompt and tools
-        for t in ts[1:]:
-            assert t.reported_cached is not None and \
-                t.reported_cached >= 0.9 * t.prompt_tokens, (s, report)
+    later = [t for ts in per.values() for t in ts[1:]]
+    reused = sum(t.reported_cached or 0 for t in later) / sum(t.prompt_tokens for t in later)
+    print(f"reused over later turns: {reused:.3f} of the prompt")
+    assert reused >= 0.95, report
 
 
 def _by_session(turns: list[Turn]) -> dict[str, list[Turn]]:

@@ -125,6 +125,12 @@ def test_serve_answers_through_proxy_and_sigterm_leaves_nothing(serve: Serve) ->
             "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4})
         assert status == 200, body
         assert body["choices"][0]["message"]["role"] == "assistant"
+    assert "a slot holds 4,096 tokens" in serve.log.read_text()
+    # longer than any slot: a 400 that says what to change, and what value fits
+    status, body = post(f"http://127.0.0.1:{serve.port}/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hello " * 5000}], "max_tokens": 4})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert "ctx_per_slot: 8192 in config.yaml" in body["error"]["message"], body
     t0 = time.monotonic()
     serve.proc.send_signal(signal.SIGTERM)
     assert serve.proc.wait(timeout=20) == 0, serve.log.read_text()
