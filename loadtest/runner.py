@@ -243,28 +243,27 @@ async def run_one(policy: str, workload: wl.Workload, cluster: Cluster, work_dir
         return PolicyRun(policy, rate, outcome, {}, started)
     peer, pol = split_router(policy)
     tag = tag.replace(":", "-")
-    if peer == "kvroute" and not args.external:
-        cfg = write_config(work_dir / f"{tag}.yaml", cluster, cluster.backends, policy)
-        async with kvroute_serve(cfg, policy, cluster.backends, cluster.startup_timeout_s,
-                                 args.serve_log_level) as url:
-            started = time.monotonic() - t0
-            outcome = await LoadClient(url, **client_kw).run(workload)
-            metrics = await scrape_metrics(url)
-        return PolicyRun(policy, rate, outcome, metrics, started)
-    async with fresh_servers(cluster, work_dir / "logs" / tag) as urls:
-        if peer == "smg":
-            async with smg_router(find_smg(args.smg), urls, pol,
-                                  work_dir / f"{tag}.smg.log") as url:
-                started = time.monotonic() - t0
-                outcome = await LoadClient(url, **client_kw).run(workload)
-            return PolicyRun(policy, rate, outcome, {}, started)
-        cfg = external_config(work_dir / f"{tag}.yaml", cluster, urls, pol)
+
+    async def through_kvroute(cfg: Path) -> PolicyRun:
         async with kvroute_serve(cfg, pol, cluster.backends, cluster.startup_timeout_s,
                                  args.serve_log_level) as url:
             started = time.monotonic() - t0
             outcome = await LoadClient(url, **client_kw).run(workload)
             metrics = await scrape_metrics(url)
         return PolicyRun(policy, rate, outcome, metrics, started)
+
+    if peer == "kvroute" and not args.external:
+        return await through_kvroute(write_config(work_dir / f"{tag}.yaml", cluster,
+                                                  cluster.backends, pol))
+    async with fresh_servers(cluster, work_dir / "logs" / tag) as urls:
+        if peer == "kvroute":
+            return await through_kvroute(external_config(work_dir / f"{tag}.yaml", cluster,
+                                                         urls, pol))
+        async with smg_router(find_smg(args.smg), urls, pol,
+                              work_dir / f"{tag}.smg.log") as url:
+            started = time.monotonic() - t0
+            outcome = await LoadClient(url, **client_kw).run(workload)
+        return PolicyRun(policy, rate, outcome, {}, started)
 
 
 async def run_all(args: argparse.Namespace,

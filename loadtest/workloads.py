@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,12 +251,8 @@ def trace(*, path: str, requests: int = 100, rate: float = 1.0, block: int = 32,
                                                                seed)]
     if not picked:
         return Workload("trace", (), params, 0.0)
-    first_of: dict[int, int] = {}
     out = []
-    for i, (r, at) in enumerate(zip(picked, _arrivals(picked, rate), strict=True)):
-        root = r.hash_ids[0] if r.hash_ids else -1
-        turn = first_of.setdefault(root, 0)
-        first_of[root] += 1
+    for i, r, at, root, turn in _replay(picked, rate):
         prompt = trace_prompt(r, block)
         body: dict[str, Any] = {"prompt": prompt}
         out_n = max(1, min(r.output_length, max_tokens))
@@ -269,14 +265,20 @@ def trace(*, path: str, requests: int = 100, rate: float = 1.0, block: int = 32,
     return Workload("trace", tuple(out), params, oracle_hit_ratio(picked, block))
 
 
-def _arrivals(picked: Sequence[TraceRequest], rate: float) -> list[float]:
-    """Arrival times (s) keeping the trace's relative spacing at a mean ``rate`` per s."""
+def _replay(picked: Sequence[TraceRequest], rate: float
+            ) -> Iterator[tuple[int, TraceRequest, float, int, int]]:
+    """Each request with its index, arrival (s: the trace's relative spacing at a mean
+    ``rate`` per s), group (first hash id) and turn within that group."""
     if not picked:
-        return []
+        return
     t0 = picked[0].timestamp_ms
     span_s = (picked[-1].timestamp_ms - t0) / 1000
     scale = (len(picked) - 1) / rate / span_s if span_s > 0 and rate > 0 else 0.0
-    return [(r.timestamp_ms - t0) / 1000 * scale for r in picked]
+    turns: dict[int, int] = {}
+    for i, r in enumerate(picked):
+        root = r.hash_ids[0] if r.hash_ids else -1
+        turns[root] = turns.get(root, -1) + 1
+        yield i, r, (r.timestamp_ms - t0) / 1000 * scale, root, turns[root]
 
 
 def block_text(hash_id: int, n_words: int) -> str:
@@ -294,12 +296,8 @@ def chat_trace(*, path: str, requests: int = 200, rate: float = 2.0, block: int 
 
     params = dict(locals())
     picked = sample_groups(load_mooncake(path), requests, seed)
-    first_of: dict[int, int] = {}
     out = []
-    for i, (r, at) in enumerate(zip(picked, _arrivals(picked, rate), strict=True)):
-        root = r.hash_ids[0] if r.hash_ids else -1
-        turn = first_of.setdefault(root, 0)
-        first_of[root] += 1
+    for i, r, at, root, turn in _replay(picked, rate):
         n_blocks = max(1, min(len(r.hash_ids), math.ceil(r.input_length / BLOCK)))
         text = " ".join(block_text(h, block) for h in r.hash_ids[:n_blocks])
         body = {"model": model, "max_tokens": max(1, min(r.output_length, max_tokens)),
