@@ -60,7 +60,9 @@
   system prompt and short turns) still reuse it: the charge is proportional.
 - Among equal-cost options, the slot whose content is least valuable to lose wins:
   ``displace_weight`` x displaced tokens / rate is added (empty and short slots first),
-  then least recently used. A ``session`` hint breaks remaining ties by rendezvous hash,
+  then least recently used. A tenth of their prefill time: content displaced into a
+  small RAM tier is soon evicted from it, so long conversations are worth keeping in
+  their slots (the chat replay of BENCHMARKS.md, simulated: best at 0.1 of 0 to 1). A ``session`` hint breaks remaining ties by rendezvous hash,
   so new conversations of one session stick together while distinct sessions spread.
 - ``max_resident_tokens`` caps the router's token tree (LRU leaves evicted first);
   ``slot_prompt_similarity``, ``keep_threshold``, ``ram_min_share``, ``cache_idle_slots``

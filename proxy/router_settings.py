@@ -28,7 +28,7 @@ class RouterSettings:
     ram_load_s_per_token: float = 2e-6  # cost of restoring one token of KV from host RAM
     request_overhead_tokens: int = 256  # work units per request beyond its uncached prompt
     default_service_s: float = 5.0  # request duration assumed until one is observed
-    displace_weight: float = 0.02  # fraction of displaced tokens' prefill time charged
+    displace_weight: float = 0.1  # fraction of displaced tokens' prefill time charged
     destroy_weight: float = 8.0  # x prefill time of unique tokens a placement destroys
     min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
     queue_cost_weight: float = 1.0  # extra charge on uncached prefill s (delays the queue)
