@@ -62,8 +62,9 @@
   ``displace_weight`` x displaced tokens / rate is added (empty and short slots first),
   then least recently used. A tenth of their prefill time: content displaced into a
   small RAM tier is soon evicted from it, so long conversations are worth keeping in
-  their slots (the chat replay of BENCHMARKS.md, simulated: best at 0.1 of 0 to 1). A ``session`` hint breaks remaining ties by rendezvous hash,
-  so new conversations of one session stick together while distinct sessions spread.
+  their slots (the chat replay of BENCHMARKS.md, simulated: best at 0.1 of 0 to 1).
+  A ``session`` hint breaks remaining ties by rendezvous hash, so new conversations of
+  one session stick together while distinct sessions spread.
 - ``max_resident_tokens`` caps the router's token tree (LRU leaves evicted first);
   ``slot_prompt_similarity``, ``keep_threshold``, ``ram_min_share``, ``cache_idle_slots``
   and ``kv_unified`` mirror the server's settings (see proxy/cache_model.py) and must
