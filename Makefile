@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check proxy backends loadtest tests
 
 claude-code:
-	@if grep -qs '"version": "$(CLAUDE_CODE_VERSION)"' $(CLAUDE_CODE_PKG); then :; \
+	@if grep -qsF '"version": "$(CLAUDE_CODE_VERSION)"' $(CLAUDE_CODE_PKG); then :; \
 	elif command -v npm >/dev/null; then \
 		echo "==> installing Claude Code $(CLAUDE_CODE_VERSION) into $(CLAUDE_CODE_DIR)"; \
 		npm install --silent --no-audit --no-fund --prefix $(CLAUDE_CODE_DIR) \

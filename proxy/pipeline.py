@@ -122,11 +122,12 @@ class Forwarder:
         return max((i.slot_ctx for i in infos), default=None)
 
     def _room_for(self, n: int) -> str:
-        """What to change so that an ``n``-token prompt fits, with room for an answer."""
+        """What to change so that an ``n``-token prompt fits: the next power of two that
+        leaves at least 1024 tokens for the answer."""
         fit = 1 << (n + 1024 - 1).bit_length()
         if any(b.managed for b in self.backends.values()):
-            return f"give the slots more room: ctx_per_slot: {fit} in config.yaml"
-        return f"start the servers with -c {fit} x their slots (-np)"
+            return f"set ctx_per_slot: {fit} (tokens per slot) on the backends in config.yaml"
+        return f"start the backends' llama-servers with {fit} tokens per slot (-c {fit} x -np)"
 
     async def routed(self, request: web.Request, *, endpoint: str, path: str, raw: bytes,
                      body: JSON, tokens: Sequence[int] | PendingPrompt,

@@ -143,8 +143,9 @@ CASES: list[tuple[str, bytes, int, str]] = [
      "65 entries"),
     ("/v1/chat/completions", json.dumps({"messages": msgs("hi"), "model": "gpt-9"}).encode(),
      404, "gpt-9"),
+    # longer than the (external) backend's slots: what to start it with instead
     ("/v1/chat/completions", json.dumps({"messages": msgs("apple " * 600)}).encode(), 400,
-     "context"),
+     "with 2048 tokens per slot"),
     ("/v1/completions", json.dumps({"prompt": "hi", "model": 5}).encode(), 400, "model"),
     # chat: logprobs is a boolean; completions: how many top tokens (tests/test_assemble.py
     # sends one that is accepted)

@@ -130,7 +130,8 @@ def test_serve_answers_through_proxy_and_sigterm_leaves_nothing(serve: Serve) ->
     status, body = post(f"http://127.0.0.1:{serve.port}/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hello " * 5000}], "max_tokens": 4})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
-    assert "ctx_per_slot: 8192 in config.yaml" in body["error"]["message"], body
+    msg = body["error"]["message"]
+    assert "ctx_per_slot: 8192" in msg and "config.yaml" in msg, body
     t0 = time.monotonic()
     serve.proc.send_signal(signal.SIGTERM)
     assert serve.proc.wait(timeout=20) == 0, serve.log.read_text()

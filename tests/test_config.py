@@ -55,8 +55,10 @@ def test_shipped_config_is_the_default(demo_model: Path) -> None:
     assert shipped.backends == default.backends
     assert shipped.proxy.host == "127.0.0.1" and shipped.proxy.port == 8080
     assert shipped.proxy.policy == "prefix"
-    assert [(b.name, b.slots, b.threads, b.model) for b in shipped.managed()] == [
-        ("a", 2, 1, demo_model), ("b", 2, 1, demo_model)]
+    # slots with room for Claude Code's ~30k-token first prompt (tests/test_claude_code.py)
+    assert [(b.name, b.slots, b.ctx_per_slot, b.threads, b.model)
+            for b in shipped.managed()] == [("a", 2, 32768, 1, demo_model),
+                                            ("b", 2, 32768, 1, demo_model)]
     assert shipped.log_dir == REPO / "logs"
 
 
