@@ -107,13 +107,18 @@ async def smg_router(binary: str, urls: list[str], policy: str, log: Path,
         await _wait_models(url, proc, timeout_s)
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(proc.wait, 10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        await terminate(proc, 10.0)
+
+
+async def terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM a router process, SIGKILL it if it has not exited within ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 async def _wait_models(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:

@@ -31,7 +31,15 @@ import yaml
 
 from loadtest import workloads as wl
 from loadtest.client import LoadClient, RunOutcome, check_loopback
-from loadtest.fleet import PEERS, external_config, find_smg, fresh_servers, smg_router, split_router
+from loadtest.fleet import (
+    PEERS,
+    external_config,
+    find_smg,
+    fresh_servers,
+    smg_router,
+    split_router,
+    terminate,
+)
 from proxy.policy import POLICIES
 
 DEFAULT_POLICIES = "prefix,round_robin,least_loaded,direct"
@@ -113,15 +121,9 @@ async def kvroute_serve(cfg_path: Path, policy: str, n: int, timeout_s: float,
         await _wait_health(url, n, proc, timeout_s)
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(proc.wait, 30)
-            except subprocess.TimeoutExpired:
-                # NOTE: its supervisor did not finish in time; its llama-servers run in
-                # their own process groups and are stopped by their own parent-death check
-                proc.kill()
-                proc.wait()
+        # NOTE: killed if its supervisor does not finish in time: its llama-servers run in
+        # their own process groups and are stopped by their own parent-death check
+        await terminate(proc, 30.0)
 
 
 @contextlib.asynccontextmanager
