@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loadtest.simulate import SimBackend, oracle_hit_ratio, simulate
+from loadtest.bounds import oracle_hit_ratio
+from loadtest.simulate import SimBackend, simulate
 from loadtest.trace import load_mooncake
 from proxy.tree import RadixTree
 

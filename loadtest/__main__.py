@@ -48,13 +48,8 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from loadtest.simulate import (
-        SimBackend,
-        format_table,
-        oracle_hit_ratio,
-        plan_capacity,
-        simulate,
-    )
+    from loadtest.bounds import oracle_hit_ratio
+    from loadtest.simulate import SimBackend, format_table, plan_capacity, simulate
     from loadtest.trace import load_mooncake
 
     prompts = None

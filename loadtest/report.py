@@ -125,17 +125,23 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
-def console_table(runs: Sequence[PolicyRun], oracle: float | None) -> str:
+_BOUND = "capacity bound (these servers' slots and RAM, clairvoyant, one pool)"
+
+
+def console_table(runs: Sequence[PolicyRun], oracle: float | None,
+                  bound: float | None = None) -> str:
     rows = [list(_COLUMNS), *_rows([summarize(r) for r in runs])]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     if oracle is not None:
         lines.append(f"oracle reused ratio (unbounded cache, perfect routing): {_pc(oracle)}")
+    if bound is not None:
+        lines.append(f"{_BOUND}: {_pc(bound)}")
     return "\n".join(lines)
 
 
 def _markdown(summaries: list[dict[str, Any]], workload: Workload, args: dict[str, Any],
-              plots: list[str]) -> str:
+              plots: list[str], bound: float | None) -> str:
     md = [f"# Load test: {workload.name}", "",
           f"workload fingerprint `{workload.fingerprint()}`, "
           f"{len(workload.requests())} requests in {len(workload.sessions)} sessions; "
@@ -144,6 +150,8 @@ def _markdown(summaries: list[dict[str, Any]], workload: Workload, args: dict[st
     if workload.oracle_reuse is not None:
         md += [f"Trace oracle reused ratio (unbounded cache, perfect routing): "
                f"**{_pc(workload.oracle_reuse)}**", ""]
+    if bound is not None:
+        md += [f"Trace {_BOUND}: **{_pc(bound)}**", ""]
     md += [_md_table(_COLUMNS, _rows(summaries)), ""]
     turns = sorted({t for s in summaries for t in s["reused_ratio_per_turn"]})
     if 1 < len(turns) <= 40:
@@ -266,17 +274,18 @@ def _in_flight(results: Sequence[Result]) -> dict[str, tuple[list[float], list[i
 
 
 def write(out: Path, runs: Sequence[PolicyRun], workload: Workload,
-          args: dict[str, Any], with_plots: bool = True) -> list[Path]:
+          args: dict[str, Any], with_plots: bool = True,
+          bound: float | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(r) for r in runs]
     images = plots(out, runs) if with_plots else []
     doc = {"workload": {"name": workload.name, "fingerprint": workload.fingerprint(),
                         "requests": len(workload.requests()),
                         "sessions": len(workload.sessions), "params": workload.params,
-                        "oracle_reuse": workload.oracle_reuse},
+                        "oracle_reuse": workload.oracle_reuse, "capacity_bound": bound},
            "args": args, "runs": summaries,
            "requests": {s["label"]: [r.to_dict() for r in run.outcome.results]
                         for s, run in zip(summaries, runs, strict=True)}}
     (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
-    (out / "report.md").write_text(_markdown(summaries, workload, args, images))
+    (out / "report.md").write_text(_markdown(summaries, workload, args, images, bound))
     return [out / "report.md", out / "report.json", *(out / p for p in images)]

@@ -347,6 +347,25 @@ def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
                    help="kvroute's log in <out>/runs/<policy>.serve.log (debug: reasons)")
 
 
+def fleet_bound(workload: wl.Workload, runs: list[PolicyRun],
+                args: argparse.Namespace) -> float | None:
+    """The trace's capacity bound on the fleet each run started (none for --target)."""
+    if not workload.blocks or not runs or args.target:
+        return None
+    from backends.demo_model import ensure_demo_model, gguf_kv_bytes_per_token
+    from loadtest.bounds import run_bound
+    from proxy.cache_predict import BackendCapacity
+
+    ctx = args.ctx or needed_ctx(workload, args.max_tokens)
+    kv = gguf_kv_bytes_per_token(ensure_demo_model())
+    if kv is None:
+        return None
+    cap = BackendCapacity("bound", args.slots, ctx, args.cache_ram_mib << 20, kv)
+    ram_tokens = args.backends * cap.ram_cache_bytes * ctx / cap.entry_bytes(ctx)
+    return run_bound(workload.blocks, [(r.id, r.prompt_tokens) for r in runs[0].outcome.results],
+                     slots=args.backends * args.slots, ram_tokens=ram_tokens)
+
+
 def main_run(args: argparse.Namespace) -> int:
     from loadtest import report
     from proxy.logging import configure_logging
@@ -374,9 +393,10 @@ def main_run(args: argparse.Namespace) -> int:
     except (asyncio.CancelledError, KeyboardInterrupt):
         print(f"loadtest: interrupted; finished runs are in {out}/report.md", file=sys.stderr)
         return 130
-    paths = report.write(out, runs, workload, vars(args))
+    bound = fleet_bound(workload, runs, args)
+    paths = report.write(out, runs, workload, vars(args), bound=bound)
     for path in paths:
         print(path)
-    print(report.console_table(runs, workload.oracle_reuse), file=sys.stderr)
+    print(report.console_table(runs, workload.oracle_reuse, bound), file=sys.stderr)
     return 0 if all(r.outcome.results for r in runs) else 1
 

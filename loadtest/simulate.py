@@ -110,27 +110,6 @@ class _Blocks:
         return b"".join(parts)
 
 
-def oracle_hit_ratio(trace: Sequence[TraceRequest], block: int = BLOCK) -> float:
-    """Unbounded cache, perfect routing: reuse = longest prefix seen before (<= n - 1)."""
-    seen: dict[int, int] = {}  # chained block id -> tokens of it seen so far
-    reused = total = 0
-    for r in trace:
-        got = 0
-        for i, h in enumerate(r.hash_ids):
-            in_req = min(block, r.input_length - i * block)
-            have = seen.get(h, 0)
-            got += min(have, in_req)
-            if have < in_req:
-                break
-        for i, h in enumerate(r.hash_ids):
-            in_req = min(block, r.input_length - i * block)
-            if seen.get(h, 0) < in_req:
-                seen[h] = in_req
-        reused += min(got, r.input_length - 1)
-        total += r.input_length
-    return reused / total if total else 0.0
-
-
 @dataclass
 class _Req:
     idx: int

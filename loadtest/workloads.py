@@ -33,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadtest.bounds import oracle_hit_ratio
 from loadtest.trace import BLOCK, TraceRequest, block_tokens, load_mooncake
 
 APIS = ("openai", "anthropic", "llama")
@@ -92,6 +93,7 @@ class Workload:
     sessions: tuple[Session, ...]
     params: dict[str, Any] = field(default_factory=dict)
     oracle_reuse: float | None = None  # trace: best achievable reused / prompt tokens
+    blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # trace: id -> hash ids
 
     def requests(self) -> list[Request]:
         return [r for s in self.sessions for st in s.steps for r in (st.main, *st.side)]
@@ -242,8 +244,6 @@ def trace(*, path: str, requests: int = 100, rate: float = 1.0, block: int = 32,
     box's prefill bounded while preserving which requests share what). ``api`` llama sends
     ``/completion``, openai ``/v1/completions``, both with a token-id prompt.
     """
-    from loadtest.simulate import oracle_hit_ratio
-
     params = dict(locals())
     if api == "anthropic":
         raise ValueError("trace replay sends token ids: --api llama or openai")
@@ -262,7 +262,9 @@ def trace(*, path: str, requests: int = 100, rate: float = 1.0, block: int = 32,
             body.update(model=model, max_tokens=out_n)
         req = Request(f"r{i}", f"h{root}", turn, "trace", api, body, len(prompt))
         out.append(Session(f"r{i}", at, (Step(0.0, req),)))
-    return Workload("trace", tuple(out), params, oracle_hit_ratio(picked, block))
+    blocks = {f"r{i}": tuple(r.hash_ids[:math.ceil(r.input_length / block)])
+              for i, r in enumerate(picked)}
+    return Workload("trace", tuple(out), params, oracle_hit_ratio(picked, block), blocks)
 
 
 def _replay(picked: Sequence[TraceRequest], rate: float
@@ -292,8 +294,6 @@ def chat_trace(*, path: str, requests: int = 200, rate: float = 2.0, block: int 
     second, each hash id a block of ``block`` words, a request's blocks joined into one
     user message (the trace's ``input_length`` only says how many blocks: the last one
     is whole)."""
-    from loadtest.simulate import oracle_hit_ratio
-
     params = dict(locals())
     picked = sample_groups(load_mooncake(path), requests, seed)
     out = []
@@ -306,4 +306,5 @@ def chat_trace(*, path: str, requests: int = 200, rate: float = 2.0, block: int 
         out.append(Session(f"r{i}", at, (Step(0.0, req),)))
     whole = [TraceRequest(r.timestamp_ms, min(len(r.hash_ids), math.ceil(r.input_length / BLOCK))
                           * block, r.output_length, r.hash_ids) for r in picked]
-    return Workload("chat-trace", tuple(out), params, oracle_hit_ratio(whole, block))
+    blocks = {f"r{i}": tuple(r.hash_ids[:r.input_length // block]) for i, r in enumerate(whole)}
+    return Workload("chat-trace", tuple(out), params, oracle_hit_ratio(whole, block), blocks)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from loadtest.__main__ import DEFAULT_TRACE, main
-from loadtest.simulate import SimBackend, oracle_hit_ratio, plan_capacity, simulate
+from loadtest.bounds import oracle_hit_ratio
+from loadtest.simulate import SimBackend, plan_capacity, simulate
 from loadtest.trace import TraceRequest, block_tokens, load_mooncake, request_tokens
 
 

@@ -1,0 +1,87 @@
+"""The trace bounds: the capacity bound by hand, against the oracle and against an
+exhaustive search over what to keep."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loadtest.bounds import _common, capacity_bound, oracle_hit_ratio, run_bound
+from loadtest.trace import TraceRequest
+
+A1, A2, B1, B2 = (1,), (1, 2), (5,), (5, 6)
+
+
+@pytest.mark.parametrize(("seqs", "slots", "ram", "reused"), [
+    ([A1, A2, (1, 2, 3)], 1, 0, 1 + 2),  # one conversation grows in its slot
+    ([A1, B1, A2, B2], 1, 0, 1),  # one slot: keep A (needed first), lose B
+    ([A1, B1, A2, B2], 1, 1, 1 + 1),  # one block of RAM holds B's first turn
+    ([A1, B1, A2, B2], 2, 0, 1 + 1),  # two slots hold both
+    ([(1, 2, 3), (1, 2, 4), (1, 2, 3, 5)], 1, 0, 2 + 3),  # keeps the branch needed again
+    ([(1, 2, 3), (1, 2, 3)], 1, 0, 2),  # a repeat reuses all but its last token
+])
+def test_capacity_bound_by_hand(seqs: list[tuple[int, ...]], slots: int, ram: int,
+                                reused: int) -> None:
+    total = sum(len(s) for s in seqs)
+    assert capacity_bound(seqs, unit_tokens=1, slots=slots, ram_tokens=ram) == reused / total
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[tuple[int, ...]]:
+    """Chained block ids, as in the trace: a request is an earlier one's prefix (or
+    nothing) followed by fresh ids, so equal ids mean equal prefixes."""
+    seqs: list[tuple[int, ...]] = []
+    fresh = itertools.count(1)
+    for _ in range(draw(st.integers(1, 7))):
+        base: tuple[int, ...] = ()
+        if seqs and draw(st.booleans()):
+            prev = draw(st.sampled_from(seqs))
+            base = prev[: draw(st.integers(0, len(prev)))]
+        seqs.append(base + tuple(next(fresh) for _ in range(draw(st.integers(1, 3)))))
+    return seqs
+
+
+def _oracle(seqs: Sequence[tuple[int, ...]]) -> float:
+    return oracle_hit_ratio([TraceRequest(0, len(s), 1, list(s)) for s in seqs], block=1)
+
+
+def _best_keeping(seqs: Sequence[tuple[int, ...]], slots: int, ram: int) -> float:
+    """Exhaustive: after each request keep any set of the held sequences that fits."""
+    total = sum(len(s) for s in seqs)
+
+    def fits(held: tuple[tuple[int, ...], ...]) -> bool:
+        return sum(sorted(map(len, held), reverse=True)[slots:]) <= ram
+
+    def go(t: int, held: tuple[tuple[int, ...], ...]) -> int:
+        if t == len(seqs):
+            return 0
+        s = seqs[t]
+        got = min(max((_common(c, s) for c in held), default=0), len(s) - 1)
+        grown = (*(c for c in held if not (len(c) <= len(s) and s[:len(c)] == c)), s)
+        return got + max(go(t + 1, keep) for n in range(len(grown) + 1)
+                         for keep in itertools.combinations(grown, n) if fits(keep))
+
+    return go(0, ()) / total
+
+
+@settings(max_examples=150, deadline=None)
+@given(conversations(), st.integers(1, 2), st.integers(0, 4))
+def test_capacity_bound_between_search_and_oracle(seqs: list[tuple[int, ...]], slots: int,
+                                                  ram: int) -> None:
+    bound = capacity_bound(seqs, unit_tokens=1, slots=slots, ram_tokens=ram)
+    assert bound <= _best_keeping(seqs, slots, ram) + 1e-9
+    assert bound <= _oracle(seqs) + 1e-9
+    assert capacity_bound(seqs, unit_tokens=1, slots=slots, ram_tokens=1e9) == \
+        pytest.approx(_oracle(seqs))
+
+
+def test_run_bound_measures_tokens_per_block() -> None:
+    blocks = {"r0": A1, "r1": A2, "r2": (7,)}
+    # 30 tokens over 3 blocks: 10 a block; a request the backend did not count is skipped
+    got = run_bound(blocks, [("r0", 10), ("r1", 20), ("r2", None)], slots=2, ram_tokens=0)
+    assert got == pytest.approx(10 / 40)
+    assert run_bound(blocks, [("r0", None)], slots=2, ram_tokens=0) is None
