@@ -25,8 +25,8 @@ def prepare(config_path: Path | None) -> dict[str, Any]:
     configured_binary: str | None = None
     params = DemoModelParams()
     if config_path is not None:
-        # imported here: proxy.config imports this package, not the other way round
-        from proxy.config import load_config
+        # imported here: proxy.config.load imports this package, not the other way round
+        from proxy.config.load import load_config
 
         cfg = load_config(config_path, check_port=False, allow_missing_demo=True)
         configured_binary, params = cfg.llama_server, cfg.demo_model

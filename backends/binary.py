@@ -1,6 +1,6 @@
 """Find or build llama-server, and locate the cache that holds built artifacts.
 
-Lookup order (issue 2): the binary named in config, else `llama-server` on PATH, else
+Lookup order: the binary named in config, else `llama-server` on PATH, else
 the one built from the llama.cpp tree vendored in the pinned llama-cpp-python sdist, so
 the server and the proxy's tokenizer come from the same llama.cpp version.
 

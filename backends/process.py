@@ -208,12 +208,6 @@ class LlamaServerProcess:
             log.info("llama_server.stopped", pid=proc.pid, returncode=proc.returncode)
         return proc.returncode
 
-    def kill_now(self) -> None:
-        """Synchronous last resort (atexit, signal handlers)."""
-        if self._proc is not None and self._proc.returncode is None:
-            _killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
-
 
 def _killpg(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -26,15 +26,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import aiohttp
 import structlog
 
 from backends.binary import find_llama_server
 from backends.client import BackendClient, BadResponse, Health, Props
+from backends.config import (
+    EXTERNAL_KV_BYTES,
+    ExternalBackendConfig,
+    FleetSpec,
+    ManagedBackendConfig,
+)
 from backends.demo_model import gguf_kv_bytes_per_token
 from backends.process import Failed, LlamaServerProcess, ServerSpec, free_port
-from proxy.config import EXTERNAL_KV_BYTES, Config, ExternalBackendConfig, ManagedBackendConfig
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +64,7 @@ class BackendInfo:
     managed: bool
 
 
+C = TypeVar("C", bound=FleetSpec)
 Subscriber = Callable[[str, BackendInfo | None], None]
 
 
@@ -81,8 +88,8 @@ class _Backend:
         return isinstance(self.cfg, ManagedBackendConfig)
 
 
-class Supervisor:
-    def __init__(self, config: Config) -> None:
+class Supervisor(Generic[C]):
+    def __init__(self, config: C) -> None:
         self.config = config
         self._backends = {b.name: _Backend(b) for b in config.backends}
         self._subscribers: list[Subscriber] = []
@@ -91,7 +98,7 @@ class Supervisor:
         self._binary: Path | None = None
         self.state_file = config.log_dir / "backends.json"
 
-    # -- public API (docs/contracts.md) ------------------------------------------------
+    # -- public API ---------------------------------------------------------------------
 
     async def start(self) -> None:
         """Spawn managed backends, start health loops; return once each is ready or failed."""
@@ -297,7 +304,7 @@ class Supervisor:
         """The configured size, else that of the GGUF the proxy tokenizes with."""
         if cfg.kv_bytes_per_token is not None:
             return cfg.kv_bytes_per_token
-        gguf = self.config.proxy.settings.tokenizer
+        gguf = self.config.tokenizer
         kv = None if gguf is None else await asyncio.to_thread(gguf_kv_bytes_per_token, gguf)
         return kv or EXTERNAL_KV_BYTES
 

@@ -36,18 +36,19 @@ from aiohttp import web
 from backends.binary import cache_dir, find_llama_server
 from backends.demo_model import DemoModelParams, demo_model_path
 from backends.supervisor import Supervisor
-from proxy.anthropic import chat_body
-from proxy.app import FORWARDER, PROMPT, TOKENIZING, create_app
-from proxy.config import (
+from proxy.anthropic.routes import chat_body
+from proxy.app import create_app
+from proxy.config.load import (
     Config,
     ManagedBackendConfig,
     ProxyConfig,
     RoutingConfig,
     SupervisionConfig,
 )
-from proxy.feedback import Outcome
-from proxy.forward import JSON, Relay, Target, send
-from proxy.handlers import read_json
+from proxy.feedback.reports import Outcome
+from proxy.forwarding.send import JSON, Relay, Target, send
+from proxy.server.handlers import read_json
+from proxy.server.keys import FORWARDER, PROMPT, TOKENIZING
 
 WORDS = ("amber", "falcon", "harbor", "meadow", "quartz", "saddle", "tundra", "velvet",
          "walnut", "yonder", "lantern", "pepper", "copper", "dune", "ember", "glacier",

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loadtest.bounds import oracle_hit_ratio
 from loadtest.simulate import SimBackend, simulate
 from loadtest.trace import load_mooncake
-from proxy.tree import RadixTree
+from proxy.routing.tree.radix import RadixTree
 
 TRACE = str(Path(__file__).resolve().parent.parent / "loadtest" / "traces"
             / "mooncake_synthetic_trace.jsonl")

@@ -131,10 +131,12 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 # ------------------------------------------------------------------------------- proxy
 def run_proxy(port: int, backend_port: int, model: Path, log_path: Path, ram_mib: int) -> None:
     from backends.binary import cache_dir
+    from backends.config import ExternalBackendConfig
     from backends.supervisor import Supervisor
-    from proxy.app import ProxySettings, create_app
-    from proxy.config import Config, ExternalBackendConfig, ProxyConfig, RoutingConfig
-    from proxy.logging import configure_logging
+    from proxy.app import create_app
+    from proxy.config.load import Config, ProxyConfig, RoutingConfig
+    from proxy.config.settings import ProxySettings
+    from proxy.observability.logging import configure_logging
 
     log_file = log_path.open("w")
     configure_logging("info", stream=log_file)

@@ -1,4 +1,4 @@
-"""CPU per request of the proxy's backend client (proxy/upstream.py) against aiohttp's
+"""CPU per request of the proxy's backend client (proxy/forwarding/upstream.py) against aiohttp's
 ClientSession, the client it replaced, on the same fake backend in one run.
 
     python bench/bench_upstream.py [--quick]
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_proxy import free_port, wait_up, words  # noqa: E402
 
-from proxy.upstream import Upstream  # noqa: E402
+from proxy.forwarding.upstream import Upstream  # noqa: E402
 
 HEADERS = {"Content-Type": "application/json"}
 
@@ -98,5 +98,5 @@ if __name__ == "__main__":
     for kind, what in (("small", "small chat body"), ("large", "200 KiB conversation")):
         a, u = res[f"aiohttp_{kind}"], res[f"upstream_{kind}"]
         print(f"{what:22s}: aiohttp ClientSession {a:6.1f} us CPU/request, "
-              f"proxy.upstream {u:6.1f} us ({a / u:.1f}x less)")
+              f"proxy.forwarding.upstream {u:6.1f} us ({a / u:.1f}x less)")
     print(json.dumps({k: round(v, 1) for k, v in res.items()}))

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from loadtest.workloads import Request, Session, Workload
+from proxy.feedback.reports import reported_reuse
 
 Progress = Callable[[int, int, int], None]  # (done, total, errors)
 
@@ -112,9 +113,9 @@ def _first_text(obj: dict[str, Any]) -> bool:
 def _usage(obj: dict[str, Any], res: Result) -> None:
     """Fold whatever token counts an event (or a whole body) reports into ``res``."""
     t = obj.get("timings")
-    if isinstance(t, dict) and _int(t.get("cache_n")) is not None:
-        res.cached_tokens = t["cache_n"]
-        res.prompt_tokens = t["cache_n"] + (_int(t.get("prompt_n")) or 0)
+    reused, prompt = reported_reuse(obj)
+    if isinstance(t, dict) and reused is not None:
+        res.cached_tokens, res.prompt_tokens = reused, prompt
         res.output_tokens = _int(t.get("predicted_n")) or res.output_tokens
     msg = obj.get("message") if obj.get("type") == "message_start" else obj
     u = (msg or {}).get("usage")
@@ -129,9 +130,7 @@ def _usage(obj: dict[str, Any], res: Result) -> None:
         return
     res.output_tokens = _int(u.get("completion_tokens")) or res.output_tokens
     if res.cached_tokens is None:  # no llama.cpp timings: a non-llama target
-        details = u.get("prompt_tokens_details") or {}
-        res.cached_tokens = _int(details.get("cached_tokens"))
-        res.prompt_tokens = _int(u.get("prompt_tokens"))
+        res.cached_tokens, res.prompt_tokens = reused, prompt
 
 
 class LoadClient:

@@ -19,8 +19,8 @@ import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 import yaml
@@ -29,10 +29,21 @@ from backends.binary import ensure_llama_server
 from backends.demo_model import ensure_demo_model
 from backends.process import LlamaServerProcess, ServerSpec, free_port
 
-if TYPE_CHECKING:
-    from loadtest.runner import Cluster
-
 PEERS = ("smg",)
+
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What each policy run starts: n managed demo-model backends."""
+
+    backends: int = 2
+    slots: int = 2
+    threads: int = 1
+    ctx_per_slot: int = 8192
+    cache_ram_mib: int = 1024
+    model: str = "demo"
+    startup_timeout_s: float = 180.0
 
 
 def split_router(name: str) -> tuple[str, str]:

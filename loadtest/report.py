@@ -13,13 +13,24 @@ import math
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loadtest.client import Result, RunOutcome
+
 if TYPE_CHECKING:
-    from loadtest.client import Result
-    from loadtest.runner import PolicyRun
     from loadtest.workloads import Workload
+
+
+
+@dataclass
+class PolicyRun:
+    policy: str  # prefix | round_robin | ... | direct | target
+    rate: float | None
+    outcome: RunOutcome
+    metrics: dict[str, Any] = field(default_factory=dict)  # scraped from kvroute /metrics
+    startup_s: float = 0.0
 
 
 def pct(xs: Sequence[float], q: float) -> float | None:

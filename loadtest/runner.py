@@ -17,22 +17,22 @@ import argparse
 import asyncio
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
 
+from backends.process import free_port
 from loadtest import workloads as wl
-from loadtest.client import LoadClient, RunOutcome, check_loopback
+from loadtest.client import LoadClient, check_loopback
 from loadtest.fleet import (
     PEERS,
+    Cluster,
     external_config,
     find_smg,
     fresh_servers,
@@ -40,37 +40,10 @@ from loadtest.fleet import (
     split_router,
     terminate,
 )
-from proxy.policy import POLICIES
+from loadtest.report import PolicyRun
+from proxy.routing.policy import POLICIES
 
 DEFAULT_POLICIES = "prefix,round_robin,least_loaded,direct"
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """What each policy run starts: n managed demo-model backends."""
-
-    backends: int = 2
-    slots: int = 2
-    threads: int = 1
-    ctx_per_slot: int = 8192
-    cache_ram_mib: int = 1024
-    model: str = "demo"
-    startup_timeout_s: float = 180.0
-
-
-@dataclass
-class PolicyRun:
-    policy: str  # prefix | round_robin | ... | direct | target
-    rate: float | None
-    outcome: RunOutcome
-    metrics: dict[str, Any] = field(default_factory=dict)  # scraped from kvroute /metrics
-    startup_s: float = 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_config(path: Path, cluster: Cluster, n_backends: int, policy: str) -> Path:
@@ -130,7 +103,7 @@ async def kvroute_serve(cfg_path: Path, policy: str, n: int, timeout_s: float,
 async def direct_backend(cfg_path: Path, timeout_s: float) -> AsyncIterator[tuple[str, str | None]]:
     """One managed llama-server, no proxy; yields (url, api key)."""
     from backends.supervisor import Supervisor
-    from proxy.config import load_config
+    from proxy.config.load import load_config
 
     sup = Supervisor(load_config(cfg_path, check_port=False))
     try:
@@ -354,7 +327,7 @@ def fleet_bound(workload: wl.Workload, runs: list[PolicyRun],
         return None
     from backends.demo_model import ensure_demo_model, gguf_kv_bytes_per_token
     from loadtest.bounds import run_bound
-    from proxy.cache_predict import BackendCapacity
+    from proxy.routing.cache.predict import BackendCapacity
 
     ctx = args.ctx or needed_ctx(workload, args.max_tokens)
     kv = gguf_kv_bytes_per_token(ensure_demo_model())
@@ -368,7 +341,7 @@ def fleet_bound(workload: wl.Workload, runs: list[PolicyRun],
 
 def main_run(args: argparse.Namespace) -> int:
     from loadtest import report
-    from proxy.logging import configure_logging
+    from proxy.observability.logging import configure_logging
 
     configure_logging("warning")  # the in-process `direct` Supervisor logs every state change
     if args.target:

@@ -1,6 +1,6 @@
 """Discrete-event replay of a workload against modelled llama-server backends.
 
-Each backend is a :class:`~proxy.cache_model.BackendCache` (the same llama-server model
+Each backend is a :class:`~proxy.routing.cache.model.BackendCache` (the same llama-server model
 the router uses, but its own instance: the "truth") plus a prefill queue and per-slot
 decode:
 
@@ -11,7 +11,7 @@ decode:
   proxy holds it, until the router hands it a slot (``Handoff``), then sent pinned there;
   one the server cannot place waits in the server's queue (FIFO) until a slot frees.
 
-The real :class:`~proxy.router.Router` decides every request and gets the truth back in
+The real :class:`~proxy.routing.router.Router` decides every request and gets the truth back in
 ``complete()`` (reused tokens, prompt timings, slot), exactly as the live proxy would.
 The oracle hit ratio assumes an unbounded cache and perfect routing: every prompt reuses
 the longest prefix any earlier prompt had.
@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loadtest.trace import BLOCK, VOCAB_HI, VOCAB_LO, TraceRequest, block_start
-from proxy.cache_model import RAM, SLOT, BackendCache, BackendCapacity
-from proxy.router import Decision, Router, RouterSettings
-from proxy.tree import RadixTree
+from proxy.routing.cache.model import BackendCache
+from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity
+from proxy.routing.router import Decision, Router, RouterSettings
+from proxy.routing.tree.radix import RadixTree
 
 if TYPE_CHECKING:
     from loadtest.workloads import Workload
@@ -356,7 +357,7 @@ def format_table(results: Sequence[SimResult], oracle: float) -> str:
 def chat_replay(workload: Workload, gguf: Path) -> tuple[list[TraceRequest], list[bytes]]:
     """A chat workload's requests as the simulator takes them: arrivals and output
     lengths, and each prompt tokenized as the server would (template, then vocabulary)."""
-    from proxy.prompt import PromptBuilder
+    from proxy.prompt.builder import PromptBuilder
 
     builder = PromptBuilder.load(gguf)
     trace, prompts = [], []

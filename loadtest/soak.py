@@ -33,7 +33,8 @@ import aiohttp
 
 from loadtest import workloads as wl
 from loadtest.client import LoadClient, Result
-from loadtest.runner import Cluster, kvroute_serve, write_config
+from loadtest.fleet import Cluster
+from loadtest.runner import kvroute_serve, write_config
 
 MALFORMED: tuple[tuple[str, bytes], ...] = (
     ("/v1/chat/completions", b"{not json"),

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from proxy.config import Config, ConfigError, check_port_free, load_config
+from proxy.config.load import Config, ConfigError, check_port_free, load_config
 
 
 def _default_config_path(given: Path | None) -> Path | None:
@@ -48,7 +48,7 @@ async def _serve(cfg: Config) -> int:
 
     from backends.supervisor import Supervisor
     from proxy.app import create_app
-    from proxy.logging import get_logger
+    from proxy.observability.logging import get_logger
 
     log = get_logger("kvroute.cli")
     loop = asyncio.get_running_loop()
@@ -98,7 +98,7 @@ async def _serve(cfg: Config) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from proxy.logging import configure_logging
+    from proxy.observability.logging import configure_logging
 
     configure_logging(args.log_level)
     overrides = {"host": args.host, "port": args.port, "policy": args.policy}

@@ -15,8 +15,8 @@ Hierarchy::
     └── UpstreamTimeout         504 backend did not answer in time
 
 A body is rendered by a formatter picked per request (`format_for_path`): the OpenAI
-shape ``{"error": {"message", "type", "code"}}`` today; the Anthropic endpoints
-(issue 5) register theirs in `FORMATTERS` and extend `format_for_path`.
+shape ``{"error": {"message", "type", "code"}}``, or Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` on its endpoints.
 """
 
 from __future__ import annotations
@@ -140,9 +140,40 @@ def _openai_body(err: ProxyError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.type, "code": err.code}}
 
 
+# OpenAI-style error `type`s (llama-server's, and kvroute's) -> Anthropic's error types.
+_ERROR_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "authentication_error": "authentication_error",
+    "permission_error": "permission_error",
+    "not_found_error": "not_found_error",
+    "rate_limit_error": "rate_limit_error",
+    "exceed_context_size_error": "invalid_request_error",
+    "not_supported_error": "invalid_request_error",
+    "unavailable_error": "overloaded_error",
+    "server_error": "api_error",
+}
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_type(status: int, openai_type: str | None = None) -> str:
+    """Anthropic's error `type` for an HTTP status and an OpenAI-style type."""
+    if status in (413, 503, 529):
+        return _STATUS_TYPES[status]  # more precise than the generic types
+    if openai_type in _ERROR_TYPES:
+        return _ERROR_TYPES[openai_type]
+    return _STATUS_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def anthropic_error(status: int, message: str, openai_type: str | None = None) -> dict[str, Any]:
+    """Anthropic's error envelope."""
+    return {"type": "error",
+            "error": {"type": anthropic_error_type(status, openai_type), "message": message}}
+
+
 def _anthropic_body(err: ProxyError) -> dict[str, Any]:
-    # Placeholder until issue 5 owns it: Anthropic's documented envelope.
-    return {"type": "error", "error": {"type": err.type, "message": err.message}}
+    return anthropic_error(err.status, err.message, err.type)
 
 
 FORMATTERS: dict[ErrorFormat, Callable[[ProxyError], dict[str, Any]]] = {

@@ -31,14 +31,14 @@ from backends.binary import cache_dir, find_llama_server
 from backends.demo_model import DemoModelParams, demo_model_path
 from backends.process import free_port
 from backends.supervisor import Supervisor
-from proxy.config import (
+from proxy.config.load import (
     Config,
     ManagedBackendConfig,
     ProxyConfig,
     RoutingConfig,
     SupervisionConfig,
 )
-from proxy.prompt import PromptBuilder
+from proxy.prompt.builder import PromptBuilder
 
 
 @pytest.fixture(scope="session")

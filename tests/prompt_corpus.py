@@ -1,5 +1,5 @@
 """Requests whose prompt tokens must equal what llama-server builds, and a blocking client
-for the backend (tests/test_prompt.py, tests/test_anthropic_convert.py)."""
+for the backend (tests/prompt/test_prompt.py, tests/anthropic/test_anthropic_convert.py)."""
 
 from __future__ import annotations
 

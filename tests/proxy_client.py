@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from backends.supervisor import Supervisor
 from proxy.app import create_app
-from proxy.settings import ProxySettings
+from proxy.config.settings import ProxySettings
 
 
 @asynccontextmanager

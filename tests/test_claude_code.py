@@ -38,10 +38,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from backends.supervisor import Supervisor
-from proxy.app import FORWARDER, create_app
-from proxy.config import load_config
-from proxy.feedback import Outcome, Recorder
-from proxy.router import Decision
+from proxy.app import create_app
+from proxy.config.load import load_config
+from proxy.feedback.reports import Outcome, Recorder
+from proxy.routing.router import Decision
+from proxy.server.keys import FORWARDER
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,25 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import re
 import time
 from typing import Any
 
 from aiohttp.test_utils import TestClient
 from proxy_client import proxy
+from texts import words
 
-from proxy.app import ROUTER
-
-_WORDS = ("apple", "river", "stone", "cloud", "music", "paper", "window", "garden",
-          "silver", "orange", "planet", "forest", "yellow", "rabbit", "engine", "pocket",
-          "mirror", "candle", "bridge", "winter", "summer", "castle", "market", "thunder",
-          "pencil", "ocean", "violet", "marble", "desert", "island", "jacket")
-
-
-def words(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(_WORDS) for _ in range(n))
+from proxy.server.keys import ROUTER
 
 
 def cached_of(body: dict[str, Any]) -> int:

@@ -1,0 +1,67 @@
+"""What the supervisor is told about each backend, and the fleet as a whole.
+
+Parsed from config.yaml by proxy/config/load.py; the supervisor reads only what
+:class:`FleetSpec` names, so it does not depend on the proxy's own configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SupervisionConfig:
+    startup_timeout_s: float = 120.0  # per backend, from spawn to /health 200
+    health_interval_s: float = 2.0  # how often ready backends are probed
+    restart_backoff_s: float = 0.5  # first restart delay; doubles per crash
+    restart_backoff_max_s: float = 30.0
+    stop_grace_s: float = 5.0  # SIGTERM -> SIGKILL
+
+
+@dataclass(frozen=True)
+class ManagedBackendConfig:
+    name: str
+    model: Path  # resolved GGUF path
+    slots: int = 2  # llama-server -np
+    ctx_per_slot: int = 8192  # -c is slots * ctx_per_slot
+    threads: int = 1
+    cache_ram_mib: int = 1024  # --cache-ram; 0 disables the host-RAM prompt cache
+    alias: str | None = None  # -a: the model id /v1/models reports
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    is_demo: bool = False  # model is the demo model (prepare can build it)
+
+
+@dataclass(frozen=True)
+class ExternalBackendConfig:
+    name: str
+    url: str  # e.g. "http://10.0.0.5:8080"; kvroute health-checks it, never starts it
+    api_key: str | None = None
+    # KV bytes per token of the remote model; None: from proxy.tokenizer's GGUF (the
+    # model kvroute tokenizes for is the one it serves), else EXTERNAL_KV_BYTES
+    kv_bytes_per_token: int | None = None
+    cache_ram_mib: int = 0  # what the remote was started with, if known
+
+
+BackendConfig = ManagedBackendConfig | ExternalBackendConfig
+EXTERNAL_KV_BYTES = 131072  # an 8B-class f16 model: a remote model's size is unknowable
+
+
+class FleetSpec(Protocol):
+    """The configuration a Supervisor runs from (proxy.config.load.Config is one)."""
+
+    @property
+    def backends(self) -> tuple[BackendConfig, ...]: ...
+    @property
+    def llama_server(self) -> str | None: ...
+    @property
+    def log_dir(self) -> Path: ...
+    @property
+    def supervision(self) -> SupervisionConfig: ...
+    @property
+    def tokenizer(self) -> Path | None: ...
+    def managed(self) -> tuple[ManagedBackendConfig, ...]: ...

@@ -1,0 +1,2 @@
+"""config.yaml -> frozen, validated dataclasses; every knob declared once with its
+default."""

@@ -1,0 +1,314 @@
+"""kvroute's configuration: config.yaml -> frozen dataclasses, validated on load.
+
+Every error is a `ConfigError` whose message names the field and says how to fix it,
+e.g. ``backends[1].slots: expected a positive integer, got 'two' (fix: ...)``.
+Unknown keys are rejected (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from backends.binary import cache_dir as default_cache_dir
+from backends.config import (
+    EXTERNAL_KV_BYTES,
+    BackendConfig,
+    ExternalBackendConfig,
+    ManagedBackendConfig,
+    SupervisionConfig,
+)
+from backends.demo_model import DemoModelParams, demo_model_path
+from proxy.config.fields import (  # ConfigError is re-exported: imported from here
+    ConfigError,
+    _knobs,
+    _path,
+    _Section,
+    _show,
+)
+from proxy.config.settings import HealthSettings, ProxySettings
+from proxy.routing.policy import POLICIES, RouterSettings
+
+DEMO = "demo"  # `model: demo` = the synthesised demo model
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policy: str = "prefix"  # one of POLICIES
+    settings: ProxySettings = field(default_factory=ProxySettings)  # the other proxy: keys
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Knobs passed through to `proxy.routing.policy.RouterSettings(**settings)`."""
+
+    settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def router_settings(self) -> RouterSettings:
+        return RouterSettings(**self.settings)
+
+
+@dataclass(frozen=True)
+class Config:
+    proxy: ProxyConfig
+    routing: RoutingConfig
+    backends: tuple[BackendConfig, ...]
+    llama_server: str | None  # binary path; None = PATH, else build from the sdist
+    cache_dir: Path
+    log_dir: Path
+    demo_model: DemoModelParams = field(default_factory=DemoModelParams)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    source: Path | None = None  # the file it was loaded from (None: built-in defaults)
+
+    def managed(self) -> tuple[ManagedBackendConfig, ...]:
+        return tuple(b for b in self.backends if isinstance(b, ManagedBackendConfig))
+
+    @property
+    def tokenizer(self) -> Path | None:
+        """The GGUF given as proxy.tokenizer, if any."""
+        return self.proxy.settings.tokenizer
+
+
+# The built-in default, identical to the shipped config.yaml.
+DEFAULT_YAML = """
+proxy: {host: 127.0.0.1, port: 8080, policy: prefix}
+backends:
+  - {name: a, model: demo, slots: 2, ctx_per_slot: 32768, threads: 1}
+  - {name: b, model: demo, slots: 2, ctx_per_slot: 32768, threads: 1}
+"""
+
+
+def _demo_params(raw: object) -> DemoModelParams:
+    sec = _Section(raw, "demo_model.")
+    d = DemoModelParams()
+    kwargs = {f.name: sec.get_int(f.name, getattr(d, f.name), lo=0 if f.name == "seed" else 1)
+              for f in fields(DemoModelParams)}
+    sec.finish([f.name for f in fields(DemoModelParams)])
+    try:
+        return DemoModelParams(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{e} (fix: adjust the demo_model sizes)") from None
+
+
+def _backend(raw: object, i: int, base: Path, demo: Path, allow_missing_demo: bool
+             ) -> BackendConfig:
+    where = f"backends[{i}]."
+    sec = _Section(raw, where)
+    name = sec.get_str("name", f"backend{i}", "gpu0")
+    assert name is not None
+    if sec.has("url") == sec.has("model"):
+        raise ConfigError(
+            f"backends[{i}]: give exactly one of 'model' (a managed llama-server kvroute "
+            "starts) or 'url' (an external server) (fix: e.g. model: demo)"
+        )
+    if sec.has("url"):
+        url = sec.get_str("url", None, "http://127.0.0.1:8081")
+        assert url is not None
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}url: expected an http(s) URL, got {_show(url)} "
+                              "(fix: e.g. url: http://127.0.0.1:8081)")
+        key = sec.get_str("api_key", None, "sk-backend")
+        if key is not None and not (key.isascii() and key.isprintable()):  # a header value
+            raise ConfigError(f"{where}api_key: holds a control character, line break or "
+                              "non-ASCII character (fix: the key alone, on one line)")
+        ext = ExternalBackendConfig(
+            name=name, url=url.rstrip("/"), api_key=key,
+            kv_bytes_per_token=(sec.get_int("kv_bytes_per_token", EXTERNAL_KV_BYTES)
+                                if sec.has("kv_bytes_per_token") else None),
+            cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
+        )
+        sec.finish([f.name for f in fields(ExternalBackendConfig)])
+        return ext
+    model_raw = sec.get_str("model", None, "demo")
+    assert model_raw is not None
+    is_demo = model_raw == DEMO
+    model = demo if is_demo else _path(base, model_raw)
+    if not model.is_file() and not (is_demo and allow_missing_demo):
+        fix = ("run `python -m backends prepare` (or `make run`) to build it" if is_demo
+               else "give the path of an existing .gguf file, or `model: demo`")
+        raise ConfigError(f"{where}model: file not found: {model} (fix: {fix})")
+    d = ManagedBackendConfig(name=name, model=model)
+    b = ManagedBackendConfig(
+        name=name, model=model, is_demo=is_demo,
+        slots=sec.get_int("slots", d.slots),
+        ctx_per_slot=sec.get_int("ctx_per_slot", d.ctx_per_slot, lo=256),
+        threads=sec.get_int("threads", d.threads),
+        cache_ram_mib=sec.get_int("cache_ram_mib", d.cache_ram_mib, lo=0),
+        alias=sec.get_str("alias", "kvroute-demo" if is_demo else None, "my-model"),
+        extra_args=sec.get_str_list("extra_args"),
+        env=sec.get_str_map("env"),
+    )
+    sec.finish([f.name for f in fields(ManagedBackendConfig) if f.name != "is_demo"])
+    return b
+
+
+# proxy: keys that are not ProxySettings knobs, or not plain scalars
+_HEALTH_ZERO_OFF = frozenset({"stall_timeout_s"})
+_PROXY_OWN = ("host", "port", "policy", "api_keys", "health", "tokenizer")
+# Client API keys may come from the environment, so they need not sit in a file.
+API_KEYS_ENV = "KVROUTE_API_KEYS"
+
+
+def _proxy_settings(sec: _Section, base: Path) -> ProxySettings:
+    knobs = _knobs(sec.raw, "proxy.", ProxySettings(), special=_PROXY_OWN)
+    sec.used.update(knobs)
+    keys = list(sec.get_str_list("api_keys"))
+    keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    health_raw = _Section(sec._get("health"), "proxy.health.")
+    health_knobs = _knobs(health_raw.raw, "proxy.health.", HealthSettings())
+    for key, value in health_knobs.items():  # (0 would make the prober spin)
+        if value < 0 or (value == 0 and key not in _HEALTH_ZERO_OFF):
+            off = " (or 0: off)" if key in _HEALTH_ZERO_OFF else ""
+            raise ConfigError(f"proxy.health.{key}: expected a positive number{off}, got "
+                              f"{value!r} (fix: e.g. {key}: {getattr(HealthSettings(), key)})")
+    health = HealthSettings(**health_knobs)
+    tokenizer = sec.get_str("tokenizer", None, "/models/my-model.gguf")
+    tok_path = _path(base, tokenizer) if tokenizer else None
+    if tok_path is not None and not tok_path.is_file():
+        raise ConfigError(f"proxy.tokenizer: file not found: {tok_path} (fix: the GGUF the "
+                          "external backends serve, for exact tokens)")
+    for key, value in knobs.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
+            raise ConfigError(f"proxy.{key}: expected a positive number, got {value!r} "
+                              f"(fix: e.g. {key}: {getattr(ProxySettings(), key)})")
+    return ProxySettings(api_keys=tuple(keys), health=health, tokenizer=tok_path, **knobs)
+
+
+def _routing(raw: object) -> RoutingConfig:
+    sec = _Section(raw, "routing.")
+    settings = MappingProxyType(_knobs(sec.raw, "routing.", RouterSettings()))
+    try:
+        RouterSettings(**settings)
+    except ValueError as e:  # a value out of range: the message names the knob
+        raise ConfigError(f"routing.{e} (fix: see the comments on RouterSettings in "
+                          "proxy/routing/policy.py)") from None
+    return RoutingConfig(settings)
+
+
+def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
+                 source: Path | None = None) -> Config:
+    """Validate an already-parsed YAML document. `base` anchors relative paths."""
+    top = _Section(data, "")
+    proxy_sec = _Section(top._get("proxy"), "proxy.")
+    policy = proxy_sec.get_str("policy", "prefix", "prefix")
+    if policy not in POLICIES:
+        raise ConfigError(f"proxy.policy: unknown policy {policy!r} "
+                          f"(fix: one of {', '.join(POLICIES)})")
+    proxy = ProxyConfig(
+        host=proxy_sec.get_str("host", "127.0.0.1", "127.0.0.1") or "127.0.0.1",
+        port=proxy_sec.get_int("port", 8080, hi=65535),
+        policy=policy or "prefix",
+        settings=_proxy_settings(proxy_sec, base),
+    )
+    proxy_sec.finish()
+
+    sup_sec = _Section(top._get("supervision"), "supervision.")
+    sd = SupervisionConfig()
+    supervision = SupervisionConfig(**{f.name: sup_sec.get_num(f.name, getattr(sd, f.name))
+                                       for f in fields(SupervisionConfig)})
+    sup_sec.finish([f.name for f in fields(SupervisionConfig)])
+
+    demo_params = _demo_params(top._get("demo_model"))
+    demo = demo_model_path(demo_params)
+
+    llama_server = top.get_str("llama_server", None, "/usr/local/bin/llama-server")
+    if llama_server is not None:
+        binary = _path(base, llama_server)
+        if not binary.is_file():
+            raise ConfigError(f"llama_server: file not found: {binary} (fix: correct the "
+                              "path, or remove the key to use PATH or build one)")
+        llama_server = str(binary)
+
+    raw_backends = top._get("backends")
+    if not isinstance(raw_backends, list) or not raw_backends:
+        raise ConfigError(f"backends: expected a non-empty list, got {_show(raw_backends)} "
+                          "(fix: e.g. backends: [{name: a, model: demo}])")
+    backends = tuple(_backend(b, i, base, demo, allow_missing_demo)
+                     for i, b in enumerate(raw_backends))
+    seen: set[str] = set()
+    for i, b in enumerate(backends):
+        if b.name in seen:
+            raise ConfigError(f"backends[{i}].name: duplicate name {b.name!r} "
+                              "(fix: give every backend a unique name)")
+        seen.add(b.name)
+
+    log_dir = _path(base, top.get_str("log_dir", "logs", "logs") or "logs")
+    cfg = Config(
+        proxy=proxy, routing=_routing(top._get("routing")), backends=backends,
+        llama_server=llama_server, cache_dir=default_cache_dir(), log_dir=log_dir,
+        demo_model=demo_params, supervision=supervision, source=source,
+    )
+    top.finish([f.name for f in fields(Config)
+                if f.name not in ("cache_dir", "source")])
+    return cfg
+
+
+def check_port_free(cfg: Config) -> None:
+    """Raise ConfigError if the proxy's host:port cannot be bound right now."""
+    host, port = cfg.proxy.host, cfg.proxy.port
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConfigError(f"proxy.host: cannot resolve {host!r}: {e} "
+                          "(fix: e.g. host: 127.0.0.1)") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # same option aiohttp uses, so a port in TIME_WAIT is not reported as busy
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            why = "already in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise ConfigError(
+                f"proxy.port: {host}:{port} is {why} (fix: stop whatever listens there "
+                "(another kvroute?), or pick another port with --port or proxy.port)"
+            ) from None
+
+
+def load_config(path: Path | None, *, check_port: bool = True,
+                allow_missing_demo: bool = False, overrides: Mapping[str, Any] | None = None
+                ) -> Config:
+    """Load and validate `path` (None: the built-in default, same as config.yaml).
+
+    `overrides` replaces ProxyConfig fields (the CLI's --host/--port/--policy) before the
+    port check. `allow_missing_demo` lets `prepare`/`serve` load a config whose demo
+    model they are about to build.
+    """
+    if path is None:
+        data, base = yaml.safe_load(DEFAULT_YAML), Path.cwd()
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"--config: cannot read {path}: {e.strerror} "
+                              "(fix: give an existing config file)") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e} (fix: correct the syntax)") from None
+        base = Path(path).resolve().parent
+    cfg = parse_config(data, base, allow_missing_demo=allow_missing_demo,
+                       source=Path(path).resolve() if path else None)
+    if overrides:
+        merged = {k: v for k, v in overrides.items() if v is not None}
+        port = merged.get("port", cfg.proxy.port)
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ConfigError(f"--port: expected an integer in 1..65535, got {_show(port)} "
+                              "(fix: e.g. --port 8080)")
+        if merged.get("policy", cfg.proxy.policy) not in POLICIES:
+            raise ConfigError(f"--policy: unknown policy {merged['policy']!r} "
+                              f"(fix: one of {', '.join(POLICIES)})")
+        cfg = replace(cfg, proxy=replace(cfg.proxy, **merged))
+    if check_port:
+        check_port_free(cfg)
+    return cfg

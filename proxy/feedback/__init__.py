@@ -1,0 +1,2 @@
+"""What a backend's answer says about its cache (tokens reused, timings, slot), read
+back into the router."""

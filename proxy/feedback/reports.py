@@ -1,0 +1,231 @@
+"""What a backend's answer says about its cache, read from responses and stream chunks.
+
+llama-server reports reuse in two places (see shared notes): `timings.cache_n` (+
+`prompt_n`, `prompt_ms`) on non-streaming bodies and on the last stream chunk, and
+OpenAI `usage.prompt_tokens_details.cached_tokens` (streams: only with
+`stream_options.include_usage`). `timings` wins when both are present: it is the
+llama.cpp-native number and exists on every endpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from proxy.errors import UpstreamTimeout
+from proxy.observability.metrics import ProxyMetrics
+
+if TYPE_CHECKING:
+    from proxy.routing.router import Decision
+
+
+@dataclass
+class Outcome:
+    """Everything the proxy learnt from one upstream exchange."""
+
+    started: float                      # perf_counter() when the request was sent
+    status: int = 0                     # upstream HTTP status (0: never answered)
+    reported_cached: int | None = None  # prompt tokens the backend reused
+    prompt_n: int | None = None         # prompt tokens it evaluated (uncached part)
+    prompt_ms: float | None = None
+    predicted_ms: float | None = None
+    predicted_n: int | None = None      # tokens the backend generated (sampled)
+    finish_reason: str | None = None
+    reported_slot: int | None = None    # `id_slot` echoed by /completion
+    first_token_at: float | None = None  # perf_counter() of the first generated text
+    finished_at: float | None = None
+    text: list[str] = field(default_factory=list)   # generated text, in order
+    tokens: list[int] | None = None     # exact generated ids, when the backend gave them
+    complete: bool = False              # the backend finished the answer normally
+    errored: bool = False               # ... or its stream said why not (an error event)
+    cancelled: bool = False             # the client left before the answer began
+    on_first_token: Callable[[], None] | None = None  # called once, with the first text
+    starts_at_end: int | None = None    # Router.starts(backend) as the last bytes came
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds to the first generated token.
+
+        Streams: measured. Non-streaming answers arrive whole, so it is the latency less
+        the backend's generation time (queue + prompt processing + proxy overhead).
+        """
+        if self.first_token_at is not None:
+            return self.first_token_at - self.started
+        if self.finished_at is not None and self.predicted_ms is not None:
+            return max(0.0, self.finished_at - self.started - self.predicted_ms / 1000)
+        return None
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self.text)
+
+    def absorb(self, obj: Any, *, final: bool = False) -> None:
+        """Read one response body or stream chunk (OpenAI chat, completions, native)."""
+        if not isinstance(obj, dict):
+            return
+        timings = obj.get("timings")
+        if isinstance(timings, dict):
+            self._absorb_timings(timings)
+        reused, _ = reported_reuse(obj)
+        if reused is not None and (self.reported_cached is None or timings is not None):
+            self.reported_cached = reused
+        slot = obj.get("id_slot")
+        if _count(slot):
+            self.reported_slot = slot
+        had_text = len(self.text)
+        self._absorb_text(obj)
+        if len(self.text) > had_text and self.first_token_at is None and not final:
+            self.first_token_at = time.perf_counter()
+            if self.on_first_token is not None:
+                self.on_first_token()
+
+    def _absorb_timings(self, t: dict[str, Any]) -> None:
+        # NOTE: only sane values: an external backend may send anything, and these feed
+        # Prometheus counters (which refuse negatives) and the learned prefill rate
+        if _count(t.get("prompt_n")):
+            self.prompt_n = t["prompt_n"]
+        if _duration(t.get("prompt_ms")):
+            self.prompt_ms = float(t["prompt_ms"])
+        if _count(t.get("predicted_n")):
+            self.predicted_n = t["predicted_n"]
+        if _duration(t.get("predicted_ms")):
+            self.predicted_ms = float(t["predicted_ms"])
+
+    def _absorb_text(self, obj: dict[str, Any]) -> None:
+        # llama-native /completion: {"content", "tokens"} per chunk or whole.
+        content = obj.get("content")
+        if isinstance(content, str) and "choices" not in obj:
+            if content:
+                self.text.append(content)
+            toks = obj.get("tokens")
+            if isinstance(toks, list) and toks:
+                self.tokens = (self.tokens or []) + [t for t in toks if _count(t)]
+            return
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices:
+            return
+        choice = choices[0]  # n > 1 is not routed differently; index 0 is what the slot holds
+        if not isinstance(choice, dict):
+            return
+        if isinstance(choice.get("finish_reason"), str):
+            self.finish_reason = choice["finish_reason"]
+        part = choice.get("delta") or choice.get("message")
+        if isinstance(part, dict):
+            # Reasoning precedes content in what the model generated.
+            for key in ("reasoning_content", "content"):
+                val = part.get(key)
+                if isinstance(val, str) and val:
+                    self.text.append(val)
+        elif isinstance(choice.get("text"), str) and choice["text"]:
+            self.text.append(choice["text"])
+
+
+def reported_reuse(obj: object) -> tuple[int | None, int | None]:
+    """(tokens reused, prompt tokens) as an answer or stream chunk reports them: llama.cpp's
+    `timings` (cache_n, + prompt_n) when there, else OpenAI's `usage` (prompt_tokens and
+    prompt_tokens_details.cached_tokens; reused None when a server does not say). Only
+    sane counts: an external backend may send anything."""
+    if not isinstance(obj, dict):
+        return None, None
+    t = obj.get("timings")
+    if isinstance(t, dict) and _count(t.get("cache_n")):
+        n = t.get("prompt_n")
+        return t["cache_n"], t["cache_n"] + (n if _count(n) else 0)
+    u = obj.get("usage")
+    if isinstance(u, dict) and _count(u.get("prompt_tokens")):
+        d = u.get("prompt_tokens_details")
+        reused = d.get("cached_tokens") if isinstance(d, dict) else None
+        return (reused if _count(reused) else None), u["prompt_tokens"]
+    return None, None
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31
+
+
+def _duration(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x < 1e9
+
+
+def held_output(outcome: Outcome, tokenize: Callable[[str], Sequence[int]]) -> Sequence[int]:
+    """The generated tokens the slot keeps after this answer, as far as they are known.
+
+    The server caches every sampled token but the last (it is never decoded), so the slot
+    holds prompt + generated[:-1]. /completion gives the ids (`return_tokens`). Chat and
+    /v1/completions give text only: re-tokenized, it equals the sampled ids when the
+    model sampled the canonical split, which the count check below confirms
+    (`predicted_n` = sampled tokens, + 1 for the EOS when it stopped on one). Otherwise
+    (non-canonical samples, stop words, parsed tool calls or reasoning) only the prompt is
+    claimed: the next turn then reuses at least what was predicted.
+    """
+    if outcome.tokens is not None:
+        return outcome.tokens[:-1]
+    n = outcome.predicted_n
+    if n is None or not outcome.text:
+        return ()
+    ids = tokenize(outcome.output_text)
+    if outcome.finish_reason == "length" and len(ids) == n:
+        return ids[:-1]
+    if outcome.finish_reason == "stop" and len(ids) + 1 == n:
+        return ids
+    return ()
+
+
+class Recorder:
+    """Metrics and the one log line of each routed request."""
+
+    def __init__(self, metrics: ProxyMetrics, log: Any) -> None:
+        self.metrics = metrics
+        self.log = log
+
+    def retried(self, endpoint: str, err: Exception) -> None:
+        """A request that got no answer is tried again on another backend."""
+        cause = "timeout" if isinstance(err, UpstreamTimeout) else "unreachable"
+        self.metrics.retries.labels(endpoint, cause).inc()
+        self.log.info("retry", endpoint=endpoint, cause=cause, error=str(err))
+
+    def begin(self, backend: str) -> None:
+        self.metrics.child(self.metrics.in_flight, backend).inc()
+
+    def backend_done(self, backend: str) -> None:
+        """The backend is done with a request `end` was told it still works on."""
+        self.metrics.child(self.metrics.in_flight, backend).dec()
+
+    def end(self, endpoint: str, decision: Decision, outcome: Outcome, started: float, *,
+            stream: bool, backend_busy: bool = False) -> None:
+        """Called exactly once per `begin`, from a `finally`: must not raise.
+        `backend_busy`: the client left, the backend still works on it (the in-flight
+        gauge then waits for `backend_done`)."""
+        m = self.metrics
+        backend = decision.backend
+        latency = time.perf_counter() - started
+        status = str(outcome.status) if outcome.status else \
+            "cancelled" if outcome.cancelled else "error"
+        if outcome.status and not outcome.complete and outcome.status < 400:
+            status = "incomplete"  # client left or the stream broke
+        if not backend_busy:
+            m.child(m.in_flight, backend).dec()
+        m.child(m.requests, endpoint, backend, status).inc()
+        m.child(m.latency, endpoint).observe(latency)
+        ttft = outcome.ttft
+        if outcome.complete:
+            m.record_feedback(backend, decision.prompt_tokens, decision.predicted_cached,
+                              outcome.reported_cached)
+            if ttft is not None:
+                m.child(m.ttft, backend).observe(ttft)
+        # NOTE: the policy's full reasons (nested dicts) cost as much to render as the rest
+        # of the line: only its one-line `why` at info, everything at debug
+        reasons = decision.reasons
+        head = reasons.get("head")
+        if head is not None:
+            m.routed_on_head.inc()
+        self.log.info(
+            "routed", request_id=decision.request_id, endpoint=endpoint, backend=backend,
+            slot=decision.slot, tier=decision.tier, status=status, stream=stream,
+            prompt_tokens=decision.prompt_tokens, predicted_cached=decision.predicted_cached,
+            reported_cached=outcome.reported_cached, prompt_n=outcome.prompt_n,
+            ttft_ms=None if ttft is None else round(ttft * 1000, 2),
+            latency_ms=round(latency * 1000, 2), why=reasons.get("why"), head_tokens=head)
+        self.log.debug("routed.reasons", request_id=decision.request_id, reasons=reasons)

@@ -1,0 +1,468 @@
+"""The routed pipeline: decide -> send with id_slot -> feedback, with retries elsewhere.
+
+`Forwarder.routed` is what every prefix-routed endpoint calls (chat, completions,
+Anthropic messages); `send()` (proxy/forwarding/send.py) does the one upstream exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from backends.client import BackendClient
+from backends.supervisor import BackendInfo
+from proxy.errors import (
+    BadRequest,
+    NoBackendAvailable,
+    ProxyError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from proxy.feedback.reports import Outcome, Recorder, held_output
+from proxy.forwarding.assemble import assembler_for, runs_on_when_left
+from proxy.forwarding.health import BackendHealth
+from proxy.forwarding.send import JSON, PASSTHROUGH, Relay, Settle, Target, send, upstream_payload
+from proxy.forwarding.upstream import Response, Upstream
+from proxy.routing.router import Decision, Handoff, NeedWholePrompt, NoBackend, Router
+
+# A slot whose client left during its prefill is watched until its server is done with
+# it, for at most FREE_WAIT_MARGIN_S + twice the rest of the prefill.
+FREE_WAIT_MARGIN_S = 10.0
+
+# Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
+_USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def _wants_usage(body: JSON) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+def session_hint(request: web.Request, body: JSON) -> str | None:
+    """A conversation/session id the client volunteers (ties broken per session)."""
+    for name in ("X-Claude-Code-Session-Id", "X-Session-Id"):
+        value = request.headers.get(name)
+        if value:
+            return _printable(value[:200])
+    user = body.get("user")
+    return _printable(user[:200]) if isinstance(user, str) and user else None
+
+
+def _printable(value: str) -> str:
+    # Header bytes arrive surrogate-escaped and JSON may hold lone surrogates: neither
+    # encodes to UTF-8, which the policy hashes the hint with.
+    if value.isascii():
+        return value
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@dataclass
+class PendingPrompt:
+    """A prompt routed on its head while its rest is tokenized (Tokenizing.prompt_ids).
+
+    llama.cpp tokenizes ~4 KB/ms here: a coding agent's new tool result would hold the
+    request that long before anything is sent, though nothing in it can be matched (no
+    cache has seen it). So the request is decided on the head, sent at once, and the rest
+    is tokenized while the backend prefills; `Router.extend` records the whole prompt as
+    soon as it is known, at the latest before the answer's headers (which carry the
+    prediction) are written."""
+
+    head: array
+    n_estimate: int            # the whole prompt's tokens, estimated (for the policy)
+    n_bound: int               # ... at most (for the context-length check)
+    rest: asyncio.Task[array | None]  # the whole prompt's ids; None if they failed
+
+
+class BackendLeft(NoBackendAvailable):
+    """The backend (or busy slot) a held request waited for went away (or is taking far
+    longer than expected); nothing was sent: retry."""
+
+
+class Forwarder:
+    """decide -> send with id_slot -> feedback: one routed request, start to finish.
+
+    A request that got nothing back from its backend (refused, reset, timed out, or cut
+    because the backend was found hung) is retried on another backend: the failed one's
+    breaker is opened, which takes it out of the Router, so the next `decide` cannot pick
+    it. At most `max_attempts` backends are tried; the client never sees the failures.
+    """
+
+    def __init__(self, upstream: Upstream, router: Router,
+                 backends: Mapping[str, BackendInfo], recorder: Recorder,
+                 tokenize_output: Callable[[str], Sequence[int]],
+                 health: BackendHealth | None = None, *, max_attempts: int = 3,
+                 first_byte_timeout: float | None = None, log_prompts: bool = False,
+                 session: aiohttp.ClientSession | None = None) -> None:
+        self.upstream = upstream
+        self.router = router
+        self.backends = backends        # live view of routable backends, kept by the app
+        self.recorder = recorder
+        self.health = health
+        self.max_attempts = max_attempts
+        self.first_byte_timeout = first_byte_timeout
+        self.log_prompts = log_prompts
+        self._tokenize_output = tokenize_output
+        # Requests the router queued (every slot busy), held here until it hands them a
+        # slot: see `_hold`.
+        self._held: dict[int, asyncio.Future[Handoff]] = {}
+        self.session = session  # for /slots (see `_free_when_idle`); None: not asked
+        self._freeing: set[asyncio.Task[None]] = set()
+
+    def max_context(self) -> int | None:
+        """The largest slot context of any ready backend (tripped ones included)."""
+        infos = (b.info for b in self.health.breakers.values()) if self.health else \
+            self.backends.values()
+        return max((i.slot_ctx for i in infos), default=None)
+
+    def _room_for(self, n: int) -> str:
+        """What to change so that an ``n``-token prompt fits: the next power of two that
+        leaves at least 1024 tokens for the answer."""
+        fit = 1 << (n + 1024 - 1).bit_length()
+        if any(b.managed for b in self.backends.values()):
+            return f"set ctx_per_slot: {fit} (tokens per slot) on the backends in config.yaml"
+        return f"start the backends' llama-servers with {fit} tokens per slot (-c {fit} x -np)"
+
+    async def routed(self, request: web.Request, *, endpoint: str, path: str, raw: bytes,
+                     body: JSON, tokens: Sequence[int] | PendingPrompt,
+                     relay: Relay = PASSTHROUGH) -> web.StreamResponse:
+        """Route `tokens`, send `body` to `path` on the chosen backend, learn from it."""
+        started = time.perf_counter()
+        ctx = self.max_context()
+        pending = tokens if isinstance(tokens, PendingPrompt) else None
+        if pending is not None and ctx is not None and pending.n_bound >= ctx:
+            pending, tokens = None, await _whole(pending)  # may not fit: know it first
+        if pending is None and ctx is not None and len(tokens) >= ctx:
+            # NOTE: the server needs room for the prompt and one generated token
+            raise BadRequest(f"prompt is {len(tokens)} tokens, more than any backend's "
+                             f"context ({ctx} tokens per slot): shorten the conversation, "
+                             f"or {self._room_for(len(tokens))}",
+                             code="context_length_exceeded")
+        hint = session_hint(request, body)
+        if self.log_prompts:
+            self.recorder.log.debug("prompt", endpoint=endpoint,
+                                    prompt=raw[:65536].decode("utf-8", "replace"))
+        attempt = 1
+        while True:
+            try:
+                return await _Attempt(self, request, endpoint, path, raw, body, tokens,
+                                      pending, relay, hint, started).run()
+            except (UpstreamError, UpstreamTimeout, BackendLeft) as e:
+                # nothing reached the client: the backend is out (breaker), try another
+                if attempt >= self.max_attempts or not self.backends:
+                    raise
+                attempt += 1
+                self.recorder.retried(endpoint, e)
+                if pending is not None:  # the next try is decided on the whole prompt
+                    pending, tokens = None, await _whole(pending)
+
+    def _free_when_idle(self, decision: Decision, info: BackendInfo) -> None:
+        """Free `decision`'s slot once its backend is done with it, holding what /slots
+        says it does (unknown, as on any abort, when it cannot tell in time)."""
+        assert decision.slot is not None
+        left = decision.prompt_tokens - decision.predicted_cached
+        limit = FREE_WAIT_MARGIN_S + 2 * left / (self.router.prefill_rate(info.name) or 1.0)
+        if self.first_byte_timeout is not None:
+            limit = min(limit, self.first_byte_timeout)
+
+        async def free(slot: int) -> None:
+            held = None
+            try:
+                if self.session is not None:
+                    client = BackendClient(self.session, info.url, info.api_key)
+                    state = await client.slot_when_idle(slot, limit)
+                    held = None if state is None else state.n_prompt_tokens
+            finally:
+                self.recorder.log.debug("freed_when_idle", request_id=decision.request_id,
+                                        backend=info.name, slot=slot, held=held)
+                self._hand_off(self.router.abort(decision, now=time.monotonic(), held=held))
+
+        task = asyncio.create_task(free(decision.slot))
+        self._freeing.add(task)
+        task.add_done_callback(self._freeing.discard)
+
+    async def close(self) -> None:
+        """Stop watching slots to free (the app is closing)."""
+        for task in list(self._freeing):
+            task.cancel()
+        await asyncio.gather(*self._freeing, return_exceptions=True)
+
+    def _complete(self, decision: Decision, outcome: Outcome, *, check: bool = True) -> None:
+        """Feed a whole answer back; `check`: compare its reuse with the prediction."""
+        output = held_output(outcome, self._tokenize_output)
+        self.recorder.log.debug("feedback", request_id=decision.request_id,
+                                slot=decision.slot, output_tokens=len(output),
+                                reported_slot=outcome.reported_slot)
+        self._hand_off(self.router.complete(
+            decision, output_tokens=output,
+            reported_cached=outcome.reported_cached if check else None,
+            prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
+            reported_slot=outcome.reported_slot, now=time.monotonic(),
+            starts_at_end=outcome.starts_at_end))
+
+    async def _hold(self, decision: Decision, info: BackendInfo) -> Handoff:
+        """Keep a queued request here until the router hands it a freed slot, then send
+        it pinned there. Sent at once instead, it would wait in llama-server's queue, and
+        the server takes queued requests in the order its HTTP threads post them, not
+        the order they were decided: a request that arrived a moment later could take
+        the slot this one was predicted to get (see `Handoff`). Nothing is sent while
+        waiting; if the backend goes away (or restarts: a new `BackendInfo`), the caller
+        retries elsewhere."""
+        fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
+        self._held[decision.request_id] = fut
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=1.0)
+                if done:
+                    return fut.result()
+                if self.backends.get(decision.backend) is not info:
+                    raise BackendLeft(f"backend {info.name} went away", retry_after=1)
+                if self.router.wait_overdue(decision, time.monotonic()):
+                    raise BackendLeft(f"the busy slot of {info.name} waited for is taking "
+                                      "long", retry_after=1)
+        finally:
+            self._held.pop(decision.request_id, None)
+
+    def _hand_off(self, handoffs: list[Handoff]) -> None:
+        for h in handoffs:
+            fut = self._held.pop(h.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(h)
+
+    async def _send(self, request: web.Request, path: str, raw: bytes, body: JSON,
+                    relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
+                    extra: JSON, settle: Settle | None,
+                    sent: Callable[[Response], None] | None) -> web.StreamResponse:
+        if decision.slot is not None:
+            extra["id_slot"] = decision.slot
+        strip_usage = False
+        if body.get("stream") is True and path in _USAGE_PATHS and not _wants_usage(body):
+            extra["stream_options"] = {"include_usage": True}
+            strip_usage = True
+        assemble = None if body.get("stream") is True else assembler_for(path, body)
+        if assemble is not None:
+            # streamed upstream so that a client that leaves stops it (proxy/forwarding/assemble.py)
+            extra["stream"] = True
+            if path in _USAGE_PATHS:
+                extra["stream_options"] = {"include_usage": True}
+        if path == "/completion" and "return_tokens" not in body:
+            extra["return_tokens"] = True  # exact generated ids: the slot holds these
+        payload = upstream_payload(raw, body, extra)
+        target = Target(info, decision.slot, decision.predicted_cached, decision.tier)
+        return await send(self.upstream, request, target, path, payload, outcome,
+                          relay=relay, strip_usage=strip_usage, health=self.health,
+                          first_byte_timeout=self.first_byte_timeout, assemble=assemble,
+                          settle=settle, sent=sent)
+
+    async def passthrough(self, request: web.Request, path: str, info: BackendInfo,
+                          raw: bytes, *, relay: Relay = PASSTHROUGH,
+                          pick: Callable[[], BackendInfo] | None = None,
+                          method: str = "POST") -> web.StreamResponse:
+        """Forward an unrouted call (/tokenize, /props, ...) to `info` as it is; when it
+        gets no answer and `pick` is given, once more to the backend `pick` returns."""
+        for attempt in (1, 2):
+            outcome = Outcome(started=time.perf_counter())
+            try:
+                return await send(self.upstream, request, Target(info), path, raw, outcome,
+                                  relay=relay, method=method, health=self.health,
+                                  first_byte_timeout=self.first_byte_timeout)
+            except (UpstreamError, UpstreamTimeout) as e:
+                if self.health is not None:
+                    self.health.failed(info.name, e.message)
+                if attempt == 2 or pick is None or not self.backends:
+                    raise
+                self.recorder.retried("passthrough", e)
+                info = pick()
+        raise AssertionError("unreachable")
+
+
+class _Attempt:
+    """One routed request on one backend, in named steps: `decide` (on the head while
+    the rest of a pending prompt is tokenized), `claim` the backend, then `exchange`
+    (held for a slot if queued, sent pinned, the prediction `settle`d once the whole
+    prompt is known) and `feedback`. The slot claim `decide` makes is released however it
+    ends: `complete` on a normal answer, `abort` on errors, cancellation, disconnects."""
+
+    def __init__(self, fw: Forwarder, request: web.Request, endpoint: str, path: str,
+                 raw: bytes, body: JSON, tokens: Sequence[int] | PendingPrompt,
+                 pending: PendingPrompt | None, relay: Relay, hint: str | None,
+                 started: float) -> None:
+        self.fw, self.router = fw, fw.router
+        self.request, self.endpoint, self.path, self.raw, self.body = (
+            request, endpoint, path, raw, body)
+        self.tokens, self.pending, self.relay, self.hint = tokens, pending, relay, hint
+        self.started = started
+        self.whole = pending is None  # the model has the whole prompt
+        # `cache_prompt: false`: the server reuses nothing (and caches the prompt as
+        # usual: the model's state stays right); the prediction shown is 0
+        self.no_reuse = body.get("cache_prompt") is False
+        self.detached: asyncio.Future[web.StreamResponse] | None = None
+
+    async def run(self) -> web.StreamResponse:
+        self.decision = await self.decide()
+        if self.pending is not None:
+            self.pending.rest.add_done_callback(self.take_rest)
+        self.info = self.claim()
+        # NOTE: reads `decision` when called: `take_rest` may have replaced it
+        self.outcome = Outcome(started=self.started,
+                               on_first_token=lambda: self.router.prefilled(self.decision))
+        self.fw.recorder.begin(self.info.name)
+        try:
+            return await self.exchange()
+        except (UpstreamError, UpstreamTimeout) as e:
+            self.outcome.status = 0
+            if self.fw.health is not None:
+                self.fw.health.failed(self.info.name, e.message)
+            raise
+        except asyncio.CancelledError:
+            self.outcome.cancelled = True  # the client left (an interrupt), not a failure
+            raise
+        finally:
+            self.finish()
+
+    async def decide(self) -> Decision:
+        # NOTE: defer: the slot model's update runs once the request is written (`placed`)
+        pending = self.pending
+        if pending is None:
+            got = self.router.decide(self.tokens, session=self.hint,  # type: ignore[arg-type]
+                                     now=time.monotonic(), defer=True)
+        else:
+            got = self.router.decide(pending.head, session=self.hint, now=time.monotonic(),
+                                     n_prompt=pending.n_estimate, defer=True)
+            if isinstance(got, NeedWholePrompt):  # not moved off its history on the head
+                self.tokens = await _whole(pending)
+                self.pending, self.whole = None, True
+                got = self.router.decide(self.tokens, session=self.hint, now=time.monotonic(),
+                                         defer=True)
+        if isinstance(got, NoBackend):
+            raise _no_backend_error(got)
+        assert not isinstance(got, NeedWholePrompt), "only ever for a head"
+        return got
+
+    def claim(self) -> BackendInfo:
+        info = self.fw.backends.get(self.decision.backend)
+        if info is None:  # removed between the event and now
+            self.fw._hand_off(self.router.abort(self.decision, now=time.monotonic()))
+            raise NoBackendAvailable("backend went away", retry_after=1)
+        return info
+
+    async def exchange(self) -> web.StreamResponse:
+        if self.decision.queued:
+            # NOTE: placed with the whole prompt if tokenized by then (take_rest): the
+            # slot it waits for may hold more than the head (a summary with its turn)
+            h = await self.fw._hold(self.decision, self.info)
+            self.decision = dataclasses.replace(self.decision, slot=h.slot,
+                                                predicted_cached=h.predicted_cached)
+        sending = self.fw._send(self.request, self.path, self.raw, self.body, self.relay,
+                                self.info, self.decision, self.outcome, {}, self.settle,
+                                self.placed)
+        if not runs_on_when_left(self.path, self.body):
+            return await sending
+        # The backend would not notice this client leave (proxy/forwarding/assemble.py):
+        # the exchange then goes on without it, and the model frees the slot when the
+        # backend really does (bounded by first_byte_timeout), not when the client left
+        task = asyncio.ensure_future(sending)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                self.detached = task
+            raise
+
+    def take_rest(self, task: asyncio.Task[array | None]) -> None:
+        # NOTE: as soon as the rest is tokenized, not when the answer comes: requests
+        # decided meanwhile see all this one's slot will hold (a summary sent with its
+        # turn reuses the turn's tool result there)
+        if self.whole or task.cancelled() or task.exception() is not None:
+            return
+        ids = task.result()
+        if ids is not None:
+            self.decision, self.whole = self.router.extend(self.decision, ids), True
+
+    def placed(self, upstream: Response) -> None:
+        # the request is written: the model's bookkeeping runs while the backend works
+        self.decision = self.router.place(self.decision)
+        upstream.on_data = self.mark  # (the answer's parts arrive after this)
+
+    def mark(self) -> None:
+        # NOTE: as the bytes come, not when they are read: another answer read first
+        # may hand a queued request a slot meanwhile (see BackendCache.saved_idle)
+        self.outcome.starts_at_end = self.router.starts(self.decision.backend)
+
+    async def settle(self, target: Target) -> Target:
+        # the answer is coming: the model takes the whole prompt before the headers
+        # (with the prediction) are written and before any feedback
+        if not self.whole:
+            assert self.pending is not None
+            await asyncio.wait({self.pending.rest})
+            self.take_rest(self.pending.rest)  # (a no-op if its callback ran first)
+        d = self.reported()
+        if (target.predicted_cached, target.tier) == (d.predicted_cached, d.tier):
+            return target
+        return dataclasses.replace(target, predicted_cached=d.predicted_cached, tier=d.tier)
+
+    def reported(self) -> Decision:
+        d = self.decision
+        return dataclasses.replace(d, predicted_cached=0, tier="none") if self.no_reuse else d
+
+    def feedback(self) -> None:
+        # NOTE: decided by the outcome, not by how the handler ends: a client that
+        # closes its connection as soon as it has the stream's last event cancels it
+        # in its final write, after the backend finished; an abort there would forget
+        # what the slot now holds (its next turn then predicted 0).
+        outcome, decision, whole = self.outcome, self.decision, self.whole
+        if outcome.complete and 0 < outcome.status < 400 and whole:
+            self.fw._complete(decision, outcome, check=not self.no_reuse)
+        elif whole and outcome.cancelled and outcome.status == 200 \
+                and outcome.first_token_at is None and decision.slot is not None:
+            # the client left during the prefill, which llama-server goes on with
+            # (it notices only when it writes the first token): the slot is busy until
+            # then, and holds what was prefilled
+            self.fw._free_when_idle(decision, self.info)
+        else:
+            # a client that leaves once output flows (an interrupted agent turn)
+            # leaves its prompt in the slot
+            prefilled = whole and outcome.first_token_at is not None
+            self.fw._hand_off(self.router.abort(decision, now=time.monotonic(),
+                                                prefilled=prefilled))
+
+    def feedback_when_done(self, task: asyncio.Future[web.StreamResponse]) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved: a failure there is only the abort below
+        try:
+            self.feedback()
+        finally:
+            self.fw.recorder.backend_done(self.info.name)
+
+    def finish(self) -> None:
+        try:
+            if self.detached is None:
+                self.feedback()
+            else:
+                self.detached.add_done_callback(self.feedback_when_done)
+        finally:  # (the gauge and the log line, whatever the feedback did)
+            self.fw.recorder.end(self.endpoint, self.reported(), self.outcome, self.started,
+                                 stream=self.body.get("stream") is True,
+                                 backend_busy=self.detached is not None)
+
+
+async def _whole(pending: PendingPrompt) -> array:
+    ids = await pending.rest
+    if ids is None:
+        raise BadRequest("prompt text is not valid Unicode")
+    return ids
+
+
+def _no_backend_error(nb: NoBackend) -> ProxyError:
+    # NOTE: prompts too long for every *ready* backend are mostly rejected before
+    # `decide` (max_context counts tripped backends too, which may come back).
+    if nb.kind in ("too_long", "empty"):
+        return BadRequest(nb.reason, code="context_length_exceeded"
+                          if nb.kind == "too_long" else "invalid_request_error")
+    return NoBackendAvailable(nb.reason, retry_after=1)

@@ -1,0 +1,413 @@
+"""Send one request to a backend and relay its answer, reading cache feedback on the way.
+
+`send()` is the reusable core: it takes an already-chosen `Target`, the client's body
+(raw bytes + parsed), and a `Relay` that decides how upstream answers reach the client.
+The default `Relay` passes OpenAI / llama.cpp bytes through untouched (event by event,
+no buffering); another API (Anthropic `/v1/messages`) subclasses it to translate
+the body and each stream event, while the feedback (`Outcome`) is always read from the
+upstream's own format.
+
+Errors: before anything reaches the client, failures raise `UpstreamError` /
+`UpstreamTimeout` (the caller may retry elsewhere: nothing was sent). Once a stream has
+started, a failure ends it with an error event in the client's API format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from backends.supervisor import BackendInfo
+from proxy.errors import (
+    RESPONSE_STARTED,
+    ErrorFormat,
+    UpstreamError,
+    UpstreamTimeout,
+    sse_error_event,
+)
+from proxy.feedback.reports import Outcome
+from proxy.forwarding.assemble import Assembler
+from proxy.forwarding.health import BackendHealth
+from proxy.forwarding.upstream import ConnectionDropped, Response, TransportError, Upstream
+from proxy.observability.logging import get_logger
+
+JSON = dict[str, Any]
+
+# One SSE event from a backend: llama-server's are a few KB (a token, a tool call's
+# argument delta, the final timings); a bound keeps a broken backend's endless line from
+# growing the proxy's memory without end.
+MAX_EVENT_BYTES = 16 << 20
+
+# Client errors writing to a peer that went away; the upstream request is then dropped
+# (leaving `async with` closes its connection, which makes llama-server cancel the task).
+_CLIENT_GONE = (ConnectionResetError, ConnectionError, aiohttp.ClientConnectionResetError)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one request goes."""
+
+    info: BackendInfo
+    slot: int | None = None               # id_slot to pin; None lets the server choose
+    predicted_cached: int | None = None   # for the X-Kvroute-Predicted-Cached header
+    tier: str | None = None               # where that reuse comes from: slot | ram | none
+
+    def headers(self) -> dict[str, str]:
+        h = {"X-Kvroute-Backend": self.info.name}
+        if self.slot is not None:
+            h["X-Kvroute-Slot"] = str(self.slot)
+        if self.predicted_cached is not None:
+            h["X-Kvroute-Predicted-Cached"] = str(self.predicted_cached)
+        if self.tier is not None:
+            h["X-Kvroute-Tier"] = self.tier
+        return h
+
+
+class Relay:
+    """How upstream answers reach the client. The default relays them unchanged.
+
+    Subclasses translate: return a new JSON body / a list of SSE event bytes, or None to
+    relay the upstream's bytes as they are.
+    """
+
+    error_format: ErrorFormat = ErrorFormat.OPENAI
+    # True when `event` writes the client's stream in another API's shape: an upstream
+    # event it cannot read is then dropped, not relayed raw into that stream
+    translates_events: bool = False
+
+    def body(self, obj: JSON) -> JSON | None:
+        """A complete (non-streaming) 2xx upstream body."""
+        return None
+
+    def event(self, obj: JSON) -> list[bytes] | None:
+        """One upstream SSE `data:` object."""
+        return None
+
+    def done(self) -> list[bytes] | None:
+        """The upstream's `data: [DONE]`."""
+        return None
+
+    def error(self, status: int, body: bytes) -> bytes | None:
+        """An upstream error body (status >= 400)."""
+        return None
+
+
+PASSTHROUGH = Relay()
+
+# Called once the backend's answer has begun, before anything is written to the client:
+# the final Target (its prediction may change; see pipeline.PendingPrompt).
+Settle = Callable[[Target], Awaitable[Target]]
+
+
+def upstream_payload(raw: bytes, body: JSON, extra: JSON) -> bytes:
+    """The client's body with `extra` fields set (cache_prompt is never touched).
+
+    When none of `extra`'s keys is in the body, the fields are spliced in front of the raw
+    bytes: re-serialising a 30k-token conversation costs ~1 ms, splicing a memcpy (one:
+    the tail goes in as a memoryview, not a sliced copy).
+    """
+    if not extra:
+        return raw
+    if body and extra.keys().isdisjoint(body):
+        start = raw.index(b"{") + 1
+        fields = orjson.dumps(extra)[1:-1]
+        return b"".join((raw[:start], fields, b",", memoryview(raw)[start:]))
+    merged = dict(body)
+    for key, val in extra.items():
+        if isinstance(val, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **val}
+        else:
+            merged[key] = val
+    return orjson.dumps(merged)  # ~10x faster than json on a long conversation
+
+
+def backend_headers(info: BackendInfo) -> dict[str, str]:
+    """Headers the backend gets: its own key, never the client's."""
+    h = {"Content-Type": "application/json"}
+    if info.api_key:
+        h["Authorization"] = f"Bearer {info.api_key}"
+    return h
+
+
+def _is_usage_only(obj: JSON) -> bool:
+    return "usage" in obj and not obj.get("choices")
+
+
+async def send(client: Upstream, request: web.Request, target: Target,
+               path: str, payload: bytes, outcome: Outcome, *, relay: Relay = PASSTHROUGH,
+               strip_usage: bool = False, method: str = "POST",
+               health: BackendHealth | None = None,
+               first_byte_timeout: float | None = None,
+               assemble: Assembler | None = None,
+               settle: Settle | None = None,
+               sent: Callable[[Response], None] | None = None) -> web.StreamResponse:
+    """Send `payload` to `target` at `path` and answer `request` with what comes back.
+
+    Until the client has received its first byte (a whole body, or a stream's first
+    event), failures raise `UpstreamError` / `UpstreamTimeout`: the caller may retry
+    elsewhere. That phase is bounded by `first_byte_timeout` and cut short when `health`
+    trips the backend (a hung backend). `strip_usage` drops the usage-only stream chunk
+    the proxy asked for on the client's behalf. With `assemble`, the upstream stream (asked
+    for by the caller) becomes one non-streamed answer (proxy/forwarding/assemble.py). `sent` is
+    called once the request is written (see `Upstream.request`); `settle`, once the
+    answer's head is in, returns the target the response headers are made from. Fills
+    `outcome`.
+    """
+    name = target.info.name
+    outcome.started = time.perf_counter()
+    upstream: Response | None = None
+    assembled = False
+    try:
+        async with asyncio.timeout(first_byte_timeout) as ttfb:
+            with health.waiting(name, ttfb) if health else contextlib.nullcontext():
+                upstream = await client.request(method, target.info.url, path, payload,
+                                                backend_headers(target.info), sent=sent)
+                if settle is not None:
+                    target = await settle(target)
+                outcome.status = upstream.status
+                ctype = upstream.headers.get("content-type", "application/json").lower()
+                if upstream.status < 400 and ctype.startswith("text/event-stream"):
+                    events = _events(upstream)
+                    if assemble is not None:
+                        data = _answer(await _assembled(events, outcome, assemble, name),
+                                       outcome, relay)
+                        ctype, assembled = "application/json", True
+                    else:
+                        first = await _first_output(events, outcome, relay, strip_usage)
+                else:
+                    data = await upstream.read()
+    except TimeoutError as e:
+        _close(upstream)
+        raise UpstreamTimeout(f"backend {name} did not answer in time") from e
+    except TransportError as e:
+        _close(upstream)
+        raise UpstreamError(f"backend {name} unreachable: {type(e).__name__}") from e
+    except BaseException:
+        _close(upstream)  # cancelled (client left): dropping the connection stops the task
+        raise
+    if upstream.status < 400 and ctype.startswith("text/event-stream"):  # not assembled
+        with health.relaying(name, upstream) if health else contextlib.nullcontext():
+            return await _relay_stream(request, upstream, events, first, target, outcome,
+                                       relay, strip_usage, health)
+    upstream.release()
+    outcome.finished_at = time.perf_counter()
+    if assembled:
+        pass  # already read, fed to `outcome` and translated
+    elif upstream.status >= 400:
+        translated = relay.error(upstream.status, data)
+        if translated is not None:
+            data, ctype = translated, "application/json"
+    elif ctype.startswith("application/json") or relay.translates_events:
+        # (also a backend that ignored "stream"; a translated answer must be JSON)
+        absorbed = _absorb_body(data, outcome, relay)
+        if absorbed is None:  # a broken (external) backend: retried elsewhere
+            raise UpstreamError(f"backend {name} answered with a body that is not JSON")
+        data, ctype = absorbed, "application/json"
+    resp = web.Response(status=outcome.status, body=data, headers=target.headers(),
+                        content_type=ctype.split(";")[0].strip())
+    # Written here, not by aiohttp after the handler returns: the client has its answer
+    # before the caller's feedback work (tree update, output tokens, log line, metrics)
+    # runs, which takes that work off the request's latency.
+    request[RESPONSE_STARTED] = resp
+    with contextlib.suppress(*_CLIENT_GONE):
+        await resp.prepare(request)
+        await resp.write_eof()
+    return resp
+
+
+def _close(upstream: Response | None) -> None:
+    if upstream is not None:
+        upstream.close()
+
+
+def _absorb_body(data: bytes, outcome: Outcome, relay: Relay) -> bytes | None:
+    """The client's bytes for a JSON answer `data`; None if `data` is not JSON."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    outcome.absorb(obj, final=True)
+    outcome.complete = True
+    if isinstance(obj, dict):
+        translated = relay.body(obj)
+        if translated is not None:
+            return orjson.dumps(translated)
+    return data
+
+
+async def _assembled(events: AsyncIterator[list[bytes]], outcome: Outcome,
+                     assemble: Assembler, name: str) -> JSON:
+    """The whole stream, fed to `assemble` and `outcome`: the assembled answer. An error
+    event becomes the error answer llama-server would have sent instead (its `code` as
+    the status, set in `outcome`)."""
+    async for lines in events:
+        data = b"".join(ln[5:].strip() for ln in lines if ln.startswith(b"data:"))
+        if not data or data == b"[DONE]":
+            continue
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if "error" in obj:
+            err = obj["error"]
+            code = err.get("code") if isinstance(err, dict) else None
+            outcome.status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            return obj
+        outcome.absorb(obj)
+        assemble.add(obj)
+    body = assemble.body()
+    if body is None:
+        raise UpstreamError(f"backend {name} ended its stream before the answer did")
+    outcome.complete = True
+    return body
+
+
+def _answer(obj: JSON, outcome: Outcome, relay: Relay) -> bytes:
+    """The bytes the client gets for an assembled answer (or error) `obj`."""
+    raw = orjson.dumps(obj)
+    if outcome.status >= 400:
+        return relay.error(outcome.status, raw) or raw
+    translated = relay.body(obj)
+    return raw if translated is None else orjson.dumps(translated)
+
+
+async def _events(upstream: Response) -> AsyncIterator[list[bytes]]:
+    """The upstream's SSE events, each as its lines, "\n" kept (a blank line ends an
+    event). An event over MAX_EVENT_BYTES is a broken backend (ConnectionDropped)."""
+    event: list[bytes] = []
+    size = 0  # bytes of `event` and `tail`
+    tail = bytearray()  # an unfinished line: grown in place, not rejoined per chunk
+    async for chunk in upstream.chunks():
+        size += len(chunk)
+        if size > MAX_EVENT_BYTES:
+            raise ConnectionDropped(f"an event of the stream is over {MAX_EVENT_BYTES} bytes")
+        if b"\n" not in chunk:
+            tail += chunk
+            continue
+        if tail:
+            tail += chunk
+            lines = bytes(tail).split(b"\n")
+        else:
+            lines = chunk.split(b"\n")
+        tail = bytearray(lines.pop())  # the part after the last "\n"
+        for line in lines:
+            if line.strip():
+                event.append(line + b"\n")
+            elif event:
+                yield event
+                event = []
+        size = len(tail) + sum(map(len, event))
+    if tail.strip():
+        event.append(bytes(tail))
+    if event:
+        yield event
+
+
+async def _first_output(events: AsyncIterator[list[bytes]], outcome: Outcome, relay: Relay,
+                        strip_usage: bool) -> list[bytes]:
+    """Read events until one gives the client something ([] at the end of the stream)."""
+    async for ev in events:
+        out = list(_translate_event(ev, outcome, relay, strip_usage))
+        if out:
+            return out
+    return []
+
+
+async def _relay_stream(request: web.Request, upstream: Response,
+                        events: AsyncIterator[list[bytes]], first: list[bytes],
+                        target: Target, outcome: Outcome, relay: Relay, strip_usage: bool,
+                        health: BackendHealth | None) -> web.StreamResponse:
+    resp = web.StreamResponse(status=upstream.status, headers={
+        **target.headers(), "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    request[RESPONSE_STARTED] = resp
+    try:
+        await resp.prepare(request)
+        for chunk in first:
+            await resp.write(chunk)
+        async for ev in events:
+            if outcome.complete:
+                continue  # past the end ([DONE] again, stray events): read, not relayed
+            # forward each event whole, as soon as it is complete
+            for chunk in _translate_event(ev, outcome, relay, strip_usage):
+                await resp.write(chunk)
+        if not outcome.complete and not outcome.errored:
+            # ended without its end: the client must not take it for a whole answer
+            err = UpstreamError(f"backend {target.info.name} ended its stream before the "
+                                "answer did")
+            if health is not None:
+                health.failed(target.info.name, err.message)
+            await resp.write(sse_error_event(err, relay.error_format))
+    except _CLIENT_GONE:
+        upstream.close()
+        return resp  # the client left; outcome.complete stays False -> abort
+    except (TimeoutError, TransportError) as e:
+        upstream.close()
+        err = (UpstreamTimeout if isinstance(e, TimeoutError) else UpstreamError)(
+            f"backend {target.info.name} failed mid-stream: {type(e).__name__}")
+        if health is not None:
+            health.failed(target.info.name, err.message)
+        outcome.complete = False
+        try:
+            await resp.write(sse_error_event(err, relay.error_format))
+        except _CLIENT_GONE:
+            return resp
+    except Exception:
+        # a bug, or an answer we cannot read (an external backend's): the headers are
+        # gone, so the stream ends with an error event rather than leaving the client
+        # waiting on an open connection
+        get_logger().exception("relay_failed", backend=target.info.name)
+        upstream.close()
+        outcome.complete = False
+        try:
+            await resp.write(sse_error_event(
+                UpstreamError(f"backend {target.info.name}: answer not relayable"),
+                relay.error_format))
+        except _CLIENT_GONE:
+            return resp
+    except BaseException:
+        upstream.close()  # cancelled: the client went away (handler cancellation)
+        raise
+    upstream.release()
+    outcome.finished_at = time.perf_counter()
+    with contextlib.suppress(_CLIENT_GONE):
+        await resp.write_eof()
+    return resp
+
+
+def _translate_event(lines: list[bytes], outcome: Outcome, relay: Relay,
+                     strip_usage: bool) -> Iterable[bytes]:
+    """Feed one SSE event to `outcome` and return the bytes the client gets for it."""
+    raw = b"".join(lines)
+    data = b"".join(ln[5:].strip() for ln in lines if ln.startswith(b"data:"))
+    if not data:
+        return (raw + b"\n",)
+    if data == b"[DONE]":
+        outcome.complete = True
+        return relay.done() or (raw + b"\n",)
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        return () if relay.translates_events else (raw + b"\n",)
+    if "error" in obj:
+        outcome.complete = False
+        outcome.errored = True
+    outcome.absorb(obj)
+    if obj.get("stop") is True:  # llama-native streams end with stop:true, no [DONE]
+        outcome.complete = True
+    if strip_usage and _is_usage_only(obj):
+        return ()
+    translated = relay.event(obj)
+    return (raw + b"\n",) if translated is None else translated

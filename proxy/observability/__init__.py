@@ -1,0 +1,1 @@
+"""Structured logs (one line per routing decision) and Prometheus metrics."""

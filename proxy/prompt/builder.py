@@ -1,0 +1,198 @@
+"""Request -> the exact token ids llama-server will put in (and cache for) a slot.
+
+Chat: render the GGUF's chat template the way llama-server does (`chat_request` builds
+the context, `chat_template` renders it), then tokenize with `add_special` and
+`parse_special` like the server (`tokenizer.FragmentTokenizer`, cached per fragment
+between special tokens, so a turn whose history was seen costs little).
+
+Completions (`/completion`, `/v1/completions`): `tokenize_input_prompts` semantics -- a
+string is tokenized with BOS (if the vocabulary adds one) and special tokens parsed; a
+list of ids is used as is; a mixed list tokenizes its strings, only the first one with
+BOS. A list of several prompts makes several tasks on the server; the proxy routes by
+the first.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from proxy.prompt.chat_request import ChatInputs, PromptError, ServerChatOptions, build_inputs
+from proxy.prompt.template import CHATML_TEMPLATE_SRC, ChatTemplate, TemplateCaps, TemplateError
+from proxy.prompt.tokenizer import FragmentTokenizer, Plan
+
+__all__ = ["Plan", "PromptBuilder", "PromptError", "ServerChatOptions", "TemplateCaps"]
+
+
+class PromptBuilder:
+    """Exact prompt tokens for chat and completion requests against one GGUF."""
+
+    def __init__(self, tokenizer: FragmentTokenizer, template: ChatTemplate,
+                 tool_template: ChatTemplate | None = None, *,
+                 options: ServerChatOptions | None = None,
+                 caps: TemplateCaps | None = None,
+                 tool_caps: TemplateCaps | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.tool_template = tool_template
+        self.options = options or ServerChatOptions()
+        self.caps = caps or template.probe_caps()
+        self.tool_caps = tool_caps or (tool_template.probe_caps() if tool_template else None)
+
+    @classmethod
+    def load(cls, gguf_path: Path, *, chat_template: str | None = None,
+             options: ServerChatOptions | None = None,
+             caps: Mapping[str, Any] | None = None,
+             max_cached_tokens: int = 2_000_000) -> PromptBuilder:
+        """Vocabulary (llama-cpp-python, vocab_only) and chat template of `gguf_path`.
+
+        `chat_template` overrides the GGUF's (as `--chat-template-file` does); `caps` may
+        be the backend's `/props` `chat_template_caps` (otherwise probed locally).
+        """
+        tok = FragmentTokenizer(gguf_path, max_cached_tokens=max_cached_tokens)
+        md = tok.metadata
+        default_src = chat_template or md.get("tokenizer.chat_template") or ""
+        tool_src = None if chat_template else md.get("tokenizer.chat_template.tool_use")
+        # common_chat_templates_init: an empty or "chatml" template means the tool_use
+        # variant if there is one, else llama.cpp's built-in ChatML.
+        if not default_src or default_src == "chatml":
+            default_src = tool_src or CHATML_TEMPLATE_SRC
+        bos = tok.piece(tok.bos_id) if tok.bos_id >= 0 else ""
+        eos = tok.piece(tok.eos_id) if tok.eos_id >= 0 else ""
+        tmpl = ChatTemplate(default_src, bos, eos)
+        tool_tmpl = ChatTemplate(tool_src, bos, eos) if tool_src else None
+        parsed = TemplateCaps.from_props(caps) if caps is not None else None
+        return cls(tok, tmpl, tool_tmpl, options=options, caps=parsed,
+                   tool_caps=parsed if tool_tmpl else None)
+
+    # -- chat ---------------------------------------------------------------------------
+
+    def _template_for(self, body: Mapping[str, Any]) -> tuple[ChatTemplate, TemplateCaps]:
+        tools = body.get("tools") if isinstance(body, Mapping) else None
+        if self.tool_template is not None and isinstance(tools, list) and tools:
+            return self.tool_template, self.tool_caps or self.caps
+        return self.template, self.caps
+
+    def render_chat(self, body: Mapping[str, Any]) -> str:
+        """The prompt text `/apply-template` returns for `body`."""
+        tmpl, caps = self._template_for(body)
+        inputs = build_inputs(body, caps, tmpl.source, tmpl.bos_token, tmpl.eos_token,
+                              self.options)
+        try:
+            prompt = self._apply(tmpl, inputs.context)
+            if inputs.continue_text is not None:
+                prompt += self._generation_prompt(tmpl, inputs) + inputs.continue_text
+        except TemplateError as e:
+            raise PromptError(str(e)) from e
+        return prompt
+
+    def _apply(self, tmpl: ChatTemplate, context: Mapping[str, Any]) -> str:
+        out = tmpl.render(context)
+        # common_chat_template_direct_apply_impl drops a BOS/EOS the template wrote when
+        # the tokenizer adds them itself.
+        tok = self.tokenizer
+        if tok.add_bos and tmpl.bos_token and out.startswith(tmpl.bos_token):
+            out = out[len(tmpl.bos_token):]
+        if tok.add_eos and tmpl.eos_token and out.endswith(tmpl.eos_token):
+            out = out[:-len(tmpl.eos_token)]
+        return out
+
+    def _generation_prompt(self, tmpl: ChatTemplate, inputs: ChatInputs) -> str:
+        # common_chat_template_generation_prompt_impl: what add_generation_prompt adds.
+        without = self._apply(tmpl, inputs.context)
+        with_gen = self._apply(tmpl, {**inputs.context, "add_generation_prompt": True})
+        n = 0
+        limit = min(len(without), len(with_gen))
+        while n < limit and without[n] == with_gen[n]:
+            n += 1
+        return with_gen[n:]
+
+    def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
+        """Token ids of the prompt llama-server builds for an OpenAI chat request."""
+        return self.chat_ids(body).tolist()
+
+    def chat_ids(self, body: Mapping[str, Any]) -> array:
+        """`chat_tokens` as an `array('i')`: what the proxy routes with (the router takes
+        it as a memcpy; a 30k-int list costs ~1 ms to build and as much to convert)."""
+        return self._tokenize(self.render_chat(body), add_special=True)
+
+    # `chat_ids` in steps (FragmentTokenizer.plan/fetch/finish), for a caller that runs
+    # only `fetch` -- llama_tokenize of text never seen -- on a worker thread.
+
+    def plan_chat(self, body: Mapping[str, Any]) -> Plan:
+        """Render `body` and look the prompt's fragments up in the cache."""
+        return self.tokenizer.plan(self.render_chat(body), add_special=True)
+
+    def fetch(self, plan: Plan) -> Plan:
+        """Tokenize what `plan` misses (any thread); PromptError for invalid Unicode."""
+        try:
+            self.tokenizer.fetch(plan)
+        except UnicodeEncodeError as e:
+            raise PromptError(f"prompt text is not valid Unicode: {e.reason}") from e
+        return plan
+
+    def finish(self, plan: Plan) -> array:
+        """The prompt's ids (on the thread that made `plan`)."""
+        return self.tokenizer.finish(plan)
+
+    def head(self, plan: Plan) -> tuple[array, int] | None:
+        """The ids of the prompt before its first text no cache holds, and that text's
+        offset (see FragmentTokenizer.head); None when `plan` has no fast path."""
+        return None if plan.pieces is None else self.tokenizer.head(plan)
+
+    # -- completions --------------------------------------------------------------------
+
+    def completion_tokens(self, prompt: object) -> list[int]:
+        """Token ids for a `/completion` or `/v1/completions` `prompt` (the first prompt of
+        a batch)."""
+        return self.completion_ids(prompt).tolist()
+
+    def completion_ids(self, prompt: object) -> array:
+        """`completion_tokens` as an `array('i')` (see `chat_ids`)."""
+        if isinstance(prompt, list) and not _contains_int(prompt):
+            if not prompt:
+                raise PromptError('"prompt" must not be empty')
+            prompt = prompt[0]  # several prompts: one task each; route by the first
+        return self._subprompt(prompt)
+
+    def _subprompt(self, prompt: object) -> array:
+        if isinstance(prompt, str):
+            return self._tokenize(prompt, add_special=True)
+        if isinstance(prompt, list) and _contains_int(prompt) and all(
+                _is_int(x) or isinstance(x, str) for x in prompt):
+            out = array("i")
+            for i, part in enumerate(prompt):
+                if isinstance(part, str):
+                    out.extend(self._tokenize(part, add_special=(i == 0)))
+                else:
+                    out.append(self._token_id(part))
+            return out
+        if isinstance(prompt, Mapping) and "prompt_string" in prompt:
+            if "multimodal_data" in prompt:
+                raise PromptError("Multimodal data provided, but model does not support "
+                                  "multimodal requests.")
+            return self._subprompt(prompt["prompt_string"])
+        raise PromptError('"prompt" elements must be a string, a list of tokens, a JSON '
+                          "object containing a prompt string, or a list of mixed strings & "
+                          "tokens.")
+
+    def _token_id(self, x: int) -> int:
+        if not 0 <= x < self.tokenizer.n_vocab:
+            raise PromptError(f"token id {x} is out of range [0, {self.tokenizer.n_vocab})")
+        return x
+
+    def _tokenize(self, text: str, add_special: bool) -> array:
+        try:
+            return self.tokenizer.tokenize_ids(text, add_special=add_special)
+        except UnicodeEncodeError as e:
+            raise PromptError(f"prompt text is not valid Unicode: {e.reason}") from e
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _contains_int(xs: list[Any]) -> bool:
+    return any(_is_int(x) for x in xs)

@@ -1,0 +1,99 @@
+"""Router-side state of one backend: its cache model, learned rates, in-flight work and
+the requests queued on it. Mutable, owned by the Router; read by the policy."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from proxy.routing.cache.model import BackendCache
+from proxy.routing.settings import RouterSettings
+
+
+@dataclass
+class BackendState:
+    """Router-side state of one backend (mutable; owned by the Router)."""
+
+    cache: BackendCache
+    rate: float  # learned prefill tokens/s
+    rate_learned: bool = False
+    busy_until: float = 0.0  # virtual finish time of the modelled prefill queue
+    work: int = 0  # in-flight work, tokens
+    inflight: int = 0  # in-flight requests
+    service_s: float = 0.0  # EWMA of request durations (0 = not learned)
+    after_prefill_s: float = 0.0  # EWMA of duration - reported prefill time (decode etc.)
+    queued: deque[int] = field(default_factory=deque)  # request ids waiting on the server
+    queued_n: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
+    # queued request id -> the busy slot it waits for (see _best_option)
+    targets: dict[int, int] = field(default_factory=dict)
+    slot_free_at: dict[int, float] = field(default_factory=dict)  # busy slot -> expected end
+    # slot -> session hint of the request last placed there (absent: none given)
+    slot_session: dict[int, str] = field(default_factory=dict)
+
+    def occupy(self, slot: int, session: str | None) -> None:
+        """A request of ``session`` was placed in ``slot``."""
+        if session is None:
+            self.slot_session.pop(slot, None)
+        else:
+            self.slot_session[slot] = session
+
+    def learn(self, s: RouterSettings, took: float, prompt_ms: float | None,
+              prompt_n: int | None) -> None:
+        """A request here completed in ``took`` seconds; the backend reported evaluating
+        ``prompt_n`` tokens in ``prompt_ms``."""
+        a = s.rate_ewma_alpha
+        if took > 0:
+            self.service_s = _ewma(self.service_s, took, a)
+            if prompt_ms is not None:
+                self.after_prefill_s = _ewma(self.after_prefill_s,
+                                             max(0.0, took - prompt_ms / 1000.0), a)
+        if prompt_ms and prompt_n and prompt_n >= s.min_rate_sample_tokens:
+            sample = prompt_n / (prompt_ms / 1000.0)
+            self.rate = (1 - a) * self.rate + a * sample if self.rate_learned else sample
+            self.rate_learned = True
+
+    def expect_free(self, slot: int, now: float) -> None:
+        """A request was placed in ``slot``: when it should free. The modelled prefill
+        queue ends after this request's prefill, then it decodes for about as long as
+        requests here did after their prefill (0 until one is observed: a waiter misled
+        by that gives up, see ``Router.wait_overdue``)."""
+        self.slot_free_at[slot] = max(self.busy_until, now) + self.after_prefill_s
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            **self.cache.snapshot(),
+            "prefill_tps": round(self.rate, 1),
+            "rate_learned": self.rate_learned,
+            "work_tokens": self.work,
+            "inflight": self.inflight,
+            "service_s": round(self.service_s, 4),
+            "after_prefill_s": round(self.after_prefill_s, 4),
+        }
+
+    def release(self, work: int, now: float) -> None:
+        """A request carrying ``work`` left (completed, aborted or removed)."""
+        self.work -= work
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.busy_until = min(self.busy_until, now)  # an idle backend has no backlog
+
+
+def peer_rate(states: Iterable[BackendState], default: float) -> float:
+    """The mean learned prefill rate of ``states``, or ``default`` if none learned one."""
+    rates = [st.rate for st in states if st.rate_learned]
+    return sum(rates) / len(rates) if rates else default
+
+
+def share_rate(states: Collection[BackendState], default: float) -> None:
+    """Price the backends that reported no prefill yet at their peers' learned rate.
+    Not the default: the same model on the same kind of device, mostly (one managed
+    llama-server per GPU), and a measured rate beats a constant."""
+    peer = peer_rate(states, default)
+    for st in states:
+        if not st.rate_learned:
+            st.rate = peer
+
+
+def _ewma(old: float, sample: float, alpha: float) -> float:
+    return sample if not old else (1 - alpha) * old + alpha * sample

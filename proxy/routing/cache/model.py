@@ -1,0 +1,296 @@
+"""What one llama-server backend's slots and host-RAM prompt cache hold.
+
+Mirrors the pinned build (../shared/notes/llama-server.md, "Slots", "The prompt cache",
+"Observed on the pinned build"):
+
+- A slot holds one sequence (prompt + generated tokens). A new request reuses the longest
+  common prefix, but never the whole prompt (``reuse <= prompt - 1``).
+- If the new prompt keeps less than ``keep_threshold`` (0.5) of the slot's tokens, the
+  slot's state is *saved* to the RAM cache first (unless an entry already contains it;
+  entries that are prefixes of it are removed; an entry larger than the cache is
+  skipped) and the cache is LRU-evicted by bytes (``BackendCapacity.entry_bytes``).
+- Then the best RAM entry is *loaded* (moved out of the cache, not copied): candidates
+  share >= 25% of their own tokens with the prompt and must beat the slot's current
+  state on both kept fraction and similarity.
+- The save-then-load step runs whenever the server does not select the slot by similarity:
+  an unpinned request that lands by LRU, or a pinned one sharing no more than
+  ``slot_similarity`` of its prompt with the slot (its kept fraction is then taken as 0).
+- A request pinned to an *empty* slot does not consult the RAM cache (upstream #28139).
+- If the slot is kept (not saved), the tail of its sequence beyond the common prefix is
+  truncated: gone for good unless another slot or a (loadable) RAM entry holds it.
+  ``Placement.destroyed`` counts those tokens, so the policy can charge for them.
+- ``--cache-idle-slots`` (default on): once a request has taken its slot, every *idle*
+  slot's state is saved to the RAM cache too (same rules as above; with a unified KV
+  cache the slot is then cleared, otherwise it keeps its copy). So the prefix of a slot
+  that has since become busy is usually still loadable from RAM by another slot
+  (server-context.cpp, ``__TEST_TAG_CACHE_IDLE_SLOT__``).
+- Unpinned: the idle slot with the highest LCP similarity (lcp / prompt) above 0.10,
+  otherwise the least recently used idle slot (never-used slots first, the last of equals).
+- A request the server cannot place is deferred; when a slot is released the oldest
+  deferred request is retried and lands in the idle slot(s) by the rules above
+  (``predict_queued`` guesses which slot that will be, at decision time).
+
+The sequences themselves live in a shared :class:`~proxy.routing.tree.radix.RadixTree` under holders
+``(backend, SLOT, i)`` and ``(backend, RAM, entry_id)``; this class keeps the lengths the
+server has (the tree may have evicted tails) and the RAM LRU order. No I/O.
+
+Predictions (pure) are in proxy/routing/cache/predict.py, with the model's value types (re-exported
+here); this module holds the state and applies what happens when requests start and end.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections import OrderedDict
+
+from sortedcontainers import SortedList
+
+from proxy.routing.cache.predict import (
+    RAM,
+    BackendCapacity,
+    CachePrediction,
+    Holder,
+    Placement,
+    ServerRules,
+    Slot,
+)
+from proxy.routing.tree.radix import RadixTree
+
+
+class BackendCache(CachePrediction):
+    """Model of one backend's slots and RAM prompt cache."""
+
+    def __init__(self, cap: BackendCapacity, tree: RadixTree, rules: ServerRules | None = None,
+                 *, max_tracked: int = 64, track_min_tokens: int = 1024):
+        self.cap = cap
+        self.tree = tree
+        self.rules = rules or ServerRules()
+        # RAM entries whose sequences stay in the tree: every one of `track_min_tokens` or
+        # more, and smaller ones only while there are no more than `max_tracked` in all
+        # (the largest stay). Every prompt of a chat template starts with the same tokens,
+        # so every holder is matched by every request: a RAM tier full of small prompts
+        # (thousands fit in 1 GiB) would make each decision walk all of them (5.7 ms a
+        # decision after 10k small requests on the demo model, against 0.1 ms). Large
+        # entries are few (the RAM's size bounds them) and are what a load saves most on:
+        # tracking only the 64 largest loses 6.5 points of hit ratio on the Mooncake replay.
+        # Untracked entries keep their place in the byte LRU (evictions stay exact) but
+        # are not matched: the model may miss a load the server makes.
+        self.max_tracked = max_tracked
+        self.track_min_tokens = track_min_tokens
+        self._tracked: SortedList[tuple[int, int]] = SortedList()  # (tokens, entry id)
+        self.slots = [Slot() for _ in range(cap.n_slots)]
+        # indices of the idle slots, ascending; read-only outside start/_free/clear (the
+        # policy scans them for every request and backend, and most slots are busy)
+        self.idle: list[int] = list(range(cap.n_slots))
+        self.ram: OrderedDict[int, int] = OrderedDict()  # entry id -> tokens, oldest first
+        self.ram_bytes = 0
+        self._next_entry = 0
+        self._clock = 0
+        self.starts = 0  # tasks started so far (see `saved_idle`)
+
+    # ---------------------------------------------------------------- effects
+    def start(
+        self,
+        slot: int | None,
+        prompt: bytes,
+        slot_lcp: dict[int, int],
+        ram_lcp: dict[int, int],
+        n_prompt: int,
+        predicted: Placement | None = None,
+        task: bool = True,
+    ) -> Placement | None:
+        """Apply a request starting now: the slot becomes busy and holds the prompt.
+        ``task`` False: a correction of the model (a request placed where the server
+        says it ran), not a task the server starts now (see `starts`).
+
+        ``predicted``: what ``predict`` just returned for these same arguments (saves
+        computing it again)."""
+        p = predicted or self.predict(slot, slot_lcp, ram_lcp, n_prompt)
+        if p is None:
+            return None
+        s = self.slots[p.slot]
+        if p.saved:
+            gone = self._save(p.slot)
+            lcp = min(slot_lcp.get(p.slot, 0), s.n_tokens)
+            entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
+            reuse = max(0, min(got, n_prompt - 1))
+            tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
+            p = Placement(p.slot, reuse, tier, entry, p.displaced, True, p.destroyed)
+        if p.ram_entry is not None:
+            n = self.ram.pop(p.ram_entry)
+            self._tracked.discard((n, p.ram_entry))
+            self.ram_bytes -= self.cap.entry_bytes(n)
+            self.tree.move(self.ram_holder(p.ram_entry), self.slot_holder(p.slot))
+        self.tree.assign(self.slot_holder(p.slot), prompt)
+        s.n_tokens = n_prompt
+        s.ram_copy = None
+        s.prompt = prompt
+        s.busy = True
+        self.idle.remove(p.slot)
+        self._clock += 1
+        s.last_used = self._clock
+        if task:
+            self.starts += 1
+        if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
+            for i in self.idle:
+                self._save_idle_slot(i)
+        return p
+
+    def saved_idle(self, slot: int) -> None:
+        """A task started on the server after the request in ``slot`` ended there, but
+        the model heard of that end later (two slots ending in one server step: the
+        first answer read hands a queued request the other slot): the server saved this
+        slot as an idle one at that start (--cache-idle-slots), so the model does now."""
+        if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
+            self._save_idle_slot(slot)
+
+    def extend_prompt(self, slot: int, prompt: bytes) -> None:
+        """A busy slot's prompt turns out longer: ``prompt`` extends what it started
+        with (the request was decided on the prompt's head, see Router.extend)."""
+        s = self.slots[slot]
+        if not s.busy or s.prompt is None or not prompt.startswith(s.prompt):
+            return
+        h = self.slot_holder(slot)
+        if self.tree.held_len(h) * 4 == len(s.prompt):
+            self.tree.extend(h, prompt[len(s.prompt):])
+        else:  # the tree evicted part of the head: assign it in full
+            self.tree.assign(h, prompt)
+        s.prompt = prompt
+        s.n_tokens = len(prompt) // 4
+
+    def _save_idle_slot(self, i: int) -> None:
+        """--cache-idle-slots: after a task starts, every idle slot is saved to RAM."""
+        unified = self.rules.kv_unified
+        s = self.slots[i]
+        if s.n_tokens == 0:
+            return
+        if s.ram_copy is None or s.ram_copy not in self.ram:  # else: already saved
+            self._save(i, keep=not unified)
+        if unified:  # [TAG_IDLE_SLOT_CLEAR]: the slot's KV is freed
+            self.tree.drop(self.slot_holder(i))
+            s.n_tokens = 0
+            s.ram_copy = None
+
+    def finish(self, slot: int, sequence: bytes | None, n_tokens: int) -> None:
+        """The request in ``slot`` ended; the slot now holds ``sequence`` (None: unknown)."""
+        s = self.slots[slot]
+        prompt = self._free(slot)
+        h = self.slot_holder(slot)
+        if sequence is None:
+            # NOTE: content unknown (aborted): claiming nothing is the safe error
+            self.tree.drop(h)
+            s.n_tokens = 0
+            return
+        if (
+            prompt is not None
+            and sequence.startswith(prompt)
+            and self.tree.held_len(h) * 4 == len(prompt)
+        ):
+            self.tree.extend(h, sequence[len(prompt) :])  # prompt + generated tokens
+        else:
+            self.tree.assign(h, sequence)
+        s.n_tokens = n_tokens
+
+    def finish_generated(self, slot: int, generated: bytes) -> None:
+        """Like ``finish(slot, prompt + generated, ...)`` for a slot started by ``start``,
+        without building that sequence (``generated``: int32 token bytes)."""
+        s = self.slots[slot]
+        prompt = self._free(slot)
+        assert prompt is not None, "the slot was not started by start()"
+        h = self.slot_holder(slot)
+        if self.tree.held_len(h) * 4 == len(prompt):
+            self.tree.extend(h, generated)
+        else:  # the tree evicted part of the prompt: assign it in full
+            self.tree.assign(h, prompt + generated)
+        s.n_tokens = (len(prompt) + len(generated)) // 4
+
+    def _free(self, slot: int) -> bytes | None:
+        """Mark a slot idle; returns the prompt it was started with (if known)."""
+        s = self.slots[slot]
+        if s.busy:
+            insort(self.idle, slot)
+        s.busy = False
+        self._clock += 1
+        s.last_used = self._clock
+        prompt, s.prompt, s.ram_copy = s.prompt, None, None
+        return prompt
+
+    def _save(self, slot: int, keep: bool = False) -> set[int]:
+        """server_prompt_cache::alloc + update: save a slot's state; returns entries gone.
+
+        ``keep``: the slot keeps its content (an idle-slot copy); otherwise its holder
+        moves to the new entry (the slot is about to be overwritten)."""
+        s = self.slots[slot]
+        h = self.slot_holder(slot)
+        limit = self.cap.ram_cache_bytes
+        gone: set[int] = set()
+        new_bytes = self.cap.entry_bytes(s.n_tokens)
+        if limit == 0 or new_bytes > limit or s.n_tokens == 0:
+            return gone
+        if s.ram_copy is not None and s.ram_copy in self.ram:
+            return gone  # our own copy is still there: "already in the cache, skipping"
+        ram_of_me = self._ram_relations(h)
+        if any(contains for _, contains in ram_of_me):
+            return gone  # "prompt is already in the cache, skipping"
+        for e, contains in ram_of_me:
+            if not contains:  # an entry that is a prefix of the slot state is obsolete
+                self._drop_entry(e)
+                gone.add(e)
+        e = self._next_entry
+        self._next_entry += 1
+        if keep:
+            self.tree.copy(h, self.ram_holder(e))
+            s.ram_copy = e
+        else:
+            self.tree.move(h, self.ram_holder(e))
+        self.ram[e] = s.n_tokens
+        self.ram_bytes += new_bytes
+        self._tracked.add((s.n_tokens, e))
+        tracked = self._tracked
+        while len(tracked) > self.max_tracked and tracked[0][0] < self.track_min_tokens:
+            _, e_small = tracked.pop(0)  # smallest (then oldest) leaves the tree
+            self.tree.drop(self.ram_holder(e_small))
+        while self.ram_bytes > limit and self.ram:
+            old = next(iter(self.ram))
+            self._drop_entry(old)
+            gone.add(old)
+        return gone
+
+    def _ram_relations(self, h: Holder) -> list[tuple[int, bool]]:
+        """RAM entries that contain slot ``h``'s sequence (True) or are a prefix of it."""
+        name = self.cap.name
+        ram = self.ram
+        containing, prefixes = self.tree.relations(h)
+        out = []
+        for x in containing:
+            if x[1] == RAM and x[0] == name and x[2] in ram:  # type: ignore[index]
+                out.append((x[2], True))  # type: ignore[index]
+        for x in prefixes:
+            if x[1] == RAM and x[0] == name and x[2] in ram:  # type: ignore[index]
+                out.append((x[2], False))  # type: ignore[index]
+        return out
+
+    def _drop_entry(self, e: int) -> None:
+        n = self.ram.pop(e)
+        self.ram_bytes -= self.cap.entry_bytes(n)
+        self.tree.drop(self.ram_holder(e))
+        self._tracked.discard((n, e))
+
+    def clear(self) -> None:
+        """Forget everything (backend gone or restarted)."""
+        for i in range(len(self.slots)):
+            self.tree.drop(self.slot_holder(i))
+        for e in list(self.ram):
+            self._drop_entry(e)
+        self.slots = [Slot() for _ in range(self.cap.n_slots)]
+        self.idle = list(range(self.cap.n_slots))
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "slots": [
+                {"id": i, "busy": s.busy, "tokens": s.n_tokens} for i, s in enumerate(self.slots)
+            ],
+            "ram_entries": [{"id": e, "tokens": n} for e, n in self.ram.items()],
+            "ram_bytes": self.ram_bytes,
+            "ram_cache_bytes": self.cap.ram_cache_bytes,
+        }

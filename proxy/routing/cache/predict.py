@@ -1,0 +1,315 @@
+"""Pure half of the backend cache model: where a request would land, and its types.
+
+:class:`CachePrediction` answers what llama-server would do with a request on one
+backend (which slot, what it reuses, whether the slot is saved to RAM first, what KV is
+lost for good) without changing anything; :class:`~proxy.routing.cache.model.BackendCache`
+inherits it and applies the effects. The server rules it mirrors are listed in
+proxy/routing/cache/model.py. A mixin rather than a helper object: the policy predicts for every
+request and backend, and an extra call level would cost on that hot path.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from proxy.routing.tree.radix import RadixTree
+
+SLOT = 0
+RAM = 1
+PENDING = 2  # a queued request's prompt, recorded before it has a slot (router-level)
+
+Holder = tuple[str, int, int]  # (backend, kind, index)
+
+
+@dataclass
+class Slot:
+    """What the model believes one server slot holds."""
+
+    busy: bool = False
+    n_tokens: int = 0  # tokens the server holds in this slot
+    last_used: int = -1  # logical clock; -1 = never used (picked first by LRU)
+    ram_copy: int | None = None  # RAM entry saved from this content (valid while in RAM)
+    prompt: bytes | None = None  # while busy: the prompt it started with (finish extends it)
+
+
+@dataclass(frozen=True)
+class BackendCapacity:
+    name: str
+    n_slots: int
+    slot_ctx: int  # tokens per slot
+    ram_cache_bytes: int  # 0 = no RAM tier
+    kv_bytes_per_token: int
+
+    def entry_bytes(self, n_tokens: int) -> int:
+        """Bytes of a RAM entry of ``n_tokens`` as the server counts them
+        (llama_state_seq_get_size): the KV of each token, each cell's position, sequence
+        count and sequence id (3 x 4 bytes), and a header (stream and cell counts, then a
+        type and row size per layer and K/V: a few hundred bytes, taken as 256)."""
+        return n_tokens * (self.kv_bytes_per_token + 12) + 256
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name: must be non-empty")
+        if self.n_slots < 1:
+            raise ValueError("n_slots: must be >= 1")
+        if self.slot_ctx < 2:
+            raise ValueError("slot_ctx: must be >= 2")
+        if self.ram_cache_bytes < 0:
+            raise ValueError("ram_cache_bytes: must be >= 0")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError("kv_bytes_per_token: must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerRules:
+    """llama-server constants this model mirrors (defaults of the pinned build)."""
+
+    keep_threshold: float = 0.5  # below this kept fraction the slot state is saved to RAM
+    ram_min_share: float = 0.25  # a RAM entry must share this fraction of its own tokens
+    slot_similarity: float = 0.10  # --slot-prompt-similarity for unpinned requests
+    cache_idle_slots: bool = True  # --cache-idle-slots: save idle slots when a task starts
+    kv_unified: bool = False  # --kv-unified (auto -np): idle slots are cleared once saved
+
+
+class Placement(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower
+    """Where a request lands on one backend and what it reuses."""
+
+    slot: int  # slot the request runs in
+    reuse: int  # tokens reused (<= prompt - 1)
+    tier: str  # "slot" | "ram" | "none"
+    ram_entry: int | None  # RAM entry loaded into the slot, if any
+    displaced: int  # tokens of the slot's previous content moved out to RAM (when saved)
+    saved: bool = False  # the server saves the slot's state to RAM before using it
+    destroyed: int = 0  # tokens of the previous content lost for good (held nowhere else)
+
+
+class CachePrediction:
+    """Predictions over a backend's slots and RAM tier (state owned by BackendCache)."""
+
+    cap: BackendCapacity
+    tree: RadixTree
+    rules: ServerRules
+    slots: list[Slot]
+    ram: OrderedDict[int, int]  # entry id -> tokens, oldest first
+    ram_bytes: int
+
+    # ---------------------------------------------------------------- holders
+    def slot_holder(self, i: int) -> Holder:
+        return (self.cap.name, SLOT, i)
+
+    def ram_holder(self, e: int) -> Holder:
+        return (self.cap.name, RAM, e)
+
+    # ------------------------------------------------------------- prediction
+    def server_pick(self, slot_lcp: dict[int, int], n_prompt: int) -> int | None:
+        """The idle slot the server picks for an unpinned request (None: all busy)."""
+        thr = self.rules.slot_similarity
+        best, sim_best = None, 0.0
+        if thr > 0.0:  # 0 disables the similarity pass in the server
+            for i, s in enumerate(self.slots):
+                if s.busy or s.n_tokens == 0:
+                    continue
+                sim = slot_lcp.get(i, 0) / n_prompt
+                if sim > sim_best and sim > thr:
+                    best, sim_best = i, sim
+        if best is not None:
+            return best
+        # NOTE: the server keeps the *last* slot among equally old ones (`<=`)
+        idle = [(s.last_used, -i) for i, s in enumerate(self.slots) if not s.busy]
+        return -min(idle)[1] if idle else None
+
+    def _saves(self, n_slot: int, lcp: int, n_prompt: int, pinned: bool) -> bool:
+        """get_available_slot's ``update_cache`` for a slot holding ``n_slot`` tokens."""
+        thr = self.rules.slot_similarity
+        if thr == 0.0:  # no similarity pass: only an LRU pick (unpinned) updates the cache
+            return not pinned
+        if lcp / n_prompt <= thr:  # LRU pick, or pinned with its kept fraction taken as 0
+            return True
+        return lcp < self.rules.keep_threshold * n_slot
+
+    def predict(
+        self,
+        slot: int | None,
+        slot_lcp: dict[int, int],
+        ram_lcp: dict[int, int],
+        n_prompt: int,
+        *,
+        after_busy: bool = False,
+    ) -> Placement | None:
+        """Where a request would land and what it would reuse; pure. None: no idle slot.
+
+        ``after_busy``: ``slot`` is busy and the request would wait for it (held by the
+        proxy, sent pinned once it frees): predicted against what it holds now, its
+        running request's prompt (the output it adds is not foreseen)."""
+        pinned = slot is not None
+        if slot is None:
+            slot = self.server_pick(slot_lcp, n_prompt)
+            if slot is None:
+                return None
+        s = self.slots[slot]
+        assert after_busy or not s.busy, "never place a request on a busy slot"
+        lcp = slot_lcp.get(slot, 0)
+        if lcp > s.n_tokens:
+            lcp = s.n_tokens
+        entry, got, displaced, saved, destroyed = None, lcp, 0, False, 0
+        if s.n_tokens > 0 and self._saves(s.n_tokens, lcp, n_prompt, pinned):
+            saved = True
+            displaced = s.n_tokens - lcp
+            gone = self._evicted_by_save(slot)
+            entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
+            if not self._can_save(s.n_tokens):  # no room in RAM: truncated or replaced
+                destroyed = self._unique_tail(slot, 0 if entry is not None else lcp, lcp, n_prompt)
+        elif s.n_tokens == 0 and not pinned:
+            entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
+        elif lcp < s.n_tokens:
+            destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)  # kept: tail truncated
+        reuse = got if got < n_prompt else n_prompt - 1  # the server never reuses it all
+        if reuse < 0:
+            reuse = 0
+        tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
+        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
+
+    def predict_queued(
+        self,
+        slot_lcp: dict[int, int],
+        ram_lcp: dict[int, int],
+        ahead: list[tuple[int, int]],
+        n_prompt: int,
+    ) -> Placement:
+        """Where an unpinned request deferred by the server (no idle slot) will land.
+
+        ``ahead``: (tokens shared with this prompt, prompt tokens) of each request queued
+        before it on this backend, oldest first. The server hands a released slot to its
+        oldest deferred request; assuming slots free in the order their requests started
+        (FIFO service), the k-th waiting request gets the (k mod n_slots)-th slot of that
+        order, which then holds the prompt of its current occupant (k < n_slots) or of
+        the request k - n_slots ahead. It is the only idle slot then: the server keeps its
+        common prefix, or saves it and loads the best RAM entry still there: every start
+        until then saves its slot's content, and the oldest entries make room (a small
+        RAM tier loses the entry a busy backend was chosen for before its turn comes)."""
+        order = sorted(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
+        k = len(ahead)
+        slot = order[k % len(order)]
+
+        def held_then(j: int) -> int:  # tokens in the slot the j-th start lands in
+            return self.slots[order[j]].n_tokens if j < len(order) else ahead[j - len(order)][1]
+
+        n_slot = held_then(k)
+        lcp = min(slot_lcp.get(slot, 0), n_slot) if k < len(order) else ahead[k - len(order)][0]
+        entry, got, displaced, saved, destroyed = None, lcp, 0, False, 0
+        if n_slot == 0 or self._saves(n_slot, lcp, n_prompt, pinned=False):
+            saved = n_slot > 0
+            displaced = n_slot - lcp
+            # each start before ours saves what its slot held (taken as another
+            # conversation's), then ours saves its own: the oldest entries make room
+            pushed = sum(self.cap.entry_bytes(n) for n in map(held_then, range(k + 1))
+                         if n and self._can_save(n))
+            gone = self._fifo_evicted(pushed)
+            entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, gone)
+        elif k < len(order) and lcp < n_slot:
+            destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
+        reuse = max(0, min(got, n_prompt - 1))
+        tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
+        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
+
+    def _can_save(self, n_tokens: int) -> bool:
+        limit = self.cap.ram_cache_bytes
+        return limit > 0 and self.cap.entry_bytes(n_tokens) <= limit
+
+    def _unique_tail(self, slot: int, lcp: int, new_lcp: int, n_new: int) -> int:
+        """Tokens of ``slot``'s sequence beyond its first ``lcp`` that no other holder
+        keeps: another slot (any backend), another backend's RAM entry, or one of this
+        backend's RAM entries that a later request could still load. Pending prompts
+        are no KV. ``new_lcp``/``n_new``: what the slot will hold instead (tokens shared
+        with the old sequence, length)."""
+        s = self.slots[slot]
+        h = self.slot_holder(slot)
+        name = self.cap.name
+        tree = self.tree
+
+        def not_kv_or_local_ram(x: object) -> bool:
+            return x[1] == PENDING or (x[0] == name and x[1] == RAM)  # type: ignore[index]
+
+        other = tree.shared_len(h, not_kv_or_local_ram)
+        if max(lcp, other) >= s.n_tokens:
+            return 0
+        with_ram = tree.shared_len(h, lambda x: x[1] == PENDING)  # type: ignore[index]
+        if with_ram > other and self._ram_loadable(slot, new_lcp, n_new):
+            other = with_ram
+        return max(0, s.n_tokens - max(lcp, other))
+
+    def _ram_loadable(self, slot: int, new_lcp: int, n_new: int) -> bool:
+        """Could the owner of ``slot``'s sequence, coming back (a longer prompt), load it
+        from this backend's RAM tier once ``slot`` holds the new prompt? Only through a
+        slot that the server saves first (shares < keep_threshold of its own tokens, or
+        too little of the prompt to be picked by similarity), or an empty one that an
+        unpinned request reaches by LRU (no slot is similar enough to be picked first).
+        With every slot holding the same family's prompts, the RAM copy is unreachable."""
+        h = self.slot_holder(slot)
+        n_own = max(1, self.slots[slot].n_tokens)
+        thr, keep = self.rules.slot_similarity, self.rules.keep_threshold
+        empty, similar = False, False
+        for i, s in enumerate(self.slots):
+            if i == slot:
+                n_i, cp = n_new, new_lcp
+            else:
+                n_i = s.n_tokens
+                cp = self.tree.common_prefix(self.slot_holder(i), h) if n_i else 0
+            if n_i == 0:
+                empty = True
+                continue
+            if cp <= thr * n_own or cp < keep * n_i:
+                return True
+            similar = True
+        return empty and not similar
+
+    def _best_ram(
+        self, ram_lcp: dict[int, int], n_prompt: int, lcp: int, n_slot: int, gone: set[int]
+    ) -> tuple[int | None, int]:
+        """server_prompt_cache::load: the entry beating the slot on kept fraction and sim."""
+        if not ram_lcp:
+            return None, lcp
+        f_best = lcp / n_slot if n_slot else 0.0
+        best, got = None, lcp
+        ram, min_share = self.ram, self.rules.ram_min_share
+        # the server scans its entries oldest first and a later one must beat the best so
+        # far on both counts, so the order decides between two that each win on one;
+        # entry ids grow with each save and a loaded entry leaves: id order is that order
+        for e in sorted(ram_lcp):
+            n_lcp = ram_lcp[e]
+            # sim = n_lcp / n_prompt must beat the best's, got / n_prompt: most entries
+            # share only the template's first tokens and stop here
+            if n_lcp <= got:
+                continue
+            n_entry = ram.get(e)
+            if n_entry is None or e in gone:
+                continue
+            f = n_lcp / n_entry
+            if f >= min_share and f > f_best:
+                best, got, f_best = e, n_lcp, f
+        return best, got
+
+    def _evicted_by_save(self, slot: int) -> set[int]:
+        """RAM entries the LRU would drop to make room for a saved slot (approximate:
+        ignores entries the save removes as prefixes, so it may over-estimate)."""
+        s = self.slots[slot]
+        if s.ram_copy is not None and s.ram_copy in self.ram:
+            return set()  # already saved: the server skips the save
+        n = s.n_tokens
+        return self._fifo_evicted(self.cap.entry_bytes(n) if n and self._can_save(n) else 0)
+
+    def _fifo_evicted(self, new: int) -> set[int]:
+        """RAM entries the byte LRU drops, oldest first, to take in ``new`` bytes."""
+        limit = self.cap.ram_cache_bytes
+        if limit == 0 or self.ram_bytes + new <= limit:
+            return set()
+        gone, freed, need = set(), 0, self.ram_bytes + new - limit
+        for e, n in self.ram.items():
+            if freed >= need:
+                break
+            gone.add(e)
+            freed += self.cap.entry_bytes(n)
+        return gone

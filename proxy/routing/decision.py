@@ -1,0 +1,74 @@
+"""What the router answers: a `Decision` (or `NoBackend`), and `Handoff`s of queued requests.
+
+Plain values, shared by the router (proxy/routing/router.py), the pipeline that acts on them
+(proxy/forwarding/forwarder.py) and the feedback that logs them (proxy/feedback/reports.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Decision:
+    request_id: int
+    backend: str
+    slot: int | None  # slot to pin via id_slot, or None = let the server pick
+    predicted_cached: int  # tokens we expect the backend to reuse
+    prompt_tokens: int
+    tier: str  # "slot" | "ram" | "none"
+    reasons: dict[str, object]  # JSON-serialisable, for one log line
+    # every slot was busy: the request waits for one (unpinned, predicted from the slot it
+    # will get); see Handoff for holding it in the caller instead of the server's queue
+    queued: bool = False
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A queued request the model just gave a freed slot (returned by complete/abort).
+
+    Why it exists: the server takes deferred requests in the order its HTTP threads
+    *post* them, which for requests arriving together is not the order they were
+    decided in; an unpinned queued request can thus overtake a request pinned to an idle
+    slot and take that slot (observed in the e2e spread test: the two swap reuse, both
+    mispredicted). A caller that holds ``Decision.queued`` requests until their hand-off
+    and only then sends them, pinned to ``slot`` (idle by then: the server releases a
+    slot right after its final response), removes that race. The model placed it by the
+    server's own unpinned pick, so pinning it changes nothing except for an empty slot
+    (a pinned request there cannot load from RAM). ``predicted_cached`` is the model's
+    reuse at hand-off."""
+
+    request_id: int
+    backend: str
+    slot: int
+    predicted_cached: int
+
+
+@dataclass(frozen=True)
+class NeedWholePrompt:
+    """Decided on the head of its prompt (``Router.decide(n_prompt=...)``), the request
+    would reuse less of it than a slot or RAM entry holds: the rest may match that
+    holder further (a summary whose tool result its turn just put in the slot), so it is
+    not moved off its history on the head's word. Nothing was recorded: decide again
+    with the whole prompt."""
+
+    most_held: int  # tokens of the head the best holder has
+    reuse: int  # what the head-based choice would have reused
+
+
+NoBackendKind = Literal["unavailable", "too_long", "empty"]
+
+
+@dataclass(frozen=True)
+class NoBackend:
+    """No backend can take the request (a result, not an exception).
+
+    ``kind`` is for the caller's status code; ``reason`` is for humans and may change:
+    - "unavailable": no (healthy) backend right now -> 503, retry later;
+    - "too_long": the prompt does not fit any backend's slot context -> 400 (client);
+    - "empty": an empty prompt -> 400 (client).
+    """
+
+    reason: str
+    kind: NoBackendKind = "unavailable"

@@ -1,0 +1,393 @@
+"""Routing policies: which backend (and slot) gets a request, and why.
+
+``prefix`` (default) picks the option with the lowest *expected time to first token*:
+
+    ttft(b, option) = backlog(b) + slot_wait(b) + (prompt - reuse) / rate(b)
+                      + ram_load_s_per_token * reuse   (only when reuse comes from RAM)
+
+- ``reuse`` comes from the cache model (proxy/routing/cache/model.py), which mirrors llama-server:
+  which idle slot the request lands in, whether the slot's state is kept, saved to RAM or
+  replaced by a RAM entry. Options per backend: pin each idle slot, or let the server
+  pick (an unpinned request to an empty slot may load from RAM; a pinned one may not).
+- A prefix that every backend holds costs the same everywhere, so it gives no preference:
+  only the match *beyond* the best alternative moves the choice (reported as
+  ``beyond_alt``). A 20k-token system prompt shared by many sessions therefore does not
+  herd them, and the load bound below spreads them even when one backend holds it alone.
+- ``backlog(b)`` is the modelled prefill queue: each decision adds its uncached tokens /
+  rate to a per-backend virtual finish time; ``rate(b)`` is learned (EWMA,
+  ``rate_ewma_alpha``) from the ``prompt_n`` / ``prompt_ms`` the backend reports; until
+  it reports one, the mean learned rate of the others, or ``default_prefill_tps``.
+- ``slot_wait(b)``: when no slot is idle the request is not pinned (a pinned request to a
+  busy slot would disturb it) and queues on the server; it waits about one mean service
+  time (EWMA of observed durations, ``default_service_s`` until learned) / n_slots. Its
+  reuse is what the server will give it in the slot it gets when one frees
+  (``BackendCache.predict_queued``): a queued request sharing a system prompt with the
+  running ones reuses it, so queueing there is priced (and predicted) as such.
+- Waiting for a busy slot: a slot running a request that holds at least
+  ``wait_min_tokens`` of this prompt is an option too (an agent's summary sent with its
+  session's next turn, a turn sent before the previous answer ended). The request is
+  held by the proxy and sent pinned to that slot when it frees (``Handoff``); expected
+  ttft = the slot's expected end (its prefill in the backlog, then the backend's mean
+  time after prefill) + the rest of the prompt. Taken only when that is sooner than
+  running now anywhere (a burst of new sessions over one prefix still spreads), one
+  waiter per slot, and never for a slot running another named session's request (its
+  next turn is due: see ``_best_option``); a waiter whose slot runs far past its
+  expected end (``wait_grace_s``) is routed again. Without it such a call recomputes the
+  history elsewhere, or lands in another session's slot and destroys that history.
+- The choice minimises ``ttft + queue_cost_weight x (prompt - reuse) / rate(b)``: the
+  uncached prefill also delays every request that queues behind it on that backend, so
+  recomputing a long prefix elsewhere to save a little of this request's ttft is a bad
+  trade (on the Mooncake trace it costs hit ratio *and* mean ttft; BENCHMARKS.md).
+- Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
+  in-flight request (only the latter once its first token came: it then only decodes,
+  see ``Router.prefilled``). A backend is eligible only if its work after taking the request
+  stays within ``load_factor`` x the mean work after the request + slack, where slack =
+  ``load_slack_s`` seconds of prefill at the mean rate + ``load_slack_tokens``. The slack
+  keeps a nearly idle cluster from being forced around; it is in seconds so that the
+  bound means the same on a 1.5k tok/s CPU backend as on a 20k tok/s GPU. An idle backend
+  is always eligible. If none is, the one with least work after the request is. Exempt:
+  a request that continues the whole sequence a slot holds (the next turn of the
+  conversation there), and one that reuses a slot last used by the session it names
+  (an agent's summary or title call): moving either recomputes its history elsewhere.
+- Destroying unique content is charged ``destroy_weight`` x its prefill time: when the
+  server *keeps* a slot (the prompt shares >= ``keep_threshold`` of it) it truncates the
+  slot's sequence after the common prefix without saving it, so a conversation's own
+  history that no other slot and no loadable RAM entry holds is gone
+  (``Placement.destroyed``). Its owner will pay for it on every return: once packed onto a
+  shared prefix, each visit recomputes its own tail and truncates the next one's. So a
+  second conversation sharing only a prefix with the first goes to an empty slot when
+  one exists, while sessions whose own part is small next to the shared prefix (a big
+  system prompt and short turns) still reuse it: the charge is proportional.
+- Among equal-cost options, the slot whose content is least valuable to lose wins:
+  ``displace_weight`` x displaced tokens / rate is added (empty and short slots first),
+  then least recently used. A tenth of their prefill time: content displaced into a
+  small RAM tier is soon evicted from it, so long conversations are worth keeping in
+  their slots (the chat replay of BENCHMARKS.md, simulated: best at 0.1 of 0 to 1).
+  A ``session`` hint breaks remaining ties by rendezvous hash, so new conversations of
+  one session stick together while distinct sessions spread.
+- ``max_resident_tokens`` caps the router's token tree (LRU leaves evicted first);
+  ``slot_prompt_similarity``, ``keep_threshold``, ``ram_min_share``, ``cache_idle_slots``
+  and ``kv_unified`` mirror the server's settings (see proxy/routing/cache/model.py) and must
+  match its flags.
+- ``min_rate_sample_tokens``: smaller prefills are not used to learn the rate (noise).
+
+``round_robin``, ``least_loaded`` (fewest in-flight requests) and ``random`` are the
+baselines: they choose only the backend and let the server pick the slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from proxy.routing.backend_state import BackendState
+from proxy.routing.cache.predict import Placement
+from proxy.routing.settings import RouterSettings
+
+POLICIES = ("prefix", "round_robin", "least_loaded", "random")
+__all__ = ["POLICIES", "BackendState", "Baselines", "Candidate", "Choice", "RouterSettings",
+           "choose_prefix"]
+
+
+class Choice(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower
+    """A policy's answer before the router applies it."""
+
+    backend: str
+    slot: int | None  # slot to pin (None: let the server pick or queue)
+    placement: Placement | None  # predicted landing (None: queued, no idle slot)
+    reasons: dict[str, object]
+    queued: Placement | None = None  # when queued: predicted landing once a slot frees
+
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ is ~4x slower
+class Candidate:
+    """Per-backend inputs to a policy for one request."""
+
+    name: str
+    state: BackendState
+    slot_lcp: dict[int, int]  # slot -> tokens of the prompt that slot holds
+    ram_lcp: dict[int, int]  # RAM entry -> tokens of the prompt that entry holds
+    pending_lcp: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
+
+    def predict_queued(self, n: int, min_tokens: int | None) -> tuple[Placement, int | None]:
+        """Landing of a request that must wait for a slot here, and the busy slot it
+        waits for (None: the first to free). With ``min_tokens``, the busy slot holding
+        the most of its prompt, at least that many tokens, that no one waits for yet, if
+        it reuses as much there: the first slot to free would make it recompute that part,
+        and whoever waits for its own slot would then find it gone. Else the slot the
+        server's queue gives it."""
+        st = self.state
+        pend = self.pending_lcp
+        ahead = [(pend.get(r, 0), st.queued_n[r]) for r in st.queued if r not in st.targets]
+        first = st.cache.predict_queued(self.slot_lcp, self.ram_lcp, ahead, n)
+        if min_tokens is not None:
+            awaited = st.targets.values()
+            held = [(got, i) for i, got in self.slot_lcp.items()
+                    if got >= min_tokens and st.cache.slots[i].busy and i not in awaited]
+            if held:
+                slot = max(held)[1]
+                p = st.cache.predict(slot, self.slot_lcp, self.ram_lcp, n, after_busy=True)
+                assert p is not None
+                if p.reuse >= first.reuse:
+                    return p, slot
+        return first, None
+
+
+def _most(lcp: dict[int, int]) -> int:
+    return max(lcp.values()) if lcp else 0
+
+
+def _hash_rank(session: str, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session}\0{name}".encode(), digest_size=8).digest())
+
+
+Option = tuple[float, float, Placement | None, int | None, bool]
+
+
+def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None
+                 ) -> tuple[Option, Option | None]:
+    """Cheapest way to run on backend ``c`` now or in the server's queue, and cheapest
+    way waiting for one of its busy slots (None: no such slot): each (score, ttft,
+    placement, slot to pin or wait for, queued).
+
+    The score adds the displacement and destruction penalties to the ttft, so that
+    between otherwise equal backends a new conversation lands where it evicts the least
+    (spreading content) and never wipes out history it could have left alone."""
+    st = c.state
+    backlog = max(0.0, st.busy_until - now)
+    cache = st.cache
+    slots = cache.slots
+    slot_lcp = c.slot_lcp
+    # NOTE: empty idle slots are interchangeable, and idle slots sharing nothing with the
+    # prompt differ only in what they displace: evaluate one of each kind (the first
+    # empty one; the smallest, least recently used unrelated one)
+    options: list[int | None] = []
+    empty = cold = None
+    cold_key = (0, 0)
+    for i in cache.idle:
+        sl = slots[i]
+        if sl.n_tokens == 0:
+            if empty is None:
+                empty = i
+        elif i in slot_lcp:
+            options.append(i)
+        elif cold is None or (sl.n_tokens, sl.last_used) < cold_key:
+            cold, cold_key = i, (sl.n_tokens, sl.last_used)
+    ram_match = bool(c.ram_lcp)
+    # without a RAM match, displacing an unrelated slot only costs: the empty one wins
+    if cold is not None and (empty is None or ram_match):
+        options.append(cold)
+    if empty is not None:
+        options.append(empty)
+        if ram_match:
+            options.append(None)  # unpinned: an empty slot then consults the RAM cache
+    rate = st.rate
+    ram_lcp = c.ram_lcp
+    best: tuple[tuple[float, float, int], Placement, int | None] | None = None
+    for opt in options:
+        p = cache.predict(opt, slot_lcp, ram_lcp, n)
+        assert p is not None, "idle slots exist"
+        ttft = _ttft(backlog, p, n, rate, s)
+        key = (ttft + _penalty(p, s, rate), ttft, slots[p.slot].last_used)
+        if best is None or key < best[0]:
+            best = (key, p, opt)
+    plain: Option
+    if best is not None:
+        plain = (best[0][0], best[0][1], best[1], best[2], False)
+    else:
+        # queued on the server: it gets the slot that frees, whose content it may share
+        p, slot = c.predict_queued(n, s.wait_min_tokens)
+        if slot is None:
+            service = st.service_s or s.default_service_s
+            wait_s = backlog + service / cache.cap.n_slots
+        else:
+            wait_s = max(backlog, st.slot_free_at.get(slot, now) - now)
+        ttft = _ttft(wait_s, p, n, rate, s)
+        plain = (ttft + _penalty(p, s, rate), ttft, p, slot, True)
+    # Waiting for a busy slot that holds much of the prompt (a side call sent with its
+    # session's turn, a turn sent before the previous answer ended): the caller holds the
+    # request and sends it pinned there when the slot frees (Router: targets, Handoff).
+    # Landing in an idle slot instead would recompute that part and, in a slot holding
+    # another conversation, destroy it. One waiter per slot: a second would wait for the
+    # first and find its prompt there, not the one modelled. Never for the busy slot of
+    # another named session: that conversation is in progress, its next turn due in
+    # seconds, and the waiter would take its history just before (the destruction
+    # charge prices history alike, however soon it is needed).
+    wait: tuple[tuple[float, float, int], Placement, int] | None = None
+    awaited = st.targets.values()
+    for i, got in slot_lcp.items():
+        if got < s.wait_min_tokens or not slots[i].busy or i in awaited:
+            continue
+        if session is not None and st.slot_session.get(i, session) != session:
+            continue
+        p = cache.predict(i, slot_lcp, ram_lcp, n, after_busy=True)
+        assert p is not None
+        ttft = _ttft(max(backlog, st.slot_free_at.get(i, now) - now), p, n, rate, s)
+        key = (ttft + _penalty(p, s, rate), ttft, slots[i].last_used)
+        if wait is None or key < wait[0]:
+            wait = (key, p, i)
+    if wait is None:
+        return plain, None
+    return plain, (wait[0][0], wait[0][1], wait[1], wait[2], True)
+
+
+def _ttft(wait: float, p: Placement, n: int, rate: float, s: RouterSettings) -> float:
+    """Expected time to first token: waiting, then the uncached prefill (and a RAM load)."""
+    ttft = wait + (n - p.reuse) / rate
+    if p.tier == "ram":
+        ttft += s.ram_load_s_per_token * p.reuse
+    return ttft
+
+
+def _penalty(p: Placement, s: RouterSettings, rate: float) -> float:
+    """Seconds charged for what a placement takes away from the slot's current content."""
+    return (s.displace_weight * p.displaced + s.destroy_weight * p.destroyed) / rate
+
+
+def _continues(c: Candidate, p: Placement | None, min_tokens: int, known: int | None) -> bool:
+    """Does placement `p` extend the whole sequence its slot (or RAM entry) holds?
+    ``known``: only that head of the prompt is known (see ``Router.decide``)."""
+    if p is None or p.reuse < min_tokens:
+        return False
+    if p.tier == "ram" and p.ram_entry is not None:
+        held = c.state.cache.ram.get(p.ram_entry, 0)
+        lcp = c.ram_lcp.get(p.ram_entry, 0)
+    elif p.tier == "slot":
+        held = c.state.cache.slots[p.slot].n_tokens
+        lcp = c.slot_lcp.get(p.slot, 0)
+    else:
+        return False
+    # NOTE: decided on its head, a turn matches its holder only as far as that head (the
+    # last answer is in the untokenized rest): holding the whole head is all it can show
+    if known is not None and lcp >= known:
+        return True
+    # NOTE: the server may not keep the last generated token(s): a few may differ
+    return held - lcp <= _CONTINUATION_SLACK
+
+
+_CONTINUATION_SLACK = 4
+
+
+def _own_history(c: Candidate, p: Placement | None, session: str | None,
+                 min_tokens: int) -> bool:
+    """Does placement ``p`` reuse at least ``min_tokens`` from a slot whose last request
+    came from this same session? (An agent's side call, a summary or a title, shares
+    its session's history but is not a continuation of the slot: the turn went on.)"""
+    return (session is not None and p is not None and p.tier == "slot"
+            and p.reuse >= min_tokens and c.state.slot_session.get(p.slot) == session)
+
+
+def choose_prefix(
+    cands: list[Candidate], n: int, s: RouterSettings, now: float, session: str | None,
+    known: int | None = None,
+) -> Choice:
+    """``n``: the prompt's length; ``known``: when only its first ``known`` tokens are
+    known (the rest is being tokenized), that head's length."""
+    evals = []
+    ttfts: dict[str, float] = {}
+    matched: dict[str, int] = {}  # longest match per backend, for the reasons
+    total = 0  # in-flight work of all candidates
+    total_rate = 0.0
+    waits = []
+    for c in cands:
+        st = c.state
+        plain, wait = _best_option(c, n, s, now, session)
+        ttfts[c.name] = round(plain[1], 4)
+        matched[c.name] = max(_most(c.slot_lcp), _most(c.ram_lcp))
+        for opt in (plain, wait):
+            if opt is None:
+                continue
+            score, ttft, p, pin, queued = opt
+            uncached = n - (p.reuse if p is not None else 0)
+            # NOTE: the uncached prefill also delays every request queued behind it
+            score += s.queue_cost_weight * uncached / st.rate
+            work = st.work + uncached + s.request_overhead_tokens
+            (evals if opt is plain else waits).append((c, score, p, pin, work, queued, ttft))
+        total += st.work
+        total_rate += st.rate
+    # A wait must be faster for this request than running now anywhere, not only cheaper
+    # for the cluster: otherwise a burst of new sessions over one prefix would queue for
+    # the first one's slot instead of spreading over idle backends.
+    fastest = min(e[6] for e in evals)
+    evals += [e for e in waits if e[6] < fastest]
+    k = len(cands)
+    slack = s.load_slack_tokens + s.load_slack_s * total_rate / k
+    allowed = []
+    for e in evals:
+        work = e[0].state.work
+        # NOTE: the bound decides where *conversations* live, so that sessions sharing a
+        # prefix spread. The next turn of a conversation a backend holds whole adds only
+        # its tail there, while moving it re-creates its whole history elsewhere (a
+        # Claude Code turn: ~19k tokens for ~100 new); it stays unless the TTFT says
+        # otherwise (the backlog term still moves it off a swamped backend). So does a
+        # request of the session whose history the slot holds (a side call): that the
+        # client names its session tells it from a new conversation over a shared prompt.
+        # An idle backend is always within the bound: with k backends and one request
+        # in flight, the mean is 1/k of it, and a long prompt would be "over" everywhere.
+        if not work or e[4] <= s.load_factor * (total + e[4] - work) / k + slack or \
+                _continues(e[0], e[2], s.continuation_min_tokens, known) or \
+                _own_history(e[0], e[2], session, s.continuation_min_tokens):
+            allowed.append(e)
+    why = "lowest expected ttft"
+    if not allowed:
+        allowed = [min(evals, key=lambda e: e[4])]
+        why = "all above load bound: least work"
+
+    def key(
+        e: tuple[Candidate, float, Placement | None, int | None, int, bool, float],
+    ) -> tuple[float, int]:
+        rank = _hash_rank(session, e[0].name) if session else 0
+        return (e[1], rank)
+
+    c, _, p, pin, _, queued, _ = min(allowed, key=key)
+    if len(allowed) < len(evals) and why == "lowest expected ttft":
+        best_any = min(evals, key=key)
+        if best_any[0].name != c.name:
+            why = f"lowest expected ttft within load bound ({best_any[0].name} over bound)"
+    alt = max((v for name, v in matched.items() if name != c.name), default=0)
+    reasons: dict[str, object] = {
+        "policy": "prefix",
+        "why": why,
+        "matched": matched,
+        "beyond_alt": matched[c.name] - alt,
+        "ttft_s": ttfts,
+        "work": {e[0].name: e[0].state.work for e in evals},
+        "eligible": list(dict.fromkeys(e[0].name for e in allowed)),
+    }
+    if queued:  # pin: the busy slot it waits for, None: the server's queue
+        return Choice(c.name, pin, None, reasons, queued=p)
+    return Choice(c.name, pin if p is not None else None, p, reasons)
+
+
+@dataclass
+class Baselines:
+    """State of the comparison policies."""
+
+    seed: int = 0
+    rr_next: int = 0
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def choose(self, policy: str, cands: list[Candidate], n: int) -> Choice:
+        if policy == "round_robin":
+            c = cands[self.rr_next % len(cands)]
+            self.rr_next += 1
+        elif policy == "least_loaded":
+            c = min(cands, key=lambda x: (x.state.inflight, x.state.work))
+        elif policy == "random":
+            c = self.rng.choice(cands)
+        else:
+            raise AssertionError(f"unknown policy {policy}")
+        p = c.state.cache.predict(None, c.slot_lcp, c.ram_lcp, n)
+        matched = {x.name: max(_most(x.slot_lcp), _most(x.ram_lcp)) for x in cands}
+        reasons: dict[str, object] = {
+            "policy": policy,
+            "why": policy,
+            "matched": matched,
+            "inflight": {x.name: x.state.inflight for x in cands},
+        }
+        return Choice(c.name, None, p, reasons)

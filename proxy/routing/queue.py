@@ -1,0 +1,114 @@
+"""The requests the router holds for a slot, and the record of every request in flight.
+
+A mixin of :class:`~proxy.routing.router.Router` (as HolderQueries is of the tree): a request
+decided while every slot of its backend is busy is queued in the model, and handed a
+slot when one frees, in the server's own order (see ``Handoff``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.routing.backend_state import BackendState
+from proxy.routing.cache.model import BackendCache
+from proxy.routing.cache.predict import PENDING, RAM, SLOT
+from proxy.routing.decision import Handoff
+from proxy.routing.settings import RouterSettings
+from proxy.routing.tree.radix import RadixTree
+
+
+@dataclass
+class Inflight:
+    """The router's record of one request in flight."""
+
+    backend: str
+    slot: int | None  # slot the model placed it in (None: queued on the server)
+    prompt: bytes
+    n: int
+    work: int
+    started: float
+    # decided on the head of its prompt (see `Router.extend`): what the holder it reuses from
+    # had beyond that head, when it held all of it
+    beyond: bytes | None = None
+    session: str | None = None  # the client's session hint
+    # the reuse and tier the deferred slot model update found instead of the predicted
+    # ones, until `Router.place` returns them
+    replaced: tuple[int, str] | None = None
+
+
+class QueuedRequests:
+    """Hand-offs of queued requests (over ``tree`` and ``_inflight``)."""
+
+    tree: RadixTree
+    _inflight: dict[int, Inflight]
+    settings: RouterSettings
+    _policy: str
+
+    def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
+        """A slot freed. A request waiting for that very slot gets it, pinned; otherwise
+        a request waiting for any slot gets the one the server would give it unpinned:
+        the one that holds at least ``min_tokens`` of its prompt and the most of all
+        waiters' (its conversation's next turn), else the oldest. The proxy holds them,
+        so it need not hand slots out in arrival order as the server's queue does: a
+        turn that came while its slot was busy would otherwise take whichever slot freed
+        first and leave its history to the waiter behind it, which recomputes it again.
+        The model records the hand-off now."""
+        out: list[Handoff] = []
+        cache = st.cache
+        for rid, slot in list(st.targets.items()):
+            if not cache.slots[slot].busy:
+                out.append(self._hand(st, backend, rid, slot, now))
+        while cache.idle:
+            waiting = [r for r in st.queued if r not in st.targets]
+            if not waiting:
+                break
+            out.append(self._hand(st, backend, self._next_waiter(st, backend, waiting),
+                                  None, now))
+        return out
+
+    def _next_waiter(self, st: BackendState, backend: str, waiting: list[int]) -> int:
+        """The waiter an idle slot of ``backend`` goes to (see ``_drain_queue``); the
+        baseline policies keep the server's order."""
+        best, most = waiting[0], self.settings.wait_min_tokens - 1
+        if self._policy != "prefix":
+            return best
+        for i in st.cache.idle:
+            h = (backend, SLOT, i)
+            for rid in waiting:
+                got = self.tree.common_prefix((backend, PENDING, rid), h)
+                if got > most:
+                    best, most = rid, got
+        return best
+
+    def _hand(self, st: BackendState, backend: str, rid: int, slot: int | None,
+              now: float) -> Handoff:
+        f = self._inflight[rid]
+        self._unqueue(st, backend, rid)
+        p = st.cache.start(slot, f.prompt, *self._lcps(st.cache, f.prompt), f.n)
+        assert p is not None, "handed an idle slot"
+        f.slot = p.slot
+        st.occupy(p.slot, f.session)
+        f.started = max(f.started, now)  # its duration counts from here, not its wait
+        st.expect_free(p.slot, now)
+        return Handoff(rid, backend, p.slot, p.reuse)
+
+    def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
+        self.tree.drop((backend, PENDING, rid))
+        st.queued_n.pop(rid, None)
+        st.targets.pop(rid, None)
+        if rid in st.queued:
+            st.queued.remove(rid)
+
+    def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
+        slot_lcp: dict[int, int] = {}
+        ram_lcp: dict[int, int] = {}
+        for (b, kind, idx), got in self.tree.match(q).held.items():  # type: ignore[misc]
+            if b == cache.cap.name:
+                if kind == SLOT:
+                    slot_lcp[idx] = got
+                elif kind == RAM:
+                    ram_lcp[idx] = got
+        return slot_lcp, ram_lcp
+
+    def _server_pick_now(self, cache: BackendCache, q: bytes) -> int | None:
+        return cache.server_pick(self._lcps(cache, q)[0], max(1, len(q) // 4))

@@ -1,0 +1,434 @@
+"""The routing facade driven by both the simulator and the live proxy.
+
+Pure and synchronous: no I/O, no asyncio, no clock (callers pass ``now``). One
+:class:`Router` owns the token tree, one cache model per backend and the policy state.
+
+Life of a request: ``decide()`` -> (proxy forwards with ``id_slot``) -> ``complete()`` or
+``abort()``. ``decide`` records its choice in the tree at once (fallbacks included), so
+affinity starts with the first request of a conversation.
+
+``decide(defer=True)`` leaves the slot model's update (the modelled saves to RAM, the
+slot's new content in the tree) to ``place()``, which the proxy calls once the request
+is written to its backend: that bookkeeping then runs while the backend works, not
+before the request leaves. Every other call applies a deferred update first, so no
+decision ever sees the model without it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from proxy.routing.backend_state import BackendState, peer_rate, share_rate
+from proxy.routing.cache.model import BackendCache
+from proxy.routing.cache.predict import PENDING, RAM, SLOT, BackendCapacity, Placement
+from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
+from proxy.routing.policy import POLICIES, Baselines, Candidate, RouterSettings, choose_prefix
+from proxy.routing.queue import Inflight, QueuedRequests
+from proxy.routing.tree.radix import RadixTree
+from proxy.routing.tree.token_bytes import common_len, to_token_bytes
+
+__all__ = [
+    "BackendCapacity",
+    "Decision",
+    "Handoff",
+    "NeedWholePrompt",
+    "NoBackend",
+    "NoBackendKind",
+    "Router",
+    "RouterSettings",
+]
+
+
+@dataclass(frozen=True)
+class _Unplaced:
+    """A decision whose slot model update is deferred (``decide(defer=True)``)."""
+
+    request_id: int
+    backend: str
+    pin: int | None  # the slot pinned, or None: the server's pick (predicted)
+    prompt: bytes
+    slot_lcp: dict[int, int]
+    ram_lcp: dict[int, int]
+    n: int
+    predicted: Placement
+
+
+class Router(QueuedRequests):
+    def __init__(
+        self, policy: str = "prefix", *, settings: RouterSettings | None = None, seed: int = 0
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {POLICIES}, got {policy!r}")
+        self._policy = policy
+        self.settings = settings or RouterSettings()
+        self.tree = RadixTree(max_resident=self.settings.max_resident_tokens)
+        self._backends: dict[str, BackendState] = {}
+        self._inflight: dict[int, Inflight] = {}
+        self._baselines = Baselines(seed)
+        self._next_id = 0
+        # at most one: every call but `decide(defer=True)` itself applies it first
+        self._unplaced: _Unplaced | None = None
+        self.mispredictions = 0  # completions whose reported reuse differed from ours
+        self.completed = 0
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    @property
+    def backends(self) -> list[str]:
+        return list(self._backends)
+
+    # ------------------------------------------------------------- membership
+    def add_backend(self, cap: BackendCapacity) -> None:
+        """Add a backend, or reset it (fresh and empty) when it comes back healthy."""
+        self._apply_unplaced()
+        if cap.name in self._backends:
+            self.remove_backend(cap.name)
+        cache = BackendCache(cap, self.tree, self.settings.rules,
+                             max_tracked=self.settings.ram_entries_tracked,
+                             track_min_tokens=self.settings.ram_track_min_tokens)
+        rate = peer_rate(self._backends.values(), self.settings.default_prefill_tps)
+        self._backends[cap.name] = BackendState(cache, rate=rate)
+
+    def remove_backend(self, name: str) -> None:
+        """Forget everything a dead or unhealthy backend held."""
+        self._apply_unplaced()
+        st = self._backends.pop(name, None)
+        if st is None:
+            return
+        st.cache.clear()
+        for rid in [r for r, f in self._inflight.items() if f.backend == name]:
+            del self._inflight[rid]
+            self.tree.drop((name, PENDING, rid))
+
+    # --------------------------------------------------------------- decision
+    def decide(
+        self,
+        tokens: Sequence[int] | array | bytes,
+        *,
+        session: str | None = None,
+        now: float = 0.0,
+        n_prompt: int | None = None,
+        defer: bool = False,
+    ) -> Decision | NoBackend | NeedWholePrompt:
+        """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
+        native int32 bytes (the tree's format, see proxy/routing/tree/token_bytes.py).
+
+        ``n_prompt``: ``tokens`` is only the head of the prompt, whose whole length is
+        estimated at ``n_prompt``; ``extend`` gives the rest once it is tokenized, unless
+        the answer is ``NeedWholePrompt``.
+
+        ``defer``: leave the slot model's update to ``place`` (see the module doc)."""
+        self._apply_unplaced()
+        q = to_token_bytes(tokens)
+        n = len(q) // 4
+        head = n_prompt is not None and n_prompt > n
+        if head:
+            n = n_prompt  # type: ignore[assignment]
+        if n == 0:
+            return NoBackend("empty prompt", "empty")
+        if not self._backends:
+            return NoBackend("no healthy backend", "unavailable")
+        # NOTE: the server needs room for the prompt and at least one generated token
+        names = [b for b, st in self._backends.items() if st.cache.cap.slot_ctx > n]
+        if not names:
+            return NoBackend(
+                f"prompt of {n} tokens exceeds every backend's slot context", "too_long"
+            )
+        held = self.tree.match(q).held
+        # per backend: slot -> lcp, RAM entry -> lcp, queued request id -> lcp
+        per: dict[str, tuple[dict[int, int], dict[int, int], dict[int, int]]] = {
+            b: ({}, {}, {}) for b in names
+        }
+        for (b, kind, idx), got in held.items():  # type: ignore[misc]
+            lcps = per.get(b)
+            if lcps is not None:
+                lcps[kind][idx] = got  # SLOT, RAM, PENDING index the tuple
+        cands = [Candidate(b, self._backends[b], *per[b]) for b in names]
+        if self._policy == "prefix":
+            choice = choose_prefix(cands, n, self.settings, now, session,
+                                   len(q) // 4 if head else None)
+        else:
+            choice = self._baselines.choose(self._policy, cands, n)
+        if head and self._policy == "prefix":
+            p = choice.placement or choice.queued  # (prefix sets one or the other)
+            assert p is not None
+            most = max((got for (_, kind, _), got in held.items() if kind != PENDING),
+                       default=0)
+            if p.reuse < most:
+                return NeedWholePrompt(most, p.reuse)
+
+        rid = self._next_id
+        self._next_id += 1
+        st = self._backends[choice.backend]
+        slot_lcp, ram_lcp, _ = per[choice.backend]
+        placed = None
+        beyond = None
+        if choice.placement is not None:
+            if head:
+                beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
+                                      len(q))
+            if defer:
+                placed = choice.placement
+                self._unplaced = _Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
+                                           ram_lcp, n, placed)
+            else:
+                # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
+                placed = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
+                                        choice.placement)
+        queued = placed is None
+        if placed is None:
+            # queued on the server (unpinned): predict what it gets when a slot frees,
+            # before recording it (it would share its whole prompt with itself)
+            cand = next(c for c in cands if c.name == choice.backend)
+            pq = choice.queued or cand.predict_queued(n, None)[0]
+            self.tree.assign((choice.backend, PENDING, rid), q)
+            st.queued.append(rid)
+            st.queued_n[rid] = n
+            if choice.slot is not None:  # waits for that busy slot (see _drain_queue)
+                st.targets[rid] = choice.slot
+            reuse, tier, slot = pq.reuse, pq.tier, None
+        else:
+            reuse, tier, slot = placed.reuse, placed.tier, placed.slot
+        work = n - reuse + self.settings.request_overhead_tokens
+        st.work += work
+        st.inflight += 1
+        st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
+        if slot is not None:
+            st.expect_free(slot, now)
+        self._inflight[rid] = Inflight(choice.backend, slot, q, n, work, now, beyond, session)
+        if placed is not None:
+            st.occupy(placed.slot, session)
+        reasons = dict(choice.reasons)
+        reasons.update({"chosen": choice.backend, "slot": slot, "tier": tier, "reuse": reuse})
+        if head:
+            reasons["head"] = len(q) // 4  # routed on these tokens (see extend)
+        if queued:
+            reasons["queued"] = len(st.queued)  # position in the server's deferred queue
+            if choice.slot is not None:
+                reasons["waits_for_slot"] = choice.slot
+        return Decision(
+            request_id=rid,
+            backend=choice.backend,
+            slot=choice.slot if placed is not None else None,
+            predicted_cached=reuse,
+            prompt_tokens=n,
+            tier=tier,
+            reasons=reasons,
+            queued=queued,
+        )
+
+    def _beyond(self, backend: str, p: Placement, slot_lcp: dict[int, int],
+                ram_lcp: dict[int, int], head_bytes: int) -> bytes | None:
+        """The tokens after the prompt's head held by what the placement reuses (the RAM
+        entry it loads, else its slot), if that holds the whole head: the rest of the
+        prompt may match them further (the conversation's last answer, typically)."""
+        if p.ram_entry is not None:
+            holder, lcp = (backend, RAM, p.ram_entry), ram_lcp.get(p.ram_entry, 0)
+        else:
+            holder, lcp = (backend, SLOT, p.slot), slot_lcp.get(p.slot, 0)
+        if lcp * 4 < head_bytes:
+            return None
+        held = self.tree.tokens_of(holder)
+        return held[head_bytes:] if len(held) > head_bytes else None
+
+    def place(self, decision: Decision) -> Decision:
+        """Apply the slot model update ``decide(defer=True)`` left (if not done yet).
+        Returns the decision with the model's reuse: saving the slot's old content to
+        RAM may evict other entries than predicted, and so change what it loads."""
+        self._apply_unplaced()
+        f = self._inflight.get(decision.request_id)
+        if f is None or f.replaced is None:
+            return decision
+        (reuse, tier), f.replaced = f.replaced, None
+        decision.reasons.update(reuse=reuse, tier=tier)
+        return replace(decision, predicted_cached=reuse, tier=tier)
+
+    def _apply_unplaced(self) -> None:
+        u, self._unplaced = self._unplaced, None
+        if u is None:
+            return
+        f = self._inflight.get(u.request_id)
+        st = self._backends.get(u.backend)
+        if f is None or st is None:
+            return
+        p = st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n, u.predicted)
+        assert p is not None and p.slot == f.slot, "placed where predicted"
+        if (p.reuse, p.tier) != (u.predicted.reuse, u.predicted.tier):
+            more = u.predicted.reuse - p.reuse  # tokens to prefill beyond the prediction
+            st.work += more
+            f.work += more
+            st.busy_until += more / st.rate
+            st.expect_free(p.slot, f.started)
+            f.replaced = (p.reuse, p.tier)
+
+    def extend(self, decision: Decision, tokens: Sequence[int] | array | bytes) -> Decision:
+        """The whole prompt of a request decided on its head (``decide(n_prompt=...)``):
+        the model records it, and the reuse is predicted again (the rest may go on
+        matching what the reused holder had). Returns the decision with the prompt's
+        length and that prediction; unchanged if the request is over, or ``tokens`` does
+        not start with the head."""
+        self._apply_unplaced()
+        f = self._inflight.get(decision.request_id)
+        st = self._backends.get(decision.backend)
+        q = to_token_bytes(tokens)
+        if f is None or st is None or not q.startswith(f.prompt) or len(q) == len(f.prompt):
+            return decision
+        n = len(q) // 4
+        reuse = min(decision.predicted_cached, n - 1)
+        if f.beyond is not None:
+            more = common_len(f.beyond, q, len(f.prompt))
+            reuse = min(len(f.prompt) // 4 + more, n - 1)
+        if f.slot is not None:
+            st.cache.extend_prompt(f.slot, q)
+        elif decision.request_id in st.queued_n:
+            self.tree.assign((decision.backend, PENDING, decision.request_id), q)
+            st.queued_n[decision.request_id] = n
+        work = n - reuse + self.settings.request_overhead_tokens
+        st.work += work - f.work
+        st.busy_until += ((n - reuse) - (f.n - decision.predicted_cached)) / st.rate
+        f.prompt, f.n, f.work, f.beyond = q, n, work, None
+        return replace(decision, prompt_tokens=n, predicted_cached=reuse)
+
+    # --------------------------------------------------------------- feedback
+    def prefilled(self, decision: Decision) -> None:
+        """The request's first token came: its prompt is processed. From here only its
+        decoding loads the backend: its in-flight work (the load bound's measure) drops
+        to ``request_overhead_tokens``, or a backend streaming long answers would look
+        as loaded as one prefilling long prompts."""
+        self._apply_unplaced()
+        f = self._inflight.get(decision.request_id)
+        st = self._backends.get(decision.backend)
+        if f is None or st is None or f.slot is None:
+            return
+        left = min(f.work, self.settings.request_overhead_tokens)
+        st.work -= f.work - left
+        f.work = left
+
+    def complete(
+        self,
+        decision: Decision,
+        *,
+        output_tokens: Sequence[int] | array | bytes = (),
+        reported_cached: int | None = None,
+        prompt_ms: float | None = None,
+        prompt_n: int | None = None,
+        reported_slot: int | None = None,
+        now: float = 0.0,
+        starts_at_end: int | None = None,
+    ) -> list[Handoff]:
+        """The request finished: its slot is free and holds prompt + output. Returns the
+        queued requests handed a slot as a result (oldest first). ``starts_at_end``:
+        `starts(backend)` when the answer's end reached the proxy (see
+        `BackendCache.saved_idle`)."""
+        self._apply_unplaced()
+        out = to_token_bytes(output_tokens)  # (before the record goes: this may raise)
+        f = self._inflight.pop(decision.request_id, None)
+        st = self._backends.get(decision.backend)
+        if f is None or st is None:
+            return []  # backend was removed meanwhile: nothing to learn
+        st.release(f.work, now)
+        st.learn(self.settings, now - f.started, prompt_ms, prompt_n)
+        if st.rate_learned:
+            share_rate(self._backends.values(), self.settings.default_prefill_tps)
+        self.completed += 1
+        if reported_cached is not None and reported_cached != decision.predicted_cached:
+            self.mispredictions += 1
+        cache = st.cache
+        slot = f.slot
+        if slot is None:
+            # still queued in our model: place it where the server says (or would)
+            self._unqueue(st, decision.backend, decision.request_id)
+            slot = reported_slot
+            if slot is None or not 0 <= slot < len(cache.slots) or cache.slots[slot].busy:
+                slot = self._server_pick_now(cache, f.prompt)
+            if slot is not None:
+                held = self._lcps(cache, f.prompt)
+                cache.start(slot, f.prompt, *held, f.n, task=False)
+                st.occupy(slot, f.session)
+        elif reported_slot is not None and reported_slot != slot:
+            # the server chose another slot than modelled: what ours holds is unknown
+            cache.finish(slot, None, 0)
+            slot = reported_slot if 0 <= reported_slot < len(cache.slots) else None
+            if slot is not None and not cache.slots[slot].busy:
+                cache.start(slot, f.prompt, *self._lcps(cache, f.prompt), f.n, task=False)
+                st.occupy(slot, f.session)
+            elif slot is not None:
+                slot = None  # busy in our model: leave it alone
+        if slot is not None:
+            cache.finish_generated(slot, out)
+            if starts_at_end is not None and cache.starts > starts_at_end:
+                cache.saved_idle(slot)
+        return self._drain_queue(st, decision.backend, now)
+
+    def wait_overdue(self, decision: Decision, now: float) -> bool:
+        """Has a request waiting for a busy slot waited well past that slot's expected end
+        (a long generation)? Then the caller gives up (``abort``) and decides again;
+        the slot's expected end moves as far again, so that it is not chosen anew."""
+        self._apply_unplaced()
+        st = self._backends.get(decision.backend)
+        f = self._inflight.get(decision.request_id)
+        if st is None or f is None:
+            return True  # its backend left the model (tripped; maybe back, fresh)
+        slot = st.targets.get(decision.request_id)
+        if slot is None:
+            return False
+        end = st.slot_free_at.get(slot, now)
+        if now <= end + max(self.settings.wait_grace_s, end - f.started):
+            return False
+        st.slot_free_at[slot] = now + (now - f.started)
+        return True
+
+    def abort(self, decision: Decision, *, now: float = 0.0, prefilled: bool = False,
+              held: int | None = None) -> list[Handoff]:
+        """The request failed or was cancelled: free its slot, forget its content, or
+        with ``prefilled`` (it had produced output: the server keeps a cancelled slot's
+        state) keep its prompt there; ``held``: the slot holds that many of the prompt's
+        tokens (its server said so once done with it). Returns the queued requests
+        handed a slot as a result (as ``complete``)."""
+        self._apply_unplaced()
+        f = self._inflight.pop(decision.request_id, None)
+        st = self._backends.get(decision.backend)
+        if f is None or st is None:
+            return []
+        st.release(f.work, now)
+        if f.slot is None:
+            self._unqueue(st, decision.backend, decision.request_id)
+            return []
+        if prefilled:
+            # NOTE: an agent's interrupted turn: its next one resends that history
+            st.cache.finish_generated(f.slot, b"")
+        elif held is not None and held > 0:
+            n = min(held, f.n)
+            st.cache.finish(f.slot, f.prompt[:4 * n], n)
+        else:
+            st.cache.finish(f.slot, None, 0)
+        return self._drain_queue(st, decision.backend, now)
+
+    def starts(self, backend: str) -> int:
+        """Tasks the model has started on `backend` so far (0 if it is not routed)."""
+        st = self._backends.get(backend)
+        return 0 if st is None else st.cache.starts
+
+    def prefill_rate(self, backend: str) -> float | None:
+        """`backend`'s learned prefill rate (tokens/s), if it is routed."""
+        st = self._backends.get(backend)
+        return None if st is None else st.rate
+
+    def snapshot(self) -> dict[str, object]:
+        self._apply_unplaced()
+        return {
+            "policy": self._policy,
+            "tree": {
+                "resident_tokens": self.tree.resident_tokens,
+                "nodes": self.tree.node_count,
+                "evicted_tokens": self.tree.evicted_tokens,
+            },
+            "inflight": len(self._inflight),
+            "completed": self.completed,
+            "mispredictions": self.mispredictions,
+            "backends": {name: st.snapshot() for name, st in self._backends.items()},
+        }

@@ -1,0 +1,1 @@
+"""The radix tree over token ids: which holder holds which prefix."""

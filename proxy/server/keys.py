@@ -1,0 +1,35 @@
+"""The typed keys under which the app keeps its long-lived resources (aiohttp AppKeys).
+
+Every endpoint module reads its resources through these; proxy/app.py creates them.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from backends.supervisor import BackendInfo, Supervisor
+from proxy.config.load import Config
+from proxy.config.settings import ProxySettings
+from proxy.forwarding.forwarder import Forwarder
+from proxy.forwarding.health import BackendHealth
+from proxy.observability.metrics import ProxyMetrics
+from proxy.prompt.builder import PromptBuilder
+from proxy.routing.router import Router
+from proxy.server.admission import Admission
+from proxy.server.tokenizing import Tokenizing
+
+CONFIG = web.AppKey("kvroute.config", Config)
+SUPERVISOR = web.AppKey("kvroute.supervisor", Supervisor)
+SETTINGS = web.AppKey("kvroute.settings", ProxySettings)
+METRICS = web.AppKey("kvroute.metrics", ProxyMetrics)
+BACKENDS: web.AppKey[dict[str, BackendInfo]] = web.AppKey("kvroute.backends")
+ROUTER = web.AppKey("kvroute.router", Router)
+HEALTH = web.AppKey("kvroute.health", BackendHealth)
+ADMISSION = web.AppKey("kvroute.admission", Admission)
+PROMPT: web.AppKey[PromptBuilder | None] = web.AppKey("kvroute.prompt")
+TOKENIZING: web.AppKey[Tokenizing] = web.AppKey("kvroute.tokenizing")
+FORWARDER = web.AppKey("kvroute.forwarder", Forwarder)
+# Round-robin cursor for calls that are not routed by prefix (/tokenize, /props, ...).
+CURSOR: web.AppKey[list[int]] = web.AppKey("kvroute.cursor")
+
+

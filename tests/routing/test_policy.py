@@ -1,0 +1,270 @@
+"""Policy: herding on a shared prefix, bounded load, cold start, busy slots, affinity."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from proxy.routing.cache.model import BackendCache
+from proxy.routing.policy import BackendState, Candidate, choose_prefix
+from proxy.routing.router import BackendCapacity, Decision, Router, RouterSettings
+from proxy.routing.tree.radix import RadixTree
+from proxy.routing.tree.token_bytes import to_token_bytes
+
+SYSTEM = list(range(100_000, 120_000))  # a 20k-token shared system prompt
+
+
+def cluster(n: int = 4, slots: int = 4, policy: str = "prefix", **kw: object) -> Router:
+    r = Router(policy, settings=RouterSettings(**kw))  # type: ignore[arg-type]
+    for i in range(n):
+        r.add_backend(BackendCapacity(f"b{i}", slots, 65_536, 1 << 34, 8192))
+    return r
+
+
+def session(i: int, turn: int = 0) -> list[int]:
+    return SYSTEM + [i] * 50 + list(range(turn * 100))
+
+
+def decide(r: Router, tokens: list[int], **kw: object) -> Decision:
+    d = r.decide(tokens, **kw)  # type: ignore[arg-type]
+    assert isinstance(d, Decision), d
+    return d
+
+
+def test_cold_start_goes_to_an_empty_slot_with_reasons() -> None:
+    r = cluster()
+    d = decide(r, [1, 2, 3])
+    assert (d.predicted_cached, d.tier, d.prompt_tokens) == (0, "none", 3)
+    assert d.slot is not None
+    json.dumps(d.reasons)  # one JSON log line
+    for key in ("matched", "chosen", "why", "work", "ttft_s"):
+        assert key in d.reasons
+
+
+def test_concurrent_sessions_on_shared_system_prompt_spread() -> None:
+    r = cluster()
+    first = decide(r, session(0))
+    r.complete(first, now=1.0)  # one backend now holds the 20k system prompt
+    ds = [decide(r, session(i), now=1.0) for i in range(1, 9)]  # all in flight at once
+    per = Counter(d.backend for d in ds)
+    assert len(per) == 4, per  # no herding on the backend holding the prefix
+    assert max(per.values()) <= 3
+
+
+def test_shared_prefix_everywhere_gives_no_preference() -> None:
+    r = cluster()
+    warm = [decide(r, session(100 + i)) for i in range(4)]  # one per backend, in parallel
+    assert {d.backend for d in warm} == {"b0", "b1", "b2", "b3"}
+    for d in warm:
+        r.complete(d, now=1.0)
+    ds = [decide(r, session(i), now=2.0) for i in range(4)]
+    # every backend holds the prefix in one idle slot: the four spread, all reuse it
+    assert all(d.predicted_cached >= len(SYSTEM) for d in ds)
+    assert {d.backend for d in ds} == {"b0", "b1", "b2", "b3"}
+    assert ds[0].reasons["beyond_alt"] == 0
+
+
+def test_conversation_returns_to_its_backend() -> None:
+    r = cluster()
+    d = decide(r, session(7, 0))
+    r.complete(d, output_tokens=[9] * 20, now=1.0)
+    d2 = decide(r, session(7, 0) + [9] * 20 + [5] * 30, now=2.0)
+    assert (d2.backend, d2.slot, d2.tier) == (d.backend, d.slot, "slot")
+    assert d2.predicted_cached == len(session(7, 0)) + 20
+
+
+def test_bounded_load_overrides_match() -> None:
+    r = cluster(load_factor=1.25, load_slack_tokens=0, load_slack_s=0.0)
+    d = decide(r, session(0))
+    r.complete(d, now=1.0)
+    ds = [decide(r, session(i), now=1.0) for i in range(1, 13)]
+    work = [st["work_tokens"] for st in r.snapshot()["backends"].values()]  # type: ignore[union-attr]
+    mean = sum(work) / len(work)
+    biggest = max(x.prompt_tokens for x in ds) + r.settings.request_overhead_tokens
+    assert max(work) <= 1.25 * mean + biggest
+
+
+def test_never_pins_a_busy_slot() -> None:
+    r = cluster(n=2, slots=1)
+    a = decide(r, session(0))
+    b = decide(r, session(1))
+    assert {a.backend, b.backend} == {"b0", "b1"}
+    c = decide(r, [*session(0), 1])  # both slots busy: queue on the server, unpinned
+    # it will land in the slot that frees, which holds session 0 (or its shared prefix)
+    assert c.slot is None and c.tier == "slot" and c.predicted_cached >= len(SYSTEM)
+    r.complete(a, now=5.0)  # the server hands the freed slot to the queued request
+    snap = r.snapshot()["backends"]
+    assert snap[a.backend]["slots"][0]["busy"] == (c.backend == a.backend)  # type: ignore[index]
+
+
+def test_prefers_idle_slot_least_valuable_to_lose() -> None:
+    r = cluster(n=1, slots=3)
+    for i in range(2):
+        d = decide(r, [i + 1] * 1000)  # two unrelated conversations fill slots 0 and 1
+        r.complete(d, now=1.0 + i)
+    d = decide(r, [5] * 100, now=3.0)  # new conversation: the empty slot, not a full one
+    snap = r.snapshot()["backends"]["b0"]  # type: ignore[index]
+    assert d.slot == 2, snap
+
+
+def test_session_hint_breaks_ties_deterministically() -> None:
+    picks = []
+    for _ in range(2):
+        r = cluster()
+        picks.append(decide(r, [1, 2, 3], session="alice").backend)
+    assert picks[0] == picks[1]
+    r = cluster()
+    spread = {decide(r, [1, 2, 3], session=f"s{i}").backend for i in range(16)}
+    assert len(spread) > 1
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "random"])
+def test_baselines_let_the_server_pick(policy: str) -> None:
+    r = cluster(policy=policy)
+    ds = [decide(r, [i] * 10) for i in range(8)]
+    assert all(d.slot is None for d in ds)
+    assert all(d.reasons["policy"] == policy for d in ds)
+    if policy == "round_robin":
+        assert [d.backend for d in ds[:4]] == ["b0", "b1", "b2", "b3"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("load_factor", 0.9),
+        ("default_prefill_tps", 0.0),
+        ("rate_ewma_alpha", 0.0),
+        ("load_slack_tokens", -1),
+        ("load_slack_s", -0.5),
+        ("queue_cost_weight", -1.0),
+        ("slot_prompt_similarity", 1.5),
+        ("max_resident_tokens", 0),
+    ],
+)
+def test_settings_validation_names_the_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        RouterSettings(**{field: value})  # type: ignore[arg-type]
+
+
+DOC = list(range(200_000, 203_000))  # 3,000 tokens held by b0 only
+
+
+def two_backends(
+    rate: float, backlog0: float = 0.0, work0: int = 0, holder: bool = True
+) -> list[Candidate]:
+    """b0 (holding DOC in an idle slot if ``holder``) and an empty b1, as the policy sees
+    them for a request DOC + 100 new tokens."""
+    tree = RadixTree()
+    query = to_token_bytes(DOC + [1] * 100)
+    out = []
+    for name in ("b0", "b1"):
+        cache = BackendCache(BackendCapacity(name, 2, 65_536, 1 << 34, 8192), tree)
+        st = BackendState(cache, rate=rate)
+        if name == "b0":
+            if holder:
+                doc = to_token_bytes(DOC)
+                cache.start(0, doc, {}, {}, len(DOC))
+                cache.finish(0, doc, len(DOC))
+            st.busy_until, st.work = backlog0, work0
+        held = tree.match(query).held
+        slot_lcp = {h[2]: k for h, k in held.items() if h[0] == name}  # type: ignore[index]
+        out.append(Candidate(name, st, slot_lcp, {}))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("backlog0", "weight", "want"),
+    [
+        (2.5, 0.0, "b0"),  # own ttft: 2.6 s vs 3.1 s
+        (3.5, 0.0, "b1"),  # own ttft alone: recompute the 3k prefix on b1 (3.1 < 3.6)
+        (3.5, 1.0, "b0"),  # ... which adds 3 s of prefill to b1's queue: stay on b0
+        (7.0, 1.0, "b1"),  # a real backlog still moves the request
+    ],
+)
+def test_queue_cost_weight_charges_recomputed_prefixes(
+    backlog0: float, weight: float, want: str
+) -> None:
+    s = RouterSettings(queue_cost_weight=weight, default_prefill_tps=1000.0)
+    cands = two_backends(1000.0, backlog0=backlog0)
+    got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
+    assert got.backend == want, got.reasons
+
+
+@pytest.mark.parametrize(
+    ("rate", "slack_s", "eligible"),
+    [
+        (1000.0, 2.0, ["b1"]),  # slack 2k tokens: b0's 30k of work is over the bound
+        (20_000.0, 2.0, ["b0", "b1"]),  # same 2 s at 20k tok/s is 40k tokens: within
+        (20_000.0, 0.0, ["b1"]),  # no slack: only the multiple of the mean counts
+    ],
+)
+def test_load_slack_is_in_seconds_of_prefill(
+    rate: float, slack_s: float, eligible: list[str]
+) -> None:
+    s = RouterSettings(load_slack_s=slack_s, load_factor=1.25)
+    cands = two_backends(rate, work0=30_000, holder=False)
+    got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
+    assert got.reasons["eligible"] == eligible
+
+
+@pytest.mark.parametrize(
+    ("n", "slots", "shared", "own", "packs"),
+    [
+        # conversations with a history of their own: B must not truncate A's slot
+        (2, 2, 800, 300, False),
+        (1, 4, 800, 300, False),
+        (4, 1, 800, 300, False),
+        (1, 3, 2000, 1000, False),
+        # a big shared system prompt and short own parts: reuse it, packing is cheap
+        (1, 2, 20_000, 50, True),
+        (2, 2, 2000, 40, True),
+    ],
+)
+def test_second_conversation_spares_the_firsts_history(
+    n: int, slots: int, shared: int, own: int, packs: bool
+) -> None:
+    r = cluster(n=n, slots=slots)
+    prefix = list(range(500_000, 500_000 + shared))
+    a_prompt = prefix + list(range(1_000_000, 1_000_000 + own))
+    a = decide(r, a_prompt)
+    r.complete(a, output_tokens=[9] * 12, now=1.0)
+    b = decide(r, prefix + list(range(2_000_000, 2_000_000 + own)), now=2.0)
+    assert ((b.backend, b.slot) == (a.backend, a.slot)) == packs, b.reasons
+    assert (b.predicted_cached >= shared) == packs
+
+
+@pytest.mark.parametrize(("n", "slots"), [(2, 2), (1, 4), (1, 3), (3, 1)])
+def test_conversations_return_to_their_own_prefix(n: int, slots: int) -> None:
+    """A, B, C share an 800-token prefix and own 300 tokens each, visited A B C A B C
+    with a slot each available: every return reuses its whole first prompt."""
+    r = cluster(n=n, slots=slots)
+    prefix = list(range(500_000, 500_800))
+    convs = {c: prefix + list(range(k * 10_000, k * 10_000 + 300)) for k, c in enumerate("ABC")}
+    first: dict[str, int] = {}
+    t = 1.0
+    for rnd in range(2):
+        for c in "ABC":
+            d = decide(r, convs[c], now=t)
+            out = [7] * 12
+            r.complete(d, output_tokens=out, reported_cached=d.predicted_cached, now=t + 0.5)
+            t += 1.0
+            if rnd == 0:
+                first[c] = len(convs[c])
+                turn = 900_000 + 100 * ord(c)
+                convs[c] = convs[c] + out + list(range(turn, turn + 30))
+            else:
+                assert d.predicted_cached >= first[c], (c, d.reasons)
+
+
+def test_queued_option_is_priced_with_the_reuse_it_will_get() -> None:
+    """All slots busy everywhere: the backend whose running requests share the prompt's
+    prefix wins (its freed slot will serve the prefix), and the prediction says so."""
+    r = cluster(n=2, slots=1)
+    a = decide(r, session(0))  # b? holds the system prompt (busy)
+    b = decide(r, list(range(7000, 27_000)))  # the other backend: unrelated, busy
+    assert a.backend != b.backend
+    c = decide(r, session(1), now=0.1)
+    assert c.slot is None and c.backend == a.backend
+    assert c.predicted_cached >= len(SYSTEM) and c.reasons["queued"] == 1

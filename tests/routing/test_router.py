@@ -1,0 +1,646 @@
+"""Router facade: lifecycle, feedback, failures and the snapshot."""
+
+from __future__ import annotations
+
+import json
+from array import array
+from typing import Any
+
+import pytest
+
+from proxy.routing.router import (
+    BackendCapacity,
+    Decision,
+    Handoff,
+    NeedWholePrompt,
+    NoBackend,
+    Router,
+    RouterSettings,
+)
+
+
+def cap(name: str, slots: int = 2, ctx: int = 4096, ram: int = 1 << 30) -> BackendCapacity:
+    return BackendCapacity(name, slots, ctx, ram, 8192)
+
+
+def decide(r: Router, tokens: list[int], now: float = 0.0) -> Decision:
+    d = r.decide(tokens, now=now)
+    assert isinstance(d, Decision), d
+    return d
+
+
+@pytest.mark.parametrize(
+    ("backends", "tokens", "reason", "kind"),
+    [
+        ([], [1, 2], "no healthy backend", "unavailable"),
+        ([cap("a")], [], "empty prompt", "empty"),
+        ([cap("a", ctx=10)], list(range(10)), "exceeds every backend's slot context", "too_long"),
+    ],
+)
+def test_no_backend_is_a_result(
+    backends: list[BackendCapacity], tokens: list[int], reason: str, kind: str
+) -> None:
+    r = Router()
+    for c in backends:
+        r.add_backend(c)
+    got = r.decide(tokens)
+    assert isinstance(got, NoBackend) and reason in got.reason and got.kind == kind
+    assert NoBackend("x").kind == "unavailable"
+
+
+def test_unknown_policy_rejected() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        Router("fastest")
+
+
+def test_complete_extends_slot_and_learns_rate() -> None:
+    r = Router()
+    r.add_backend(cap("a"))
+    d = decide(r, list(range(100)))
+    r.complete(d, output_tokens=[7, 8], reported_cached=0, prompt_ms=50.0, prompt_n=100, now=1)
+    snap = r.snapshot()
+    b = snap["backends"]["a"]  # type: ignore[index]
+    assert b["prefill_tps"] == 2000.0 and b["rate_learned"]
+    assert b["slots"][d.slot]["tokens"] == 102 and not b["slots"][d.slot]["busy"]
+    d2 = decide(r, [*range(100), 7, 8, 9], now=2)
+    assert (d2.slot, d2.predicted_cached, d2.tier) == (d.slot, 102, "slot")
+    json.dumps(snap)
+
+
+def test_a_backend_without_timings_is_priced_at_its_peers_learned_rate() -> None:
+    """Until a backend reports a prefill, it is priced at the mean learned rate of the
+    others (the same model on the same kind of device, mostly), not the default: with
+    the default, an untried backend looked 2.5x faster than a measured one (e2e)."""
+    r = Router(settings=RouterSettings(default_prefill_tps=1500.0))
+    r.add_backend(cap("a", slots=1))
+    r.add_backend(cap("b", slots=1))
+    rate = lambda name: r.snapshot()["backends"][name]["prefill_tps"]  # noqa: E731
+    x = decide(r, list(range(600)))
+    y = decide(r, list(range(1000, 1600)))  # x's backend is full: the other one
+    assert x.backend != y.backend and rate(x.backend) == rate(y.backend) == 1500.0
+    r.complete(x, prompt_ms=1000.0, prompt_n=600, now=1.0)  # 600 tokens/s
+    assert rate(x.backend) == rate(y.backend) == 600.0
+    r.complete(y, prompt_ms=2000.0, prompt_n=600, now=2.0)  # its own: 300 tokens/s
+    assert (rate(x.backend), rate(y.backend)) == (600.0, 300.0)
+    r.add_backend(cap("c"))  # new, or back after a restart: the others' mean
+    assert rate("c") == 450.0
+
+
+def test_array_input_equals_list_input() -> None:
+    r1, r2 = Router(), Router()
+    for r in (r1, r2):
+        r.add_backend(cap("a"))
+    d1 = decide(r1, list(range(50)))
+    d2 = r2.decide(array("i", range(50)))
+    assert isinstance(d2, Decision)
+    assert (d1.backend, d1.slot, d1.prompt_tokens) == (d2.backend, d2.slot, d2.prompt_tokens)
+
+
+@pytest.mark.parametrize(("how", "held"), [
+    # failed before output: what the slot holds is unknown; cancelled after output (an
+    # interrupted turn): the server keeps the slot's state, the whole prompt
+    ({}, 0), ({"prefilled": True}, 100),
+    # the client left during the prefill; the server went on, and /slots told how far:
+    ({"held": None}, 0), ({"held": 0}, 0), ({"held": -5}, 0),  # unknown / nonsense
+    ({"held": 40}, 40),                       # it stopped partway: that much of the prompt
+    ({"held": 100}, 100), ({"held": 103}, 100),  # all (+ generated tokens: not claimed)
+])
+def test_abort_frees_slot_and_keeps_what_it_is_known_to_hold(how: dict[str, Any],
+                                                              held: int) -> None:
+    r = Router()
+    r.add_backend(cap("a", slots=1))
+    d = decide(r, list(range(100)))
+    r.abort(d, **how)
+    b = r.snapshot()["backends"]["a"]  # type: ignore[index]
+    assert b["slots"][0] == {"id": 0, "busy": False, "tokens": held}
+    assert b["inflight"] == 0 and b["work_tokens"] == 0
+    assert decide(r, [*range(100), 7]).predicted_cached == held
+
+
+def test_a_request_only_decoding_counts_its_overhead_as_work() -> None:
+    """Once its first token came, a request's prompt is processed: the load bound sees a
+    backend streaming answers as lightly loaded, not as if it still had to prefill."""
+    r = Router(settings=RouterSettings(request_overhead_tokens=100))
+    r.add_backend(cap("a"))
+    d = decide(r, list(range(1000)))
+    work = lambda: r.snapshot()["backends"]["a"]["work_tokens"]  # noqa: E731
+    assert work() == 1100
+    r.prefilled(d)
+    assert work() == 100
+    r.prefilled(d)  # once only
+    assert work() == 100
+    r.complete(d)
+    assert work() == 0
+
+
+def test_reported_slot_disagreeing_moves_the_content() -> None:
+    r = Router("round_robin")
+    r.add_backend(cap("a", slots=2))
+    d = decide(r, list(range(100)))  # unpinned: model predicts slot 0
+    r.complete(d, reported_cached=0, reported_slot=1, now=1)
+    d2 = r.decide(list(range(101)), now=2)
+    assert isinstance(d2, Decision)
+    slots = r.snapshot()["backends"]["a"]["slots"]  # type: ignore[index]
+    assert slots[1]["tokens"] == 101 and slots[0]["tokens"] == 0  # server picked slot 1
+    assert d2.predicted_cached == 100
+
+
+def test_remove_and_readd_backend_forgets_everything() -> None:
+    r = Router()
+    r.add_backend(cap("a"))
+    r.add_backend(cap("b"))
+    d = decide(r, list(range(100)))
+    r.complete(d, now=1)
+    r.remove_backend(d.backend)
+    assert r.tree.resident_tokens == 0
+    r.complete(d, now=2)  # late feedback for a removed backend is ignored
+    r.add_backend(cap(d.backend))
+    assert decide(r, list(range(100))).predicted_cached == 0
+
+
+def test_queued_request_is_placed_when_a_slot_frees() -> None:
+    r = Router()
+    r.add_backend(cap("a", slots=1))
+    a = decide(r, list(range(100)))
+    q = decide(r, list(range(200, 300)))
+    assert q.slot is None
+    assert r.tree.match(list(range(200, 300))).matched == 100  # recorded while queued
+    r.complete(a, now=1)
+    slots = r.snapshot()["backends"]["a"]["slots"]  # type: ignore[index]
+    assert slots[0]["busy"] and slots[0]["tokens"] == 100  # the queued one got it
+    r.complete(q, reported_slot=0, now=2)
+    assert decide(r, list(range(200, 301)), now=3).predicted_cached == 100
+    assert r.snapshot()["inflight"] == 1
+
+
+def test_mispredictions_counted() -> None:
+    r = Router()
+    r.add_backend(cap("a"))
+    d = decide(r, list(range(10)))
+    r.complete(d, reported_cached=5, now=1)
+    assert r.snapshot()["mispredictions"] == 1
+
+
+def test_tree_cap_bounds_memory() -> None:
+    r = Router(settings=RouterSettings(max_resident_tokens=1000))
+    r.add_backend(cap("a", slots=8))
+    for i in range(8):
+        d = decide(r, [i + 1] * 400, now=i)
+        r.complete(d, now=i + 0.5)
+    assert r.tree.resident_tokens <= 1000
+
+
+def test_unpinned_choice_is_modelled_unpinned() -> None:
+    """With unified KV the server clears idle slots into RAM: an empty slot can then only
+    reuse the RAM entry if the request is *not* pinned, and the model must say so."""
+    r = Router(settings=RouterSettings(kv_unified=True))
+    r.add_backend(cap("a", slots=2, ctx=8192))
+    doc = list(range(5000, 7000))
+    d = decide(r, doc)
+    r.complete(d, now=1.0)
+    other = decide(r, list(range(100, 200)), now=1.0)  # starts: idle slot saved, cleared
+    snap = r.snapshot()["backends"]["a"]  # type: ignore[index]
+    assert [s["tokens"] for s in snap["slots"]].count(0) == 1  # type: ignore[index]
+    d2 = decide(r, [*doc, 1, 2, 3], now=2.0)
+    assert d2.slot is None and d2.tier == "ram" and d2.predicted_cached == len(doc)
+    r.complete(d2, reported_cached=len(doc), now=3.0)
+    r.complete(other, now=3.0)
+    assert r.mispredictions == 0
+
+
+def test_int32_bytes_input_equals_list_input() -> None:
+    r1, r2 = Router(), Router()
+    for r in (r1, r2):
+        r.add_backend(cap("a"))
+    d1 = decide(r1, list(range(50)))
+    d2 = r2.decide(array("i", range(50)).tobytes())
+    assert isinstance(d2, Decision)
+    assert (d1.backend, d1.slot, d1.prompt_tokens) == (d2.backend, d2.slot, d2.prompt_tokens)
+
+
+SYSTEM = list(range(100_000, 102_000))  # a 2k-token system prompt
+
+
+@pytest.mark.parametrize(
+    ("order", "want"),
+    [
+        # both slots free in start order: each waiting request gets the shared prefix
+        ([0, 1, 2, 3], [2000, 2000]),
+        ([1, 0, 3, 2], [2000, 2000]),
+        # the first to wait gets the first freed slot, whichever it is
+        ([1, 2, 0, 3], [2000, 2000]),
+    ],
+)
+def test_queued_request_predicted_from_the_slot_it_will_get(
+    order: list[int], want: list[int]
+) -> None:
+    """1 backend x 2 slots, 4 requests sharing a system prompt at once: the last two
+    wait on the server, unpinned; when a slot frees the server hands it to the oldest
+    one, which keeps the shared prefix. The prediction made when queueing must match the
+    placement the model records at hand-off. (Waiting for the first request's busy slot
+    is switched off here: it is what the second one would do, see below.)"""
+    r = Router(settings=RouterSettings(wait_min_tokens=10**9))
+    r.add_backend(cap("a", slots=2, ctx=8192))
+    ds = [decide(r, [*SYSTEM, *range(i * 100, i * 100 + 40)]) for i in range(4)]
+    assert [d.slot is None for d in ds] == [False, False, True, True]
+    assert [d.predicted_cached for d in ds[2:]] == want
+    assert all(d.tier == "slot" for d in ds[2:])
+    for k, i in enumerate(order):
+        if i >= 2 and k < 2:
+            continue  # a queued request cannot finish before it has a slot
+        r.complete(ds[i], output_tokens=[7] * 5, reported_cached=ds[i].predicted_cached,
+                   now=1.0 + k)
+    r.complete(ds[2], reported_cached=ds[2].predicted_cached, now=9.0)
+    r.complete(ds[3], reported_cached=ds[3].predicted_cached, now=9.0)
+    assert r.mispredictions == 0 and r.snapshot()["inflight"] == 0
+
+
+def test_handoff_placement_matches_prediction_in_simulation() -> None:
+    """The simulator's servers (the cache model as truth, FIFO deferred queue) against
+    the router: 8 sessions on a 2k-token system prompt at once over 2 backends x 2
+    slots. Every prediction, queued ones included, must equal the reuse it gets."""
+    from loadtest.simulate import SimBackend, simulate
+    from loadtest.trace import TraceRequest
+
+    system = (1, 2, 3, 4)  # 4 blocks of 512 tokens
+    trace = [TraceRequest(0.0, 2048 + 40, 8, (*system, 100 + i)) for i in range(8)]
+    be = SimBackend(n_slots=2, slot_ctx=8192, ram_cache_tokens=100_000,
+                    prefill_tps=1500.0, decode_tps=20.0)
+    res = simulate(trace, "prefix", 2, be)
+    assert res.requests == 8 and res.mispredicted == 0.0
+    assert res.req_imbalance <= 5 / 4
+
+
+def test_complete_returns_the_handoff_of_the_oldest_queued_request() -> None:
+    r = Router()
+    r.add_backend(cap("a", slots=1, ctx=8192))
+    first = decide(r, [*SYSTEM, 1])
+    q1 = decide(r, [*SYSTEM, 2])
+    q2 = decide(r, [*SYSTEM, 3])
+    assert not first.queued and q1.queued and q2.queued
+    assert (q1.reasons["queued"], q2.reasons["queued"]) == (1, 2)
+    got = r.complete(first, output_tokens=[7], now=1.0)
+    assert got == [Handoff(q1.request_id, "a", 0, q1.predicted_cached)]
+    assert r.abort(q2) == []  # still waiting: nothing freed
+    assert r.complete(q1, now=2.0) == []
+    assert r.snapshot()["inflight"] == 0
+
+
+@pytest.mark.parametrize(("min_tokens", "stays"), [(1024, True), (10**9, False)])
+@pytest.mark.parametrize("on_head", [False, True])
+def test_a_continuing_conversation_is_not_moved_off_a_busy_holder(
+        min_tokens: int, stays: bool, on_head: bool) -> None:
+    # Claude Code's case: backend A holds conversation X (19k tokens) in an idle slot
+    # while a cold 19k-token prompt Z runs in its other slot; B is idle. X's next turn
+    # adds ~100 tokens on A but would recompute all 19k on B. The load bound alone would
+    # send it to B (A's in-flight work is far above the mean); continuations are exempt
+    # (min_tokens=10**9 switches the exemption off: the bound then moves it).
+    # on_head: the turn is decided on its seen history only (the proxy tokenizes the new
+    # text beside the send), which matches the slot up to X but not the answer after it
+    r = Router(settings=RouterSettings(continuation_min_tokens=min_tokens))
+    r.add_backend(cap("a", ctx=32768))
+    r.add_backend(cap("b", ctx=32768))
+    x, y, z = ([base + i for i in range(19_000)] for base in (1, 100_000, 200_000))
+    answer = [7] * 47
+    dx, dy = decide(r, x), decide(r, y)
+    assert dx.backend != dy.backend
+    r.complete(dx, output_tokens=answer, reported_cached=0)
+    dz = decide(r, z)
+    assert dz.backend == dx.backend  # the other backend is busy with y
+    r.complete(dy, output_tokens=[8], reported_cached=0)
+    whole = [*x, *answer, *range(300_000, 300_100)]
+    turn = r.decide(x, n_prompt=len(whole)) if on_head else r.decide(whole)
+    if on_head and not stays:  # it would move off its holder: decided on the whole
+        assert isinstance(turn, NeedWholePrompt), turn
+        turn = r.decide(whole)
+    assert isinstance(turn, Decision)
+    assert (turn.backend == dx.backend) is stays, turn.reasons
+    if stays:
+        assert turn.predicted_cached >= len(x), turn.reasons
+
+
+@pytest.mark.parametrize("other_session_idle", [True, False])
+def test_side_call_waits_for_its_sessions_busy_slot(other_session_idle: bool) -> None:
+    """An agent's summary call is sent together with its session's next turn: it shares
+    the whole history and diverges only at the end. The session's slot is busy; idle
+    slots hold another session or nothing. It waits for the session's slot (held, then
+    handed that slot pinned, with the reuse predicted when it was queued) instead of
+    recomputing the history elsewhere or truncating the other session."""
+    r = Router()
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    x = [*SYSTEM, *range(10_000, 11_500)]  # session X: 2k shared + 1.5k of its own
+    y = [*SYSTEM, *range(20_000, 21_500)]
+    dx = decide(r, x)
+    # feedback as the backend reports it: 0.9 s of prefill in a 1 s request
+    r.complete(dx, output_tokens=[7] * 4, prompt_ms=900.0, prompt_n=len(x), now=1.0)
+    dy = decide(r, y, now=1.0)
+    if other_session_idle:
+        r.complete(dy, output_tokens=[7] * 4, now=2.0)
+    x2 = [*x, 7, 7, 7, 7, *range(12_000, 12_100)]  # X's next turn: its slot, busy
+    d2 = decide(r, x2, now=2.0)
+    assert (d2.backend, d2.slot) == (dx.backend, dx.slot)
+    summary = [*x2[:-5], *range(13_000, 13_010)]
+    ds = decide(r, summary, now=2.0)
+    assert ds.queued and ds.slot is None
+    assert (ds.backend, ds.reasons["waits_for_slot"]) == (dx.backend, dx.slot)
+    assert ds.predicted_cached == len(x2) - 5
+    got = r.complete(d2, output_tokens=[7] * 4, reported_cached=d2.predicted_cached, now=3.0)
+    assert got == [Handoff(ds.request_id, dx.backend, dx.slot, ds.predicted_cached)]
+    r.complete(ds, reported_cached=ds.predicted_cached, now=4.0)
+    if not other_session_idle:
+        r.complete(dy, now=4.0)
+    assert r.mispredictions == 0 and r.snapshot()["inflight"] == 0
+    # Y's history is still whole wherever it went
+    y2 = decide(r, [*y, 7, 7, 7, 7, 1], now=5.0)
+    assert y2.predicted_cached >= len(y)
+
+
+@pytest.mark.parametrize(("session", "stays"), [("X", True), (None, False), ("Y", False)])
+def test_a_side_call_stays_with_its_sessions_history_over_the_load_bound(
+        session: str | None, stays: bool) -> None:
+    """The load test's case (BENCHMARKS.md, "agentic, session 5"): backends prefilling
+    ~170 tokens/s (the bound's slack is then ~340 tokens), session X's 8k-token history
+    on one backend whose slot runs X's next turn (800 new tokens), the other backend
+    idle. X's summary shares the history but not the turn's end, so it is no
+    continuation, and the bound would send it to recompute 8k tokens on the idle backend
+    (~47 s instead of ~5). Named as X's, it stays; unnamed or another session's (a new
+    conversation over a prompt one backend alone holds), the bound still spreads it."""
+    r = Router()
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    for i, name in enumerate(("a", "b")):  # both learn the slow rate
+        warm = r.decide([500_000 + 1000 * i + j for j in range(340)])
+        assert isinstance(warm, Decision) and warm.backend == name
+        r.complete(warm, prompt_ms=2000.0, prompt_n=340, now=1.0)
+    x = list(range(10_000, 18_000))
+    dx = r.decide(x, session="X", now=1.0)
+    assert isinstance(dx, Decision)
+    r.complete(dx, output_tokens=[7] * 4, prompt_ms=47_000.0, prompt_n=len(x), now=48.0)
+    turn = r.decide([*x, 7, 7, 7, 7, *range(20_000, 20_800)], session="X", now=48.0)
+    assert isinstance(turn, Decision) and turn.backend == dx.backend
+    summary = [*x, 7, 7, 7, 7, *range(30_000, 30_010)]
+    ds = r.decide(summary, session=session, now=48.0)
+    assert isinstance(ds, Decision)
+    assert (ds.backend == dx.backend) is stays, ds.reasons
+    if stays:
+        assert ds.predicted_cached >= len(x), ds.reasons
+    elif session is None:  # (another named session does not even wait for X's slot)
+        assert "over bound" in str(ds.reasons["why"]), ds.reasons
+
+
+@pytest.mark.parametrize(("sessions", "waits"), [(("s0", "s2"), False), (("s0", None), True),
+                                                 ((None, "s2"), True)])
+def test_a_new_session_does_not_wait_for_another_named_sessions_busy_slot(
+        sessions: tuple[str | None, str | None], waits: bool) -> None:
+    """The load test's case: session s0 (a 6k shared prefix + its own 1.4k) runs its turn
+    in a0, s1 in b0; a new session s2 over the same prefix arrives, the other slots
+    empty. Waiting for a0 is sooner than a cold start, but hands s2 the slot s0's next
+    turn needs in seconds (truncated to the shared prefix). Named sessions: s2 starts
+    cold in an empty slot. Unnamed (either one), the wait stays an option."""
+    r = Router()
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    shared = list(range(100_000, 106_084))
+    s0 = [*shared, *range(1000, 2010)]
+    s1 = [*shared, *range(2000, 3010)]
+    d0 = r.decide(s0, session=sessions[0])
+    d1 = r.decide(s1, session="s1")
+    assert isinstance(d0, Decision) and isinstance(d1, Decision)
+    r.complete(d0, output_tokens=[7] * 4, prompt_ms=20_000.0, prompt_n=len(s0), now=20.0)
+    r.complete(d1, output_tokens=[8] * 4, prompt_ms=20_000.0, prompt_n=len(s1), now=21.0)
+    t0 = r.decide([*s0, 7, 7, 7, 7, *range(3000, 3355)], session=sessions[0], now=22.0)
+    t1 = r.decide([*s1, 8, 8, 8, 8, *range(4000, 4355)], session="s1", now=22.0)
+    assert isinstance(t0, Decision) and isinstance(t1, Decision)
+    assert {(t0.backend, t0.slot), (t1.backend, t1.slot)} == {(d0.backend, d0.slot),
+                                                              (d1.backend, d1.slot)}
+    d2 = r.decide([*shared, *range(5000, 6010)], session=sessions[1], now=22.5)
+    assert isinstance(d2, Decision)
+    assert ("waits_for_slot" in d2.reasons) is waits, d2.reasons
+    if not waits:
+        assert not d2.queued and d2.predicted_cached == 0
+
+
+def test_no_wait_when_running_now_elsewhere_is_faster() -> None:
+    """A busy slot holding the prompt's prefix is not worth waiting for when an idle
+    backend would answer sooner: a burst of new sessions over one system prompt spreads
+    instead of queueing for the first one's slot."""
+    r = Router()
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    first = decide(r, [*SYSTEM, *range(10_000, 10_040)])
+    # learns that requests decode long after their prefill: a busy slot frees late
+    r.complete(first, prompt_ms=1000.0, prompt_n=2040, now=30.0)
+    busy = decide(r, [*SYSTEM, *range(20_000, 20_040)], now=30.0)
+    d = decide(r, [*SYSTEM, *range(30_000, 30_040)], now=30.0)
+    assert not d.queued and "waits_for_slot" not in d.reasons
+    assert d.slot is not None and (d.backend, d.slot) != (busy.backend, busy.slot)
+
+
+def test_a_waiter_gives_up_on_a_slot_that_runs_long() -> None:
+    """The slot waited for runs far past its expected end (a long generation): the waiter
+    is told to give up, and decided again it does not wait for that slot anew."""
+    r = Router(settings=RouterSettings(wait_grace_s=5.0))
+    for name in ("a", "b"):
+        r.add_backend(cap(name, slots=2, ctx=16384))
+    x = [*SYSTEM, *range(10_000, 11_500)]
+    first = decide(r, x)
+    r.complete(first, output_tokens=[7] * 4, prompt_ms=5000.0, prompt_n=len(x), now=6.0)
+    turn = decide(r, [*x, 7, 7, 7, 7, *range(12_000, 12_100)], now=6.0)
+    side = decide(r, [*x, 7, 7, 7, 7, *range(13_000, 13_010)], now=6.0)
+    assert side.reasons["waits_for_slot"] == turn.slot
+    assert not r.wait_overdue(side, now=8.0)
+    assert r.wait_overdue(side, now=60.0)
+    r.abort(side, now=60.0)
+    again = decide(r, [*x, 7, 7, 7, 7, *range(13_000, 13_010)], now=60.0)
+    assert "waits_for_slot" not in again.reasons and not again.queued
+    r.complete(turn, now=61.0)
+
+
+def test_a_waiter_whose_backend_left_and_came_back_gives_up() -> None:
+    """A breaker trip removes the backend (its queue too) and a probe may bring it back
+    within the waiter's 1 s check: nothing would ever hand the waiter a slot, and it was
+    never overdue (held until its client gave up)."""
+    r = Router()
+    r.add_backend(cap("a", slots=1, ctx=16384))
+    busy = decide(r, list(range(2000)))
+    waiter = decide(r, [*range(2000), 7])
+    assert waiter.queued and not r.wait_overdue(waiter, now=0.5)
+    r.remove_backend("a")
+    assert r.wait_overdue(waiter, now=0.6)  # gone
+    r.add_backend(cap("a", slots=1, ctx=16384))
+    assert r.wait_overdue(waiter, now=0.7)  # back, fresh: it is not waited for there
+    assert r.complete(busy) == [] and r.abort(waiter) == []
+
+
+HISTORY = list(range(1000, 1400))  # a conversation's first turn (prompt)
+ANSWER = [7, 8, 9]  # what the backend generated for it
+
+
+@pytest.mark.parametrize(
+    ("rest", "reuse"),
+    [
+        # the next turn: the head stops before the answer's re-rendered tokens, which go
+        # on matching what the slot holds: the whole prediction comes with the rest
+        ([*ANSWER, 50, 51, 52], 403),
+        ([7, 50, 51], 401),  # the rest matches the answer's first token only
+        ([60, 61], 400),  # nothing of the rest was held
+    ],
+)
+def test_decided_on_the_head_then_extended_as_if_decided_whole(rest: list[int],
+                                                               reuse: int) -> None:
+    """`decide(head, n_prompt=...)` + `extend(whole)` ends where `decide(whole)` does: same
+    slot, same predicted reuse, same model state after `complete`."""
+    def first_turn(r: Router) -> int:
+        r.add_backend(cap("a"))
+        d = decide(r, HISTORY)
+        r.complete(d, output_tokens=ANSWER, now=1)
+        assert d.slot is not None
+        return d.slot
+
+    whole = HISTORY + rest
+    ref, r = Router(), Router()
+    first_turn(ref)
+    slot = first_turn(r)
+    want = decide(ref, whole, now=2)
+    head = r.decide(HISTORY, now=2, n_prompt=len(whole) + 5)  # an estimate, not exact
+    assert isinstance(head, Decision) and head.slot == slot == want.slot
+    assert head.reasons["head"] == len(HISTORY) and head.predicted_cached == 400
+    got = r.extend(head, whole)
+    assert (got.prompt_tokens, got.predicted_cached) == (len(whole), reuse)
+    assert (want.prompt_tokens, want.predicted_cached) == (len(whole), reuse)
+    assert r.extend(got, whole) == got  # once only
+    for router, d in ((ref, want), (r, got)):
+        router.complete(d, output_tokens=[5], reported_cached=reuse, now=3)
+    assert r.snapshot()["backends"] == ref.snapshot()["backends"]
+    nxt = [*whole, 5, 99]
+    assert decide(r, nxt, now=4).predicted_cached == decide(ref, nxt, now=4).predicted_cached
+
+
+def test_not_moved_off_its_history_on_the_head_alone() -> None:
+    """A summary sent with its turn: its head (the history) is held by the slot running
+    the turn, which also holds the turn's tool result, unknown to a decision on the
+    head. On the head alone, waiting there looks like truncating 600 unknown tokens
+    (charged as destroyed history) and an idle backend wins: the router asks for the
+    whole prompt instead of moving it, records nothing, and decided whole it waits for
+    the turn's slot and reuses the tool result too."""
+    r = Router()
+    r.add_backend(cap("a", slots=1, ctx=16384))
+    r.add_backend(cap("b", slots=2, ctx=16384))
+    x = list(range(10_000, 14_712))
+    d = decide(r, x)
+    warm = decide(r, list(range(40_000, 41_500)))  # the other backend, learning its rate
+    assert warm.backend != d.backend
+    r.complete(d, output_tokens=[7] * 4, prompt_ms=7_800.0, prompt_n=len(x), now=8.0)
+    r.complete(warm, prompt_ms=1_000.0, prompt_n=1500, now=8.0)  # 2.5x faster
+    tool = list(range(20_000, 20_600))
+    turn = decide(r, [*x, 7, 7, 7, 7, *tool], now=8.0)
+    assert (turn.backend, turn.slot) == (d.backend, d.slot)
+    head = [*x, 7, 7, 7, 7]
+    whole = [*head, *tool[:-2], *range(30_000, 30_010)]
+    got = r.decide(head, n_prompt=len(whole), now=8.1)
+    assert isinstance(got, NeedWholePrompt), got
+    assert got.most_held >= len(head) > got.reuse
+    assert r.snapshot()["inflight"] == 1  # nothing recorded
+    ds = decide(r, whole, now=8.1)
+    assert ds.queued and ds.reasons["waits_for_slot"] == d.slot and ds.backend == d.backend
+    assert ds.predicted_cached == len(head) + len(tool) - 2
+
+
+def test_extend_after_the_request_ended_or_with_another_prompt_changes_nothing() -> None:
+    r = Router()
+    r.add_backend(cap("a"))
+    d = r.decide(HISTORY, n_prompt=500)
+    assert isinstance(d, Decision)
+    assert r.extend(d, [1, 2, *HISTORY]) == d  # not an extension of the head
+    r.abort(d)
+    assert r.extend(d, [*HISTORY, 1, 2]) == d
+    assert r.snapshot()["backends"]["a"]["work_tokens"] == 0  # type: ignore[index]
+
+
+def test_a_slot_ended_before_a_hand_off_was_saved_by_it() -> None:
+    """Two slots end in one server step; the proxy reads B's end first and hands a queued
+    request Q B's slot. On the server, Q's start saves the other idle slot (A's finished
+    conversation) to RAM (--cache-idle-slots); the model heard of A's end only after
+    that start, so it saved nothing, and A's next turn was predicted 3 where the server
+    loaded A from RAM and reused all of it (found live: tools/h4 in session 9)."""
+    def toks(seed: int, n: int) -> list[int]:
+        return [1000 + seed * 10000 + i for i in range(n)]
+
+    a, b, q = [1, 2, 3, *toks(1, 3300)], [1, 2, 3, *toks(2, 2000)], [1, 2, 3, *toks(3, 2100)]
+    a_out = toks(9, 29)
+    r = Router()
+    r.add_backend(BackendCapacity("x", 2, 8192, 1 << 30, 8192))
+    da = r.place(r.decide(a, defer=True))
+    db = r.place(r.decide(b, defer=True))
+    dq = r.decide(q, defer=True)
+    assert dq.queued
+    a_end = r.starts("x")  # A's end reached the proxy (its answer not yet read)
+    h = r.complete(db, output_tokens=toks(8, 29))  # B's read first: Q gets slot 1
+    assert [x.slot for x in h] == [db.slot]
+    r.complete(da, output_tokens=a_out, starts_at_end=a_end)
+    # a side call keeps slot 0 (shares 2600 of its 3332 tokens: truncated, not saved)
+    dt = r.place(r.decide([*a[:2600], *toks(4, 30)], session="side", defer=True))
+    assert dt.slot == da.slot
+    a2 = [*a, *a_out, *toks(5, 400)]
+    d2 = r.decide(a2, session="conv-a", defer=True)
+    assert d2.queued  # both slots busy (T, Q)
+    # Q ends: A's turn gets its slot, which shares nothing with it: the server saves
+    # the slot and loads the best RAM entry, A's whole conversation
+    handed = r.complete(Decision(dq.request_id, "x", h[0].slot, h[0].predicted_cached,
+                                 len(q), "none", {}), output_tokens=toks(7, 29))
+    assert [(x.request_id, x.slot) for x in handed] == [(d2.request_id, h[0].slot)]
+    assert handed[0].predicted_cached == len(a) + len(a_out)
+
+
+def test_a_correction_of_the_model_is_no_task_start() -> None:
+    """A request the server ran in another slot than modelled is moved there in the
+    model, a start() that is no new task on the server: it saved the request's own slot
+    to RAM as if one had started after its end (the model then held a RAM entry the
+    server never made)."""
+    r = Router("round_robin")
+    r.add_backend(cap("a", slots=2))
+    d = r.decide(list(range(1000, 1300)))
+    assert isinstance(d, Decision) and d.slot is None  # round robin: the server's pick
+    busy = [x["id"] for x in r.snapshot()["backends"]["a"]["slots"] if x["busy"]]  # type: ignore[index]
+    starts = r.starts("a")
+    r.complete(d, output_tokens=[5, 6, 7], reported_slot=1 - busy[0], starts_at_end=starts)
+    assert r.starts("a") == starts
+    assert r.snapshot()["backends"]["a"]["ram_entries"] == []  # type: ignore[index]
+
+
+def test_a_turn_queued_behind_its_busy_history_waits_for_that_slot() -> None:
+    """Both slots busy, the next turn of the conversation in slot 0 comes: it waits for
+    slot 0, not for the first slot to free (there it would recompute its history)."""
+    r = Router()
+    r.add_backend(cap("a", slots=2, ctx=8192))
+    conv = list(range(5000, 7000))
+    x = decide(r, conv)
+    y = decide(r, list(range(9000, 9400)))
+    new = [decide(r, list(range(k, k + 300))) for k in (20000, 30000)]
+    turn = decide(r, [*conv, *range(7000, 7100)])
+    assert (x.slot, y.slot, turn.queued) == (0, 1, True)
+    assert turn.predicted_cached == len(conv)
+    got = r.complete(y, now=1.0)  # slot 1 frees first: not the turn's
+    assert [h.request_id for h in got] == [new[0].request_id]
+    got = r.complete(x, now=2.0)
+    assert got == [Handoff(turn.request_id, "a", 0, len(conv))]
+
+
+def test_a_freed_slot_goes_to_the_waiter_whose_history_it_holds() -> None:
+    """Both slots busy; a new conversation queues, then the next turn of the one in slot
+    0. Slot 0 frees first: the proxy holds both, so the turn gets its own history (the
+    server's queue would give it to the older request, which would truncate it)."""
+    r = Router()
+    r.add_backend(cap("a", slots=2, ctx=8192))
+    conv = list(range(5000, 7000))
+    x = decide(r, conv)
+    y = decide(r, list(range(9000, 9400)))
+    new = decide(r, list(range(20000, 20300)))
+    turn = decide(r, [*conv, *range(7000, 7100)])
+    assert (x.slot, y.slot, new.queued, turn.queued) == (0, 1, True, True)
+    assert turn.predicted_cached == len(conv)
+    got = r.complete(x, now=1.0)
+    assert got == [Handoff(turn.request_id, "a", 0, len(conv))]
+    got = r.complete(y, now=2.0)
+    assert [(h.request_id, h.slot) for h in got] == [(new.request_id, 1)]

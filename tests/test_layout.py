@@ -1,0 +1,134 @@
+"""The code's shape: no import cycles between modules or between proxy's stage packages,
+and a routing core that knows nothing of HTTP. Read from the sources (every import,
+including those inside functions and under TYPE_CHECKING), not from what happens to be
+loaded."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("proxy", "backends", "loadtest")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> Iterator[str]:
+    """Every module of ours that ``name`` imports (``from pkg import mod`` included)."""
+    tree = ast.parse(MODULES[name].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                yield t
+
+
+GRAPH = {m: set(_imports(m)) for m in MODULES}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path, or None (iterative DFS, colours)."""
+    state: dict[str, int] = {}
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        stack = [(start, iter(sorted(graph[start])))]
+        state[start] = 1
+        path = [start]
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+            elif state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                stack.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                path.append(nxt)
+    return None
+
+
+def _stage(module: str) -> str:
+    """proxy.<package> for a module of a stage package (proxy.<module> for the app, the
+    command line and the shared errors beside them), else its top-level package."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "proxy" else parts[0]
+
+
+@pytest.mark.parametrize(("graph", "cycle"), [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+    ({"a": {"b"}, "b": {"a"}}, ["a", "b", "a"]),
+    ({"a": {"b", "c"}, "b": {"c"}, "c": {"d"}, "d": {"b"}}, ["b", "c", "d", "b"]),
+])
+def test_cycle_finder(graph: dict[str, set[str]], cycle: list[str] | None) -> None:
+    assert _cycle(graph) == cycle
+
+
+def test_no_module_import_cycles() -> None:
+    assert _cycle(GRAPH) is None
+
+
+def test_no_cycles_between_packages() -> None:
+    """proxy's stage packages (and backends, loadtest) depend on each other one way. A
+    package's ``__main__`` is a command on top of everything: it may use any package."""
+    pkgs: dict[str, set[str]] = {}
+    for m, deps in GRAPH.items():
+        if m.endswith(".__main__"):
+            continue
+        pkgs.setdefault(_stage(m), set()).update(_stage(d) for d in deps if _stage(d) != _stage(m))
+    assert _cycle(pkgs) is None
+
+
+def test_routing_core_is_free_of_http() -> None:
+    core = [m for m in MODULES if m.startswith("proxy.routing")]
+    assert len(core) > 5
+    for m in core:
+        ours = {d for d in GRAPH[m] if not d.startswith("proxy.routing")}
+        assert not ours, f"{m} imports {ours}"
+        tree = ast.parse(MODULES[m].read_text())
+        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                 for a in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree)
+                  if isinstance(n, ast.ImportFrom) and n.module}
+        assert not names & {"aiohttp", "asyncio", "httptools", "structlog"}, m
+
+
+def test_architecture_doc_names_every_package() -> None:
+    """docs/architecture.md lists each package of proxy/ and names nothing that is gone."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    packages = {f"proxy/{p.parent.relative_to(ROOT / 'proxy')}/"
+                for p in (ROOT / "proxy").rglob("__init__.py") if p.parent != ROOT / "proxy"}
+    named = set(re.findall(r"`(proxy/[a-z_/]+/)`", doc))
+    assert packages - named == set()
+    assert named - packages == set()
+    for path in re.findall(r"`(proxy/[a-z_]+\.py)`", doc):
+        assert (ROOT / path).exists(), path
+    for pkg in packages:
+        assert ast.get_docstring(ast.parse((ROOT / pkg / "__init__.py").read_text())), pkg
