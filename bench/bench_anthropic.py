@@ -34,17 +34,12 @@ import aiohttp
 from aiohttp import web
 
 from backends.binary import cache_dir, find_llama_server
+from backends.config import ManagedBackendConfig, SupervisionConfig
 from backends.demo_model import DemoModelParams, demo_model_path
 from backends.supervisor import Supervisor
 from proxy.anthropic.routes import chat_body
 from proxy.app import create_app
-from proxy.config.load import (
-    Config,
-    ManagedBackendConfig,
-    ProxyConfig,
-    RoutingConfig,
-    SupervisionConfig,
-)
+from proxy.config.load import Config, ProxyConfig, RoutingConfig
 from proxy.feedback.reports import Outcome
 from proxy.forwarding.send import JSON, Relay, Target, send
 from proxy.server.handlers import read_json

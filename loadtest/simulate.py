@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING
 from loadtest.trace import BLOCK, VOCAB_HI, VOCAB_LO, TraceRequest, block_start
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity
-from proxy.routing.router import Decision, Router, RouterSettings
+from proxy.routing.decision import Decision
+from proxy.routing.router import Router
+from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 
 if TYPE_CHECKING:

@@ -23,7 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from proxy.config.load import Config, ConfigError, check_port_free, load_config
+from proxy.config.fields import ConfigError
+from proxy.config.load import Config, check_port_free, load_config
 
 
 def _default_config_path(given: Path | None) -> Path | None:

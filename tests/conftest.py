@@ -28,16 +28,11 @@ import pytest_asyncio
 from prompt_corpus import Backend
 
 from backends.binary import cache_dir, find_llama_server
+from backends.config import ManagedBackendConfig, SupervisionConfig
 from backends.demo_model import DemoModelParams, demo_model_path
 from backends.process import free_port
 from backends.supervisor import Supervisor
-from proxy.config.load import (
-    Config,
-    ManagedBackendConfig,
-    ProxyConfig,
-    RoutingConfig,
-    SupervisionConfig,
-)
+from proxy.config.load import Config, ProxyConfig, RoutingConfig
 from proxy.prompt.builder import PromptBuilder
 
 

@@ -41,7 +41,7 @@ from backends.supervisor import Supervisor
 from proxy.app import create_app
 from proxy.config.load import load_config
 from proxy.feedback.reports import Outcome, Recorder
-from proxy.routing.router import Decision
+from proxy.routing.decision import Decision
 from proxy.server.keys import FORWARDER
 
 REPO = Path(__file__).resolve().parent.parent

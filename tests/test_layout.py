@@ -132,3 +132,36 @@ def test_architecture_doc_names_every_package() -> None:
         assert (ROOT / path).exists(), path
     for pkg in packages:
         assert ast.get_docstring(ast.parse((ROOT / pkg / "__init__.py").read_text())), pkg
+
+
+def _defined(name: str) -> set[str]:
+    """Names a module defines itself (not those it imports)."""
+    out: set[str] = set()
+    for node in ast.parse(MODULES[name].read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign) and isinstance(node.target,
+                                                                            ast.Name):
+            out.add(node.target.id)
+        elif isinstance(node, ast.If | ast.Try):  # conditional definitions
+            out |= {n.name for n in ast.walk(node)
+                    if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+    return out
+
+
+def test_names_are_imported_from_their_owner() -> None:
+    """No re-export chains: `from a.b import X` only where a.b defines X (or X is a
+    module of package a.b)."""
+    wrong = []
+    sources = [*MODULES.values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").glob("*.py")]
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in MODULES:
+                continue
+            owned = _defined(node.module)
+            wrong += [f"{path.relative_to(ROOT)}: {a.name} from {node.module}"
+                      for a in node.names
+                      if a.name not in owned and f"{node.module}.{a.name}" not in MODULES]
+    assert not wrong

@@ -27,7 +27,7 @@ from proxy.anthropic.relay import AnthropicErrors, AnthropicRelay
 from proxy.errors import BadRequest
 from proxy.feedback.reports import Outcome
 from proxy.forwarding.send import JSON, Target, send
-from proxy.prompt.builder import PromptError
+from proxy.prompt.chat_request import PromptError
 from proxy.server.handlers import pick_ready, prompt_for, read_json, tokens_for
 from proxy.server.keys import FORWARDER, PROMPT
 from proxy.server.validate import check_fields

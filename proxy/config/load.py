@@ -35,7 +35,8 @@ from proxy.config.fields import (  # ConfigError is re-exported: imported from h
     _show,
 )
 from proxy.config.settings import HealthSettings, ProxySettings
-from proxy.routing.policy import POLICIES, RouterSettings
+from proxy.routing.policy import POLICIES
+from proxy.routing.settings import RouterSettings
 
 DEMO = "demo"  # `model: demo` = the synthesised demo model
 
@@ -79,13 +80,9 @@ class Config:
         return self.proxy.settings.tokenizer
 
 
-# The built-in default, identical to the shipped config.yaml.
-DEFAULT_YAML = """
-proxy: {host: 127.0.0.1, port: 8080, policy: prefix}
-backends:
-  - {name: a, model: demo, slots: 2, ctx_per_slot: 32768, threads: 1}
-  - {name: b, model: demo, slots: 2, ctx_per_slot: 32768, threads: 1}
-"""
+# The built-in default is the shipped config.yaml itself (this package's default.yaml links
+# to it, and a wheel carries it as package data).
+DEFAULT_PATH = Path(__file__).with_name("default.yaml")
 
 
 def _demo_params(raw: object) -> DemoModelParams:
@@ -285,7 +282,7 @@ def load_config(path: Path | None, *, check_port: bool = True,
     model they are about to build.
     """
     if path is None:
-        data, base = yaml.safe_load(DEFAULT_YAML), Path.cwd()
+        data, base = yaml.safe_load(DEFAULT_PATH.read_text()), Path.cwd()
     else:
         try:
             text = Path(path).read_text()

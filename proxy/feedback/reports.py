@@ -18,7 +18,7 @@ from proxy.errors import UpstreamTimeout
 from proxy.observability.metrics import ProxyMetrics
 
 if TYPE_CHECKING:
-    from proxy.routing.router import Decision
+    from proxy.routing.decision import Decision
 
 
 @dataclass

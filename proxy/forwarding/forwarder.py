@@ -28,9 +28,10 @@ from proxy.errors import (
 from proxy.feedback.reports import Outcome, Recorder, held_output
 from proxy.forwarding.assemble import assembler_for, runs_on_when_left
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.send import JSON, PASSTHROUGH, Relay, Settle, Target, send, upstream_payload
+from proxy.forwarding.send import AS_IS, JSON, Relay, Settle, Target, send, upstream_payload
 from proxy.forwarding.upstream import Response, Upstream
-from proxy.routing.router import Decision, Handoff, NeedWholePrompt, NoBackend, Router
+from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend
+from proxy.routing.router import Router
 
 # A slot whose client left during its prefill is watched until its server is done with
 # it, for at most FREE_WAIT_MARGIN_S + twice the rest of the prefill.
@@ -131,7 +132,7 @@ class Forwarder:
 
     async def routed(self, request: web.Request, *, endpoint: str, path: str, raw: bytes,
                      body: JSON, tokens: Sequence[int] | PendingPrompt,
-                     relay: Relay = PASSTHROUGH) -> web.StreamResponse:
+                     relay: Relay = AS_IS) -> web.StreamResponse:
         """Route `tokens`, send `body` to `path` on the chosen backend, learn from it."""
         started = time.perf_counter()
         ctx = self.max_context()
@@ -261,7 +262,7 @@ class Forwarder:
                           settle=settle, sent=sent)
 
     async def passthrough(self, request: web.Request, path: str, info: BackendInfo,
-                          raw: bytes, *, relay: Relay = PASSTHROUGH,
+                          raw: bytes, *, relay: Relay = AS_IS,
                           pick: Callable[[], BackendInfo] | None = None,
                           method: str = "POST") -> web.StreamResponse:
         """Forward an unrouted call (/tokenize, /props, ...) to `info` as it is; when it

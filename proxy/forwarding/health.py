@@ -51,7 +51,8 @@ from backends.supervisor import BackendInfo
 from proxy.config.settings import HealthSettings
 from proxy.forwarding.upstream import Response
 from proxy.observability.metrics import ProxyMetrics
-from proxy.routing.router import BackendCapacity, Router
+from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.router import Router
 
 CLOSED, OPEN = "closed", "open"
 

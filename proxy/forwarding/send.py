@@ -100,7 +100,7 @@ class Relay:
         return None
 
 
-PASSTHROUGH = Relay()
+AS_IS = Relay()  # answers relayed as the backend sent them
 
 # Called once the backend's answer has begun, before anything is written to the client:
 # the final Target (its prediction may change; see pipeline.PendingPrompt).
@@ -142,7 +142,7 @@ def _is_usage_only(obj: JSON) -> bool:
 
 
 async def send(client: Upstream, request: web.Request, target: Target,
-               path: str, payload: bytes, outcome: Outcome, *, relay: Relay = PASSTHROUGH,
+               path: str, payload: bytes, outcome: Outcome, *, relay: Relay = AS_IS,
                strip_usage: bool = False, method: str = "POST",
                health: BackendHealth | None = None,
                first_byte_timeout: float | None = None,

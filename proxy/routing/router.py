@@ -24,8 +24,9 @@ from proxy.routing.backend_state import BackendState, peer_rate, share_rate
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import PENDING, RAM, SLOT, BackendCapacity, Placement
 from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
-from proxy.routing.policy import POLICIES, Baselines, Candidate, RouterSettings, choose_prefix
+from proxy.routing.policy import POLICIES, Baselines, Candidate, choose_prefix
 from proxy.routing.queue import Inflight, QueuedRequests
+from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.token_bytes import common_len, to_token_bytes
 

@@ -21,7 +21,8 @@ from proxy.errors import BadRequest, NoBackendAvailable, NotFound, PayloadTooLar
 from proxy.forwarding.forwarder import PendingPrompt
 from proxy.forwarding.send import JSON
 from proxy.observability.metrics import CONTENT_TYPE
-from proxy.prompt.builder import Plan, PromptError
+from proxy.prompt.chat_request import PromptError
+from proxy.prompt.tokenizer import Plan
 from proxy.server.keys import (
     ADMISSION,
     BACKENDS,

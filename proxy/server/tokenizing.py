@@ -9,7 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from proxy.forwarding.forwarder import PendingPrompt
-from proxy.prompt.builder import Plan, PromptBuilder, PromptError
+from proxy.prompt.builder import PromptBuilder
+from proxy.prompt.chat_request import PromptError
+from proxy.prompt.tokenizer import Plan
 
 T = TypeVar("T")
 

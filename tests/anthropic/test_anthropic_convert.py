@@ -16,7 +16,8 @@ import pytest
 from prompt_corpus import Backend
 
 from proxy.anthropic.convert import anthropic_to_chat, normalize_billing_header
-from proxy.prompt.builder import PromptBuilder, PromptError
+from proxy.prompt.builder import PromptBuilder
+from proxy.prompt.chat_request import PromptError
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=a5145;"
 CC_SYSTEM = [

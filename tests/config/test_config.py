@@ -10,12 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.config.load import (
-    ConfigError,
-    ExternalBackendConfig,
-    ManagedBackendConfig,
-    load_config,
-)
+from backends.config import ExternalBackendConfig, ManagedBackendConfig, SupervisionConfig
+from backends.demo_model import DemoModelParams
+from proxy.config.fields import ConfigError
+from proxy.config.load import load_config
+from proxy.config.settings import ProxySettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,6 +59,10 @@ def test_shipped_config_is_the_default(demo_model: Path) -> None:
             for b in shipped.managed()] == [("a", 2, 32768, 1, demo_model),
                                             ("b", 2, 32768, 1, demo_model)]
     assert shipped.log_dir == REPO / "logs"
+    # what config.yaml spells out is what the code defaults to: one value per knob
+    assert shipped.proxy.settings == ProxySettings()
+    assert shipped.supervision == SupervisionConfig()
+    assert shipped.demo_model == DemoModelParams()
 
 
 def test_full_config_round_trip(tmp_path: Path, demo_model: Path) -> None:

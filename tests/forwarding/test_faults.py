@@ -29,16 +29,11 @@ from proxy_client import proxy
 from texts import words
 
 from backends.binary import cache_dir
+from backends.config import ExternalBackendConfig, SupervisionConfig
 from backends.supervisor import BackendInfo, Supervisor
-from proxy.config.load import (
-    Config,
-    ExternalBackendConfig,
-    ProxyConfig,
-    RoutingConfig,
-    SupervisionConfig,
-)
-from proxy.config.settings import ProxySettings
-from proxy.forwarding.health import BackendHealth, HealthSettings
+from proxy.config.load import Config, ProxyConfig, RoutingConfig
+from proxy.config.settings import HealthSettings, ProxySettings
+from proxy.forwarding.health import BackendHealth
 from proxy.server.keys import ADMISSION, HEALTH, METRICS, ROUTER
 
 pytestmark = pytest.mark.timeout(240)

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prompt_corpus import COMPLETION_PROMPTS, CORPUS, INVALID, Backend
 
-from proxy.prompt.builder import PromptBuilder, PromptError
-from proxy.prompt.chat_request import dump_compact
+from proxy.prompt.builder import PromptBuilder
+from proxy.prompt.chat_request import PromptError, dump_compact
 from proxy.prompt.template import TemplateCaps, _tojson, llama_tojson
 
 # -- template and caps ----------------------------------------------------------------

@@ -7,9 +7,13 @@ from collections import Counter
 
 import pytest
 
+from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.policy import BackendState, Candidate, choose_prefix
-from proxy.routing.router import BackendCapacity, Decision, Router, RouterSettings
+from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.decision import Decision
+from proxy.routing.policy import Candidate, choose_prefix
+from proxy.routing.router import Router
+from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.token_bytes import to_token_bytes
 

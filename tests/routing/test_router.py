@@ -8,15 +8,10 @@ from typing import Any
 
 import pytest
 
-from proxy.routing.router import (
-    BackendCapacity,
-    Decision,
-    Handoff,
-    NeedWholePrompt,
-    NoBackend,
-    Router,
-    RouterSettings,
-)
+from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend
+from proxy.routing.router import Router
+from proxy.routing.settings import RouterSettings
 
 
 def cap(name: str, slots: int = 2, ctx: int = 4096, ram: int = 1 << 30) -> BackendCapacity:

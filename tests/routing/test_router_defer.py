@@ -8,7 +8,10 @@ from dataclasses import replace
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from proxy.routing.router import BackendCapacity, Decision, Handoff, Router, RouterSettings
+from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.decision import Decision, Handoff
+from proxy.routing.router import Router
+from proxy.routing.settings import RouterSettings
 
 # (op, a, b): decide (a: conversation, b: new tokens), complete / abort (a: which live
 # request), place (a: which live request)

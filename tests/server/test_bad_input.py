@@ -24,15 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.binary import cache_dir
+from backends.config import ExternalBackendConfig, SupervisionConfig
 from backends.supervisor import Supervisor
 from proxy.app import create_app
-from proxy.config.load import (
-    Config,
-    ExternalBackendConfig,
-    ProxyConfig,
-    RoutingConfig,
-    SupervisionConfig,
-)
+from proxy.config.load import Config, ProxyConfig, RoutingConfig
 from proxy.config.settings import ProxySettings
 
 pytestmark = pytest.mark.timeout(300)

@@ -22,15 +22,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from fake_backend import FakeBackend
 
 from backends.binary import cache_dir
+from backends.config import ExternalBackendConfig, SupervisionConfig
 from backends.supervisor import Supervisor
 from proxy.app import create_app
-from proxy.config.load import (
-    Config,
-    ExternalBackendConfig,
-    ProxyConfig,
-    RoutingConfig,
-    SupervisionConfig,
-)
+from proxy.config.load import Config, ProxyConfig, RoutingConfig
 from proxy.config.settings import ProxySettings
 from proxy.observability.logging import configure_logging
 

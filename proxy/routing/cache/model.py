@@ -48,8 +48,8 @@ from sortedcontainers import SortedList
 from proxy.routing.cache.predict import (
     RAM,
     BackendCapacity,
+    CacheHolder,
     CachePrediction,
-    Holder,
     Placement,
     ServerRules,
     Slot,
@@ -256,7 +256,7 @@ class BackendCache(CachePrediction):
             gone.add(old)
         return gone
 
-    def _ram_relations(self, h: Holder) -> list[tuple[int, bool]]:
+    def _ram_relations(self, h: CacheHolder) -> list[tuple[int, bool]]:
         """RAM entries that contain slot ``h``'s sequence (True) or are a prefix of it."""
         name = self.cap.name
         ram = self.ram

@@ -21,7 +21,7 @@ SLOT = 0
 RAM = 1
 PENDING = 2  # a queued request's prompt, recorded before it has a slot (router-level)
 
-Holder = tuple[str, int, int]  # (backend, kind, index)
+CacheHolder = tuple[str, int, int]  # a tree holder of this model: (backend, kind, index)
 
 
 @dataclass
@@ -97,10 +97,10 @@ class CachePrediction:
     ram_bytes: int
 
     # ---------------------------------------------------------------- holders
-    def slot_holder(self, i: int) -> Holder:
+    def slot_holder(self, i: int) -> CacheHolder:
         return (self.cap.name, SLOT, i)
 
-    def ram_holder(self, e: int) -> Holder:
+    def ram_holder(self, e: int) -> CacheHolder:
         return (self.cap.name, RAM, e)
 
     # ------------------------------------------------------------- prediction
