@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.prompt.chat_request import ChatInputs, PromptError, ServerChatOptions, build_inputs
+from proxy.prompt.handlers import supports_thinking
 from proxy.prompt.template import CHATML_TEMPLATE_SRC, ChatTemplate, TemplateCaps, TemplateError
 from proxy.prompt.tokenizer import FragmentTokenizer, Plan
 
@@ -37,8 +38,10 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.template = template
         self.tool_template = tool_template
-        self.options = options or ServerChatOptions()
         self.caps = caps or template.probe_caps()
+        # the server's default: thinking on where the template supports it
+        self.options = options or ServerChatOptions(
+            enable_thinking=supports_thinking(template, self.caps))
         self.tool_caps = tool_caps or (tool_template.probe_caps() if tool_template else None)
 
     @classmethod

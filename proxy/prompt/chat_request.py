@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from proxy.prompt.handlers import adjust_messages
 from proxy.prompt.template import TemplateCaps
 
 
@@ -288,6 +289,7 @@ def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
                     except ValueError as e:
                         raise PromptError(
                             f"Failed to parse tool call arguments as JSON: {e}") from e
+    messages = adjust_messages(source, messages)
 
     kwargs = _template_kwargs(body, options)
     enable_thinking = kwargs.pop("__enable_thinking__")
