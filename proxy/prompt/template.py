@@ -21,10 +21,13 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import orjson
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -221,6 +224,17 @@ def _strftime_now(fmt: str) -> str:
     return time.strftime(fmt, time.localtime())
 
 
+class _GenerationTags(Extension):
+    """`{% generation %}` / `{% endgeneration %}` (transformers' marks of what the assistant
+    wrote): llama.cpp parses both as no-ops and renders what lies between them."""
+
+    tags: ClassVar[set[str]] = {"generation", "endgeneration"}
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return []
+
+
 class _Env(ImmutableSandboxedEnvironment):
     """jinja2 configured like llama.cpp's lexer/runtime (see module docstring)."""
 
@@ -228,7 +242,7 @@ class _Env(ImmutableSandboxedEnvironment):
         # keep_trailing_newline: ChatTemplate already dropped the one llama.cpp drops.
         super().__init__(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                          undefined=jinja2.ChainableUndefined,
-                         extensions=["jinja2.ext.loopcontrols"])
+                         extensions=["jinja2.ext.loopcontrols", _GenerationTags])
         self.filters["tojson"] = llama_tojson
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = _strftime_now
@@ -251,6 +265,30 @@ class _Env(ImmutableSandboxedEnvironment):
             return getattr(obj, attribute)
         return super().getattr(obj, attribute)
 
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        # llama.cpp's arrays have `append` and `pop` (Kimi K2 queues tool-call ids)
+        if type(obj) is list and attr in ("append", "pop"):
+            return True
+        return super().is_safe_attribute(obj, attr, value)
+
+
+class _LenientEnv(_Env):
+    """`_Env` whose `+` joins a string with none or undefined as if it were "" (llama.cpp's
+    binary_expression does; Python raises). Slower: used only for a render the plain
+    environment refused."""
+
+    intercepted_binops = frozenset(("+",))
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+":
+            left_null = left is None or isinstance(left, jinja2.Undefined)
+            right_null = right is None or isinstance(right, jinja2.Undefined)
+            if left_null and isinstance(right, str):
+                return right
+            if right_null and isinstance(left, str):
+                return left
+        return super().call_binop(context, operator, left, right)
+
 
 _DICT_ATTRS = frozenset(dir(dict))
 _LOOP_ATTRS = frozenset(("index", "index0", "revindex", "revindex0", "first", "last",
@@ -260,6 +298,7 @@ _STR_ATTRS = frozenset(a for a in dir(str) if not a.startswith("_")) - {"format"
 
 
 _ENV = _Env()
+_LENIENT_ENV = _LenientEnv()
 
 
 @dataclass(frozen=True)
@@ -297,10 +336,25 @@ class ChatTemplate:
         # it into every render's context; iterating a ChainMap is a third of a small
         # render's time. Ours are fixed at creation (_Env), so one plain dict serves.
         self._tmpl.globals = dict(self._tmpl.globals)
+        self._lenient: jinja2.Template | None = None
 
     def render(self, context: Mapping[str, Any]) -> str:
         try:
             return self._tmpl.render(**context)
+        except TemplateError:
+            raise
+        except (TypeError, jinja2.UndefinedError):
+            return self._render_lenient(context)
+        except (jinja2.TemplateError, ValueError, KeyError, IndexError,
+                AttributeError, ZeroDivisionError) as e:
+            raise TemplateError(f"chat template failed to render: {e}") from e
+
+    def _render_lenient(self, context: Mapping[str, Any]) -> str:
+        if self._lenient is None:
+            self._lenient = _LENIENT_ENV.from_string(self.source)
+            self._lenient.globals = dict(self._lenient.globals)
+        try:
+            return self._lenient.render(**context)
         except TemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError,
