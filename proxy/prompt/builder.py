@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from proxy.prompt.caps import TemplateCaps, probe_caps
 from proxy.prompt.chat_request import ChatInputs, PromptError, ServerChatOptions, build_inputs
-from proxy.prompt.handlers import supports_thinking
-from proxy.prompt.template import CHATML_TEMPLATE_SRC, ChatTemplate, TemplateCaps, TemplateError
+from proxy.prompt.handlers import patch_source, supports_thinking
+from proxy.prompt.template import CHATML_TEMPLATE_SRC, ChatTemplate, TemplateError
 from proxy.prompt.tokenizer import FragmentTokenizer, Plan
 
 __all__ = ["Plan", "PromptBuilder", "PromptError", "ServerChatOptions", "TemplateCaps"]
@@ -38,11 +39,11 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.template = template
         self.tool_template = tool_template
-        self.caps = caps or template.probe_caps()
+        self.caps = caps or probe_caps(template)
         # the server's default: thinking on where the template supports it
         self.options = options or ServerChatOptions(
             enable_thinking=supports_thinking(template, self.caps))
-        self.tool_caps = tool_caps or (tool_template.probe_caps() if tool_template else None)
+        self.tool_caps = tool_caps or (probe_caps(tool_template) if tool_template else None)
 
     @classmethod
     def load(cls, gguf_path: Path, *, chat_template: str | None = None,
@@ -62,6 +63,7 @@ class PromptBuilder:
         # variant if there is one, else llama.cpp's built-in ChatML.
         if not default_src or default_src == "chatml":
             default_src = tool_src or CHATML_TEMPLATE_SRC
+        default_src = patch_source(default_src)
         bos = tok.piece(tok.bos_id) if tok.bos_id >= 0 else ""
         eos = tok.piece(tok.eos_id) if tok.eos_id >= 0 else ""
         tmpl = ChatTemplate(default_src, bos, eos)

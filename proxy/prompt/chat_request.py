@@ -30,8 +30,8 @@ from typing import Any
 
 import orjson
 
+from proxy.prompt.caps import TemplateCaps
 from proxy.prompt.handlers import adjust_messages
-from proxy.prompt.template import TemplateCaps
 
 
 class PromptError(ValueError):

@@ -18,7 +18,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from proxy.prompt.template import ChatTemplate, TemplateCaps, TemplateError
+from proxy.prompt.caps import TemplateCaps
+from proxy.prompt.template import ChatTemplate, TemplateError
 
 # (handler, markers that must all be present, markers that must be absent), in the order
 # llama.cpp tests them: the first match wins.
@@ -43,6 +44,27 @@ _HANDLERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 )
 # handlers that leave `supports_thinking` false
 _NO_THINKING = frozenset(("functionary_v3_2", "gigachat_v3"))
+
+
+# common_chat_templates_init rewrites a check some templates fail on (GPT-OSS: a channel
+# tag in content; Mistral: a tool-call message with no content) before compiling them.
+_SOURCE_PATCHES = (
+    ("<|channel|>", "in message.content or",
+     '{%- if "<|channel|>analysis<|message|>" in message.content or '
+     '"<|channel|>final<|message|>" in message.content %}'),
+    ("[TOOL_CALLS]", "if (message['content'] is none or",
+     "{%- if (message['content'] is none or message['content'] == '' or "
+     "message['content']|length == 0) and (message['tool_calls'] is not defined or "
+     "message['tool_calls'] is none or message['tool_calls']|length == 0) %}"),
+)
+
+
+def patch_source(source: str) -> str:
+    """The default template's text as the server compiles it (see _SOURCE_PATCHES)."""
+    for marker, probe, check in _SOURCE_PATCHES:
+        if marker in source and probe in source:
+            source = source.replace(check, "{%- if false %}")
+    return source
 
 
 def detect_handler(source: str) -> str | None:

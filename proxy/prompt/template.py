@@ -6,11 +6,8 @@ undefined, and its `tojson` writes `", "` / `": "` separators, raw UTF-8 and flo
 way C++ `ostream << double` does (`%g`: `1.0` -> `1`). jinja2's builtin `tojson`
 HTML-escapes `<`, `>`, `&`, `'` and would change the prompt, so it is replaced.
 
-Template capabilities (`TemplateCaps`) decide how llama-server normalises messages before
-rendering (string vs typed content, string vs object tool-call arguments, ...). The server
-derives them by tracing which inputs the template touches; `probe_caps` approximates that
-by rendering marker inputs. The proxy may pass the backend's own `/props`
-`chat_template_caps` instead; the tests check both agree for our template.
+What the template supports (proxy/prompt/caps.py) decides how llama-server normalises
+messages before rendering.
 """
 
 from __future__ import annotations
@@ -19,8 +16,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import jinja2
@@ -164,6 +160,8 @@ _TOJSON_MEMO = _JsonMemo()
 def llama_tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                  separators: Any = None, sort_keys: bool = False) -> str:
     """`tojson` byte for byte as llama.cpp's Jinja engine writes it."""
+    if isinstance(value, Iterator):
+        value = list(value)  # `map` and `select` give arrays in llama.cpp, not generators
     if sort_keys:
         raise TemplateError("tojson sort_keys=true not implemented")  # as llama.cpp
     ind = indent if isinstance(indent, int) and not isinstance(indent, bool) else -1
@@ -235,7 +233,7 @@ class _GenerationTags(Extension):
         return []
 
 
-class _Env(ImmutableSandboxedEnvironment):
+class JinjaEnv(ImmutableSandboxedEnvironment):
     """jinja2 configured like llama.cpp's lexer/runtime (see module docstring)."""
 
     def __init__(self) -> None:
@@ -272,8 +270,8 @@ class _Env(ImmutableSandboxedEnvironment):
         return super().is_safe_attribute(obj, attr, value)
 
 
-class _LenientEnv(_Env):
-    """`_Env` whose `+` joins a string with none or undefined as if it were "" (llama.cpp's
+class LenientEnv(JinjaEnv):
+    """`JinjaEnv` whose `+` joins a string with none or undefined as if it were "" (llama.cpp's
     binary_expression does; Python raises). Slower: used only for a render the plain
     environment refused."""
 
@@ -297,25 +295,8 @@ _STR_ATTRS = frozenset(a for a in dir(str) if not a.startswith("_")) - {"format"
                                                                           "format_map"}
 
 
-_ENV = _Env()
-_LENIENT_ENV = _LenientEnv()
-
-
-@dataclass(frozen=True)
-class TemplateCaps:
-    """What llama-server believes the template supports (its `chat_template_caps`)."""
-
-    supports_string_content: bool = True
-    supports_typed_content: bool = False
-    supports_system_role: bool = True
-    supports_tools: bool = False
-    supports_tool_calls: bool = False
-    supports_object_arguments: bool = False
-
-    @classmethod
-    def from_props(cls, caps: Mapping[str, Any]) -> TemplateCaps:
-        names = cls.__dataclass_fields__
-        return cls(**{k: bool(v) for k, v in caps.items() if k in names})
+_ENV = JinjaEnv()
+_LENIENT_ENV = LenientEnv()
 
 
 class ChatTemplate:
@@ -334,7 +315,7 @@ class ChatTemplate:
             raise TemplateError(f"chat template does not compile: {e}") from e
         # jinja2 keeps a template's globals as a ChainMap over the environment's and copies
         # it into every render's context; iterating a ChainMap is a third of a small
-        # render's time. Ours are fixed at creation (_Env), so one plain dict serves.
+        # render's time. Ours are fixed at creation (JinjaEnv), so one plain dict serves.
         self._tmpl.globals = dict(self._tmpl.globals)
         self._lenient: jinja2.Template | None = None
 
@@ -360,51 +341,3 @@ class ChatTemplate:
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError,
                 AttributeError, ZeroDivisionError) as e:
             raise TemplateError(f"chat template failed to render: {e}") from e
-
-    def probe_caps(self) -> TemplateCaps:
-        """Approximate llama.cpp's `caps_get` by rendering marker inputs."""
-        return TemplateCaps(
-            supports_string_content=self._probe_string_content(),
-            supports_typed_content=self._renders({"role": "user", "content": [
-                {"type": "text", "text": "TYPED_MARKER"}]}, "TYPED_MARKER", "'text'"),
-            supports_system_role=self._renders(
-                {"role": "system", "content": "SYSTEM_MARKER"}, "SYSTEM_MARKER"),
-            supports_tools=self._probe_tools(),
-            supports_tool_calls=self._probe_tool_call({"arg": "value"}, "CALL_MARKER"),
-            supports_object_arguments=self._probe_tool_call({"arg": "ARG_MARKER"},
-                                                            "ARG_MARKER"),
-        )
-
-    def _try(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
-        try:
-            return self.render({"messages": messages, "tools": tools or [],
-                                "bos_token": "", "eos_token": "",
-                                "add_generation_prompt": True})
-        except TemplateError:
-            return ""
-
-    def _probe_string_content(self) -> bool:
-        return "STRING_MARKER" in self._try([{"role": "user", "content": "STRING_MARKER"}])
-
-    def _renders(self, first: dict[str, Any], marker: str, forbidden: str = "\0") -> bool:
-        out = self._try([first, {"role": "user", "content": "User message"}])
-        return marker in out and forbidden not in out
-
-    def _probe_tools(self) -> bool:
-        tool = {"type": "function", "function": {
-            "name": "TOOL_MARKER", "description": "Tool description",
-            "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}}}}
-        return "TOOL_MARKER" in self._try([{"role": "user", "content": "User message"}], [tool])
-
-    def _probe_tool_call(self, args: Any, marker: str) -> bool:
-        msgs = [
-            {"role": "user", "content": "User message"},
-            {"role": "assistant", "content": "", "tool_calls": [{
-                "id": "call00001", "type": "function",
-                "function": {"name": "CALL_MARKER", "arguments": args}}]},
-            {"role": "tool", "content": "Tool response", "tool_call_id": "call00001"},
-            {"role": "user", "content": "User message"},
-        ]
-        out = self._try(msgs)
-        # An object printed as a Python dict repr means "not really supported".
-        return marker in out and "{'" not in out

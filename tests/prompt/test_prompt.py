@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from prompt_corpus import COMPLETION_PROMPTS, CORPUS, INVALID, Backend
 
 from proxy.prompt.builder import PromptBuilder
+from proxy.prompt.caps import TemplateCaps
 from proxy.prompt.chat_request import PromptError, dump_compact
-from proxy.prompt.template import TemplateCaps, _tojson, llama_tojson
+from proxy.prompt.template import _tojson, llama_tojson
 
 # -- template and caps ----------------------------------------------------------------
 
