@@ -9,13 +9,13 @@ call returns a value or a `BackendDown`/`BadResponse` result instead of raising.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 
 # What a /props may say: beyond these it is a broken (external) backend, not a server
 MAX_SLOTS = 4096
@@ -88,10 +88,13 @@ class BackendClient:
 
     async def _request(self, method: str, path: str, body: object = None
                        ) -> tuple[int, str] | BackendDown:
+        raw = isinstance(body, bytes)
+        headers = {**self._headers(), "Content-Type": "application/json"} if raw else \
+            self._headers()
         try:
             async with self.session.request(
-                method, self.url + path, json=body, headers=self._headers(),
-                timeout=self.timeout,
+                method, self.url + path, json=None if raw else body,
+                data=body if raw else None, headers=headers, timeout=self.timeout,
             ) as r:
                 return r.status, await r.text()
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -107,7 +110,7 @@ class BackendClient:
         if status != 200:
             return BadResponse(self.url, status, text[:500])
         try:
-            return json.loads(text)
+            return orjson.loads(text)
         except ValueError:
             return BadResponse(self.url, status, text[:500])
 
@@ -189,9 +192,10 @@ class BackendClient:
             return Tokens([int(t["id"]) for t in toks], [str(t["piece"]) for t in toks])
         return Tokens([int(t) for t in toks], None)
 
-    async def apply_template(self, body: Mapping[str, Any]) -> str | Failure:
-        """The prompt /v1/chat/completions would build for this request body."""
-        data = await self._json("POST", "/apply-template", dict(body))
+    async def apply_template(self, body: Mapping[str, Any] | bytes) -> str | Failure:
+        """The prompt /v1/chat/completions would build for this request body (a JSON
+        object, or its encoding)."""
+        data = await self._json("POST", "/apply-template", body)
         if isinstance(data, BackendDown | BadResponse):
             return data
         if not isinstance(data, dict) or not isinstance(data.get("prompt"), str):

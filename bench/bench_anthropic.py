@@ -43,7 +43,7 @@ from proxy.config.load import Config, ProxyConfig, RoutingConfig
 from proxy.feedback.reports import Outcome
 from proxy.forwarding.send import JSON, Relay, Target, send
 from proxy.server.handlers import read_json
-from proxy.server.keys import FORWARDER, PROMPT, TOKENIZING
+from proxy.server.keys import FORWARDER, TOKENIZING
 
 WORDS = ("amber", "falcon", "harbor", "meadow", "quartz", "saddle", "tundra", "velvet",
          "walnut", "yonder", "lantern", "pepper", "copper", "dune", "ember", "glacier",
@@ -88,7 +88,7 @@ def mode_a_middleware(app: web.Application) -> Any:
             return await handler(request)
         raw, body = await read_json(request)
         chat = chat_body(body)
-        tokens = app[PROMPT].chat_tokens(chat)  # type: ignore[union-attr]
+        tokens = app[TOKENIZING].prompt.chat_tokens(chat)  # type: ignore[union-attr]
         fwd = app[FORWARDER]
         hint = request.headers.get("X-Claude-Code-Session-Id") or chat.get("user")
         decision = fwd.router.decide(tokens, session=hint, now=time.monotonic())

@@ -51,6 +51,7 @@ from proxy.prompt.builder import PromptBuilder
 from proxy.routing.router import Router
 from proxy.server import handlers
 from proxy.server.admission import Admission, Refused
+from proxy.server.backend_tokens import BackendTokens
 from proxy.server.keys import (
     ADMISSION,
     BACKENDS,
@@ -59,7 +60,6 @@ from proxy.server.keys import (
     FORWARDER,
     HEALTH,
     METRICS,
-    PROMPT,
     ROUTER,
     SETTINGS,
     SUPERVISOR,
@@ -123,7 +123,6 @@ async def _prompt_ctx(app: web.Application) -> AsyncIterator[None]:
         path, template = found
         tok.prompt = await asyncio.get_running_loop().run_in_executor(
             tok.pool, lambda: PromptBuilder.load(path, chat_template=template))
-    app[PROMPT] = tok.prompt
     app[TOKENIZING] = tok
     yield
     tok.pool.shutdown(wait=False, cancel_futures=True)
@@ -147,6 +146,9 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
                                max_attempts=s.retry_attempts,
                                first_byte_timeout=s.first_byte_timeout_s,
                                log_prompts=s.log_prompts, session=session)
+    app[TOKENIZING].remote = BackendTokens(
+        session, lambda: handlers.pick_ready(app),
+        lambda reason: app[METRICS].child(app[METRICS].tokens_from_backend, reason).inc())
     prober = asyncio.create_task(app[HEALTH].run(session), name="kvroute-health")
     yield
     prober.cancel()
@@ -158,8 +160,9 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
-    supervisor, health = app[SUPERVISOR], app[HEALTH]
+    supervisor, health, tokenizing = app[SUPERVISOR], app[HEALTH], app[TOKENIZING]
     active = True
+    checks: set[asyncio.Task[None]] = set()
 
     def on_event(name: str, info: BackendInfo | None) -> None:
         if not active:
@@ -168,12 +171,18 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
             health.backend_down(name)
         else:
             health.backend_up(info)
+            # is the local template the backend's? (once per backend URL)
+            task = asyncio.ensure_future(tokenizing.check(info))
+            checks.add(task)
+            task.add_done_callback(checks.discard)
 
     for info in supervisor.ready():
         on_event(info.name, info)
     supervisor.subscribe(on_event)
     yield
     active = False  # the Supervisor has no unsubscribe; a closed app ignores its events
+    for task in checks:
+        task.cancel()
 
 
 @web.middleware

@@ -239,7 +239,27 @@ def doctor_report(config_path: Path | None) -> dict[str, Any]:
     if cfg is not None and any(b.is_demo for b in cfg.managed()) and not model.is_file():
         report["ok"] = False
     report["backends"] = _backend_health(cfg) if cfg else []
+    if cfg is not None:
+        report["tokens"] = _tokens(cfg)
     return report
+
+
+def _tokens(cfg: Config) -> dict[str, Any]:
+    """Where prompt ids come from: a local GGUF, or the backends (exact, one round trip
+    more); and what a running `kvroute serve` found (its template check)."""
+    from proxy.app import tokenizer_model
+
+    found = (cfg.tokenizer, None) if cfg.tokenizer is not None else tokenizer_model(cfg)
+    out: dict[str, Any] = {"local_gguf": str(found[0]) if found else None, "serving": None}
+    try:
+        import urllib.request
+
+        url = f"http://{cfg.proxy.host}:{cfg.proxy.port}/kvroute/status"
+        with urllib.request.urlopen(url, timeout=2) as r:
+            out["serving"] = json.loads(r.read()).get("tokenizer")
+    except (OSError, ValueError):
+        pass  # not serving, or its status needs a key
+    return out
 
 
 def _print_report(r: dict[str, Any]) -> None:
@@ -263,6 +283,12 @@ def _print_report(r: dict[str, Any]) -> None:
         m = "-- " if b["managed"] and b["url"] is None else mark(b["healthy"])
         print(f"[{m}] backend {b['name']} ({kind}) "
               f"{b['url'] or ''} {b['detail']}")
+    tok = r.get("tokens")
+    if tok is not None:
+        where = (f"local ({tok['local_gguf']})" if tok["local_gguf"] else
+                 "from the backends (no local GGUF: set proxy.tokenizer to save a round trip)")
+        print(f"[ok ] prompt ids: {where}"
+              + (f"; the running proxy: {tok['serving']}" if tok["serving"] else ""))
     print(f"cache: {r['cache_dir']}")
     print("all good" if r["ok"] else "problems found (see BAD lines)")
 

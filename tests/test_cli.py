@@ -187,6 +187,7 @@ def test_doctor_json(tmp_path: Path, llama_server_bin: Path, demo_model: Path) -
     backends = {b["name"]: b for b in report["backends"]}
     assert backends["a"]["healthy"] is False and "not running" in backends["a"]["detail"]
     assert backends["far"]["healthy"] is False and backends["far"]["url"] == dead
+    assert report["tokens"] == {"local_gguf": str(demo_model), "serving": None}
     assert set(report) >= {"ok", "python", "kvroute_version", "cache_dir", "llama_cpp_python",
                            "llama_server", "demo_model", "config", "backends"}
 
@@ -200,6 +201,7 @@ def test_doctor_sees_running_backends(serve: Serve, tmp_path: Path) -> None:
         assert b["healthy"] is True, b
         assert b["pid"] == pids[b["name"]]
     assert report["config"]["proxy_port_free"] is False  # kvroute itself listens there
+    assert report["tokens"]["serving"] == "local"  # its template renders as the backends do
 
 
 def test_doctor_reports_bad_config(tmp_path: Path, llama_server_bin: Path) -> None:

@@ -17,19 +17,17 @@ are checked by the app's auth middleware. Session hint for the router:
 from __future__ import annotations
 
 import json
-import time
 
 import orjson
 from aiohttp import web
 
 from proxy.anthropic.convert import anthropic_to_chat
-from proxy.anthropic.relay import AnthropicErrors, AnthropicRelay
+from proxy.anthropic.relay import AnthropicRelay
 from proxy.errors import BadRequest
-from proxy.feedback.reports import Outcome
-from proxy.forwarding.send import JSON, Target, send
+from proxy.forwarding.send import JSON
 from proxy.prompt.chat_request import PromptError
-from proxy.server.handlers import pick_ready, prompt_for, read_json, tokens_for
-from proxy.server.keys import FORWARDER, PROMPT
+from proxy.server.handlers import prompt_for, read_json, tokens_for
+from proxy.server.keys import FORWARDER, TOKENIZING
 from proxy.server.validate import check_fields
 
 
@@ -88,11 +86,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     validate(body)
     chat = chat_body(body)
-    prompt = request.app[PROMPT]
+    prompt = request.app[TOKENIZING].prompt
     model = body.get("model") if isinstance(body.get("model"), str) else ""
-    if prompt is None:
-        return await _unrouted(request, raw)
-    tokens = await prompt_for(request, raw, lambda: prompt.plan_chat(chat))
+    plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
+    tokens = await prompt_for(request, raw, chat, plan)
     try:  # ~10x faster than json on a Claude Code turn (~1 ms for 120 KB)
         payload = orjson.dumps(chat)
     except TypeError:  # an integer past 64 bits
@@ -105,19 +102,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     validate(body)
-    prompt = request.app[PROMPT]
-    if prompt is None:
-        return await _unrouted(request, raw, "/v1/messages/count_tokens")
+    prompt = request.app[TOKENIZING].prompt
     chat = chat_body(body)
-    tokens = await tokens_for(request, raw, lambda: prompt.plan_chat(chat))
+    plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
+    tokens = await tokens_for(request, raw, chat, plan)
     return web.json_response({"input_tokens": len(tokens)})
-
-
-async def _unrouted(request: web.Request, raw: bytes,
-                    path: str = "/v1/messages") -> web.StreamResponse:
-    """No local tokenizer (external backends only): the backend converts itself."""
-    info = pick_ready(request.app)
-    outcome = Outcome(started=time.perf_counter())
-    return await send(request.app[FORWARDER].upstream, request, Target(info), path, raw,
-                      outcome, relay=AnthropicErrors())
-

@@ -66,6 +66,9 @@ class ProxyMetrics:
         self.routed_on_head = Counter(
             "kvroute_routed_on_head", "Requests routed on the head of their prompt while "
             "the rest (new text) was tokenized.", registry=r)
+        self.tokens_from_backend = Counter(
+            "kvroute_tokens_from_backend", "Requests whose prompt ids a backend computed "
+            "(/apply-template + /tokenize), by why kvroute did not.", ["reason"], registry=r)
 
         # labelled children by (collector, labels): `labels()` validates and locks on
         # every call; the label sets are few (endpoints x backends x statuses)

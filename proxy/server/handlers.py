@@ -23,6 +23,7 @@ from proxy.forwarding.send import JSON
 from proxy.observability.metrics import CONTENT_TYPE
 from proxy.prompt.chat_request import PromptError
 from proxy.prompt.tokenizer import Plan
+from proxy.server.backend_tokens import NO_TOKENIZER
 from proxy.server.keys import (
     ADMISSION,
     BACKENDS,
@@ -31,7 +32,6 @@ from proxy.server.keys import (
     FORWARDER,
     HEALTH,
     METRICS,
-    PROMPT,
     ROUTER,
     SETTINGS,
     SUPERVISOR,
@@ -131,24 +131,20 @@ def check_model(request: web.Request, body: JSON) -> None:
                        f"{', '.join(sorted(served))}", code="model_not_found")
 
 
-async def tokens_for(request: web.Request, raw: bytes,
-                     plan: Callable[[], Plan]) -> array:
-    """Exact prompt ids of a chat body (`plan`: `PromptBuilder.plan_chat`); PromptError
-    (bad messages, invalid text) -> 400."""
-    try:
-        return await request.app[TOKENIZING].ids(len(raw), plan)
-    except PromptError as e:
-        raise BadRequest(str(e)) from None
+async def tokens_for(request: web.Request, raw: bytes, body: JSON,
+                     plan: Callable[[], Plan] | None) -> array:
+    """Exact prompt ids of a chat body (`plan`: `PromptBuilder.plan_chat`, None without a
+    local tokenizer): see `Tokenizing.chat`."""
+    got = await request.app[TOKENIZING].chat(len(raw), body, plan)
+    assert not isinstance(got, PendingPrompt)
+    return got
 
 
-async def prompt_for(request: web.Request, raw: bytes,
-                     plan: Callable[[], Plan]) -> array | PendingPrompt:
+async def prompt_for(request: web.Request, raw: bytes, body: JSON,
+                     plan: Callable[[], Plan] | None) -> array | PendingPrompt:
     """`tokens_for`, or the head of the prompt to route on while the rest is tokenized
     (Tokenizing.prompt_ids)."""
-    try:
-        return await request.app[TOKENIZING].prompt_ids(len(raw), plan)
-    except PromptError as e:
-        raise BadRequest(str(e)) from None
+    return await request.app[TOKENIZING].chat(len(raw), body, plan, head=True)
 
 
 # ---------------------------------------------------------------------- endpoints
@@ -157,10 +153,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_messages(body, request.app[SETTINGS].max_messages)
     check_fields(body)
     check_model(request, body)
-    prompt = request.app[PROMPT]
-    if prompt is None:
-        return await unrouted(request, "/v1/chat/completions", raw)
-    tokens = await prompt_for(request, raw, lambda: prompt.plan_chat(body))
+    prompt = request.app[TOKENIZING].prompt
+    plan = None if prompt is None else (lambda: prompt.plan_chat(body))
+    tokens = await prompt_for(request, raw, body, plan)
     return await request.app[FORWARDER].routed(
         request, endpoint="chat", path="/v1/chat/completions", raw=raw, body=body,
         tokens=tokens)
@@ -181,14 +176,17 @@ async def _completion(request: web.Request, path: str, endpoint: str) -> web.Str
     check_fields(body, chat=False)
     if endpoint == "completions":
         check_model(request, body)
-    prompt = request.app[PROMPT]
+    tok = request.app[TOKENIZING]
+    prompt = tok.prompt
     if prompt is None:
-        return await unrouted(request, path, raw)
-    try:
-        tokens = await request.app[TOKENIZING].run(
-            len(raw), lambda: prompt.completion_ids(body["prompt"]))
-    except PromptError as e:
-        raise BadRequest(str(e)) from None
+        if not isinstance(body["prompt"], str) or tok.remote is None:
+            return await unrouted(request, path, raw)  # (several prompts: the server's)
+        tokens = await tok.remote.completion(body["prompt"], NO_TOKENIZER)
+    else:
+        try:
+            tokens = await tok.run(len(raw), lambda: prompt.completion_ids(body["prompt"]))
+        except PromptError as e:
+            raise BadRequest(str(e)) from None
     return await request.app[FORWARDER].routed(
         request, endpoint=endpoint, path=path, raw=raw, body=body, tokens=tokens)
 
@@ -217,7 +215,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     raw = b""
     if request.method == "POST":
         raw, body = await read_json(request)
-        prompt = app[PROMPT]
+        prompt = app[TOKENIZING].prompt
         check_forwarded(request.path, body, None if prompt is None else prompt.tokenizer.n_vocab)
     # NOTE: HEAD (aiohttp routes it to GET handlers) goes upstream as GET: aiohttp writes
     # no body to a HEAD request, and the upstream client cannot frame a HEAD answer
@@ -273,7 +271,6 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     app = request.app
-    prompt = app[PROMPT]
     health = app[HEALTH]
     # "healthy": the supervisor's view (the process serves); "routed": the proxy's (not
     # tripped by its breaker: requests go there)
@@ -283,7 +280,7 @@ async def status(request: web.Request) -> web.Response:
     admission = app[ADMISSION]
     return web.json_response({
         "policy": app[CONFIG].proxy.policy,
-        "tokenizer": None if prompt is None else "local",
+        "tokenizer": app[TOKENIZING].source,
         "backends": backends,
         "admission": {"in_flight": admission.in_flight, "queued": admission.queued,
                       "max_in_flight": admission.max_in_flight,

@@ -13,7 +13,6 @@ from proxy.config.settings import ProxySettings
 from proxy.forwarding.forwarder import Forwarder
 from proxy.forwarding.health import BackendHealth
 from proxy.observability.metrics import ProxyMetrics
-from proxy.prompt.builder import PromptBuilder
 from proxy.routing.router import Router
 from proxy.server.admission import Admission
 from proxy.server.tokenizing import Tokenizing
@@ -26,7 +25,6 @@ BACKENDS: web.AppKey[dict[str, BackendInfo]] = web.AppKey("kvroute.backends")
 ROUTER = web.AppKey("kvroute.router", Router)
 HEALTH = web.AppKey("kvroute.health", BackendHealth)
 ADMISSION = web.AppKey("kvroute.admission", Admission)
-PROMPT: web.AppKey[PromptBuilder | None] = web.AppKey("kvroute.prompt")
 TOKENIZING: web.AppKey[Tokenizing] = web.AppKey("kvroute.tokenizing")
 FORWARDER = web.AppKey("kvroute.forwarder", Forwarder)
 # Round-robin cursor for calls that are not routed by prefix (/tokenize, /props, ...).

@@ -6,12 +6,22 @@ import asyncio
 from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from backends.supervisor import BackendInfo
+from proxy.errors import BadRequest, NoBackendAvailable
 from proxy.forwarding.forwarder import PendingPrompt
+from proxy.observability.logging import get_logger
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.chat_request import PromptError
 from proxy.prompt.tokenizer import Plan
+from proxy.server.backend_tokens import (
+    INEXACT,
+    NO_TOKENIZER,
+    RENDER_FAILED,
+    BackendTokens,
+    Mismatch,
+)
 
 T = TypeVar("T")
 
@@ -48,6 +58,67 @@ class Tokenizing:
         self.prompt = prompt
         self.inline_bytes = inline_bytes
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
+        # the backends' own ids, where the local ones cannot be had or are not exact
+        self.remote: BackendTokens | None = None
+        self.inexact: Mismatch | None = None  # the local template renders differently
+        self._checked: set[str] = set()  # backend URLs compared with the local template
+        self.verified: set[str] = set()  # ... and found to render it alike
+
+    @property
+    def source(self) -> str:
+        """Where chat prompt ids come from: "local" or "backend" (and why)."""
+        if self.prompt is None:
+            return f"backend ({NO_TOKENIZER})"
+        return f"backend ({INEXACT}: {self.inexact})" if self.inexact else "local"
+
+    async def chat(self, size: int, body: dict[str, Any], plan: Callable[[], Plan] | None,
+                   *, head: bool = False) -> array | PendingPrompt:
+        """Exact ids of a chat body: local (`prompt_ids` when ``head``, else `ids`), or a
+        backend's when there is no local tokenizer, the local template is not exact, or
+        the local renderer refuses what the backend may render. A request the backend
+        refuses too is a 400 with its message."""
+        if plan is None:
+            return await self._remote().chat(body, NO_TOKENIZER)
+        if self.inexact is not None:
+            return await self._remote().chat(body, INEXACT, self._tokenize)
+        try:
+            return await (self.prompt_ids(size, plan) if head else self.ids(size, plan))
+        except PromptError as e:
+            if self.remote is None:
+                raise BadRequest(str(e)) from None
+            try:
+                return await self.remote.chat(body, RENDER_FAILED, self._tokenize)
+            except NoBackendAvailable:
+                raise BadRequest(str(e)) from None
+
+    def _tokenize(self, text: str) -> array:
+        # (the text the backend rendered, in this GGUF's vocabulary, fragment-cached)
+        assert self.prompt is not None
+        return self.prompt.tokenizer.tokenize_ids(text)
+
+    def _remote(self) -> BackendTokens:
+        if self.remote is None:
+            raise NoBackendAvailable("no backend to tokenize with yet", retry_after=1)
+        return self.remote
+
+    async def check(self, info: BackendInfo) -> None:
+        """Compare the local template with ``info``'s once; a difference switches chat
+        prompts to backend ids (see `source`)."""
+        if self.prompt is None or self.remote is None or self.inexact is not None \
+                or info.url in self._checked:
+            return
+        self._checked.add(info.url)
+        try:
+            got = await self.remote.check(self.prompt, info)
+        except Exception as e:  # a probe the local renderer chokes on: say so, keep going
+            get_logger().warning("tokens.check_failed", backend=info.name, error=repr(e))
+            return
+        if got is None:
+            self.verified.add(info.url)
+        else:
+            self.inexact = got
+            get_logger().warning("tokens.inexact", backend=info.name, difference=str(got),
+                                 now="chat prompt ids come from the backends")
 
     async def run(self, size: int, build: Callable[[], T]) -> T:
         """`build()` on the loop for a body of at most `inline_bytes`, else on the worker."""

@@ -1,0 +1,159 @@
+"""Prompt ids from a backend itself: exact by construction, one round trip more.
+
+kvroute renders and tokenizes prompts locally (proxy/prompt/), which is fast and exact for
+the templates it mirrors. Where it cannot be (no GGUF to tokenize with, a request its
+renderer refuses, a backend whose template renders differently), the backend answers the
+question: `/apply-template` builds the prompt its chat endpoint would build, `/tokenize`
+(with the specials parsed and BOS added, as the server tokenizes prompts) gives its ids.
+A request the backend refuses there is refused with its words: kvroute never answers 400
+where the server would serve.
+
+`check` compares the two ways on a few conversation shapes when a backend becomes ready;
+a difference switches the model to backend ids for good (and says where they differ).
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from backends.client import BackendClient, BackendDown, BadResponse, Tokens
+from backends.supervisor import BackendInfo
+from proxy.errors import BadRequest, NoBackendAvailable
+from proxy.prompt.builder import PromptBuilder
+from proxy.prompt.chat_request import PromptError
+
+# Why a request's ids came from a backend (the metric's label).
+NO_TOKENIZER = "no_tokenizer"  # no local GGUF (external backends only)
+RENDER_FAILED = "render_failed"  # the local renderer refused what the backend renders
+INEXACT = "inexact"  # the local template renders differently from the backend's
+
+# Shapes every chat template is asked to render the same way as the backend.
+_TOOL = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}
+PROBES: tuple[Mapping[str, Any], ...] = (
+    {"messages": [{"role": "user", "content": "Hello there."}]},
+    {"messages": [{"role": "system", "content": "You are terse."},
+                  {"role": "user", "content": "One."},
+                  {"role": "assistant", "content": "Two."},
+                  {"role": "user", "content": "Three?"}]},
+    {"tools": [_TOOL],
+     "messages": [{"role": "user", "content": "Show me a.txt"},
+                  {"role": "assistant", "content": "", "tool_calls": [{
+                      "id": "call_1", "type": "function", "function": {
+                          "name": "read_file", "arguments": "{\"path\": \"a.txt\"}"}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "alpha"},
+                  {"role": "user", "content": "Thanks."}]},
+)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Where local ids first differ from a backend's, on which probe."""
+
+    probe: int
+    at: int
+    local: int | None
+    backend: int | None
+
+    def __str__(self) -> str:
+        return (f"probe {self.probe}: token {self.at} is {self.local} here, "
+                f"{self.backend} on the backend")
+
+
+class BackendTokens:
+    """Prompt ids asked of a ready backend (``pick`` chooses one; one retry elsewhere)."""
+
+    def __init__(self, session: aiohttp.ClientSession, pick: Callable[[], BackendInfo],
+                 counted: Callable[[str], None]) -> None:
+        self.session = session
+        self.pick = pick
+        self.counted = counted
+
+    async def chat(self, body: Mapping[str, Any], reason: str,
+                   tokenize: Callable[[str], array] | None = None) -> array:
+        """Ids of the prompt the backend's chat endpoint builds for ``body``. With a local
+        ``tokenize`` (the GGUF's vocabulary: exact whatever the template), only the text
+        comes from the backend: its history's fragments are then cached here, and a turn
+        costs one render on the backend instead of a whole tokenization there."""
+        payload = _payload(body)
+
+        async def ask(client: BackendClient) -> Tokens | BackendDown | BadResponse:
+            prompt = await client.apply_template(payload)
+            if not isinstance(prompt, str):
+                return prompt
+            if tokenize is not None:
+                return Tokens(tokenize(prompt), None)
+            return await client.tokenize(prompt)
+        return await self._ask(ask, reason)
+
+    async def completion(self, prompt: str | Sequence[Any], reason: str) -> array:
+        """Ids of a completion prompt (text, or text and ids mixed) as the backend has them."""
+        async def ask(client: BackendClient) -> Tokens | BackendDown | BadResponse:
+            return await client.tokenize(prompt)
+        return await self._ask(ask, reason)
+
+    async def _ask(self, ask: Callable[[BackendClient], Any], reason: str) -> array:
+        got: Tokens | BackendDown | BadResponse | None = None
+        for _ in range(2):
+            info = self.pick()
+            got = await ask(BackendClient(self.session, info.url, info.api_key))
+            if isinstance(got, Tokens):
+                self.counted(reason)
+                return got.ids if isinstance(got.ids, array) else array("i", got.ids)
+            if isinstance(got, BadResponse) and got.status == 400:
+                raise BadRequest(_message(got.body))  # the server refuses it too
+        raise NoBackendAvailable(f"no backend could tokenize the prompt: {got}",
+                                 retry_after=1)
+
+    async def check(self, prompt: PromptBuilder, info: BackendInfo) -> Mismatch | None:
+        """The first difference between local ids and ``info``'s on the probe shapes
+        (None: the same on all, or the backend could not say)."""
+        client = BackendClient(self.session, info.url, info.api_key)
+        for i, body in enumerate(PROBES):
+            try:
+                local = list(prompt.chat_ids(dict(body)))
+            except PromptError:
+                local = None
+            text = await client.apply_template(_payload(body))
+            if not isinstance(text, str):
+                continue  # the server cannot render this shape either (or is gone)
+            theirs = await client.tokenize(text)
+            if not isinstance(theirs, Tokens):
+                continue
+            if local != theirs.ids:
+                return _first_difference(i, local or [], theirs.ids)
+        return None
+
+
+def _payload(body: Mapping[str, Any]) -> bytes:
+    # orjson: a coding agent's turn is ~100 KB; an integer past 64 bits needs json
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _first_difference(probe: int, a: Sequence[int], b: Sequence[int]) -> Mismatch:
+    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+              min(len(a), len(b)))
+    return Mismatch(probe, at, a[at] if at < len(a) else None, b[at] if at < len(b) else None)
+
+
+def _message(body: str) -> str:
+    """The server's own error message from its error body (else the body, cut)."""
+    try:
+        err = json.loads(body).get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])[:1000]
+    except (ValueError, AttributeError):
+        pass
+    return body[:500]

@@ -1,0 +1,132 @@
+"""Prompt ids from the backend itself, where kvroute's own cannot be had or are not exact:
+no local GGUF (external backends only), a backend whose chat template differs from the
+GGUF's, a request the local renderer refuses. Each against a real llama-server: the
+answer is the server's, and the next turn's predicted reuse is what the server reports."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient
+from faults import external, until
+from proxy_client import proxy
+from texts import words
+
+from backends.binary import llama_cpp_source
+from backends.process import LlamaServerProcess, ServerSpec, free_port
+from proxy.config.settings import ProxySettings
+from proxy.prompt.builder import PromptBuilder
+from proxy.prompt.chat_request import PromptError
+from proxy.server.keys import METRICS, TOKENIZING
+
+pytestmark = pytest.mark.timeout(180)
+
+# The local template refuses a request holding this word (the backend's does not).
+REFUSED = "REFUSEDHERE"
+
+
+@contextlib.asynccontextmanager
+async def server(llama_server_bin: Path, demo_model: Path, log: Path,
+                 template: Path | None = None) -> AsyncIterator[str]:
+    """One llama-server of the demo model (optionally with another chat template)."""
+    extra = ("--chat-template-file", str(template)) if template else ()
+    proc = LlamaServerProcess(ServerSpec(llama_server_bin, demo_model, free_port(), slots=2,
+                                         ctx_per_slot=4096, cache_ram_mib=0,
+                                         alias="kvroute-demo", extra_args=extra), log)
+    proc.spawn()
+    try:
+        async with aiohttp.ClientSession() as http:
+            ready = await proc.wait_ready(http, 120)
+            assert hasattr(ready, "seconds"), ready
+        yield proc.spec.url
+    finally:
+        await proc.stop()
+
+
+async def conversation(client: TestClient[Any, Any], seed: int, turns: int = 3,
+                       first: str = "") -> list[tuple[int, int]]:
+    """(predicted, reported) reuse of each turn after the first of one conversation."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": words(40, seed)}]
+    out = []
+    for turn in range(turns):
+        text = (first if turn == 0 else "") + " " + words(30, seed * 10 + turn)
+        messages.append({"role": "user", "content": text})
+        async with client.post("/v1/chat/completions", json={
+                "model": "kvroute-demo", "max_tokens": 4, "messages": messages}) as r:
+            assert r.status == 200, await r.text()
+            body = await r.json()
+            predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+        if turn:
+            out.append((predicted, int(body["timings"]["cache_n"])))
+        # a fixed answer in the history: what a slot holds past its prompt (the sampled
+        # tokens) is only known where kvroute can tokenize the answer itself
+        assert body["choices"][0]["message"] is not None
+        messages.append({"role": "assistant", "content": "Noted."})
+    return out
+
+
+def counted(client: TestClient[Any, Any], reason: str) -> float:
+    metrics = client.server.app[METRICS]
+    return metrics.child(metrics.tokens_from_backend, reason)._value.get()  # type: ignore[no-any-return]
+
+
+async def test_external_backend_without_a_local_gguf_is_routed_on_its_own_ids(
+        llama_server_bin: Path, demo_model: Path, tmp_path: Path) -> None:
+    async with server(llama_server_bin, demo_model, tmp_path / "a.log") as url, \
+            external(tmp_path, {"a": (url, None)}) as sup, proxy(sup) as client:
+        assert client.server.app[TOKENIZING].source == "backend (no_tokenizer)"
+        turns = await conversation(client, 1)
+        assert all(abs(p - r) <= 1 and r > 40 for p, r in turns), turns
+        assert counted(client, "no_tokenizer") == 3
+        async with client.post("/v1/messages", json={
+                "model": "kvroute-demo", "max_tokens": 4,
+                "messages": [{"role": "user", "content": words(20, 5)}]}) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["X-Kvroute-Backend"] == "a"
+        async with client.get("/kvroute/status") as r:
+            assert (await r.json())["tokenizer"] == "backend (no_tokenizer)"
+
+
+async def test_a_backend_with_another_template_switches_to_its_ids(
+        llama_server_bin: Path, demo_model: Path, tmp_path: Path) -> None:
+    """The server was started with a template the GGUF kvroute tokenizes with does not
+    have: the check at ready finds the difference, and every turn is then exact."""
+    other = (llama_cpp_source() / "vendor" / "llama.cpp" / "models" / "templates"
+             / "microsoft-Phi-3.5-mini-instruct.jinja")
+    settings = ProxySettings(tokenizer=demo_model)
+    async with server(llama_server_bin, demo_model, tmp_path / "a.log", other) as url, \
+            external(tmp_path, {"a": (url, None)}) as sup, proxy(sup, settings) as client:
+        tok = client.server.app[TOKENIZING]
+        await until(lambda: tok.inexact is not None, 30)
+        assert tok.source.startswith("backend (inexact: probe 0: token ")
+        turns = await conversation(client, 2)
+        assert all(abs(p - r) <= 1 and r > 40 for p, r in turns), turns
+        assert counted(client, "inexact") == 3
+
+
+async def test_a_request_the_local_renderer_refuses_gets_the_backends_ids(
+        llama_server_bin: Path, demo_model: Path, tmp_path: Path) -> None:
+    """The local template is the backend's, except that it refuses requests holding a
+    word: those get the backend's ids (and its answer), the others stay local."""
+    same = PromptBuilder.load(demo_model).template.source
+    refusing = ("{%- for m in messages -%}{%- if m.content is string and '" + REFUSED
+                + "' in m.content -%}{{ raise_exception('not here') }}{%- endif -%}"
+                "{%- endfor -%}" + same)
+    settings = ProxySettings(tokenizer=demo_model)
+    async with server(llama_server_bin, demo_model, tmp_path / "a.log") as url, \
+            external(tmp_path, {"a": (url, None)}) as sup, proxy(sup, settings) as client:
+        tok = client.server.app[TOKENIZING]
+        await until(lambda: url in tok.verified, 30)  # the GGUF's template: alike
+        tok.prompt = PromptBuilder.load(demo_model, chat_template=refusing)
+        with pytest.raises(PromptError):
+            tok.prompt.chat_ids({"messages": [{"role": "user", "content": REFUSED}]})
+        turns = await conversation(client, 3, first=REFUSED)
+        assert all(abs(p - r) <= 1 and r > 40 for p, r in turns), turns
+        assert counted(client, "render_failed") == 3  # every turn holds the word
+        assert await conversation(client, 4) and counted(client, "render_failed") == 3
+        assert tok.inexact is None and tok.source == "local"
