@@ -18,6 +18,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from proxy.prompt.caps import TemplateCaps
 from proxy.prompt.template import ChatTemplate, TemplateError
 
@@ -91,7 +93,10 @@ def supports_thinking(tmpl: ChatTemplate, caps: TemplateCaps) -> bool:
 
 def adjust_messages(source: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages a specialized handler renders instead of the parsed ones."""
-    adjust = _ADJUSTERS.get(detect_handler(source) or "")
+    handler = detect_handler(source)
+    if handler == "gemma4" and "{#- OpenAI Chat Completions:" not in source:
+        return _gemma4_tool_responses(messages)  # the server's fix for older templates
+    adjust = _ADJUSTERS.get(handler or "")
     return adjust(messages) if adjust else messages
 
 
@@ -131,6 +136,49 @@ def _ministral_3(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         adjusted["content"] = blocks
         out.append(adjusted)
     return out
+
+
+def _gemma4_tool_responses(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """convert_tool_responses_gemma4: an assistant turn with tool calls, the tool results
+    after it and a final assistant answer become one message with `tool_responses`."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        msg = messages[i]
+        if msg["role"] != "assistant" or not msg.get("tool_calls"):
+            out.append(msg)
+            i += 1
+            continue
+        merged: dict[str, Any] = {"role": "assistant", "tool_calls": msg["tool_calls"]}
+        calls = msg["tool_calls"]
+        responses = []
+        i += 1
+        while i < len(messages) and messages[i]["role"] == "tool":
+            responses.append(_gemma4_response(messages[i], calls, len(responses)))
+            i += 1
+        if responses:
+            merged["tool_responses"] = responses
+        if i < len(messages) and messages[i]["role"] == "assistant" \
+                and not messages[i].get("tool_calls") and messages[i].get("content"):
+            merged["content"] = messages[i]["content"]
+            i += 1
+        if "reasoning_content" in msg:
+            merged["reasoning_content"] = msg["reasoning_content"]
+        out.append(merged)
+    return out
+
+
+def _gemma4_response(tool: dict[str, Any], calls: list[dict[str, Any]], idx: int
+                     ) -> dict[str, Any]:
+    content = tool.get("content")
+    response: Any = content
+    if isinstance(content, str):
+        try:
+            response = orjson.loads(content)  # JSON results as values, else the text
+        except orjson.JSONDecodeError:
+            response = content
+    name = calls[idx]["function"]["name"] if idx < len(calls) else ""
+    return {"name": name or tool.get("tool_call_id", ""), "response": response}
 
 
 _ADJUSTERS: dict[str, Callable[[list[dict[str, Any]]], list[dict[str, Any]]]] = {

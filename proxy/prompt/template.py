@@ -214,6 +214,10 @@ def _undefined_to_none(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+def _as_is(value: Any) -> Any:
+    return value
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(f"Jinja Exception: {message}")
 
@@ -242,6 +246,9 @@ class JinjaEnv(ImmutableSandboxedEnvironment):
                          undefined=jinja2.ChainableUndefined,
                          extensions=["jinja2.ext.loopcontrols", _GenerationTags])
         self.filters["tojson"] = llama_tojson
+        # llama.cpp has no markup strings: `safe` is a no-op (jinja2's Markup would
+        # HTML-escape every string added to it)
+        self.filters["safe"] = _as_is
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = _strftime_now
 
