@@ -78,6 +78,16 @@ SHAPES: dict[str, dict[str, Any]] = {
     "parallel_tool_calls": {"messages": [SYSTEM, *PARALLEL_CALLS], "tools": TOOLS},
     "tool_calls_thinking_off": {"messages": PARALLEL_CALLS, "tools": TOOLS,
                                 "chat_template_kwargs": {"enable_thinking": False}},
+    "tool_results_out_of_order": {"messages": [
+        *PARALLEL_CALLS[:2], PARALLEL_CALLS[3], PARALLEL_CALLS[2]], "tools": TOOLS},
+    "developer": {"messages": [{"role": "developer", "content": "Be brief."},
+                               {"role": "user", "content": "Hi"}]},
+    "reasoning_effort": {"messages": [SYSTEM, *REASONING_TURNS], "reasoning_effort": "low"},
+    "prefill": {"messages": [{"role": "user", "content": "Write a haiku"},
+                             {"role": "assistant", "content": "Autumn"}]},
+    "prefill_reasoning": {"messages": [
+        {"role": "user", "content": "Think first"},
+        {"role": "assistant", "content": "", "reasoning_content": "Let me see"}]},
     "empty_content": {"messages": [
         {"role": "system", "content": ""}, {"role": "user", "content": ""},
         {"role": "assistant", "content": None}, {"role": "user", "content": "go"}]},
