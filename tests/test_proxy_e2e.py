@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient
 from proxy_client import proxy
 from texts import words
 
+from proxy.config.settings import ProxySettings
 from proxy.server.keys import ROUTER
 
 
@@ -72,6 +73,22 @@ async def test_conversation_stays_on_one_backend_and_reuses_its_history(backend_
                              "content": data["choices"][0]["message"]["content"] or ""})
     assert len(backends) == 1
     acc.check()
+
+
+async def test_any_model_name_is_served_as_llama_server_serves_it(backend_pool: Any) -> None:
+    """llama-server answers whatever `model` a client names (it serves one); so does
+    kvroute, unless told `strict_models`: then a name no backend serves is a 404."""
+    sup = await backend_pool()
+    for strict, status in ((False, 200), (True, 404)):
+        async with proxy(sup, ProxySettings(strict_models=strict)) as client:
+            async with client.post("/v1/chat/completions", json={
+                    "model": "gpt-4o", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": words(10, 9)}]}) as r:
+                data = await r.json()
+                assert r.status == status, data
+            if strict:
+                assert data["error"]["code"] == "model_not_found"
+                assert "kvroute-demo" in data["error"]["message"]
 
 
 async def test_cache_prompt_false_is_predicted_to_reuse_nothing(backend_pool: Any) -> None:

@@ -40,7 +40,7 @@ class ProxySettings:
     max_queue: int = 512                    # requests waiting for one of those places
     queue_timeout_s: float = 30.0           # longest wait for a place (then 429)
     max_messages: int = 8192                # longer `messages` arrays -> 400
-    strict_models: bool = True              # an OpenAI `model` no backend serves -> 404
+    strict_models: bool = False             # True: a `model` no backend serves -> 404
     log_prompts: bool = False               # debug: log request bodies (never keys)
     health: HealthSettings = field(default_factory=HealthSettings)  # probes, breakers
     # uncached text up to this size is tokenized on the event loop (a worst-case stall of
