@@ -21,7 +21,7 @@ from typing import Any
 
 from proxy.prompt.caps import TemplateCaps, probe_caps
 from proxy.prompt.chat_request import ChatInputs, PromptError, ServerChatOptions, build_inputs
-from proxy.prompt.handlers import patch_source, supports_thinking
+from proxy.prompt.handlers import finish_prompt, patch_source, supports_thinking
 from proxy.prompt.template import CHATML_TEMPLATE_SRC, ChatTemplate, TemplateError
 from proxy.prompt.tokenizer import FragmentTokenizer, Plan
 
@@ -86,7 +86,8 @@ class PromptBuilder:
         inputs = build_inputs(body, caps, tmpl.source, tmpl.bos_token, tmpl.eos_token,
                               self.options)
         try:
-            prompt = self._apply(tmpl, inputs.context)
+            prompt = finish_prompt(tmpl.source, self._apply(tmpl, inputs.context),
+                                   bool(inputs.context.get("add_generation_prompt")))
             if inputs.continue_text is not None:
                 prompt += self._generation_prompt(tmpl, inputs) + inputs.continue_text
         except TemplateError as e:

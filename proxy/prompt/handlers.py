@@ -91,13 +91,50 @@ def supports_thinking(tmpl: ChatTemplate, caps: TemplateCaps) -> bool:
     return _autoparser_thinks(tmpl, caps)
 
 
+def finish_prompt(source: str, prompt: str, add_generation_prompt: bool) -> str:
+    """What a handler appends to the rendered prompt: Gemma 4's template opens no model
+    turn after an assistant message that had text and tool calls; the server does."""
+    if add_generation_prompt and prompt.endswith("<turn|>\n") \
+            and detect_handler(source) == "gemma4":
+        return prompt + "<|turn>model\n"
+    return prompt
+
+
 def adjust_messages(source: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages a specialized handler renders instead of the parsed ones."""
     handler = detect_handler(source)
     if handler == "gemma4" and "{#- OpenAI Chat Completions:" not in source:
         return _gemma4_tool_responses(messages)  # the server's fix for older templates
+    if handler == "deepseek_v3_2" and "function_calls" not in source:
+        return _tool_results_in_call_order(messages)  # V4
     adjust = _ADJUSTERS.get(handler or "")
     return adjust(messages) if adjust else messages
+
+
+def _tool_results_in_call_order(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """deepseek_v4_sort_tool_results: the tool results of a run of user/tool messages, in
+    the order of the calls of the assistant message before them (matched by id)."""
+    out = list(messages)
+    order: dict[str, int] = {}
+    i = 0
+    while i < len(out):
+        role = out[i]["role"]
+        if role == "assistant" and out[i].get("tool_calls"):
+            order = {tc["id"]: n for n, tc in enumerate(out[i]["tool_calls"]) if tc.get("id")}
+        if role not in ("user", "tool"):
+            i += 1
+            continue
+        end = i
+        while end < len(out) and out[end]["role"] in ("user", "tool"):
+            end += 1
+        tools = [k for k in range(i, end) if out[k]["role"] == "tool"]
+        if len(tools) > 1 and order:
+            ranked = sorted((out[k] for k in tools),
+                            key=lambda m: order.get(m.get("tool_call_id", ""), 0))
+            for k, m in zip(tools, ranked, strict=True):
+                out[k] = m
+        i = max(end, i + 1)
+    return out
 
 
 def _thinking_field(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -78,6 +78,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "parallel_tool_calls": {"messages": [SYSTEM, *PARALLEL_CALLS], "tools": TOOLS},
     "tool_calls_thinking_off": {"messages": PARALLEL_CALLS, "tools": TOOLS,
                                 "chat_template_kwargs": {"enable_thinking": False}},
+    "text_then_tool_results": {"messages": [
+        ASK, {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            _call("call_1", "get_weather", '{"city": "Paris"}')]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 18}'}],
+        "tools": TOOLS},
     "tool_results_out_of_order": {"messages": [
         *PARALLEL_CALLS[:2], PARALLEL_CALLS[3], PARALLEL_CALLS[2]], "tools": TOOLS},
     "developer": {"messages": [{"role": "developer", "content": "Be brief."},
