@@ -14,6 +14,7 @@ thinks` follows the same probes and the same tests on the rendered text.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -69,8 +70,10 @@ def patch_source(source: str) -> str:
     return source
 
 
+@functools.lru_cache(maxsize=16)
 def detect_handler(source: str) -> str | None:
-    """The specialized handler llama-server uses for this template; None: the autoparser."""
+    """The specialized handler llama-server uses for this template; None: the autoparser.
+    Cached: every request asks, and a template's text is long."""
     for name, present, absent in _HANDLERS:
         if all(m in source for m in present) and not any(m in source for m in absent):
             if name == "deepseek_v3_2" and "function_calls" not in source \
