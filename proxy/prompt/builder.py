@@ -21,7 +21,12 @@ from typing import Any
 
 from proxy.prompt.caps import TemplateCaps, probe_caps
 from proxy.prompt.chat_request import ChatInputs, PromptError, ServerChatOptions, build_inputs
-from proxy.prompt.handlers import finish_prompt, patch_source, supports_thinking
+from proxy.prompt.handlers import (
+    detect_handler,
+    finish_prompt,
+    patch_source,
+    supports_thinking,
+)
 from proxy.prompt.template import CHATML_TEMPLATE_SRC, ChatTemplate, TemplateError
 from proxy.prompt.tokenizer import FragmentTokenizer, Plan
 
@@ -91,7 +96,8 @@ class PromptBuilder:
             if inputs.continue_text is not None:
                 prompt += self._generation_prompt(tmpl, inputs) + inputs.continue_text
         except TemplateError as e:
-            raise PromptError(str(e)) from e
+            status = 400 if detect_handler(tmpl.source) is None else 500
+            raise PromptError(str(e), status) from e
         return prompt
 
     def _apply(self, tmpl: ChatTemplate, context: Mapping[str, Any]) -> str:

@@ -35,7 +35,13 @@ from proxy.prompt.handlers import adjust_messages
 
 
 class PromptError(ValueError):
-    """The request cannot be turned into a prompt; the message is safe to show the client."""
+    """The request cannot be turned into a prompt; the message is safe to show the client.
+    `status` is what llama-server answers for it: 400, or 500 for a template that fails
+    under a specialized handler (the autoparser reports its failures as bad requests)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)

@@ -195,8 +195,9 @@ def test_template_shape_matches_server(template: str, shape: str, corpus_server)
     body = SHAPES[shape]
     status, out = run.backend.call("/apply-template", body)
     if status != 200:
-        with pytest.raises(PromptError):
+        with pytest.raises(PromptError) as refused:
             run.builder.chat_tokens(body)
+        assert refused.value.status // 100 == status // 100, (refused.value.status, out)
         return
     theirs = str(out["prompt"])
     try:
