@@ -202,6 +202,19 @@ class BackendClient:
             return BadResponse(self.url, 200, str(data)[:500])
         return str(data["prompt"])
 
+    async def slot_file(self, slot: int, action: str, filename: str) -> int | Failure:
+        """Save the slot's KV to ``filename`` (in the server's --slot-save-path), or
+        restore it from there (``action``: save | restore); the tokens saved or restored."""
+        data = await self._json("POST", f"/slots/{slot}?action={action}",
+                                {"filename": filename})
+        if isinstance(data, BackendDown | BadResponse):
+            return data
+        key = "n_saved" if action == "save" else "n_restored"
+        n = data.get(key) if isinstance(data, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            return BadResponse(self.url, 200, str(data)[:500])
+        return n
+
     async def metrics(self) -> dict[str, float] | Failure:
         """Prometheus text -> {"llamacpp:prompt_tokens_total": 123.0, ...} (unlabelled)."""
         res = await self._request("GET", "/metrics")

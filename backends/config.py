@@ -51,6 +51,16 @@ BackendConfig = ManagedBackendConfig | ExternalBackendConfig
 EXTERNAL_KV_BYTES = 131072  # an 8B-class f16 model: a remote model's size is unknowable
 
 
+@dataclass(frozen=True)
+class KvDiskConfig:
+    """Slots saved to disk (llama-server --slot-save-path) and restored after a restart."""
+
+    path: Path  # a directory of kvroute's own (0700), one file per saved slot
+    max_gib: float = 8.0  # the files' budget: the oldest saves go first
+    save_after_idle_s: float = 1.0  # a slot idle this long after a turn is saved
+    min_tokens: int = 1024  # smaller contents are cheaper to recompute than to keep
+
+
 class FleetSpec(Protocol):
     """The configuration a Supervisor runs from (proxy.config.load.Config is one)."""
 
@@ -64,4 +74,6 @@ class FleetSpec(Protocol):
     def supervision(self) -> SupervisionConfig: ...
     @property
     def tokenizer(self) -> Path | None: ...
+    @property
+    def kv_disk(self) -> KvDiskConfig | None: ...
     def managed(self) -> tuple[ManagedBackendConfig, ...]: ...

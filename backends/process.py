@@ -64,6 +64,7 @@ class ServerSpec:
     cache_ram_mib: int = 1024
     host: str = "127.0.0.1"
     alias: str | None = None
+    slot_save_path: Path | None = None  # --slot-save-path: slots saved and restored there
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -84,6 +85,8 @@ class ServerSpec:
         ]
         if self.alias:
             args += ["-a", self.alias]
+        if self.slot_save_path is not None:
+            args += ["--slot-save-path", str(self.slot_save_path)]
         return [*args, *self.extra_args]
 
     @property

@@ -104,6 +104,9 @@ class Supervisor(Generic[C]):
         """Spawn managed backends, start health loops; return once each is ready or failed."""
         assert self._session is None, "start() called twice"
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.kv_disk is not None:  # the servers write slots there: ours alone
+            self.config.kv_disk.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.config.kv_disk.path.chmod(0o700)
         self._session = aiohttp.ClientSession()
         if self.config.managed():
             found = find_llama_server(self.config.llama_server)
@@ -226,6 +229,7 @@ class Supervisor(Generic[C]):
                 ctx_per_slot=cfg.ctx_per_slot, threads=cfg.threads,
                 api_key=secrets.token_urlsafe(24), cache_ram_mib=cfg.cache_ram_mib,
                 alias=cfg.alias, extra_args=cfg.extra_args, env=cfg.env,
+                slot_save_path=self.config.kv_disk.path if self.config.kv_disk else None,
             )
             proc = LlamaServerProcess(spec, self._log_path(cfg.name))
             b.process, b.url = proc, spec.url

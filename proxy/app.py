@@ -44,6 +44,7 @@ from proxy.errors import (
 from proxy.feedback.reports import Recorder
 from proxy.forwarding.forwarder import Forwarder
 from proxy.forwarding.health import BackendHealth
+from proxy.forwarding.slot_store import SlotStore
 from proxy.forwarding.upstream import Upstream
 from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
@@ -149,8 +150,16 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     app[TOKENIZING].remote = BackendTokens(
         session, lambda: handlers.pick_ready(app),
         lambda reason: app[METRICS].child(app[METRICS].tokens_from_backend, reason).inc())
+    kv_disk = app[CONFIG].kv_disk
+    if kv_disk is not None:
+        metrics = app[METRICS]
+        app[FORWARDER].slot_store = SlotStore(
+            kv_disk, session, app[ROUTER],
+            lambda event: metrics.child(metrics.slot_files, event).inc())
     prober = asyncio.create_task(app[HEALTH].run(session), name="kvroute-health")
     yield
+    if app[FORWARDER].slot_store is not None:
+        await app[FORWARDER].slot_store.close()
     prober.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await prober
@@ -164,17 +173,25 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
     active = True
     checks: set[asyncio.Task[None]] = set()
 
+    store = app[FORWARDER].slot_store
+
     def on_event(name: str, info: BackendInfo | None) -> None:
         if not active:
             return
         if info is None:
             health.backend_down(name)
+            return
+        if store is not None and info.managed and store.has(info.name):
+            background(_restored_up(app, info))  # its saved slots first
         else:
             health.backend_up(info)
-            # is the local template the backend's? (once per backend URL)
-            task = asyncio.ensure_future(tokenizing.check(info))
-            checks.add(task)
-            task.add_done_callback(checks.discard)
+        # is the local template the backend's? (once per backend URL)
+        background(tokenizing.check(info))
+
+    def background(work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        checks.add(task)
+        task.add_done_callback(checks.discard)
 
     for info in supervisor.ready():
         on_event(info.name, info)
@@ -183,6 +200,18 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
     active = False  # the Supervisor has no unsubscribe; a closed app ignores its events
     for task in checks:
         task.cancel()
+
+
+async def _restored_up(app: web.Application, info: BackendInfo) -> None:
+    """A restarted backend: restore its saved slots, then route to it, holding them."""
+    store = app[FORWARDER].slot_store
+    assert store is not None
+    restored = await store.restore(info)
+    if info not in app[SUPERVISOR].ready():  # it went down again meanwhile
+        return
+    app[HEALTH].backend_up(info)
+    for slot, tokens in restored:
+        app[ROUTER].seed(info.name, slot, tokens)
 
 
 @web.middleware

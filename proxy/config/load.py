@@ -23,6 +23,7 @@ from backends.config import (
     EXTERNAL_KV_BYTES,
     BackendConfig,
     ExternalBackendConfig,
+    KvDiskConfig,
     ManagedBackendConfig,
     SupervisionConfig,
 )
@@ -69,6 +70,7 @@ class Config:
     log_dir: Path
     demo_model: DemoModelParams = field(default_factory=DemoModelParams)
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    kv_disk: KvDiskConfig | None = None  # slots saved to disk; None: off
     source: Path | None = None  # the file it was loaded from (None: built-in defaults)
 
     def managed(self) -> tuple[ManagedBackendConfig, ...]:
@@ -215,6 +217,7 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
                                        for f in fields(SupervisionConfig)})
     sup_sec.finish([f.name for f in fields(SupervisionConfig)])
 
+    kv_disk = _kv_disk(top._get("kv_disk"), base)
     demo_params = _demo_params(top._get("demo_model"))
     demo = demo_model_path(demo_params)
 
@@ -243,11 +246,27 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
     cfg = Config(
         proxy=proxy, routing=_routing(top._get("routing")), backends=backends,
         llama_server=llama_server, cache_dir=default_cache_dir(), log_dir=log_dir,
-        demo_model=demo_params, supervision=supervision, source=source,
+        demo_model=demo_params, supervision=supervision, kv_disk=kv_disk, source=source,
     )
     top.finish([f.name for f in fields(Config)
                 if f.name not in ("cache_dir", "source")])
     return cfg
+
+
+def _kv_disk(raw: object, base: Path) -> KvDiskConfig | None:
+    if raw is None:
+        return None
+    sec = _Section(raw, "kv_disk.")
+    path = sec.get_str("path", None, "/var/lib/kvroute/slots")
+    if not path:
+        raise ConfigError("kv_disk.path: required (fix: a directory of its own, e.g. "
+                          "path: /var/lib/kvroute/slots)")
+    d = KvDiskConfig(Path("."))
+    out = KvDiskConfig(path=_path(base, path), max_gib=sec.get_num("max_gib", d.max_gib),
+                       save_after_idle_s=sec.get_num("save_after_idle_s", d.save_after_idle_s),
+                       min_tokens=sec.get_int("min_tokens", d.min_tokens))
+    sec.finish(["path", "max_gib", "save_after_idle_s", "min_tokens"])
+    return out
 
 
 def check_port_free(cfg: Config) -> None:

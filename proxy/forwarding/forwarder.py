@@ -29,6 +29,7 @@ from proxy.feedback.reports import Outcome, Recorder, held_output
 from proxy.forwarding.assemble import assembler_for, runs_on_when_left
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import AS_IS, JSON, Relay, Settle, Target, send, upstream_payload
+from proxy.forwarding.slot_store import SlotStore
 from proxy.forwarding.upstream import Response, Upstream
 from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend
 from proxy.routing.router import Router
@@ -114,6 +115,7 @@ class Forwarder:
         # slot: see `_hold`.
         self._held: dict[int, asyncio.Future[Handoff]] = {}
         self.session = session  # for /slots (see `_free_when_idle`); None: not asked
+        self.slot_store: SlotStore | None = None  # slots saved to disk (kv_disk), if on
         self._freeing: set[asyncio.Task[None]] = set()
 
     def max_context(self) -> int | None:
@@ -206,6 +208,11 @@ class Forwarder:
             prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
             reported_slot=outcome.reported_slot, now=time.monotonic(),
             starts_at_end=outcome.starts_at_end))
+        info = self.backends.get(decision.backend)
+        slot = outcome.reported_slot if outcome.reported_slot is not None else decision.slot
+        if self.slot_store is not None and info is not None and info.managed \
+                and slot is not None:
+            self.slot_store.note(info, slot)
 
     async def _hold(self, decision: Decision, info: BackendInfo) -> Handoff:
         """Keep a queued request here until the router hands it a freed slot, then send

@@ -66,6 +66,9 @@ class ProxyMetrics:
         self.routed_on_head = Counter(
             "kvroute_routed_on_head", "Requests routed on the head of their prompt while "
             "the rest (new text) was tokenized.", registry=r)
+        self.slot_files = Counter(
+            "kvroute_slot_files", "Slots saved to disk and restored (kv_disk), and the "
+            "saves and restores that failed.", ["event"], registry=r)
         self.tokens_from_backend = Counter(
             "kvroute_tokens_from_backend", "Requests whose prompt ids a backend computed "
             "(/apply-template + /tokenize), by why kvroute did not.", ["reason"], registry=r)

@@ -105,6 +105,21 @@ class Router(QueuedRequests):
             del self._inflight[rid]
             self.tree.drop((name, PENDING, rid))
 
+    def held(self, backend: str, slot: int) -> bytes | None:
+        """What ``backend``'s idle ``slot`` holds (int32 token bytes; None: busy, empty,
+        or no such backend)."""
+        st = self._backends.get(backend)
+        if st is None or not 0 <= slot < len(st.cache.slots):
+            return None
+        return st.cache.held(slot)
+
+    def seed(self, backend: str, slot: int, sequence: bytes) -> bool:
+        """``backend``'s empty ``slot`` now holds ``sequence`` (restored from disk)."""
+        st = self._backends.get(backend)
+        if st is None or not 0 <= slot < len(st.cache.slots):
+            return False
+        return st.cache.seed(slot, sequence)
+
     # --------------------------------------------------------------- decision
     def decide(
         self,

@@ -10,7 +10,12 @@ from typing import Any
 import pytest
 import yaml
 
-from backends.config import ExternalBackendConfig, ManagedBackendConfig, SupervisionConfig
+from backends.config import (
+    ExternalBackendConfig,
+    KvDiskConfig,
+    ManagedBackendConfig,
+    SupervisionConfig,
+)
 from backends.demo_model import DemoModelParams
 from proxy.config.fields import ConfigError
 from proxy.config.load import load_config
@@ -228,3 +233,14 @@ def test_proxy_knobs_and_api_keys_from_the_environment(
     assert (s.max_in_flight, s.queue_timeout_s, s.health.breaker_failures) == (3, 2.0, 5)
     assert s.health.stall_timeout_s == 0.0  # (0: no stall check)
     assert isinstance(s.queue_timeout_s, float)
+
+
+def test_kv_disk(tmp_path: Path, demo_model: Path) -> None:
+    assert load(tmp_path, {"backends": [managed()]}).kv_disk is None  # off by default
+    cfg = load(tmp_path, {"backends": [managed()],
+                          "kv_disk": {"path": "slots", "max_gib": 2, "min_tokens": 512}})
+    assert cfg.kv_disk == KvDiskConfig(tmp_path / "slots", max_gib=2.0, min_tokens=512)
+    assert "kv_disk.path: required" in error_of(
+        tmp_path, {"backends": [managed()], "kv_disk": {"max_gib": 2}})
+    assert "kv_disk.max_gb: unknown key (fix: did you mean 'max_gib'?)" in error_of(
+        tmp_path, {"backends": [managed()], "kv_disk": {"path": "s", "max_gb": 2}})

@@ -136,6 +136,28 @@ class BackendCache(CachePrediction):
                 self._save_idle_slot(i)
         return p
 
+    def held(self, slot: int) -> bytes | None:
+        """What an idle slot is known to hold (int32 token bytes), None when busy or
+        empty."""
+        s, h = self.slots[slot], self.slot_holder(slot)
+        # (what the model knows: the server may hold more, e.g. an answer it could not
+        # tokenize; a prefix of the truth, so a claim from it is never too high)
+        if s.busy or s.n_tokens == 0 or self.tree.held_len(h) == 0:
+            return None
+        return self.tree.tokens_of(h)
+
+    def seed(self, slot: int, sequence: bytes) -> bool:
+        """An empty idle slot was given ``sequence`` by a restore from disk (no task ran:
+        nothing is saved to RAM). False, and nothing changes, if the slot is in use."""
+        s = self.slots[slot]
+        if s.busy or s.n_tokens or not sequence:
+            return False
+        self.tree.assign(self.slot_holder(slot), sequence)
+        s.n_tokens = len(sequence) // 4
+        self._clock += 1
+        s.last_used = self._clock
+        return True
+
     def saved_idle(self, slot: int) -> None:
         """A task started on the server after the request in ``slot`` ended there, but
         the model heard of that end later (two slots ending in one server step: the
