@@ -33,6 +33,7 @@ from proxy.prompt.chat_request import PromptError
 NO_TOKENIZER = "no_tokenizer"  # no local GGUF (external backends only)
 RENDER_FAILED = "render_failed"  # the local renderer refused what the backend renders
 INEXACT = "inexact"  # the local template renders differently from the backend's
+CONTINUATION = "continuation"  # ... only where it continues a final assistant message
 
 # Shapes every chat template is asked to render the same way as the backend.
 _TOOL = {"type": "function", "function": {
@@ -53,6 +54,19 @@ PROBES: tuple[Mapping[str, Any], ...] = (
                   {"role": "tool", "tool_call_id": "call_1", "content": "alpha"},
                   {"role": "user", "content": "Thanks."}]},
 )
+
+# A final assistant message is continued (prefill): servers reopen it in ways of their
+# own per template (reasoning tags inferred), checked apart from the shapes above.
+CONTINUATION_PROBE: Mapping[str, Any] = {"messages": [
+    {"role": "user", "content": "Name a season."},
+    {"role": "assistant", "content": "Autumn"}]}
+
+
+def continues(body: Mapping[str, Any]) -> bool:
+    """Does the request continue its final assistant message?"""
+    messages = body.get("messages")
+    return isinstance(messages, list) and bool(messages) and isinstance(messages[-1], dict) \
+        and messages[-1].get("role") == "assistant"
 
 
 @dataclass(frozen=True)
@@ -114,11 +128,12 @@ class BackendTokens:
         raise NoBackendAvailable(f"no backend could tokenize the prompt: {got}",
                                  retry_after=1)
 
-    async def check(self, prompt: PromptBuilder, info: BackendInfo) -> Mismatch | None:
+    async def check(self, prompt: PromptBuilder, info: BackendInfo,
+                    probes: Sequence[Mapping[str, Any]] = PROBES) -> Mismatch | None:
         """The first difference between local ids and ``info``'s on the probe shapes
         (None: the same on all, or the backend could not say)."""
         client = BackendClient(self.session, info.url, info.api_key)
-        for i, body in enumerate(PROBES):
+        for i, body in enumerate(probes):
             try:
                 local = list(prompt.chat_ids(dict(body)))
             except PromptError:

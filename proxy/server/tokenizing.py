@@ -9,18 +9,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from backends.supervisor import BackendInfo
-from proxy.errors import BadRequest, NoBackendAvailable
+from proxy.errors import BadRequest, NoBackendAvailable, ProxyError
 from proxy.forwarding.forwarder import PendingPrompt
 from proxy.observability.logging import get_logger
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.chat_request import PromptError
 from proxy.prompt.tokenizer import Plan
 from proxy.server.backend_tokens import (
+    CONTINUATION,
+    CONTINUATION_PROBE,
     INEXACT,
     NO_TOKENIZER,
     RENDER_FAILED,
     BackendTokens,
     Mismatch,
+    continues,
 )
 
 T = TypeVar("T")
@@ -32,6 +35,12 @@ RENDER_INLINE_BYTES = 1 << 20
 # tokens and the rest at most this many bytes per head token.
 DEFER_MIN_HEAD = 256
 DEFER_REST_BYTES_PER_HEAD = 4
+
+
+def _refused(e: PromptError) -> ProxyError:
+    """What llama-server answers for a prompt it cannot build: a 400, or a 500 (a
+    template failing under a specialized handler)."""
+    return BadRequest(str(e)) if e.status < 500 else ProxyError(str(e))
 
 
 class Tokenizing:
@@ -61,6 +70,7 @@ class Tokenizing:
         # the backends' own ids, where the local ones cannot be had or are not exact
         self.remote: BackendTokens | None = None
         self.inexact: Mismatch | None = None  # the local template renders differently
+        self.continuation: Mismatch | None = None  # ... a continued final message only
         self._checked: set[str] = set()  # backend URLs compared with the local template
         self.verified: set[str] = set()  # ... and found to render it alike
 
@@ -69,7 +79,10 @@ class Tokenizing:
         """Where chat prompt ids come from: "local" or "backend" (and why)."""
         if self.prompt is None:
             return f"backend ({NO_TOKENIZER})"
-        return f"backend ({INEXACT}: {self.inexact})" if self.inexact else "local"
+        if self.inexact:
+            return f"backend ({INEXACT}: {self.inexact})"
+        return "local" + (f" (backend for {CONTINUATION}s: {self.continuation})"
+                          if self.continuation else "")
 
     async def chat(self, size: int, body: dict[str, Any], plan: Callable[[], Plan] | None,
                    *, head: bool = False) -> array | PendingPrompt:
@@ -81,15 +94,17 @@ class Tokenizing:
             return await self._remote().chat(body, NO_TOKENIZER)
         if self.inexact is not None:
             return await self._remote().chat(body, INEXACT, self._tokenize)
+        if self.continuation is not None and continues(body):
+            return await self._remote().chat(body, CONTINUATION, self._tokenize)
         try:
             return await (self.prompt_ids(size, plan) if head else self.ids(size, plan))
         except PromptError as e:
             if self.remote is None:
-                raise BadRequest(str(e)) from None
+                raise _refused(e) from None
             try:
                 return await self.remote.chat(body, RENDER_FAILED, self._tokenize)
             except NoBackendAvailable:
-                raise BadRequest(str(e)) from None
+                raise _refused(e) from None
 
     def _tokenize(self, text: str) -> array:
         # (the text the backend rendered, in this GGUF's vocabulary, fragment-cached)
@@ -110,9 +125,15 @@ class Tokenizing:
         self._checked.add(info.url)
         try:
             got = await self.remote.check(self.prompt, info)
+            cont = await self.remote.check(self.prompt, info, (CONTINUATION_PROBE,))
         except Exception as e:  # a probe the local renderer chokes on: say so, keep going
             get_logger().warning("tokens.check_failed", backend=info.name, error=repr(e))
             return
+        if cont is not None and self.continuation is None:
+            self.continuation = cont
+            get_logger().info("tokens.continuation_inexact", backend=info.name,
+                              difference=str(cont), now="continued final messages are "
+                              "rendered by the backends")
         if got is None:
             self.verified.add(info.url)
         else:

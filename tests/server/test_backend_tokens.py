@@ -130,3 +130,54 @@ async def test_a_request_the_local_renderer_refuses_gets_the_backends_ids(
         assert counted(client, "render_failed") == 3  # every turn holds the word
         assert await conversation(client, 4) and counted(client, "render_failed") == 3
         assert tok.inexact is None and tok.source == "local"
+
+
+async def test_a_prompt_the_server_fails_to_build_gets_its_status(
+        backend_pool: Any) -> None:
+    """Qwen3.5's template raises on a second system message; the server answers 500 for
+    that (its specialized handler reports the template's failure as its own): so does
+    kvroute, where a plain template's refusal is a 400."""
+    template = (llama_cpp_source() / "vendor" / "llama.cpp" / "models" / "templates"
+                / "Qwen3.5-4B.jinja")
+    sup = await backend_pool(n=1, fresh=True, cache_ram_mib=0,
+                             extra_args=("--chat-template-file", str(template)))
+    two_systems = [{"role": "system", "content": "Be brief."},
+                   {"role": "system", "content": "Answer in English."},
+                   {"role": "user", "content": "Hi"}]
+    info = sup.ready()[0]
+    async with proxy(sup) as client, aiohttp.ClientSession() as http:
+        body = {"model": "kvroute-demo", "max_tokens": 2, "messages": two_systems}
+        async with http.post(info.url + "/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {info.api_key}"}) as r:
+            assert r.status == 500
+        async with client.post("/v1/chat/completions", json=body) as r:
+            assert r.status == 500
+            assert "System message must be at the beginning" in (await r.json())["error"][
+                "message"]
+
+
+async def test_continued_final_messages_take_the_backends_rendering_where_it_differs(
+        backend_pool: Any) -> None:
+    """Qwen3.5's server reopens a continued assistant message with the reasoning tags it
+    infers; kvroute's renderer does not: the check at ready finds it, and continuations
+    (only those) are rendered by the backend, tokenized here, predicted exactly."""
+    template = (llama_cpp_source() / "vendor" / "llama.cpp" / "models" / "templates"
+                / "Qwen3.5-4B.jinja")
+    sup = await backend_pool(n=1, slots=1, fresh=True, cache_ram_mib=0,
+                             extra_args=("--chat-template-file", str(template)))
+    async with proxy(sup) as client:
+        tok = client.server.app[TOKENIZING]
+        await until(lambda: tok.continuation is not None, 30)
+        assert tok.inexact is None and tok.source.startswith("local (backend for ")
+        body = {"model": "kvroute-demo", "max_tokens": 2, "messages": [
+            {"role": "user", "content": words(200, 11)},
+            {"role": "assistant", "content": words(30, 12)}]}
+        got = []
+        for _ in range(2):  # the same request again: all but its last token reused
+            async with client.post("/v1/chat/completions", json=body) as r:
+                data = await r.json()
+                assert r.status == 200, data
+                got.append((int(r.headers["X-Kvroute-Predicted-Cached"]),
+                            data["timings"]["cache_n"]))
+        assert got[1][0] == got[1][1] > 200, got
+        assert counted(client, "continuation") == 2

@@ -137,8 +137,6 @@ CASES: list[tuple[str, bytes, int, str]] = [
      400, "tools"),
     ("/v1/chat/completions", json.dumps({"messages": msgs(*["x"] * 65)}).encode(), 400,
      "65 entries"),
-    ("/v1/chat/completions", json.dumps({"messages": msgs("hi"), "model": "gpt-9"}).encode(),
-     404, "gpt-9"),
     # longer than the (external) backend's slots: what to start it with instead
     ("/v1/chat/completions", json.dumps({"messages": msgs("apple " * 600)}).encode(), 400,
      "with 2048 tokens per slot"),
