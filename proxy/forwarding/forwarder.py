@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from backends.client import BackendClient
 from backends.supervisor import BackendInfo
 from proxy.errors import (
     BadRequest,
@@ -31,12 +30,9 @@ from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import AS_IS, JSON, Relay, Settle, Target, send, upstream_payload
 from proxy.forwarding.slot_store import SlotStore
 from proxy.forwarding.upstream import Response, Upstream
-from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend
+from proxy.forwarding.waits import BackendLeft, SlotWaits
+from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
 from proxy.routing.router import Router
-
-# A slot whose client left during its prefill is watched until its server is done with
-# it, for at most FREE_WAIT_MARGIN_S + twice the rest of the prefill.
-FREE_WAIT_MARGIN_S = 10.0
 
 # Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
 _USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -82,11 +78,6 @@ class PendingPrompt:
     rest: asyncio.Task[array | None]  # the whole prompt's ids; None if they failed
 
 
-class BackendLeft(NoBackendAvailable):
-    """The backend (or busy slot) a held request waited for went away (or is taking far
-    longer than expected); nothing was sent: retry."""
-
-
 class Forwarder:
     """decide -> send with id_slot -> feedback: one routed request, start to finish.
 
@@ -111,12 +102,9 @@ class Forwarder:
         self.first_byte_timeout = first_byte_timeout
         self.log_prompts = log_prompts
         self._tokenize_output = tokenize_output
-        # Requests the router queued (every slot busy), held here until it hands them a
-        # slot: see `_hold`.
-        self._held: dict[int, asyncio.Future[Handoff]] = {}
-        self.session = session  # for /slots (see `_free_when_idle`); None: not asked
+        self.session = session  # for /slots (see `SlotWaits.free_when_idle`)
         self.slot_store: SlotStore | None = None  # slots saved to disk (kv_disk), if on
-        self._freeing: set[asyncio.Task[None]] = set()
+        self.waits = SlotWaits(router, backends, recorder, first_byte_timeout, session)
 
     def max_context(self) -> int | None:
         """The largest slot context of any ready backend (tripped ones included)."""
@@ -165,36 +153,9 @@ class Forwarder:
                 if pending is not None:  # the next try is decided on the whole prompt
                     pending, tokens = None, await _whole(pending)
 
-    def _free_when_idle(self, decision: Decision, info: BackendInfo) -> None:
-        """Free `decision`'s slot once its backend is done with it, holding what /slots
-        says it does (unknown, as on any abort, when it cannot tell in time)."""
-        assert decision.slot is not None
-        left = decision.prompt_tokens - decision.predicted_cached
-        limit = FREE_WAIT_MARGIN_S + 2 * left / (self.router.prefill_rate(info.name) or 1.0)
-        if self.first_byte_timeout is not None:
-            limit = min(limit, self.first_byte_timeout)
-
-        async def free(slot: int) -> None:
-            held = None
-            try:
-                if self.session is not None:
-                    client = BackendClient(self.session, info.url, info.api_key)
-                    state = await client.slot_when_idle(slot, limit)
-                    held = None if state is None else state.n_prompt_tokens
-            finally:
-                self.recorder.log.debug("freed_when_idle", request_id=decision.request_id,
-                                        backend=info.name, slot=slot, held=held)
-                self._hand_off(self.router.abort(decision, now=time.monotonic(), held=held))
-
-        task = asyncio.create_task(free(decision.slot))
-        self._freeing.add(task)
-        task.add_done_callback(self._freeing.discard)
-
     async def close(self) -> None:
         """Stop watching slots to free (the app is closing)."""
-        for task in list(self._freeing):
-            task.cancel()
-        await asyncio.gather(*self._freeing, return_exceptions=True)
+        await self.waits.close()
 
     def _complete(self, decision: Decision, outcome: Outcome, *, check: bool = True) -> None:
         """Feed a whole answer back; `check`: compare its reuse with the prediction."""
@@ -202,7 +163,7 @@ class Forwarder:
         self.recorder.log.debug("feedback", request_id=decision.request_id,
                                 slot=decision.slot, output_tokens=len(output),
                                 reported_slot=outcome.reported_slot)
-        self._hand_off(self.router.complete(
+        self.waits.hand_off(self.router.complete(
             decision, output_tokens=output,
             reported_cached=outcome.reported_cached if check else None,
             prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
@@ -213,35 +174,6 @@ class Forwarder:
         if self.slot_store is not None and info is not None and info.managed \
                 and slot is not None:
             self.slot_store.note(info, slot)
-
-    async def _hold(self, decision: Decision, info: BackendInfo) -> Handoff:
-        """Keep a queued request here until the router hands it a freed slot, then send
-        it pinned there. Sent at once instead, it would wait in llama-server's queue, and
-        the server takes queued requests in the order its HTTP threads post them, not
-        the order they were decided: a request that arrived a moment later could take
-        the slot this one was predicted to get (see `Handoff`). Nothing is sent while
-        waiting; if the backend goes away (or restarts: a new `BackendInfo`), the caller
-        retries elsewhere."""
-        fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
-        self._held[decision.request_id] = fut
-        try:
-            while True:
-                done, _ = await asyncio.wait({fut}, timeout=1.0)
-                if done:
-                    return fut.result()
-                if self.backends.get(decision.backend) is not info:
-                    raise BackendLeft(f"backend {info.name} went away", retry_after=1)
-                if self.router.wait_overdue(decision, time.monotonic()):
-                    raise BackendLeft(f"the busy slot of {info.name} waited for is taking "
-                                      "long", retry_after=1)
-        finally:
-            self._held.pop(decision.request_id, None)
-
-    def _hand_off(self, handoffs: list[Handoff]) -> None:
-        for h in handoffs:
-            fut = self._held.pop(h.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(h)
 
     async def _send(self, request: web.Request, path: str, raw: bytes, body: JSON,
                     relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
@@ -356,7 +288,7 @@ class _Attempt:
     def claim(self) -> BackendInfo:
         info = self.fw.backends.get(self.decision.backend)
         if info is None:  # removed between the event and now
-            self.fw._hand_off(self.router.abort(self.decision, now=time.monotonic()))
+            self.fw.waits.hand_off(self.router.abort(self.decision, now=time.monotonic()))
             raise NoBackendAvailable("backend went away", retry_after=1)
         return info
 
@@ -364,7 +296,7 @@ class _Attempt:
         if self.decision.queued:
             # NOTE: placed with the whole prompt if tokenized by then (take_rest): the
             # slot it waits for may hold more than the head (a summary with its turn)
-            h = await self.fw._hold(self.decision, self.info)
+            h = await self.fw.waits.hold(self.decision, self.info)
             self.decision = dataclasses.replace(self.decision, slot=h.slot,
                                                 predicted_cached=h.predicted_cached)
         sending = self.fw._send(self.request, self.path, self.raw, self.body, self.relay,
@@ -432,12 +364,12 @@ class _Attempt:
             # the client left during the prefill, which llama-server goes on with
             # (it notices only when it writes the first token): the slot is busy until
             # then, and holds what was prefilled
-            self.fw._free_when_idle(decision, self.info)
+            self.fw.waits.free_when_idle(decision, self.info)
         else:
             # a client that leaves once output flows (an interrupted agent turn)
             # leaves its prompt in the slot
             prefilled = whole and outcome.first_token_at is not None
-            self.fw._hand_off(self.router.abort(decision, now=time.monotonic(),
+            self.fw.waits.hand_off(self.router.abort(decision, now=time.monotonic(),
                                                 prefilled=prefilled))
 
     def feedback_when_done(self, task: asyncio.Future[web.StreamResponse]) -> None:

@@ -1,0 +1,99 @@
+"""Requests held until the router hands them a slot, and slots watched until their
+server is done with them: the waiting side of the forwarder."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+
+import aiohttp
+
+from backends.client import BackendClient
+from backends.supervisor import BackendInfo
+from proxy.errors import NoBackendAvailable
+from proxy.feedback.reports import Recorder
+from proxy.routing.decision import Decision, Handoff
+from proxy.routing.router import Router
+
+# A slot whose client left during its prefill is watched until its server is done with
+# it, for at most FREE_WAIT_MARGIN_S + twice the rest of the prefill.
+FREE_WAIT_MARGIN_S = 10.0
+
+
+class BackendLeft(NoBackendAvailable):
+    """The backend (or busy slot) a held request waited for went away (or is taking far
+    longer than expected); nothing was sent: retry."""
+
+
+class SlotWaits:
+    def __init__(self, router: Router, backends: Mapping[str, BackendInfo],
+                 recorder: Recorder, first_byte_timeout: float | None,
+                 session: aiohttp.ClientSession | None) -> None:
+        self.router, self.backends, self.recorder = router, backends, recorder
+        self.first_byte_timeout = first_byte_timeout
+        self.session = session  # for /slots; None: not asked
+        # requests the router queued (every slot busy), held here until it hands them a
+        # slot: see `hold`
+        self._held: dict[int, asyncio.Future[Handoff]] = {}
+        self._freeing: set[asyncio.Task[None]] = set()
+
+    async def hold(self, decision: Decision, info: BackendInfo) -> Handoff:
+        """Keep a queued request here until the router hands it a freed slot, then send
+        it pinned there. Sent at once instead, it would wait in llama-server's queue, and
+        the server takes queued requests in the order its HTTP threads post them, not
+        the order they were decided: a request that arrived a moment later could take
+        the slot this one was predicted to get (see `Handoff`). Nothing is sent while
+        waiting; if the backend goes away (or restarts: a new `BackendInfo`), the caller
+        retries elsewhere."""
+        fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
+        self._held[decision.request_id] = fut
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=1.0)
+                if done:
+                    return fut.result()
+                if self.backends.get(decision.backend) is not info:
+                    raise BackendLeft(f"backend {info.name} went away", retry_after=1)
+                if self.router.wait_overdue(decision, time.monotonic()):
+                    raise BackendLeft(f"the busy slot of {info.name} waited for is taking "
+                                      "long", retry_after=1)
+        finally:
+            self._held.pop(decision.request_id, None)
+
+    def hand_off(self, handoffs: list[Handoff]) -> None:
+        for h in handoffs:
+            fut = self._held.pop(h.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(h)
+
+    def free_when_idle(self, decision: Decision, info: BackendInfo) -> None:
+        """Free `decision`'s slot once its backend is done with it, holding what /slots
+        says it does (unknown, as on any abort, when it cannot tell in time)."""
+        assert decision.slot is not None
+        left = decision.prompt_tokens - decision.predicted_cached
+        limit = FREE_WAIT_MARGIN_S + 2 * left / (self.router.prefill_rate(info.name) or 1.0)
+        if self.first_byte_timeout is not None:
+            limit = min(limit, self.first_byte_timeout)
+
+        async def free(slot: int) -> None:
+            held = None
+            try:
+                if self.session is not None:
+                    client = BackendClient(self.session, info.url, info.api_key)
+                    state = await client.slot_when_idle(slot, limit)
+                    held = None if state is None else state.n_prompt_tokens
+            finally:
+                self.recorder.log.debug("freed_when_idle", request_id=decision.request_id,
+                                        backend=info.name, slot=slot, held=held)
+                self.hand_off(self.router.abort(decision, now=time.monotonic(), held=held))
+
+        task = asyncio.create_task(free(decision.slot))
+        self._freeing.add(task)
+        task.add_done_callback(self._freeing.discard)
+
+    async def close(self) -> None:
+        """Stop watching slots to free (the app is closing)."""
+        for task in list(self._freeing):
+            task.cancel()
+        await asyncio.gather(*self._freeing, return_exceptions=True)
