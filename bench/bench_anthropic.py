@@ -98,7 +98,7 @@ def mode_a_middleware(app: web.Application) -> Any:
         done = False
         try:
             target = Target(info, None, decision.predicted_cached)
-            resp = await send(fwd.session, request, target, "/v1/messages",
+            resp = await send(fwd.upstream, request, target, "/v1/messages",
                               raw, outcome, relay=tap)
             if tap.stopped and outcome.status < 400:
                 fwd.router.complete(  # type: ignore[union-attr]
