@@ -1,6 +1,9 @@
-"""`python -m backends prepare [--config PATH] [--json]`: obtain llama-server and the
-demo model. Idempotent; seconds when both are cached. Progress goes to stderr, the
-result (paths, version) to stdout."""
+"""`python -m backends prepare [--config PATH] [--all-demos] [--json]`: obtain
+llama-server and the demo models. Idempotent; seconds when all are cached. Progress goes
+to stderr, the result (paths, version) to stdout.
+
+The plain demo model is always built (tests and the loadtest use it); `demo-swa` and
+`demo-hybrid` only when the config's backends use them, or with --all-demos."""
 
 from __future__ import annotations
 
@@ -17,27 +20,32 @@ from backends.binary import (
     ensure_llama_server,
     llama_cpp_python_version,
 )
-from backends.demo_model import DemoModelParams, ensure_demo_model
+from backends.demo_model import DEMO, DEMO_KINDS, DemoModelParams, demo_kinds_for, ensure_demo_model
 
 
-def prepare(config_path: Path | None) -> dict[str, Any]:
+def prepare(config_path: Path | None, all_demos: bool = False) -> dict[str, Any]:
     """Build/find everything the config needs; returns what doctor/scripts want to know."""
     configured_binary: str | None = None
     params = DemoModelParams()
+    kinds = list(DEMO_KINDS) if all_demos else [DEMO]
     if config_path is not None:
         # imported here: proxy.config.load imports this package, not the other way round
         from proxy.config.load import load_config
 
         cfg = load_config(config_path, check_port=False, allow_missing_demo=True)
         configured_binary, params = cfg.llama_server, cfg.demo_model
+        used = demo_kinds_for(params, (b.model for b in cfg.managed() if b.is_demo))
+        kinds += [k for k in used if k not in kinds]
     t0 = time.monotonic()
     binary = ensure_llama_server(configured_binary)
     model = ensure_demo_model(params)
+    others = {k: str(ensure_demo_model(params, kind=k)) for k in kinds if k != DEMO}
     return {
         "llama_server": {"path": str(binary.path), "version": binary.version,
                          "source": binary.source},
         "demo_model": {"path": str(model), "kv_bytes_per_token": params.kv_bytes_per_token,
                        "params": params.tag()},
+        "other_demo_models": others,
         "llama_cpp_python": llama_cpp_python_version(),
         "cache_dir": str(cache_dir()),
         "seconds": round(time.monotonic() - t0, 2),
@@ -50,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="obtain llama-server and the demo model")
     p.add_argument("--config", type=Path, default=None,
                    help="config file (default: ./config.yaml if present)")
+    p.add_argument("--all-demos", action="store_true",
+                   help="also build demo-swa and demo-hybrid, used or not")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
 
@@ -57,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if config_path is None and Path("config.yaml").is_file():
         config_path = Path("config.yaml")
     try:
-        result = prepare(config_path)
+        result = prepare(config_path, args.all_demos)
     except (BinaryError, ValueError) as e:  # ConfigError is a ValueError
         print(f"prepare failed: {e}", file=sys.stderr)
         return 1
@@ -68,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({result['llama_server']['version'] or 'version unknown'}, "
               f"{result['llama_server']['source']})")
         print(f"demo model:   {result['demo_model']['path']}")
+        for kind, path in result["other_demo_models"].items():
+            print(f"{kind + ':':<13} {path}")
         print(f"ready in {result['seconds']} s")
     return 0
 

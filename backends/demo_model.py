@@ -1,4 +1,4 @@
-"""Synthesise the demo model: the real Qwen2 BPE vocabulary with random f16 weights.
+"""Synthesise the demo models: the real Qwen2 BPE vocabulary with random f16 weights.
 
 The vocabulary comes from `models/ggml-vocab-qwen2.gguf` in the llama.cpp tree vendored
 in the pinned llama-cpp-python sdist, so the proxy's tokenizer and llama-server agree
@@ -6,6 +6,12 @@ token for token. Weights are random (seeded), so output is gibberish but prompt
 processing costs what a real model of this shape costs, which is what routing cares
 about. The chat template is ours (`backends/templates/chatml-tools.jinja`, which renders
 tools); its hash is part of the file name so editing the template rebuilds the model.
+
+Three architectures share the vocabulary, the template and the sizes: `demo` is llama
+(plain attention: llama-server can cut its cache at any token), `demo-swa` is gemma3
+with interleaved sliding-window attention (backends/demo_swa.py) and `demo-hybrid` is
+lfm2, short convolutions next to attention (backends/demo_hybrid.py). The last two
+reuse cache only from llama-server's context checkpoints (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -14,12 +20,16 @@ import hashlib
 import mmap
 import os
 import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import backends.demo_hybrid as demo_hybrid
+import backends.demo_swa as demo_swa
 from backends.binary import Progress, _print, cache_dir, cache_lock, llama_cpp_source
+from backends.demo_gguf import Weights
 
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "chatml-tools.jinja"
 VOCAB_RELPATH = Path("vendor") / "llama.cpp" / "models" / "ggml-vocab-qwen2.gguf"
@@ -74,41 +84,27 @@ def _vocab_path(progress: Progress) -> Path:
     return llama_cpp_source(progress) / VOCAB_RELPATH
 
 
-def demo_model_path(params: DemoModelParams | None = None, progress: Progress = _print) -> Path:
-    """Where the demo model for these params and the current template lives (may not exist).
-
-    Without our template file the name carries the hash of the vocabulary's template,
-    which needs the sdist; "vocab" is used instead so that this stays cheap.
-    """
-    params = params or DemoModelParams()
-    tpl = TEMPLATE_PATH.read_bytes() if TEMPLATE_PATH.is_file() else b"vocab"
-    digest = hashlib.sha256(tpl).hexdigest()[:10]
-    return cache_dir() / "models" / f"kvroute-demo-{params.tag()}-t{digest}.gguf"
-
-
-def _write(path: Path, vocab: Path, params: DemoModelParams) -> None:
+def _new_writer(path: Path, arch: str, vocab: Path, params: DemoModelParams
+                ) -> tuple[Any, int]:
+    """A gguf.GGUFWriter holding the vocabulary, the template and the sizes every
+    architecture reads, and the vocabulary's size; the architecture adds the rest."""
     import gguf
-    import numpy as np
 
     meta = read_gguf_metadata(vocab, arrays=True)
     tokens, token_types, merges = (meta[f"tokenizer.ggml.{k}"]
                                    for k in ("tokens", "token_type", "merges"))
     vocab_template = meta.get("tokenizer.chat_template")
     template = template_text(vocab_template if isinstance(vocab_template, str) else None)
-    n_vocab = len(tokens)
 
-    w = gguf.GGUFWriter(str(path), ARCH)
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("kvroute-demo")
     w.add_block_count(params.n_layer)
     w.add_context_length(params.n_ctx_train)
     w.add_embedding_length(params.n_embd)
     w.add_feed_forward_length(params.n_ff)
     w.add_head_count(params.n_head)
-    w.add_head_count_kv(params.n_head_kv)
-    w.add_rope_dimension_count(params.head_dim)
-    w.add_rope_freq_base(1_000_000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(n_vocab)
+    w.add_vocab_size(len(tokens))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
@@ -121,41 +117,86 @@ def _write(path: Path, vocab: Path, params: DemoModelParams) -> None:
     w.add_add_bos_token(False)
     if template:
         w.add_chat_template(template)
+    return w, len(tokens)
+
+
+def _add_llama(w: Any, n_vocab: int, params: DemoModelParams, r: Weights) -> None:
+    w.add_head_count_kv(params.n_head_kv)
+    w.add_rope_dimension_count(params.head_dim)
+    w.add_rope_freq_base(1_000_000.0)
     w.add_uint64("kvroute.kv_bytes_per_token", params.kv_bytes_per_token)
-
-    rng = np.random.default_rng(params.seed)
-
-    def mat(rows: int, cols: int) -> Any:
-        # small weights keep activations finite through 8 random layers
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
-
-    e, hd = params.n_embd, params.head_dim
+    e, hd, ff = params.n_embd, params.head_dim, params.n_ff
     # no output.weight: llama.cpp ties the output projection to token_embd
-    w.add_tensor("token_embd.weight", mat(n_vocab, e))
-    w.add_tensor("output_norm.weight", np.ones(e, dtype=np.float32))
+    w.add_tensor("token_embd.weight", r.mat(n_vocab, e))
+    w.add_tensor("output_norm.weight", r.ones(e))
     for i in range(params.n_layer):
         p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", np.ones(e, dtype=np.float32))
-        w.add_tensor(p + "attn_q.weight", mat(params.n_head * hd, e))
-        w.add_tensor(p + "attn_k.weight", mat(params.n_head_kv * hd, e))
-        w.add_tensor(p + "attn_v.weight", mat(params.n_head_kv * hd, e))
-        w.add_tensor(p + "attn_output.weight", mat(e, params.n_head * hd))
-        w.add_tensor(p + "ffn_norm.weight", np.ones(e, dtype=np.float32))
-        w.add_tensor(p + "ffn_gate.weight", mat(params.n_ff, e))
-        w.add_tensor(p + "ffn_up.weight", mat(params.n_ff, e))
-        w.add_tensor(p + "ffn_down.weight", mat(e, params.n_ff))
+        w.add_tensor(p + "attn_norm.weight", r.ones(e))
+        w.add_tensor(p + "attn_q.weight", r.mat(params.n_head * hd, e))
+        w.add_tensor(p + "attn_k.weight", r.mat(params.n_head_kv * hd, e))
+        w.add_tensor(p + "attn_v.weight", r.mat(params.n_head_kv * hd, e))
+        w.add_tensor(p + "attn_output.weight", r.mat(e, params.n_head * hd))
+        w.add_tensor(p + "ffn_norm.weight", r.ones(e))
+        w.add_tensor(p + "ffn_gate.weight", r.mat(ff, e))
+        w.add_tensor(p + "ffn_up.weight", r.mat(ff, e))
+        w.add_tensor(p + "ffn_down.weight", r.mat(e, ff))
+
+
+@dataclass(frozen=True)
+class DemoKind:
+    """One demo architecture: `model:` names it in config.yaml."""
+
+    arch: str
+    layout: str  # architecture and layer layout, in the file name: a change rebuilds
+    add_model: Callable[[Any, int, DemoModelParams, Weights], None]
+
+
+DEMO = "demo"
+DEMO_KINDS = {
+    DEMO: DemoKind(ARCH, "", _add_llama),
+    "demo-swa": DemoKind(demo_swa.ARCH, demo_swa.LAYOUT, demo_swa.add_model),
+    "demo-hybrid": DemoKind(demo_hybrid.ARCH, demo_hybrid.LAYOUT, demo_hybrid.add_model),
+}
+
+
+def _write(path: Path, vocab: Path, params: DemoModelParams, kind: str) -> None:
+    spec = DEMO_KINDS[kind]
+    w, n_vocab = _new_writer(path, spec.arch, vocab, params)
+    spec.add_model(w, n_vocab, params, Weights(params.seed))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def ensure_demo_model(
-    params: DemoModelParams | None = None, progress: Progress = _print
-) -> Path:
+def demo_model_path(params: DemoModelParams | None = None, progress: Progress = _print,
+                    kind: str = DEMO) -> Path:
+    """Where the demo model of this kind, these params and the current template lives
+    (may not exist).
+
+    Without our template file the name carries the hash of the vocabulary's template,
+    which needs the sdist; "vocab" is used instead so that this stays cheap.
+    """
+    params = params or DemoModelParams()
+    layout = DEMO_KINDS[kind].layout
+    tpl = TEMPLATE_PATH.read_bytes() if TEMPLATE_PATH.is_file() else b"vocab"
+    digest = hashlib.sha256(tpl).hexdigest()[:10]
+    stem = f"kvroute-{kind}-{layout}-" if layout else "kvroute-demo-"
+    return cache_dir() / "models" / f"{stem}{params.tag()}-t{digest}.gguf"
+
+
+def demo_kinds_for(params: DemoModelParams, models: Iterable[Path]) -> list[str]:
+    """The demo kinds whose files (for these params) are among `models`, e.g. the
+    managed backends' model paths: what `prepare` builds for a config."""
+    wanted = set(models)
+    return [k for k in DEMO_KINDS if demo_model_path(params, kind=k) in wanted]
+
+
+def ensure_demo_model(params: DemoModelParams | None = None, progress: Progress = _print,
+                      kind: str = DEMO) -> Path:
     """Path of the demo model, synthesised first if missing (~5 s, 212 MB by default)."""
     params = params or DemoModelParams()
-    path = demo_model_path(params)
+    path = demo_model_path(params, kind=kind)
     if path.is_file():
         return path
     with cache_lock():
@@ -168,7 +209,7 @@ def ensure_demo_model(
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         try:
-            _write(tmp, vocab, params)
+            _write(tmp, vocab, params, kind)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from backends.config import (
     ManagedBackendConfig,
     SupervisionConfig,
 )
-from backends.demo_model import DemoModelParams, demo_model_path
+from backends.demo_model import DEMO_KINDS, DemoModelParams, demo_model_path
 from proxy.config.fields import (  # ConfigError is re-exported: imported from here
     ConfigError,
     _knobs,
@@ -40,6 +40,8 @@ from proxy.routing.policy import POLICIES
 from proxy.routing.settings import RouterSettings
 
 DEMO = "demo"  # `model: demo` = the synthesised demo model
+# `model: demo-swa` (sliding-window attention) and `demo-hybrid` (recurrent layers) too
+DEMO_NAMES = tuple(DEMO_KINDS)
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,8 @@ def _demo_params(raw: object) -> DemoModelParams:
         raise ConfigError(f"{e} (fix: adjust the demo_model sizes)") from None
 
 
-def _backend(raw: object, i: int, base: Path, demo: Path, allow_missing_demo: bool
-             ) -> BackendConfig:
+def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
+             allow_missing_demo: bool) -> BackendConfig:
     where = f"backends[{i}]."
     sec = _Section(raw, where)
     name = sec.get_str("name", f"backend{i}", "gpu0")
@@ -130,11 +132,12 @@ def _backend(raw: object, i: int, base: Path, demo: Path, allow_missing_demo: bo
         return ext
     model_raw = sec.get_str("model", None, "demo")
     assert model_raw is not None
-    is_demo = model_raw == DEMO
-    model = demo if is_demo else _path(base, model_raw)
+    is_demo = model_raw in demos
+    model = demos[model_raw] if is_demo else _path(base, model_raw)
     if not model.is_file() and not (is_demo and allow_missing_demo):
         fix = ("run `python -m backends prepare` (or `make run`) to build it" if is_demo
-               else "give the path of an existing .gguf file, or `model: demo`")
+               else "give the path of an existing .gguf file, or `model: demo` "
+               f"(or {', '.join(DEMO_NAMES[1:])})")
         raise ConfigError(f"{where}model: file not found: {model} (fix: {fix})")
     d = ManagedBackendConfig(name=name, model=model)
     b = ManagedBackendConfig(
@@ -143,7 +146,7 @@ def _backend(raw: object, i: int, base: Path, demo: Path, allow_missing_demo: bo
         ctx_per_slot=sec.get_int("ctx_per_slot", d.ctx_per_slot, lo=256),
         threads=sec.get_int("threads", d.threads),
         cache_ram_mib=sec.get_int("cache_ram_mib", d.cache_ram_mib, lo=0),
-        alias=sec.get_str("alias", "kvroute-demo" if is_demo else None, "my-model"),
+        alias=sec.get_str("alias", f"kvroute-{model_raw}" if is_demo else None, "my-model"),
         extra_args=sec.get_str_list("extra_args"),
         env=sec.get_str_map("env"),
     )
@@ -219,7 +222,7 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
 
     kv_disk = _kv_disk(top._get("kv_disk"), base)
     demo_params = _demo_params(top._get("demo_model"))
-    demo = demo_model_path(demo_params)
+    demos = {k: demo_model_path(demo_params, kind=k) for k in DEMO_NAMES}
 
     llama_server = top.get_str("llama_server", None, "/usr/local/bin/llama-server")
     if llama_server is not None:
@@ -233,7 +236,7 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
     if not isinstance(raw_backends, list) or not raw_backends:
         raise ConfigError(f"backends: expected a non-empty list, got {_show(raw_backends)} "
                           "(fix: e.g. backends: [{name: a, model: demo}])")
-    backends = tuple(_backend(b, i, base, demo, allow_missing_demo)
+    backends = tuple(_backend(b, i, base, demos, allow_missing_demo)
                      for i, b in enumerate(raw_backends))
     seen: set[str] = set()
     for i, b in enumerate(backends):
