@@ -299,6 +299,11 @@ class _Attempt:
             h = await self.fw.waits.hold(self.decision, self.info)
             self.decision = dataclasses.replace(self.decision, slot=h.slot,
                                                 predicted_cached=h.predicted_cached)
+        store = self.fw.slot_store
+        if self.decision.restore is not None and self.decision.slot is not None \
+                and store is not None:
+            # the slot is given the saved conversation first: the request then reuses it
+            await store.restore_into(self.info, self.decision.slot, self.decision.restore)
         sending = self.fw._send(self.request, self.path, self.raw, self.body, self.relay,
                                 self.info, self.decision, self.outcome, {}, self.settle,
                                 self.placed)

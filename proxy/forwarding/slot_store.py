@@ -1,12 +1,15 @@
-"""Slots saved to disk, restored into a backend that restarts.
+"""The disk tier: slots saved to files, restored into any backend of the host.
 
 llama-server writes a slot's KV to a file in its `--slot-save-path` and reads it back into
-a slot (`POST /slots/{id}?action=save|restore`). A backend that crashes loses its slots;
-its sessions' next turns would each pay a full prefill. So a slot that stays idle for
-`save_after_idle_s` after a turn (the agent is thinking, or the user reading) is saved,
-and when the backend comes back (the supervisor restarts it, or kvroute itself restarts)
-every saved slot is restored into the same slot before requests are routed there, and
-the router is told what each holds.
+any slot of any server of the same model and build (`POST /slots/{id}?action=save|
+restore`). A slot that stays idle for `save_after_idle_s` after a turn (the agent is
+thinking, the user reading) is saved; a later save of the same conversation replaces the
+file, another conversation in that slot gets a file of its own. The router holds every
+file's tokens in its tree: a request whose prefix a file holds better than the slot it
+is given (the conversation's backend is busy or gone, its slot reused since) has that
+file restored into the slot first (`Decision.restore`). And when a backend comes back
+(the supervisor restarts it, or kvroute itself restarts) each of its slots gets its last
+saved content back before requests are routed there.
 
 What a file holds is recorded beside it (`index.json`: backend, slot, the token ids the
 router knew the slot to hold), so a restore is predicted exactly. File names are
@@ -20,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hashlib
 import json
 import os
 import time
@@ -42,15 +44,15 @@ _PREFIX = "kvroute-"
 
 @dataclass
 class Saved:
-    backend: str
+    id: int
+    backend: str  # where it was saved from (restored there after a restart)
     slot: int
     tokens: bytes  # int32 token bytes the slot was known to hold when saved
     saved_at: float
 
     @property
     def file(self) -> str:
-        name = hashlib.sha256(self.backend.encode()).hexdigest()[:16]
-        return f"{_PREFIX}{name}-{self.slot}.bin"
+        return f"{_PREFIX}{self.id}.bin"
 
 
 class SlotStore:
@@ -58,7 +60,10 @@ class SlotStore:
                  counted: Callable[[str], None]) -> None:
         self.cfg, self.session, self.router, self.counted = cfg, session, router, counted
         self.log = structlog.get_logger()
-        self.saved: dict[tuple[str, int], Saved] = self._load()
+        self.saved: dict[int, Saved] = self._load()
+        self._next = max(self.saved, default=0) + 1
+        for e in self.saved.values():  # any backend of the host may restore them
+            router.disk_add(e.id, e.file, e.tokens)
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ saving
@@ -78,10 +83,11 @@ class SlotStore:
         tokens = self.router.held(info.name, slot)
         if tokens is None or len(tokens) // 4 < self.cfg.min_tokens:
             return
-        known = self.saved.get((info.name, slot))
+        known = self._latest(info.name, slot)
         if known is not None and known.tokens == tokens:
             return  # (nothing new since the last save)
-        entry = Saved(info.name, slot, tokens, time.time())
+        entry = Saved(self._next, info.name, slot, tokens, time.time())
+        self._next += 1
         client = BackendClient(self.session, info.url, info.api_key, timeout=120)
         got = await client.slot_file(slot, "save", entry.file)
         # the slot must still hold what was saved: a turn that started meanwhile on it
@@ -89,11 +95,14 @@ class SlotStore:
         if not isinstance(got, int) or got < len(tokens) // 4 \
                 or self.router.held(info.name, slot) != tokens:
             self.counted("save_failed")
-            self._drop((info.name, slot))
+            self._drop(entry.id)
             return
         with contextlib.suppress(OSError):
             (self.cfg.path / entry.file).chmod(0o600)
-        self.saved[(info.name, slot)] = entry
+        if known is not None and tokens.startswith(known.tokens):
+            self._drop(known.id)  # the same conversation, further on
+        self.saved[entry.id] = entry
+        self.router.disk_add(entry.id, entry.file, tokens)
         self.counted("saved")
         self._enforce_budget()
         self._write()
@@ -101,25 +110,42 @@ class SlotStore:
 
     # --------------------------------------------------------------- restoring
     def has(self, backend: str) -> bool:
-        return any(b == backend for b, _ in self.saved)
+        return any(e.backend == backend for e in self.saved.values())
+
+    def _latest(self, backend: str, slot: int) -> Saved | None:
+        mine = [e for e in self.saved.values() if (e.backend, e.slot) == (backend, slot)]
+        return max(mine, key=lambda e: e.saved_at, default=None)
+
+    async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool:
+        """Restore ``file`` into ``info``'s ``slot`` (a request is about to be sent there,
+        predicted to reuse it)."""
+        client = BackendClient(self.session, info.url, info.api_key, timeout=120)
+        got = await client.slot_file(slot, "restore", file)
+        ok = isinstance(got, int)
+        self.counted("restored" if ok else "restore_failed")
+        if not ok:
+            self.log.warning("slot.restore_failed", backend=info.name, slot=slot,
+                             file=file, error=str(got))
+        return ok
 
     async def restore(self, info: BackendInfo) -> list[tuple[int, bytes]]:
         """Restore ``info``'s saved slots into it (a new process: its slots are empty);
         the (slot, tokens) that came back."""
         client = BackendClient(self.session, info.url, info.api_key, timeout=120)
         out = []
-        for (backend, slot), entry in sorted(self.saved.items()):
-            if backend != info.name or slot >= info.n_slots:
-                continue
+        slots = {e.slot for e in self.saved.values() if e.backend == info.name}
+        for slot in sorted(s for s in slots if s < info.n_slots):
+            entry = self._latest(info.name, slot)
+            assert entry is not None
             got = await client.slot_file(slot, "restore", entry.file)
             if isinstance(got, int) and got >= len(entry.tokens) // 4:
                 out.append((slot, entry.tokens))
                 self.counted("restored")
             else:
-                self.log.warning("slot.restore_failed", backend=backend, slot=slot,
+                self.log.warning("slot.restore_failed", backend=info.name, slot=slot,
                                  error=str(got))
                 self.counted("restore_failed")
-                self._drop((backend, slot))
+                self._drop(entry.id)
         if out:
             self.log.info("slot.restored", backend=info.name,
                           slots=[(s, len(t) // 4) for s, t in out])
@@ -132,8 +158,9 @@ class SlotStore:
         await asyncio.gather(*self._pending.values(), return_exceptions=True)
 
     # ------------------------------------------------------------------ the files
-    def _drop(self, key: tuple[str, int]) -> None:
-        entry = self.saved.pop(key, None)
+    def _drop(self, entry_id: int) -> None:
+        entry = self.saved.pop(entry_id, None)
+        self.router.disk_drop(entry_id)
         if entry is not None:
             with contextlib.suppress(OSError):
                 (self.cfg.path / entry.file).unlink()
@@ -145,10 +172,10 @@ class SlotStore:
         while by_age and total > budget:
             oldest = by_age.pop(0)
             total -= _size(self.cfg.path / oldest.file)
-            self._drop((oldest.backend, oldest.slot))
+            self._drop(oldest.id)
 
     def _write(self) -> None:
-        doc = [{"backend": e.backend, "slot": e.slot, "saved_at": e.saved_at,
+        doc = [{"id": e.id, "backend": e.backend, "slot": e.slot, "saved_at": e.saved_at,
                 "tokens": base64.b64encode(e.tokens).decode()} for e in self.saved.values()]
         tmp = self.cfg.path / (INDEX + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -156,17 +183,17 @@ class SlotStore:
             json.dump(doc, f)
         os.replace(tmp, self.cfg.path / INDEX)
 
-    def _load(self) -> dict[tuple[str, int], Saved]:
+    def _load(self) -> dict[int, Saved]:
         """The index a previous run left (entries whose file is gone are dropped, files
         no entry names are deleted)."""
-        out: dict[tuple[str, int], Saved] = {}
+        out: dict[int, Saved] = {}
         try:
             doc = json.loads((self.cfg.path / INDEX).read_text())
             for d in doc if isinstance(doc, list) else ():
-                e = Saved(str(d["backend"]), int(d["slot"]), base64.b64decode(d["tokens"]),
-                          float(d["saved_at"]))
+                e = Saved(int(d["id"]), str(d["backend"]), int(d["slot"]),
+                          base64.b64decode(d["tokens"]), float(d["saved_at"]))
                 if (self.cfg.path / e.file).is_file() and len(e.tokens) % 4 == 0:
-                    out[(e.backend, e.slot)] = e
+                    out[e.id] = e
         except (OSError, ValueError, KeyError, TypeError):
             pass  # none yet, or unreadable: start empty
         named = {e.file for e in out.values()}

@@ -22,6 +22,8 @@ class Decision:
     # every slot was busy: the request waits for one (unpinned, predicted from the slot it
     # will get); see Handoff for holding it in the caller instead of the server's queue
     queued: bool = False
+    # a file of the disk tier to restore into ``slot`` before sending (see SlotStore)
+    restore: str | None = None
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from proxy.routing.backend_state import BackendState, peer_rate, share_rate
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import PENDING, RAM, SLOT, BackendCapacity, Placement
+from proxy.routing.cache.predict import DISK, PENDING, RAM, SLOT, BackendCapacity, Placement
 from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
 from proxy.routing.policy import POLICIES, Baselines, Candidate, choose_prefix
 from proxy.routing.queue import Inflight, QueuedRequests
@@ -54,6 +55,7 @@ class _Unplaced:
     ram_lcp: dict[int, int]
     n: int
     predicted: Placement
+    restore: bytes | None = None  # the slot is first given this sequence from disk
 
 
 class Router(QueuedRequests):
@@ -69,6 +71,7 @@ class Router(QueuedRequests):
         self._inflight: dict[int, Inflight] = {}
         self._baselines = Baselines(seed)
         self._next_id = 0
+        self._disk: dict[int, str] = {}  # disk entry -> its file (see disk_add)
         # at most one: every call but `decide(defer=True)` itself applies it first
         self._unplaced: _Unplaced | None = None
         self.mispredictions = 0  # completions whose reported reuse differed from ours
@@ -119,6 +122,27 @@ class Router(QueuedRequests):
         if st is None or not 0 <= slot < len(st.cache.slots):
             return False
         return st.cache.seed(slot, sequence)
+
+    def disk_add(self, entry: int, file: str, sequence: bytes) -> None:
+        """A slot saved to disk as ``file`` holds ``sequence``: any backend of the host
+        may have it restored into one of its slots."""
+        self._disk[entry] = file
+        self.tree.assign(("", DISK, entry), sequence)
+
+    def disk_drop(self, entry: int) -> None:
+        if self._disk.pop(entry, None) is not None:
+            self.tree.drop(("", DISK, entry))
+
+    def _disk_gain(self, held: dict[Any, int], p: Placement, n: int
+                   ) -> tuple[str, bytes, int] | None:
+        """The disk file to restore into the placement's slot first, its sequence and
+        the tokens it shares with the prompt: when it holds enough more than the slot."""
+        best = max(((got, idx) for (_, kind, idx), got in held.items() if kind == DISK),
+                   default=None)
+        if best is None or best[0] - p.reuse < self.settings.disk_min_gain_tokens:
+            return None
+        got, idx = best
+        return self._disk[idx], self.tree.tokens_of(("", DISK, idx)), min(got, n - 1)
 
     # --------------------------------------------------------------- decision
     def decide(
@@ -183,7 +207,22 @@ class Router(QueuedRequests):
         slot_lcp, ram_lcp, _ = per[choice.backend]
         placed = None
         beyond = None
-        if choice.placement is not None:
+        restore = None
+        if choice.placement is not None and choice.slot is not None and not head \
+                and self._disk:
+            restore = self._disk_gain(held, choice.placement, n)
+        if choice.placement is not None and restore is not None:
+            _, sequence, got = restore
+            slot_lcp = {**slot_lcp, choice.slot: got}  # the slot, once restored
+            placed = choice.placement._replace(reuse=got, tier="disk", ram_entry=None,
+                                               saved=False, displaced=0, destroyed=0)
+            if defer:
+                self._unplaced = _Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
+                                           ram_lcp, n, placed, sequence)
+            else:
+                st.cache.restore(placed.slot, sequence)
+                placed = _from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n))
+        elif choice.placement is not None:
             if head:
                 beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
                                       len(q))
@@ -235,6 +274,7 @@ class Router(QueuedRequests):
             tier=tier,
             reasons=reasons,
             queued=queued,
+            restore=restore[0] if restore is not None else None,
         )
 
     def _beyond(self, backend: str, p: Placement, slot_lcp: dict[int, int],
@@ -271,7 +311,11 @@ class Router(QueuedRequests):
         st = self._backends.get(u.backend)
         if f is None or st is None:
             return
-        p = st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n, u.predicted)
+        if u.restore is not None and u.pin is not None:
+            st.cache.restore(u.pin, u.restore)
+            p = _from_disk(st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n))
+        else:
+            p = st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n, u.predicted)
         assert p is not None and p.slot == f.slot, "placed where predicted"
         if (p.reuse, p.tier) != (u.predicted.reuse, u.predicted.tier):
             more = u.predicted.reuse - p.reuse  # tokens to prefill beyond the prediction
@@ -448,3 +492,8 @@ class Router(QueuedRequests):
             "mispredictions": self.mispredictions,
             "backends": {name: st.snapshot() for name, st in self._backends.items()},
         }
+
+
+def _from_disk(p: Placement | None) -> Placement | None:
+    """A placement in a slot just restored from disk: what it reuses came from disk."""
+    return p._replace(tier="disk") if p is not None and p.tier == "slot" else p

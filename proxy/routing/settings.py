@@ -32,6 +32,10 @@ class RouterSettings:
     destroy_weight: float = 8.0  # x prefill time of unique tokens a placement destroys
     min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
     queue_cost_weight: float = 1.0  # extra charge on uncached prefill s (delays the queue)
+    # a slot saved to disk is restored into the chosen idle slot when it holds at least
+    # this many more of the prompt than the slot would reuse (reading KV from disk costs
+    # a small fraction of computing it, but a round trip and the server's loop)
+    disk_min_gain_tokens: int = 256
     # RAM entries per backend the tree matches against: all of at least
     # ram_track_min_tokens, and smaller ones while there are no more than
     # ram_entries_tracked in all (the largest first; see BackendCache)
@@ -79,6 +83,7 @@ class RouterSettings:
             "destroy_weight": self.destroy_weight,
             "min_rate_sample_tokens": self.min_rate_sample_tokens,
             "wait_min_tokens": self.wait_min_tokens,
+            "disk_min_gain_tokens": self.disk_min_gain_tokens,
             "wait_grace_s": self.wait_grace_s,
             "ram_track_min_tokens": self.ram_track_min_tokens,
         }

@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from faults import until
+from faults import FAST_HEALTH, until
 from proxy_client import proxy
 from texts import words
 
 from backends.config import KvDiskConfig
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
+from proxy.config.settings import ProxySettings
 from proxy.forwarding.slot_store import INDEX
 from proxy.server.keys import METRICS, ROUTER
 
@@ -105,3 +106,46 @@ async def test_a_restarted_kvroute_restores_what_the_last_one_saved(
                     assert reused >= 0.9 * previous and abs(predicted - reused) <= 1
         finally:
             await sup.stop()
+
+
+async def test_a_conversation_moves_to_another_backend_by_restore(
+        pool_config: Callable[..., Config], tmp_path: Path) -> None:
+    """Its backend stops answering (SIGSTOP: the proxy's breaker takes it out): the next
+    turn goes to the other backend, whose slot is first given the conversation from disk;
+    it reuses its history there, predicted exactly."""
+    disk = KvDiskConfig(tmp_path / "slots", save_after_idle_s=0.3, min_tokens=64)
+    cfg = dataclasses.replace(pool_config(n=2, slots=1, cache_ram_mib=0), kv_disk=disk)
+    sup = Supervisor(cfg)
+    await sup.start()
+    stopped = None
+    try:
+        async with proxy(sup, ProxySettings(health=FAST_HEALTH)) as client:
+            session = [{"role": "system", "content": words(600, 95)},
+                       {"role": "user", "content": words(40, 96)}]
+            async with client.post("/v1/chat/completions", json={
+                    "model": "kvroute-demo", "max_tokens": 4, "messages": session}) as r:
+                first = r.headers["X-Kvroute-Backend"]
+                previous = (await r.json())["usage"]["prompt_tokens"]
+            session.append({"role": "assistant", "content": "Noted."})
+            await until(lambda: counted(client, "saved") >= 1, 30)
+            stopped = sup.pid(first)
+            assert stopped is not None
+            os.kill(stopped, signal.SIGSTOP)
+            router = client.server.app[ROUTER]
+            await until(lambda: first not in router.snapshot()["backends"], 30)
+
+            session.append({"role": "user", "content": words(20, 97)})
+            async with client.post("/v1/chat/completions", json={
+                    "model": "kvroute-demo", "max_tokens": 4, "messages": session}) as r:
+                body = await r.json()
+                assert r.status == 200, body
+                assert r.headers["X-Kvroute-Backend"] != first
+                assert r.headers["X-Kvroute-Tier"] == "disk"
+                predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+            reused = body["timings"]["cache_n"]
+            assert reused >= 0.9 * previous and abs(predicted - reused) <= 1, \
+                (predicted, reused, previous)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        await sup.stop()

@@ -158,6 +158,15 @@ class BackendCache(CachePrediction):
         s.last_used = self._clock
         return True
 
+    def restore(self, slot: int, sequence: bytes) -> None:
+        """An idle slot's content is replaced by ``sequence`` read from disk (the server
+        saves nothing of the old content: a restore is not a task)."""
+        s = self.slots[slot]
+        assert not s.busy, "restored into a busy slot"
+        self.tree.assign(self.slot_holder(slot), sequence)
+        s.n_tokens = len(sequence) // 4
+        s.ram_copy = None
+
     def saved_idle(self, slot: int) -> None:
         """A task started on the server after the request in ``slot`` ended there, but
         the model heard of that end later (two slots ending in one server step: the
