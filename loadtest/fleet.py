@@ -43,6 +43,7 @@ class Cluster:
     ctx_per_slot: int = 8192
     cache_ram_mib: int = 1024
     model: str = "demo"
+    kv_disk: bool = False  # managed backends' slots saved to disk (kv_disk in the config)
     startup_timeout_s: float = 180.0
 
 

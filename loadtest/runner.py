@@ -56,6 +56,8 @@ def write_config(path: Path, cluster: Cluster, n_backends: int, policy: str) -> 
                       "threads": cluster.threads, "cache_ram_mib": cluster.cache_ram_mib}
                      for i in range(n_backends)],
     }
+    if cluster.kv_disk:  # a directory of its own per run: the index starts empty
+        cfg["kv_disk"] = {"path": str(path.parent / "slots" / path.stem)}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -265,7 +267,7 @@ async def run_all(args: argparse.Namespace,
         workload = build_workload(args, rate)
         cluster = Cluster(backends=args.backends, slots=args.slots, threads=args.threads,
                           ctx_per_slot=args.ctx or needed_ctx(workload, args.max_tokens),
-                          cache_ram_mib=args.cache_ram_mib)
+                          cache_ram_mib=args.cache_ram_mib, kv_disk=args.kv_disk)
         for p in policies:
             runs.append(await run_one(p, workload, cluster, work_dir, args, rate))
             if on_run is not None:
@@ -312,6 +314,8 @@ def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--ctx", type=int, default=0, help="per slot (default: fits the workload)")
     g.add_argument("--cache-ram-mib", type=int, default=1024)
+    g.add_argument("--kv-disk", action="store_true",
+                   help="managed backends save idle slots to disk (kv_disk) and restore them")
     g.add_argument("--max-requests", type=int, default=500, help="per policy run")
     g.add_argument("--time-limit", type=float, default=300.0, help="s per policy run")
     g.add_argument("--request-timeout", type=float, default=120.0)
