@@ -36,12 +36,13 @@ def _default_config_path(given: Path | None) -> Path | None:
 def _prepare_artifacts(cfg: Config) -> None:
     """Obtain what the managed backends need; builds only on first use."""
     from backends.binary import ensure_llama_server
-    from backends.demo_model import ensure_demo_model
+    from backends.demo_model import demo_kinds_for, ensure_demo_model
 
     if cfg.managed():
         ensure_llama_server(cfg.llama_server)
-    if any(b.is_demo for b in cfg.managed()):
-        ensure_demo_model(cfg.demo_model)
+    demos = [b.model for b in cfg.managed() if b.is_demo]
+    for kind in demo_kinds_for(cfg.demo_model, demos):  # demo, demo-swa, demo-hybrid
+        ensure_demo_model(cfg.demo_model, kind=kind)
 
 
 async def _serve(cfg: Config) -> int:
