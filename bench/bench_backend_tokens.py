@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from array import array
 from pathlib import Path
 
 import aiohttp
@@ -70,6 +71,10 @@ async def main() -> int:
                 await remote.chat(body(0), "bench")  # connection up
                 backend_ms, text_ms, cold_ms, warm_ms = [], [], [], []
                 here = PromptBuilder.load(model)
+
+                async def tokenize_here(text: str) -> array:
+                    return here.tokenizer.tokenize_ids(text)
+
                 bodies = [body(turn) for turn in range(args.rounds + 1)]
                 for turn in range(1, args.rounds + 1):
                     b = bodies[turn]
@@ -81,7 +86,7 @@ async def main() -> int:
                     warm_ms.append((time.perf_counter() - t0) * 1000)
                     assert list(ids) == list(warm), "backend and local ids differ"
                     t0 = time.perf_counter()  # the backend's text, tokenized here
-                    await remote.chat(b, "bench", here.tokenizer.tokenize_ids)
+                    await remote.chat(b, "bench", tokenize_here)
                     text_ms.append((time.perf_counter() - t0) * 1000)
                     cold = PromptBuilder.load(model)
                     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +93,7 @@ class BackendTokens:
         self.counted = counted
 
     async def chat(self, body: Mapping[str, Any], reason: str,
-                   tokenize: Callable[[str], array] | None = None) -> array:
+                   tokenize: Callable[[str], Awaitable[array]] | None = None) -> array:
         """Ids of the prompt the backend's chat endpoint builds for ``body``. With a local
         ``tokenize`` (the GGUF's vocabulary: exact whatever the template), only the text
         comes from the backend: its history's fragments are then cached here, and a turn
@@ -105,7 +105,7 @@ class BackendTokens:
             if not isinstance(prompt, str):
                 return prompt
             if tokenize is not None:
-                return Tokens(tokenize(prompt), None)
+                return Tokens(await tokenize(prompt), None)
             return await client.tokenize(prompt)
         return await self._ask(ask, reason)
 

@@ -106,10 +106,12 @@ class Tokenizing:
             except NoBackendAvailable:
                 raise _refused(e) from None
 
-    def _tokenize(self, text: str) -> array:
-        # (the text the backend rendered, in this GGUF's vocabulary, fragment-cached)
-        assert self.prompt is not None
-        return self.prompt.tokenizer.tokenize_ids(text)
+    async def _tokenize(self, text: str) -> array:
+        # (the text the backend rendered, in this GGUF's vocabulary, fragment-cached; a
+        # long one the cache misses on the worker, as the local path does)
+        prompt = self.prompt
+        assert prompt is not None
+        return await self.run(len(text), lambda: prompt.tokenizer.tokenize_ids(text))
 
     def _remote(self) -> BackendTokens:
         if self.remote is None:
