@@ -40,6 +40,7 @@ from backends.config import (
     ManagedBackendConfig,
 )
 from backends.demo_model import gguf_kv_bytes_per_token
+from backends.memory import DENSE, MemoryKind, server_memory
 from backends.process import Failed, LlamaServerProcess, ServerSpec, free_port
 
 log = structlog.get_logger(__name__)
@@ -62,6 +63,7 @@ class BackendInfo:
     kv_bytes_per_token: int  # from GGUF metadata (managed) or the config (external)
     model: str  # model id/alias as /v1/models reports it
     managed: bool
+    memory: MemoryKind = DENSE  # what the server can cut its cache back to
 
 
 C = TypeVar("C", bound=FleetSpec)
@@ -276,6 +278,8 @@ class Supervisor(Generic[C]):
             name=cfg.name, url=spec.url, api_key=spec.api_key, n_slots=props.total_slots,
             slot_ctx=props.slot_ctx, ram_cache_bytes=cfg.cache_ram_mib * MiB,
             kv_bytes_per_token=kv, model=props.model_alias, managed=True,
+            memory=await asyncio.to_thread(server_memory, cfg.model, spec.argv(),
+                                           props.slot_ctx, props.total_slots),
         )
         b.ready_since = time.time()
         self._set(b, "ready")
@@ -331,6 +335,8 @@ class Supervisor(Generic[C]):
                         ram_cache_bytes=cfg.cache_ram_mib * MiB,
                         kv_bytes_per_token=await self._external_kv_bytes(cfg),
                         model=props.model_alias, managed=False,
+                        memory=await asyncio.to_thread(server_memory, self.config.tokenizer,
+                                                       (), props.slot_ctx, props.total_slots),
                     )
                     b.ready_since = time.time()
                     self._set(b, "ready")

@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from proxy.routing.cache.checkpoints import Memory
+
 DEFAULT_TRACE = str(Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl")
 
 
@@ -29,6 +31,10 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--decode-tps", type=float, default=40.0, help="per slot")
     p.add_argument("--time-scale", type=float, default=1.0, help=">1 replays faster")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory", choices=("dense", "swa", "hybrid"), default="dense",
+                   help="the backends' memory: plain attention, a sliding window "
+                        "(--swa-window), or recurrent layers (reuse up to checkpoints)")
+    p.add_argument("--swa-window", type=int, default=256)
     p.add_argument(
         "--plan-p90",
         type=float,
@@ -45,6 +51,16 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     g.add_argument("--slot-ctx", type=int, default=262_144, help="tokens per slot")
     g.add_argument("--ram-mib", type=int, help="RAM cache per backend (overrides --ram-tokens)")
     g.add_argument("--gguf", help="model to tokenize with (default: the demo model)")
+
+
+def _memory(kind: str, window: int) -> Memory:
+    """The server's memory rules for ``kind`` at its default settings (ubatch 512)."""
+    from backends.memory import swa_cells
+    from proxy.routing.cache.checkpoints import DENSE
+
+    if kind == "swa":
+        return Memory(n_swa=window, swa_cells=swa_cells(window, 512, 1 << 30))
+    return Memory(recurrent=True) if kind == "hybrid" else DENSE
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -76,6 +92,7 @@ def _simulate(args: argparse.Namespace) -> int:
         kv_bytes_per_token=args.kv_bytes_per_token,
         prefill_tps=args.prefill_tps,
         decode_tps=args.decode_tps,
+        memory=_memory(args.memory, args.swa_window),
     )
     if args.plan_p90 > 0:
         n, runs = plan_capacity(

@@ -57,7 +57,7 @@ def split_router(name: str) -> tuple[str, str]:
 async def fresh_servers(cluster: Cluster, log_dir: Path) -> AsyncIterator[list[str]]:
     """``cluster.backends`` new llama-servers on free loopback ports; yields their URLs."""
     binary = ensure_llama_server(None).path
-    model = ensure_demo_model()
+    model = ensure_demo_model(kind=cluster.model)
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = [LlamaServerProcess(ServerSpec(binary, model, free_port(), cluster.slots,
                                            cluster.ctx_per_slot, cluster.threads,
@@ -83,7 +83,7 @@ def external_config(path: Path, cluster: Cluster, urls: list[str], policy: str) 
     the tokenizer (the servers' model, as an operator would name it)."""
     cfg = {
         "proxy": {"host": "127.0.0.1", "port": free_port(), "policy": policy,
-                  "tokenizer": str(ensure_demo_model())},
+                  "tokenizer": str(ensure_demo_model(kind=cluster.model))},
         "log_dir": str(path.parent / "logs" / path.stem),
         "backends": [{"name": chr(ord("a") + i), "url": u,
                       "cache_ram_mib": cluster.cache_ram_mib} for i, u in enumerate(urls)],

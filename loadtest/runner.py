@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from backends.demo_model import DEMO, DEMO_KINDS
 from backends.process import free_port
 from loadtest import workloads as wl
 from loadtest.client import LoadClient, check_loopback
@@ -267,7 +268,8 @@ async def run_all(args: argparse.Namespace,
         workload = build_workload(args, rate)
         cluster = Cluster(backends=args.backends, slots=args.slots, threads=args.threads,
                           ctx_per_slot=args.ctx or needed_ctx(workload, args.max_tokens),
-                          cache_ram_mib=args.cache_ram_mib, kv_disk=args.kv_disk)
+                          cache_ram_mib=args.cache_ram_mib, kv_disk=args.kv_disk,
+                          model=args.model)
         for p in policies:
             runs.append(await run_one(p, workload, cluster, work_dir, args, rate))
             if on_run is not None:
@@ -314,6 +316,8 @@ def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--ctx", type=int, default=0, help="per slot (default: fits the workload)")
     g.add_argument("--cache-ram-mib", type=int, default=1024)
+    g.add_argument("--model", choices=sorted(DEMO_KINDS), default=DEMO,
+                   help="demo model: plain attention, sliding window, or hybrid")
     g.add_argument("--kv-disk", action="store_true",
                    help="managed backends save idle slots to disk (kv_disk) and restore them")
     g.add_argument("--max-requests", type=int, default=500, help="per policy run")
@@ -334,7 +338,7 @@ def fleet_bound(workload: wl.Workload, runs: list[PolicyRun],
     from proxy.routing.cache.predict import BackendCapacity
 
     ctx = args.ctx or needed_ctx(workload, args.max_tokens)
-    kv = gguf_kv_bytes_per_token(ensure_demo_model())
+    kv = gguf_kv_bytes_per_token(ensure_demo_model(kind=args.model))
     if kv is None:
         return None
     cap = BackendCapacity("bound", args.slots, ctx, args.cache_ram_mib << 20, kv)

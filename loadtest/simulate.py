@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loadtest.trace import BLOCK, VOCAB_HI, VOCAB_LO, TraceRequest, block_start
+from proxy.routing.cache.checkpoints import DENSE, Memory
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity
 from proxy.routing.decision import Decision
@@ -52,6 +53,7 @@ class SimBackend:
     prefill_tps: float = 20_000.0
     decode_tps: float = 40.0  # per slot
     ram_load_s_per_token: float = 2e-6
+    memory: Memory = DENSE  # sliding-window or hybrid: reuse up to checkpoints
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class _Req:
     out: int
     decision: Decision
     slot: int | None = None  # pinned slot, then the slot it runs in
+    user_starts: tuple[int, ...] = ()
     reuse: int = 0
     prefill_s: float = 0.0
 
@@ -144,14 +147,17 @@ def simulate(
     time_scale: float = 1.0,
     seed: int = 0,
     prompts: Sequence[bytes] | None = None,
+    user_starts: Sequence[tuple[int, ...]] | None = None,
 ) -> SimResult:
     """Replay ``trace`` (arrivals divided by ``time_scale``) through one policy.
     ``prompts``: each request's prompt as int32 token bytes, instead of its blocks'
-    token ids (a chat replay, tokenized through the template as the server does)."""
+    token ids (a chat replay, tokenized through the template as the server does);
+    ``user_starts``: where each one's user messages start (checkpointed memory)."""
     be = backend or SimBackend()
     kvb = be.kv_bytes_per_token
     caps = [
-        BackendCapacity(f"b{i}", be.n_slots, be.slot_ctx, be.ram_cache_tokens * kvb, kvb)
+        BackendCapacity(f"b{i}", be.n_slots, be.slot_ctx, be.ram_cache_tokens * kvb, kvb,
+                        memory=be.memory)
         for i in range(n_backends)
     ]
     s = settings or RouterSettings(default_prefill_tps=be.prefill_tps)
@@ -191,7 +197,8 @@ def simulate(
         if slot is not None and cache.slots[slot].busy:
             return False
         slot_lcp, ram_lcp = lcps(cache.cap.name, req.prompt)
-        p = cache.start(slot, req.prompt, slot_lcp, ram_lcp, req.n)
+        p = cache.start(slot, req.prompt, slot_lcp, ram_lcp, req.n,
+                        user_starts=req.user_starts)
         if p is None:
             return False
         req.slot, req.reuse = p.slot, p.reuse
@@ -228,11 +235,12 @@ def simulate(
             if kind == 0:
                 r = trace[idx]
                 q = blocks.prompt(r) if prompts is None else prompts[idx]
-                d = router.decide(q, now=now)  # int32 token bytes: no conversion
+                users = user_starts[idx] if user_starts is not None else ()
+                d = router.decide(q, now=now, user_starts=users)  # int32 token bytes
                 if not isinstance(d, Decision):
                     rejected += 1
                     continue
-                req = _Req(idx, now, q, len(q) // 4, r.output_length, d, d.slot)
+                req = _Req(idx, now, q, len(q) // 4, r.output_length, d, d.slot, users)
                 if d.queued:
                     held[d.request_id] = req  # the proxy holds it until its Handoff
                     continue

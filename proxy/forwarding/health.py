@@ -51,6 +51,7 @@ from backends.supervisor import BackendInfo
 from proxy.config.settings import HealthSettings
 from proxy.forwarding.upstream import Response
 from proxy.observability.metrics import ProxyMetrics
+from proxy.routing.cache.checkpoints import Memory
 from proxy.routing.cache.predict import BackendCapacity
 from proxy.routing.router import Router
 
@@ -91,9 +92,13 @@ class Breaker:
 
 
 def capacity(info: BackendInfo) -> BackendCapacity:
+    m = info.memory
+    memory = Memory(n_swa=m.n_swa, recurrent=m.recurrent, swa_cells=m.swa_cells,
+                    max_checkpoints=m.max_checkpoints, min_step=m.min_step,
+                    n_ubatch=m.n_ubatch, n_batch=m.n_batch)
     return BackendCapacity(name=info.name, n_slots=info.n_slots, slot_ctx=info.slot_ctx,
                            ram_cache_bytes=info.ram_cache_bytes,
-                           kv_bytes_per_token=info.kv_bytes_per_token)
+                           kv_bytes_per_token=info.kv_bytes_per_token, memory=memory)
 
 
 class BackendHealth:

@@ -68,7 +68,11 @@ class SlotStore:
 
     # ------------------------------------------------------------------ saving
     def note(self, info: BackendInfo, slot: int) -> None:
-        """A turn ended in ``info``'s ``slot``: save it once it has stayed idle."""
+        """A turn ended in ``info``'s ``slot``: save it once it has stayed idle. Not on a
+        sliding-window or hybrid model: the server restores a slot without its context
+        checkpoints, so only a continuation could use it (docs/checkpoints.md)."""
+        if info.memory.name != "dense":
+            return
         key = (info.name, slot)
         old = self._pending.pop(key, None)
         if old is not None:

@@ -34,6 +34,7 @@ class Inflight:
     # the reuse and tier the deferred slot model update found instead of the predicted
     # ones, until `Router.place` returns them
     replaced: tuple[int, str] | None = None
+    user_starts: tuple[int, ...] = ()  # where its prompt's user messages start
 
 
 class QueuedRequests:
@@ -84,7 +85,8 @@ class QueuedRequests:
               now: float) -> Handoff:
         f = self._inflight[rid]
         self._unqueue(st, backend, rid)
-        p = st.cache.start(slot, f.prompt, *self._lcps(st.cache, f.prompt), f.n)
+        p = st.cache.start(slot, f.prompt, *self._lcps(st.cache, f.prompt), f.n,
+                           user_starts=f.user_starts)
         assert p is not None, "handed an idle slot"
         f.slot = p.slot
         st.occupy(p.slot, f.session)

@@ -56,6 +56,7 @@ class _Unplaced:
     n: int
     predicted: Placement
     restore: bytes | None = None  # the slot is first given this sequence from disk
+    user_starts: tuple[int, ...] = ()
 
 
 class Router(QueuedRequests):
@@ -133,10 +134,19 @@ class Router(QueuedRequests):
         if self._disk.pop(entry, None) is not None:
             self.tree.drop(("", DISK, entry))
 
-    def _disk_gain(self, held: dict[Any, int], p: Placement, n: int
+    @property
+    def wants_user_starts(self) -> bool:
+        """Does a backend checkpoint where user messages start (see ``decide``)?"""
+        return any(st.cache.checkpointed for st in self._backends.values())
+
+    def _disk_gain(self, held: dict[Any, int], p: Placement, n: int, backend: str
                    ) -> tuple[str, bytes, int] | None:
         """The disk file to restore into the placement's slot first, its sequence and
-        the tokens it shares with the prompt: when it holds enough more than the slot."""
+        the tokens it shares with the prompt: when it holds enough more than the slot.
+        Never on a checkpointed backend: the server clears a restored slot's
+        checkpoints, so a request diverging from it would reuse nothing."""
+        if self._backends[backend].cache.checkpointed:
+            return None
         best = max(((got, idx) for (_, kind, idx), got in held.items() if kind == DISK),
                    default=None)
         if best is None or best[0] - p.reuse < self.settings.disk_min_gain_tokens:
@@ -153,6 +163,7 @@ class Router(QueuedRequests):
         now: float = 0.0,
         n_prompt: int | None = None,
         defer: bool = False,
+        user_starts: tuple[int, ...] = (),
     ) -> Decision | NoBackend | NeedWholePrompt:
         """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
         native int32 bytes (the tree's format, see proxy/routing/tree/token_bytes.py).
@@ -161,7 +172,10 @@ class Router(QueuedRequests):
         estimated at ``n_prompt``; ``extend`` gives the rest once it is tokenized, unless
         the answer is ``NeedWholePrompt``.
 
-        ``defer``: leave the slot model's update to ``place`` (see the module doc)."""
+        ``defer``: leave the slot model's update to ``place`` (see the module doc).
+
+        ``user_starts``: the positions where the server finds a user message starting
+        (it checkpoints there on sliding-window and hybrid models)."""
         self._apply_unplaced()
         q = to_token_bytes(tokens)
         n = len(q) // 4
@@ -210,7 +224,7 @@ class Router(QueuedRequests):
         restore = None
         if choice.placement is not None and choice.slot is not None and not head \
                 and self._disk:
-            restore = self._disk_gain(held, choice.placement, n)
+            restore = self._disk_gain(held, choice.placement, n, choice.backend)
         if choice.placement is not None and restore is not None:
             _, sequence, got = restore
             slot_lcp = {**slot_lcp, choice.slot: got}  # the slot, once restored
@@ -218,10 +232,11 @@ class Router(QueuedRequests):
                                                saved=False, displaced=0, destroyed=0)
             if defer:
                 self._unplaced = _Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
-                                           ram_lcp, n, placed, sequence)
+                                           ram_lcp, n, placed, sequence, user_starts)
             else:
                 st.cache.restore(placed.slot, sequence)
-                placed = _from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n))
+                placed = _from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
+                                                   user_starts=user_starts))
         elif choice.placement is not None:
             if head:
                 beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
@@ -229,11 +244,11 @@ class Router(QueuedRequests):
             if defer:
                 placed = choice.placement
                 self._unplaced = _Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
-                                           ram_lcp, n, placed)
+                                           ram_lcp, n, placed, user_starts=user_starts)
             else:
                 # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
                 placed = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
-                                        choice.placement)
+                                        choice.placement, user_starts=user_starts)
         queued = placed is None
         if placed is None:
             # queued on the server (unpinned): predict what it gets when a slot frees,
@@ -254,7 +269,8 @@ class Router(QueuedRequests):
         st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
         if slot is not None:
             st.expect_free(slot, now)
-        self._inflight[rid] = Inflight(choice.backend, slot, q, n, work, now, beyond, session)
+        self._inflight[rid] = Inflight(choice.backend, slot, q, n, work, now, beyond, session,
+                                       user_starts=user_starts)
         if placed is not None:
             st.occupy(placed.slot, session)
         reasons = dict(choice.reasons)
@@ -313,9 +329,11 @@ class Router(QueuedRequests):
             return
         if u.restore is not None and u.pin is not None:
             st.cache.restore(u.pin, u.restore)
-            p = _from_disk(st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n))
+            p = _from_disk(st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n,
+                                          user_starts=u.user_starts))
         else:
-            p = st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n, u.predicted)
+            p = st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n, u.predicted,
+                               user_starts=u.user_starts)
         assert p is not None and p.slot == f.slot, "placed where predicted"
         if (p.reuse, p.tier) != (u.predicted.reuse, u.predicted.tier):
             more = u.predicted.reuse - p.reuse  # tokens to prefill beyond the prediction
@@ -325,7 +343,8 @@ class Router(QueuedRequests):
             st.expect_free(p.slot, f.started)
             f.replaced = (p.reuse, p.tier)
 
-    def extend(self, decision: Decision, tokens: Sequence[int] | array | bytes) -> Decision:
+    def extend(self, decision: Decision, tokens: Sequence[int] | array | bytes,
+               user_starts: tuple[int, ...] = ()) -> Decision:
         """The whole prompt of a request decided on its head (``decide(n_prompt=...)``):
         the model records it, and the reuse is predicted again (the rest may go on
         matching what the reused holder had). Returns the decision with the prompt's
@@ -343,7 +362,7 @@ class Router(QueuedRequests):
             more = common_len(f.beyond, q, len(f.prompt))
             reuse = min(len(f.prompt) // 4 + more, n - 1)
         if f.slot is not None:
-            st.cache.extend_prompt(f.slot, q)
+            st.cache.extend_prompt(f.slot, q, user_starts)
         elif decision.request_id in st.queued_n:
             self.tree.assign((decision.backend, PENDING, decision.request_id), q)
             st.queued_n[decision.request_id] = n
@@ -351,6 +370,7 @@ class Router(QueuedRequests):
         st.work += work - f.work
         st.busy_until += ((n - reuse) - (f.n - decision.predicted_cached)) / st.rate
         f.prompt, f.n, f.work, f.beyond = q, n, work, None
+        f.user_starts = user_starts
         return replace(decision, prompt_tokens=n, predicted_cached=reuse)
 
     # --------------------------------------------------------------- feedback
@@ -407,14 +427,16 @@ class Router(QueuedRequests):
                 slot = self._server_pick_now(cache, f.prompt)
             if slot is not None:
                 held = self._lcps(cache, f.prompt)
-                cache.start(slot, f.prompt, *held, f.n, task=False)
+                cache.start(slot, f.prompt, *held, f.n, task=False,
+                            user_starts=f.user_starts)
                 st.occupy(slot, f.session)
         elif reported_slot is not None and reported_slot != slot:
             # the server chose another slot than modelled: what ours holds is unknown
             cache.finish(slot, None, 0)
             slot = reported_slot if 0 <= reported_slot < len(cache.slots) else None
             if slot is not None and not cache.slots[slot].busy:
-                cache.start(slot, f.prompt, *self._lcps(cache, f.prompt), f.n, task=False)
+                cache.start(slot, f.prompt, *self._lcps(cache, f.prompt), f.n, task=False,
+                            user_starts=f.user_starts)
                 st.occupy(slot, f.session)
             elif slot is not None:
                 slot = None  # busy in our model: leave it alone

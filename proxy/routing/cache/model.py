@@ -42,9 +42,17 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from sortedcontainers import SortedList
 
+from proxy.routing.cache.checkpoints import (
+    Checkpoints,
+    created,
+    loaded_floor,
+    reusable,
+    surviving,
+)
 from proxy.routing.cache.predict import (
     RAM,
     BackendCapacity,
@@ -83,7 +91,13 @@ class BackendCache(CachePrediction):
         # policy scans them for every request and backend, and most slots are busy)
         self.idle: list[int] = list(range(cap.n_slots))
         self.ram: OrderedDict[int, int] = OrderedDict()  # entry id -> tokens, oldest first
+        self.ram_checkpoints: dict[int, Checkpoints] = {}
         self.ram_bytes = 0
+        self.checkpointed = cap.memory.checkpointed
+        # while a checkpointed slot is busy: what its prompt started from (checkpoints
+        # kept, memory floor, tokens reused), to place its checkpoints again once the
+        # whole prompt is known (see extend_prompt)
+        self._ck_start: dict[int, tuple[Checkpoints, int, int]] = {}
         self._next_entry = 0
         self._clock = 0
         self.starts = 0  # tasks started so far (see `saved_idle`)
@@ -98,13 +112,15 @@ class BackendCache(CachePrediction):
         n_prompt: int,
         predicted: Placement | None = None,
         task: bool = True,
+        user_starts: Sequence[int] = (),
     ) -> Placement | None:
         """Apply a request starting now: the slot becomes busy and holds the prompt.
         ``task`` False: a correction of the model (a request placed where the server
         says it ran), not a task the server starts now (see `starts`).
 
         ``predicted``: what ``predict`` just returned for these same arguments (saves
-        computing it again)."""
+        computing it again). ``user_starts``: where the prompt's user messages start (the
+        server checkpoints there; see proxy/routing/cache/checkpoints.py)."""
         p = predicted or self.predict(slot, slot_lcp, ram_lcp, n_prompt)
         if p is None:
             return None
@@ -113,11 +129,17 @@ class BackendCache(CachePrediction):
             gone = self._save(p.slot)
             lcp = min(slot_lcp.get(p.slot, 0), s.n_tokens)
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
+            if self.checkpointed and got:
+                got = (self._from_entry(entry, got, n_prompt) if entry is not None
+                       else self._from_slot(p.slot, got, n_prompt))
             reuse = max(0, min(got, n_prompt - 1))
             tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
             p = Placement(p.slot, reuse, tier, entry, p.displaced, True, p.destroyed)
+        if self.checkpointed:
+            self._start_checkpoints(p, slot_lcp, ram_lcp, n_prompt, user_starts)
         if p.ram_entry is not None:
             n = self.ram.pop(p.ram_entry)
+            self.ram_checkpoints.pop(p.ram_entry, None)
             self._tracked.discard((n, p.ram_entry))
             self.ram_bytes -= self.cap.entry_bytes(n)
             self.tree.move(self.ram_holder(p.ram_entry), self.slot_holder(p.slot))
@@ -135,6 +157,27 @@ class BackendCache(CachePrediction):
             for i in self.idle:
                 self._save_idle_slot(i)
         return p
+
+    def _start_checkpoints(self, p: Placement, slot_lcp: dict[int, int],
+                           ram_lcp: dict[int, int], n_prompt: int,
+                           user_starts: Sequence[int]) -> None:
+        """The checkpoints a starting request leaves in its slot: those of what it reuses
+        (the slot's, or the loaded RAM entry's) up to where it resumes, then the ones its
+        prompt creates."""
+        mem, s = self.cap.memory, self.slots[p.slot]
+        if p.ram_entry is not None:
+            held = self.ram[p.ram_entry]
+            base, floor = self.ram_checkpoints.get(p.ram_entry, ()), loaded_floor(mem, held)
+            lcp = ram_lcp.get(p.ram_entry, 0)
+        else:
+            held, base, floor = s.n_tokens, s.checkpoints, s.floor
+            lcp = min(slot_lcp.get(p.slot, 0), held)
+        r = reusable(mem, lcp, n_prompt, held, base, floor)
+        kept = surviving(base, r.pos_next)
+        self._ck_start[p.slot] = (kept, r.floor, p.reuse)
+        s.checkpoints = created(mem, n_prompt, p.reuse, user_starts, kept, r.floor,
+                                self._clock + 1)
+        s.floor = r.floor
 
     def held(self, slot: int) -> bytes | None:
         """What an idle slot is known to hold (int32 token bytes), None when busy or
@@ -154,6 +197,7 @@ class BackendCache(CachePrediction):
             return False
         self.tree.assign(self.slot_holder(slot), sequence)
         s.n_tokens = len(sequence) // 4
+        s.checkpoints, s.floor = (), loaded_floor(self.cap.memory, s.n_tokens)
         self._clock += 1
         s.last_used = self._clock
         return True
@@ -166,6 +210,7 @@ class BackendCache(CachePrediction):
         self.tree.assign(self.slot_holder(slot), sequence)
         s.n_tokens = len(sequence) // 4
         s.ram_copy = None
+        s.checkpoints, s.floor = (), loaded_floor(self.cap.memory, s.n_tokens)
 
     def saved_idle(self, slot: int) -> None:
         """A task started on the server after the request in ``slot`` ended there, but
@@ -175,7 +220,8 @@ class BackendCache(CachePrediction):
         if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
             self._save_idle_slot(slot)
 
-    def extend_prompt(self, slot: int, prompt: bytes) -> None:
+    def extend_prompt(self, slot: int, prompt: bytes, user_starts: Sequence[int] = ()
+                      ) -> None:
         """A busy slot's prompt turns out longer: ``prompt`` extends what it started
         with (the request was decided on the prompt's head, see Router.extend)."""
         s = self.slots[slot]
@@ -188,6 +234,11 @@ class BackendCache(CachePrediction):
             self.tree.assign(h, prompt)
         s.prompt = prompt
         s.n_tokens = len(prompt) // 4
+        start = self._ck_start.get(slot)
+        if start is not None:
+            kept, floor, reused = start
+            s.checkpoints = created(self.cap.memory, s.n_tokens, reused, user_starts, kept,
+                                    floor, s.last_used)
 
     def _save_idle_slot(self, i: int) -> None:
         """--cache-idle-slots: after a task starts, every idle slot is saved to RAM."""
@@ -201,6 +252,7 @@ class BackendCache(CachePrediction):
             self.tree.drop(self.slot_holder(i))
             s.n_tokens = 0
             s.ram_copy = None
+            s.checkpoints, s.floor = (), 0
 
     def finish(self, slot: int, sequence: bytes | None, n_tokens: int) -> None:
         """The request in ``slot`` ended; the slot now holds ``sequence`` (None: unknown)."""
@@ -211,6 +263,7 @@ class BackendCache(CachePrediction):
             # NOTE: content unknown (aborted): claiming nothing is the safe error
             self.tree.drop(h)
             s.n_tokens = 0
+            s.checkpoints, s.floor = (), 0
             return
         if (
             prompt is not None
@@ -244,6 +297,7 @@ class BackendCache(CachePrediction):
         self._clock += 1
         s.last_used = self._clock
         prompt, s.prompt, s.ram_copy = s.prompt, None, None
+        self._ck_start.pop(slot, None)
         return prompt
 
     def _save(self, slot: int, keep: bool = False) -> set[int]:
@@ -275,6 +329,8 @@ class BackendCache(CachePrediction):
         else:
             self.tree.move(h, self.ram_holder(e))
         self.ram[e] = s.n_tokens
+        if s.checkpoints:
+            self.ram_checkpoints[e] = s.checkpoints
         self.ram_bytes += new_bytes
         self._tracked.add((s.n_tokens, e))
         tracked = self._tracked
@@ -303,6 +359,7 @@ class BackendCache(CachePrediction):
 
     def _drop_entry(self, e: int) -> None:
         n = self.ram.pop(e)
+        self.ram_checkpoints.pop(e, None)
         self.ram_bytes -= self.cap.entry_bytes(n)
         self.tree.drop(self.ram_holder(e))
         self._tracked.discard((n, e))
@@ -315,6 +372,7 @@ class BackendCache(CachePrediction):
             self._drop_entry(e)
         self.slots = [Slot() for _ in range(self.cap.n_slots)]
         self.idle = list(range(self.cap.n_slots))
+        self._ck_start.clear()
 
     def snapshot(self) -> dict[str, object]:
         return {

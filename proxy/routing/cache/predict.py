@@ -14,6 +14,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from proxy.routing.cache.checkpoints import (
+    DENSE,
+    Checkpoints,
+    Memory,
+    loaded_floor,
+    reusable,
+)
+
 if TYPE_CHECKING:
     from proxy.routing.tree.radix import RadixTree
 
@@ -34,6 +42,8 @@ class Slot:
     last_used: int = -1  # logical clock; -1 = never used (picked first by LRU)
     ram_copy: int | None = None  # RAM entry saved from this content (valid while in RAM)
     prompt: bytes | None = None  # while busy: the prompt it started with (finish extends it)
+    checkpoints: Checkpoints = ()  # context checkpoints (checkpointed memory only)
+    floor: int = 0  # oldest position a restore or a RAM load left in its memory
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,7 @@ class BackendCapacity:
     slot_ctx: int  # tokens per slot
     ram_cache_bytes: int  # 0 = no RAM tier
     kv_bytes_per_token: int
+    memory: Memory = DENSE  # how the server can cut the KV back (checkpoints)
 
     def entry_bytes(self, n_tokens: int) -> int:
         """Bytes of a RAM entry of ``n_tokens`` as the server counts them
@@ -95,7 +106,9 @@ class CachePrediction:
     rules: ServerRules
     slots: list[Slot]
     ram: OrderedDict[int, int]  # entry id -> tokens, oldest first
+    ram_checkpoints: dict[int, Checkpoints]  # entry id -> checkpoints saved with it
     ram_bytes: int
+    checkpointed: bool  # the server reuses only up to checkpoints (cap.memory)
 
     # ---------------------------------------------------------------- holders
     def slot_holder(self, i: int) -> CacheHolder:
@@ -167,6 +180,9 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
         elif lcp < s.n_tokens:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)  # kept: tail truncated
+        if self.checkpointed and got:
+            got = (self._from_entry(entry, got, n_prompt) if entry is not None
+                   else self._from_slot(slot, got, n_prompt))
         reuse = got if got < n_prompt else n_prompt - 1  # the server never reuses it all
         if reuse < 0:
             reuse = 0
@@ -212,9 +228,28 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, gone)
         elif k < len(order) and lcp < n_slot:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
+        if self.checkpointed and got:
+            if entry is not None:
+                got = self._from_entry(entry, got, n_prompt)
+            elif k < len(order):
+                got = self._from_slot(slot, got, n_prompt)
+            else:  # the prompt of a request ahead, its checkpoints not foreseen
+                got = reusable(self.cap.memory, got, n_prompt, n_slot, (), 0).n_past
         reuse = max(0, min(got, n_prompt - 1))
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
         return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
+
+    def _from_slot(self, slot: int, lcp: int, n_prompt: int) -> int:
+        """What a checkpointed slot's memory gives of ``lcp`` shared tokens."""
+        s = self.slots[slot]
+        return reusable(self.cap.memory, lcp, n_prompt, s.n_tokens, s.checkpoints,
+                        s.floor).n_past
+
+    def _from_entry(self, e: int, lcp: int, n_prompt: int) -> int:
+        """What a checkpointed RAM entry gives of ``lcp`` shared tokens once loaded."""
+        mem, n = self.cap.memory, self.ram[e]
+        return reusable(mem, lcp, n_prompt, n, self.ram_checkpoints.get(e, ()),
+                        loaded_floor(mem, n)).n_past
 
     def _can_save(self, n_tokens: int) -> bool:
         limit = self.cap.ram_cache_bytes
