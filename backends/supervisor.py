@@ -164,6 +164,9 @@ class Supervisor(Generic[C]):
                 "n_slots": info.n_slots if info else None,
                 "slot_ctx": info.slot_ctx if info else None,
                 "model": info.model if info else None,
+                # dense, swa or hybrid: the last two reuse a prefix only up to a context
+                # checkpoint, and get no disk tier (a restored slot has no checkpoints)
+                "memory": info.memory.name if info else None,
             })
         return out
 

@@ -33,9 +33,11 @@ from proxy.forwarding.upstream import Response, Upstream
 from proxy.forwarding.waits import BackendLeft, SlotWaits
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
 from proxy.routing.router import Router
+from proxy.routing.tree.token_bytes import to_token_bytes
 
 # Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
-_USAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+CHAT_PATH = "/v1/chat/completions"
+_USAGE_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 
 
 def _wants_usage(body: JSON) -> bool:
@@ -104,6 +106,10 @@ class Forwarder:
         self._tokenize_output = tokenize_output
         self.session = session  # for /slots (see `SlotWaits.free_when_idle`)
         self.slot_store: SlotStore | None = None  # slots saved to disk (kv_disk), if on
+        # where a chat prompt's user messages start, as the server finds them (its
+        # template's message delimiters): it checkpoints there on sliding-window and
+        # hybrid models; None when the template is not known here
+        self.user_starts: Callable[[bytes], tuple[int, ...]] | None = None
         self.waits = SlotWaits(router, backends, recorder, first_byte_timeout, session)
 
     def max_context(self) -> int | None:
@@ -266,20 +272,30 @@ class _Attempt:
         finally:
             self.finish()
 
+    def user_starts(self, ids: Sequence[int] | array) -> tuple[int, ...]:
+        """Where the server finds user messages in this prompt (none unless a backend
+        checkpoints there and this is a chat prompt)."""
+        find = self.fw.user_starts
+        if find is None or self.path != CHAT_PATH or not self.router.wants_user_starts:
+            return ()
+        return find(to_token_bytes(ids))
+
     async def decide(self) -> Decision:
         # NOTE: defer: the slot model's update runs once the request is written (`placed`)
         pending = self.pending
         if pending is None:
-            got = self.router.decide(self.tokens, session=self.hint,  # type: ignore[arg-type]
-                                     now=time.monotonic(), defer=True)
+            tokens: Sequence[int] = self.tokens  # type: ignore[assignment]
+            got = self.router.decide(tokens, session=self.hint, now=time.monotonic(),
+                                     defer=True, user_starts=self.user_starts(tokens))
         else:
             got = self.router.decide(pending.head, session=self.hint, now=time.monotonic(),
-                                     n_prompt=pending.n_estimate, defer=True)
+                                     n_prompt=pending.n_estimate, defer=True,
+                                     user_starts=self.user_starts(pending.head))
             if isinstance(got, NeedWholePrompt):  # not moved off its history on the head
-                self.tokens = await _whole(pending)
+                self.tokens = whole = await _whole(pending)
                 self.pending, self.whole = None, True
-                got = self.router.decide(self.tokens, session=self.hint, now=time.monotonic(),
-                                         defer=True)
+                got = self.router.decide(whole, session=self.hint, now=time.monotonic(),
+                                         defer=True, user_starts=self.user_starts(whole))
         if isinstance(got, NoBackend):
             raise _no_backend_error(got)
         assert not isinstance(got, NeedWholePrompt), "only ever for a head"
@@ -328,7 +344,8 @@ class _Attempt:
             return
         ids = task.result()
         if ids is not None:
-            self.decision, self.whole = self.router.extend(self.decision, ids), True
+            self.decision = self.router.extend(self.decision, ids, self.user_starts(ids))
+            self.whole = True
 
     def placed(self, upstream: Response) -> None:
         # the request is written: the model's bookkeeping runs while the backend works

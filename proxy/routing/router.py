@@ -193,6 +193,12 @@ class Router(QueuedRequests):
                 f"prompt of {n} tokens exceeds every backend's slot context", "too_long"
             )
         held = self.tree.match(q).held
+        if head and any(self._backends[b].cache.checkpointed for b in names):
+            # a checkpointed slot gives all it shares only to a prompt that goes on past
+            # its end (else: up to a checkpoint): only the whole prompt can tell
+            most = max((got for (_, kind, _), got in held.items() if kind != PENDING),
+                       default=0)
+            return NeedWholePrompt(most, 0)
         # per backend: slot -> lcp, RAM entry -> lcp, queued request id -> lcp
         per: dict[str, tuple[dict[int, int], dict[int, int], dict[int, int]]] = {
             b: ({}, {}, {}) for b in names

@@ -179,3 +179,16 @@ def test_created_matches_the_servers_loop(
         return
     assert created(mem, n, start, users, kept, floor, 3) == \
         _reference(mem, n, start, users, kept, floor, 3)
+
+
+@pytest.mark.parametrize("mem, whole", [(HYBRID, True), (SWA, True), (DENSE, False)])
+def test_a_checkpointed_backend_is_routed_on_the_whole_prompt(mem: Memory, whole: bool
+                                                              ) -> None:
+    from proxy.routing.decision import NeedWholePrompt
+    from proxy.routing.router import Router
+
+    router = Router("prefix")
+    router.add_backend(BackendCapacity("h", 1, 8192, 0, 2048, memory=mem))
+    assert router.wants_user_starts is (mem is not DENSE)
+    got = router.decide(list(range(10, 500)), n_prompt=900)
+    assert isinstance(got, NeedWholePrompt) is whole

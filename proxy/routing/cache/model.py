@@ -377,7 +377,10 @@ class BackendCache(CachePrediction):
     def snapshot(self) -> dict[str, object]:
         return {
             "slots": [
-                {"id": i, "busy": s.busy, "tokens": s.n_tokens} for i, s in enumerate(self.slots)
+                {"id": i, "busy": s.busy, "tokens": s.n_tokens,
+                 **({"checkpoints": [c.n_tokens for c in s.checkpoints]}
+                    if self.checkpointed else {})}
+                for i, s in enumerate(self.slots)
             ],
             "ram_entries": [{"id": e, "tokens": n} for e, n in self.ram.items()],
             "ram_bytes": self.ram_bytes,
