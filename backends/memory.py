@@ -19,6 +19,13 @@ from backends.demo_model import read_gguf_metadata
 # Jamba, Falcon-H1, Granite 4, Nemotron-H, Qwen3-Next (".ssm."), LFM2 (".shortconv."),
 # RWKV (".wkv.").
 _RECURRENT_KEYS = (".ssm.", ".shortconv.", ".wkv.")
+# Which layers slide when the GGUF does not say (src/models/*.cpp load_swa_pattern): of
+# every n layers the last attends to everything (the first, where marked).
+_SWA_PATTERN = {"gemma2": (2, False), "gemma3": (6, False), "gemma3n": (5, False),
+                "gemma-embedding": (6, False), "cohere2": (4, False), "gpt-oss": (2, False),
+                "llama4": (4, False), "exaone4": (4, False), "olmo2": (4, False),
+                "plamo3": (8, False), "cohere2moe": (4, True), "laguna": (4, True)}
+CELL_META_BYTES = 12  # per cached cell: its position, sequence count and id (int32 each)
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,11 @@ class MemoryKind:
     min_step: int = 8192  # --checkpoint-min-step
     n_ubatch: int = 512  # -ub
     n_batch: int = 2048  # -b
+    # Bytes the server keeps of the memory that cannot be cut back, per sequence: the
+    # sliding layers' window or the recurrent state. A RAM entry holds it once, plus once
+    # per context checkpoint, beside the full-attention KV (llama_state_seq_get_size).
+    partial_bytes: int = 0
+    kv_bytes_per_token: int | None = None  # of the full-attention layers (None: unknown)
 
     @property
     def name(self) -> str:
@@ -41,20 +53,74 @@ class MemoryKind:
 DENSE = MemoryKind()
 
 
-def gguf_memory(path: Path) -> tuple[int, bool]:
-    """(sliding window, has recurrent layers) from a GGUF's metadata."""
+@dataclass(frozen=True)
+class ModelMemory:
+    """What a GGUF says of its memory."""
+
+    n_swa: int = 0
+    recurrent: bool = False
+    kv_bytes_per_token: int | None = None  # f16 K+V of the full-attention layers
+    swa_cell_bytes: int = 0  # f16 K+V of the sliding layers, and the cell's metadata
+    recurrent_bytes: int = 0  # the recurrent state of one sequence (f32)
+
+
+def gguf_memory(path: Path) -> ModelMemory:
+    """The memory of the model in a GGUF, from its metadata (per-layer arrays read only
+    when the scalar keys do not tell)."""
     meta = read_gguf_metadata(path)
-    arch = meta.get("general.architecture")
-    window = meta.get(f"{arch}.attention.sliding_window", 0)
-    n_swa = int(window) if isinstance(window, int | float) else 0
+    arch = str(meta.get("general.architecture"))
+    if f"{arch}.attention.head_count_kv" not in meta or (
+            f"{arch}.attention.sliding_window" in meta
+            and f"{arch}.attention.sliding_window_pattern" not in meta):
+        meta = {**read_gguf_metadata(path, arrays=True), **meta}  # per-layer arrays
+
+    def num(key: str, default: int = 0) -> int:
+        value = meta.get(f"{arch}.{key}", default)
+        return int(value) if isinstance(value, int | float) else default
+
+    n_layer, n_embd = num("block_count"), num("embedding_length")
+    n_head = max(1, num("attention.head_count", 1))
+    heads = meta.get(f"{arch}.attention.head_count_kv", n_head)
+    per_layer = heads if isinstance(heads, list) else [int(heads)] * n_layer  # type: ignore[arg-type]
+    k_len = num("attention.key_length", n_embd // n_head)
+    v_len = num("attention.value_length", k_len)
+    n_swa = num("attention.sliding_window")
     recurrent = any(k.startswith(f"{arch}.") and any(m in k for m in _RECURRENT_KEYS)
-                    for k in meta)
-    heads_key = f"{arch}.attention.head_count_kv"
-    if not recurrent and heads_key not in meta:  # an array (skipped unless asked)
-        heads = read_gguf_metadata(path, arrays=True).get(heads_key)
-        # hybrids list a KV head count per layer, 0 where the layer is recurrent
-        recurrent = isinstance(heads, list) and 0 in heads
-    return n_swa, recurrent
+                    for k in meta) or 0 in per_layer
+    swa = _sliding_layers(meta, arch, n_layer) if n_swa else [False] * n_layer
+    k_swa, v_swa = num("attention.key_length_swa", k_len), num("attention.value_length_swa", v_len)
+    full = sum(h * (k_len + v_len) * 2 for h, s in zip(per_layer, swa, strict=False) if h and not s)
+    sliding = sum(h * (k_swa + v_swa) * 2 for h, s in zip(per_layer, swa, strict=False) if h and s)
+    if "kvroute.kv_bytes_per_token" in meta:  # a demo model says it itself
+        full = int(meta["kvroute.kv_bytes_per_token"])  # type: ignore[call-overload]
+    rec = 0
+    if recurrent:
+        # LFM2's short convolutions keep (kernel - 1) inputs per layer; Mamba-style layers
+        # their convolution inputs and the SSM state
+        n_rec = sum(1 for h in per_layer if not h) or n_layer
+        if num("shortconv.l_cache"):
+            rec = n_rec * (num("shortconv.l_cache") - 1) * n_embd * 4
+        elif num("ssm.inner_size"):
+            inner, state = num("ssm.inner_size"), num("ssm.state_size")
+            groups = max(1, num("ssm.group_count", 1))
+            conv = (num("ssm.conv_kernel", 4) - 1) * (inner + 2 * groups * state)
+            rec = n_rec * (conv + state * inner) * 4
+    return ModelMemory(n_swa=n_swa, recurrent=recurrent, kv_bytes_per_token=full or None,
+                       swa_cell_bytes=sliding + CELL_META_BYTES if sliding else 0,
+                       recurrent_bytes=rec)
+
+
+def _sliding_layers(meta: dict[str, object], arch: str, n_layer: int) -> list[bool]:
+    """Which layers attend to a sliding window (llama_hparams::set_swa_pattern)."""
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return [bool(x) for x in pattern][:n_layer]
+    n, dense_first = _SWA_PATTERN.get(arch, (2, False))
+    if isinstance(pattern, int):
+        n = pattern
+    if dense_first:
+        return [n == 0 or i % n != 0 for i in range(n_layer)]
+    return [n == 0 or i % n < n - 1 for i in range(n_layer)]
 
 
 def _arg(args: Sequence[str], names: tuple[str, ...], default: int) -> int:
@@ -86,7 +152,8 @@ def server_memory(model: Path | None, args: Sequence[str], slot_ctx: int,
     plain attention)."""
     if model is None:
         return DENSE
-    n_swa, recurrent = gguf_memory(model)
+    m = gguf_memory(model)
+    n_swa, recurrent = m.n_swa, m.recurrent
     if "--swa-full" in args:
         n_swa = 0
     n_ubatch = _arg(args, ("-ub", "--ubatch-size"), 512)
@@ -99,4 +166,10 @@ def server_memory(model: Path | None, args: Sequence[str], slot_ctx: int,
         max_checkpoints=_arg(args, ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), 32),
         min_step=_arg(args, ("-cms", "--checkpoint-min-step"), 8192),
         n_ubatch=n_ubatch, n_batch=n_batch,
+        # a sliding cache keeps its window of each sequence in a save (measured: a state
+        # reloaded covers the last n_swa positions); --swa-full caches every layer whole
+        partial_bytes=(n_swa * m.swa_cell_bytes if n_swa else 0) + m.recurrent_bytes,
+        kv_bytes_per_token=(m.kv_bytes_per_token if n_swa or not m.swa_cell_bytes
+                            else (m.kv_bytes_per_token or 0) + m.swa_cell_bytes
+                            - CELL_META_BYTES),
     )

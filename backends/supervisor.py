@@ -277,12 +277,14 @@ class Supervisor(Generic[C]):
             return f"/props failed: {props}"
         cfg = b.cfg
         assert isinstance(cfg, ManagedBackendConfig)
+        memory = await asyncio.to_thread(server_memory, cfg.model, spec.argv(),
+                                         props.slot_ctx, props.total_slots)
         b.info = BackendInfo(
             name=cfg.name, url=spec.url, api_key=spec.api_key, n_slots=props.total_slots,
             slot_ctx=props.slot_ctx, ram_cache_bytes=cfg.cache_ram_mib * MiB,
-            kv_bytes_per_token=kv, model=props.model_alias, managed=True,
-            memory=await asyncio.to_thread(server_memory, cfg.model, spec.argv(),
-                                           props.slot_ctx, props.total_slots),
+            # (of the layers whose cache grows with the context: a sliding one's does not)
+            kv_bytes_per_token=memory.kv_bytes_per_token or kv, model=props.model_alias,
+            managed=True, memory=memory,
         )
         b.ready_since = time.time()
         self._set(b, "ready")

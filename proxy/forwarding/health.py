@@ -95,7 +95,7 @@ def capacity(info: BackendInfo) -> BackendCapacity:
     m = info.memory
     memory = Memory(n_swa=m.n_swa, recurrent=m.recurrent, swa_cells=m.swa_cells,
                     max_checkpoints=m.max_checkpoints, min_step=m.min_step,
-                    n_ubatch=m.n_ubatch, n_batch=m.n_batch)
+                    n_ubatch=m.n_ubatch, n_batch=m.n_batch, partial_bytes=m.partial_bytes)
     return BackendCapacity(name=info.name, n_slots=info.n_slots, slot_ctx=info.slot_ctx,
                            ram_cache_bytes=info.ram_cache_bytes,
                            kv_bytes_per_token=info.kv_bytes_per_token, memory=memory)

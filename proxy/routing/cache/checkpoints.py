@@ -30,6 +30,9 @@ class Memory:
     min_step: int = 8192  # --checkpoint-min-step
     n_ubatch: int = 512
     n_batch: int = 2048
+    # bytes of the state that cannot be cut back, per sequence (a sliding window's cells,
+    # a recurrent state): saved once with a RAM entry, and once per checkpoint
+    partial_bytes: int = 0
 
     @property
     def checkpointed(self) -> bool:

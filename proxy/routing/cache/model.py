@@ -138,10 +138,10 @@ class BackendCache(CachePrediction):
         if self.checkpointed:
             self._start_checkpoints(p, slot_lcp, ram_lcp, n_prompt, user_starts)
         if p.ram_entry is not None:
+            self.ram_bytes -= self.entry_size(p.ram_entry)
             n = self.ram.pop(p.ram_entry)
             self.ram_checkpoints.pop(p.ram_entry, None)
             self._tracked.discard((n, p.ram_entry))
-            self.ram_bytes -= self.cap.entry_bytes(n)
             self.tree.move(self.ram_holder(p.ram_entry), self.slot_holder(p.slot))
         self.tree.assign(self.slot_holder(p.slot), prompt)
         s.n_tokens = n_prompt
@@ -309,7 +309,7 @@ class BackendCache(CachePrediction):
         h = self.slot_holder(slot)
         limit = self.cap.ram_cache_bytes
         gone: set[int] = set()
-        new_bytes = self.cap.entry_bytes(s.n_tokens)
+        new_bytes = self.cap.entry_bytes(s.n_tokens, len(s.checkpoints))
         if limit == 0 or new_bytes > limit or s.n_tokens == 0:
             return gone
         if s.ram_copy is not None and s.ram_copy in self.ram:
@@ -358,9 +358,9 @@ class BackendCache(CachePrediction):
         return out
 
     def _drop_entry(self, e: int) -> None:
+        self.ram_bytes -= self.entry_size(e)
         n = self.ram.pop(e)
         self.ram_checkpoints.pop(e, None)
-        self.ram_bytes -= self.cap.entry_bytes(n)
         self.tree.drop(self.ram_holder(e))
         self._tracked.discard((n, e))
 

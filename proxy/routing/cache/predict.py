@@ -55,12 +55,15 @@ class BackendCapacity:
     kv_bytes_per_token: int
     memory: Memory = DENSE  # how the server can cut the KV back (checkpoints)
 
-    def entry_bytes(self, n_tokens: int) -> int:
+    def entry_bytes(self, n_tokens: int, n_checkpoints: int = 0) -> int:
         """Bytes of a RAM entry of ``n_tokens`` as the server counts them
         (llama_state_seq_get_size): the KV of each token, each cell's position, sequence
         count and sequence id (3 x 4 bytes), and a header (stream and cell counts, then a
-        type and row size per layer and K/V: a few hundred bytes, taken as 256)."""
-        return n_tokens * (self.kv_bytes_per_token + 12) + 256
+        type and row size per layer and K/V: a few hundred bytes, taken as 256); on a
+        sliding-window or hybrid model also the state that cannot be cut back, and as
+        much again for each of the entry's context checkpoints."""
+        return (n_tokens * (self.kv_bytes_per_token + 12) + 256
+                + self.memory.partial_bytes * (1 + n_checkpoints))
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -223,7 +226,7 @@ class CachePrediction:
             # each start before ours saves what its slot held (taken as another
             # conversation's), then ours saves its own: the oldest entries make room
             pushed = sum(self.cap.entry_bytes(n) for n in map(held_then, range(k + 1))
-                         if n and self._can_save(n))
+                         if n and self._can_save(n))  # (their checkpoints not foreseen)
             gone = self._fifo_evicted(pushed)
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, gone)
         elif k < len(order) and lcp < n_slot:
@@ -251,9 +254,13 @@ class CachePrediction:
         return reusable(mem, lcp, n_prompt, n, self.ram_checkpoints.get(e, ()),
                         loaded_floor(mem, n)).n_past
 
-    def _can_save(self, n_tokens: int) -> bool:
+    def _can_save(self, n_tokens: int, n_checkpoints: int = 0) -> bool:
         limit = self.cap.ram_cache_bytes
-        return limit > 0 and self.cap.entry_bytes(n_tokens) <= limit
+        return limit > 0 and self.cap.entry_bytes(n_tokens, n_checkpoints) <= limit
+
+    def entry_size(self, e: int) -> int:
+        """Bytes of RAM entry ``e`` (with its checkpoints)."""
+        return self.cap.entry_bytes(self.ram[e], len(self.ram_checkpoints.get(e, ())))
 
     def _unique_tail(self, slot: int, lcp: int, new_lcp: int, n_new: int) -> int:
         """Tokens of ``slot``'s sequence beyond its first ``lcp`` that no other holder
@@ -334,8 +341,9 @@ class CachePrediction:
         s = self.slots[slot]
         if s.ram_copy is not None and s.ram_copy in self.ram:
             return set()  # already saved: the server skips the save
-        n = s.n_tokens
-        return self._fifo_evicted(self.cap.entry_bytes(n) if n and self._can_save(n) else 0)
+        n, k = s.n_tokens, len(s.checkpoints)
+        return self._fifo_evicted(self.cap.entry_bytes(n, k) if n and self._can_save(n, k)
+                                  else 0)
 
     def _fifo_evicted(self, new: int) -> set[int]:
         """RAM entries the byte LRU drops, oldest first, to take in ``new`` bytes."""
@@ -343,9 +351,9 @@ class CachePrediction:
         if limit == 0 or self.ram_bytes + new <= limit:
             return set()
         gone, freed, need = set(), 0, self.ram_bytes + new - limit
-        for e, n in self.ram.items():
+        for e in self.ram:
             if freed >= need:
                 break
             gone.add(e)
-            freed += self.cap.entry_bytes(n)
+            freed += self.entry_size(e)
         return gone
