@@ -21,6 +21,7 @@ from typing import Any
 
 from proxy.prompt.caps import TemplateCaps, probe_caps
 from proxy.prompt.chat_request import ChatInputs, PromptError, ServerChatOptions, build_inputs
+from proxy.prompt.delimiters import TokenizedDelimiters, server_delimiters, tokenize_delimiters
 from proxy.prompt.handlers import (
     detect_handler,
     finish_prompt,
@@ -49,6 +50,12 @@ class PromptBuilder:
         self.options = options or ServerChatOptions(
             enable_thinking=supports_thinking(template, self.caps))
         self.tool_caps = tool_caps or (probe_caps(tool_template) if tool_template else None)
+        # The (role, int32 ids) the server finds user-message starts by
+        # (proxy/prompt/delimiters.py), for the default template: a request with tools
+        # renders with `tool_template` when there is one, whose delimiters may differ;
+        # the default's stand for them.
+        self.message_delimiters: TokenizedDelimiters = tokenize_delimiters(
+            server_delimiters(template, self.caps), tokenizer)
 
     @classmethod
     def load(cls, gguf_path: Path, *, chat_template: str | None = None,
