@@ -49,6 +49,7 @@ from proxy.forwarding.upstream import Upstream
 from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
 from proxy.prompt.builder import PromptBuilder
+from proxy.prompt.delimiters import user_starts
 from proxy.routing.router import Router
 from proxy.server import handlers
 from proxy.server.admission import Admission, Refused
@@ -147,6 +148,10 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
                                max_attempts=s.retry_attempts,
                                first_byte_timeout=s.first_byte_timeout_s,
                                log_prompts=s.log_prompts, session=session)
+    prompt = app[TOKENIZING].prompt
+    if prompt is not None:
+        delimiters = prompt.message_delimiters
+        app[FORWARDER].user_starts = lambda ids: user_starts(ids, delimiters)
     app[TOKENIZING].remote = BackendTokens(
         session, lambda: handlers.pick_ready(app),
         lambda reason: app[METRICS].child(app[METRICS].tokens_from_backend, reason).inc())
