@@ -68,7 +68,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from loadtest.simulate import SimBackend, format_table, plan_capacity, simulate
     from loadtest.trace import load_mooncake
 
-    prompts = None
+    prompts = starts = None
     if args.workload == "chat-trace":
         from backends.demo_model import ensure_demo_model
         from loadtest.simulate import chat_replay
@@ -76,7 +76,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
         w = chat_trace(path=args.trace, requests=args.requests, rate=args.rate,
                        block=args.block, max_tokens=args.max_tokens, seed=args.seed)
-        trace, prompts = chat_replay(w, Path(args.gguf) if args.gguf else ensure_demo_model())
+        trace, prompts, starts = chat_replay(w, Path(args.gguf) if args.gguf
+                                             else ensure_demo_model())
         oracle = w.oracle_reuse or 0.0
     else:
         trace = load_mooncake(args.trace)
@@ -107,7 +108,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return 0
     results = [
         simulate(trace, pol.strip(), args.backends, be, time_scale=args.time_scale,
-                 seed=args.seed, prompts=prompts)
+                 seed=args.seed, prompts=prompts, user_starts=starts)
         for pol in args.policies.split(",")
         if pol.strip()
     ]

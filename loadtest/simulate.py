@@ -364,17 +364,21 @@ def format_table(results: Sequence[SimResult], oracle: float) -> str:
     return "\n".join(lines)
 
 
-def chat_replay(workload: Workload, gguf: Path) -> tuple[list[TraceRequest], list[bytes]]:
+def chat_replay(workload: Workload, gguf: Path
+                ) -> tuple[list[TraceRequest], list[bytes], list[tuple[int, ...]]]:
     """A chat workload's requests as the simulator takes them: arrivals and output
-    lengths, and each prompt tokenized as the server would (template, then vocabulary)."""
+    lengths, each prompt tokenized as the server would (template, then vocabulary), and
+    where the server finds its user messages starting."""
     from proxy.prompt.builder import PromptBuilder
+    from proxy.prompt.delimiters import user_starts
 
     builder = PromptBuilder.load(gguf)
-    trace, prompts = [], []
+    trace, prompts, starts = [], [], []
     for sess in workload.sessions:
         req = sess.steps[0].main
-        ids = builder.chat_ids(req.body)
-        prompts.append(ids.tobytes())
-        trace.append(TraceRequest(sess.start_s * 1000.0, len(ids),
+        ids = builder.chat_ids(req.body).tobytes()
+        prompts.append(ids)
+        starts.append(user_starts(ids, builder.message_delimiters))
+        trace.append(TraceRequest(sess.start_s * 1000.0, len(ids) // 4,
                                   int(req.body.get("max_tokens", 1)), ()))
-    return trace, prompts
+    return trace, prompts, starts

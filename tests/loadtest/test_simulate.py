@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -12,6 +13,7 @@ from loadtest.__main__ import DEFAULT_TRACE, main
 from loadtest.bounds import oracle_hit_ratio
 from loadtest.simulate import SimBackend, plan_capacity, simulate
 from loadtest.trace import TraceRequest, block_tokens, load_mooncake, request_tokens
+from proxy.routing.cache.checkpoints import Memory
 
 
 def conversations(n_conv: int = 12, turns: int = 6) -> list[TraceRequest]:
@@ -119,8 +121,10 @@ def test_chat_replay_is_simulated_on_its_templated_tokens(demo_model: Path) -> N
     from loadtest.workloads import chat_trace
 
     w = chat_trace(path=DEFAULT_TRACE, requests=30, rate=4.0, block=16)
-    trace, prompts = chat_replay(w, demo_model)
+    trace, prompts, starts = chat_replay(w, demo_model)
     assert len(trace) == len(prompts) == len(w.requests())
+    # the conversation so far is one user message, the prompt's first
+    assert set(starts) == {(0,)}
     assert [t.input_length for t in trace] == [len(p) // 4 for p in prompts]
     heads = {p[:8] for p in prompts}
     assert len(heads) == 1  # the template's first tokens
@@ -129,3 +133,9 @@ def test_chat_replay_is_simulated_on_its_templated_tokens(demo_model: Path) -> N
     res = simulate(trace, "prefix", 2, be, prompts=prompts)
     assert res.requests == len(trace) and res.mispredicted == 0.0
     assert res.reused_tokens > 0.2 * res.prompt_tokens
+    # a hybrid model reuses a prefix only up to a checkpoint: a later turn continues its
+    # conversation's slot whole, but whatever diverges inside one gets less
+    hybrid = simulate(trace, "prefix", 2, dataclasses.replace(be, memory=Memory(
+        recurrent=True)), prompts=prompts, user_starts=starts)
+    assert hybrid.mispredicted == 0.0
+    assert 0 < hybrid.reused_tokens < res.reused_tokens
