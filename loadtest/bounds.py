@@ -2,10 +2,13 @@
 the memory the servers really have (a clairvoyant estimate).
 
 Both read each request as its sequence of block ids (the trace's hash ids) in arrival
-order. The oracle says how much of the prompts was ever seen before; the capacity bound
-says how much of that a fleet with these slots and this much host RAM could still hold
-when it is asked for, were it to know the future. A router far below the oracle but near
-the capacity bound is limited by memory, not by its choices.
+order. The oracle says how much of the prompts was ever seen before: no router can reuse
+more. The capacity estimate says how much of that a fleet with these slots and this much
+host RAM keeps when it evicts, knowing the future, what is needed furthest ahead: a
+reference for what memory allows, not a bound either way (it pools the backends and
+ignores concurrency, which flatters it; evicting whole sequences by Belady's rule can keep
+one that another already covers, which does not: two single-slot servers can reuse 6
+tokens of `(1,2) (3,4,5) (1,6) (1,6,7) (3,4,5,8,9) (10,11,12)` where it finds 3).
 """
 
 from __future__ import annotations
@@ -68,16 +71,15 @@ class _Future:
         return len(self._seqs), 0
 
 
-def capacity_bound(seqs: Sequence[Sequence[int]], *, unit_tokens: float, slots: int,
+def capacity_estimate(seqs: Sequence[Sequence[int]], *, unit_tokens: float, slots: int,
                    ram_tokens: float) -> float:
     """Reused / prompt tokens when each request goes where its longest cached prefix is
     and the fleet keeps, with foresight, what is reused soonest: ``slots`` sequences whole
     (a slot holds one, whatever its length) and more while they fit in ``ram_tokens`` of
     host RAM. Each block counts ``unit_tokens``.
 
-    Generous on purpose: one pool (no backend boundary), no concurrency, moves between
-    slots and RAM for free. Belady's rule (drop what is needed furthest ahead) is not
-    strictly optimal when sizes differ, so this is an estimate from above, not a proof.
+    Generous in its setting (one pool, no concurrency, free moves between slots and
+    RAM), greedy in its choices: see the module's note on why it bounds nothing.
     """
     future = _Future(seqs)
     held: dict[int, Sequence[int]] = {}  # request index -> its blocks
@@ -105,14 +107,14 @@ def _ram_blocks(held: dict[int, Sequence[int]], slots: int) -> int:
     return sum(sizes[slots:])
 
 
-def run_bound(blocks: dict[str, tuple[int, ...]], sent: Sequence[tuple[str, int | None]], *,
+def run_estimate(blocks: dict[str, tuple[int, ...]], sent: Sequence[tuple[str, int | None]], *,
               slots: int, ram_tokens: float) -> float | None:
-    """The capacity bound of a run: ``blocks`` (request id -> block ids, in arrival order)
+    """The capacity estimate of a run: ``blocks`` (request id -> block ids, in arrival order)
     and ``sent`` (request id, prompt tokens the backend counted) give the tokens per block
     as measured; None when nothing was measured."""
     counted = [(blocks[i], n) for i, n in sent if i in blocks and n]
     n_blocks = sum(len(b) for b, _ in counted)
     if not n_blocks:
         return None
-    return capacity_bound(list(blocks.values()), slots=slots, ram_tokens=ram_tokens,
+    return capacity_estimate(list(blocks.values()), slots=slots, ram_tokens=ram_tokens,
                           unit_tokens=sum(n for _, n in counted) / n_blocks)

@@ -136,7 +136,7 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
-_BOUND = "capacity bound (these servers' slots and RAM, clairvoyant, one pool)"
+_BOUND = "capacity estimate (these servers' slots and RAM, clairvoyant, one pool)"
 
 
 def console_table(runs: Sequence[PolicyRun], oracle: float | None,
@@ -293,7 +293,7 @@ def write(out: Path, runs: Sequence[PolicyRun], workload: Workload,
     doc = {"workload": {"name": workload.name, "fingerprint": workload.fingerprint(),
                         "requests": len(workload.requests()),
                         "sessions": len(workload.sessions), "params": workload.params,
-                        "oracle_reuse": workload.oracle_reuse, "capacity_bound": bound},
+                        "oracle_reuse": workload.oracle_reuse, "capacity_estimate": bound},
            "args": args, "runs": summaries,
            "requests": {s["label"]: [r.to_dict() for r in run.outcome.results]
                         for s, run in zip(summaries, runs, strict=True)}}

@@ -328,13 +328,14 @@ def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
                    help="kvroute's log in <out>/runs/<policy>.serve.log (debug: reasons)")
 
 
-def fleet_bound(workload: wl.Workload, runs: list[PolicyRun],
+def fleet_estimate(workload: wl.Workload, runs: list[PolicyRun],
                 args: argparse.Namespace) -> float | None:
-    """The trace's capacity bound on the fleet each run started (none for --target)."""
-    if not workload.blocks or not runs or args.target:
+    """The trace's capacity estimate on the fleet each run started (none for --target,
+    nor with the disk tier, which it leaves out)."""
+    if not workload.blocks or not runs or args.target or args.kv_disk:
         return None
     from backends.demo_model import ensure_demo_model, gguf_kv_bytes_per_token
-    from loadtest.bounds import run_bound
+    from loadtest.bounds import run_estimate
     from proxy.routing.cache.predict import BackendCapacity
 
     ctx = args.ctx or needed_ctx(workload, args.max_tokens)
@@ -343,7 +344,7 @@ def fleet_bound(workload: wl.Workload, runs: list[PolicyRun],
         return None
     cap = BackendCapacity("bound", args.slots, ctx, args.cache_ram_mib << 20, kv)
     ram_tokens = args.backends * cap.ram_cache_bytes * ctx / cap.entry_bytes(ctx)
-    return run_bound(workload.blocks, [(r.id, r.prompt_tokens) for r in runs[0].outcome.results],
+    return run_estimate(workload.blocks, [(r.id, r.prompt_tokens) for r in runs[0].outcome.results],
                      slots=args.backends * args.slots, ram_tokens=ram_tokens)
 
 
@@ -374,7 +375,7 @@ def main_run(args: argparse.Namespace) -> int:
     except (asyncio.CancelledError, KeyboardInterrupt):
         print(f"loadtest: interrupted; finished runs are in {out}/report.md", file=sys.stderr)
         return 130
-    bound = fleet_bound(workload, runs, args)
+    bound = fleet_estimate(workload, runs, args)
     paths = report.write(out, runs, workload, vars(args), bound=bound)
     for path in paths:
         print(path)

@@ -1,5 +1,5 @@
-"""The trace bounds: the capacity bound by hand, against the oracle and against an
-exhaustive search over what to keep."""
+"""The trace references: the capacity estimate by hand, against the oracle and against
+an exhaustive search over what to keep, and a trace where a router beats it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadtest.bounds import _common, capacity_bound, oracle_hit_ratio, run_bound
+from loadtest.bounds import _common, capacity_estimate, oracle_hit_ratio, run_estimate
 from loadtest.trace import TraceRequest
 
 A1, A2, B1, B2 = (1,), (1, 2), (5,), (5, 6)
@@ -24,10 +24,10 @@ A1, A2, B1, B2 = (1,), (1, 2), (5,), (5, 6)
     ([(1, 2, 3), (1, 2, 4), (1, 2, 3, 5)], 1, 0, 2 + 3),  # keeps the branch needed again
     ([(1, 2, 3), (1, 2, 3)], 1, 0, 2),  # a repeat reuses all but its last token
 ])
-def test_capacity_bound_by_hand(seqs: list[tuple[int, ...]], slots: int, ram: int,
+def test_capacity_estimate_by_hand(seqs: list[tuple[int, ...]], slots: int, ram: int,
                                 reused: int) -> None:
     total = sum(len(s) for s in seqs)
-    assert capacity_bound(seqs, unit_tokens=1, slots=slots, ram_tokens=ram) == reused / total
+    assert capacity_estimate(seqs, unit_tokens=1, slots=slots, ram_tokens=ram) == reused / total
 
 
 @st.composite
@@ -70,18 +70,27 @@ def _best_keeping(seqs: Sequence[tuple[int, ...]], slots: int, ram: int) -> floa
 
 @settings(max_examples=150, deadline=None)
 @given(conversations(), st.integers(1, 2), st.integers(0, 4))
-def test_capacity_bound_between_search_and_oracle(seqs: list[tuple[int, ...]], slots: int,
-                                                  ram: int) -> None:
-    bound = capacity_bound(seqs, unit_tokens=1, slots=slots, ram_tokens=ram)
+def test_capacity_estimate_between_search_and_oracle(seqs: list[tuple[int, ...]],
+                                                     slots: int, ram: int) -> None:
+    bound = capacity_estimate(seqs, unit_tokens=1, slots=slots, ram_tokens=ram)
     assert bound <= _best_keeping(seqs, slots, ram) + 1e-9
     assert bound <= _oracle(seqs) + 1e-9
-    assert capacity_bound(seqs, unit_tokens=1, slots=slots, ram_tokens=1e9) == \
+    assert capacity_estimate(seqs, unit_tokens=1, slots=slots, ram_tokens=1e9) == \
         pytest.approx(_oracle(seqs))
 
 
-def test_run_bound_measures_tokens_per_block() -> None:
+def test_run_estimate_measures_tokens_per_block() -> None:
     blocks = {"r0": A1, "r1": A2, "r2": (7,)}
     # 30 tokens over 3 blocks: 10 a block; a request the backend did not count is skipped
-    got = run_bound(blocks, [("r0", 10), ("r1", 20), ("r2", None)], slots=2, ram_tokens=0)
+    got = run_estimate(blocks, [("r0", 10), ("r1", 20), ("r2", None)], slots=2, ram_tokens=0)
     assert got == pytest.approx(10 / 40)
-    assert run_bound(blocks, [("r0", None)], slots=2, ram_tokens=0) is None
+    assert run_estimate(blocks, [("r0", None)], slots=2, ram_tokens=0) is None
+
+
+def test_the_estimate_bounds_nothing() -> None:
+    """Two single-slot servers, no RAM: conversation (1, ...) on one, (3, 4, 5, ...) on the
+    other reuses 1 + 2 + 3 = 6 of 18 tokens; the estimate keeps (1, 2), which (1, 6)
+    already covers, in place of (3, 4, 5), and finds 3."""
+    seqs = [(1, 2), (3, 4, 5), (1, 6), (1, 6, 7), (3, 4, 5, 8, 9), (10, 11, 12)]
+    assert capacity_estimate(seqs, unit_tokens=1, slots=2, ram_tokens=0) == 3 / 18
+    assert _best_keeping(seqs, 2, 0) == 6 / 18
