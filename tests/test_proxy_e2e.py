@@ -278,6 +278,8 @@ async def test_headers_completion_endpoints_and_status(backend_pool: Any) -> Non
         async with client.get("/kvroute/status") as r:
             status = await r.json()
         assert {b["name"] for b in status["backends"]} == names
+        assert {b["memory"] for b in status["backends"]} == {"dense"}
+        assert status["kv_disk"] is None  # off unless configured
         router = status["router"]
         assert router["tree"]["resident_tokens"] > 0 and router["completed"] >= 3
         assert set(router["backends"]) == names
