@@ -5,8 +5,10 @@ the templates it mirrors. Where it cannot be (no GGUF to tokenize with, a reques
 renderer refuses, a backend whose template renders differently), the backend answers the
 question: `/apply-template` builds the prompt its chat endpoint would build, `/tokenize`
 (with the specials parsed and BOS added, as the server tokenizes prompts) gives its ids.
-A request the backend refuses there is refused with its words: kvroute never answers 400
-where the server would serve.
+`/apply-template` parses the request exactly as the chat endpoint does, so a refusal
+there (llama-server's error body, 400 or 500) is the chat endpoint's answer: the client
+gets its status and words. Any other failure (the backend down, loading, without the
+path, or not a llama-server) says nothing against the request: `NoBackendIds`.
 
 `check` compares the two ways on a few conversation shapes when a backend becomes ready;
 a difference switches the model to backend ids for good (and says where they differ).
@@ -15,6 +17,7 @@ a difference switches the model to backend ids for good (and says where they dif
 from __future__ import annotations
 
 import json
+import re
 from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +28,8 @@ import orjson
 
 from backends.client import BackendClient, BackendDown, BadResponse, Tokens
 from backends.supervisor import BackendInfo
-from proxy.errors import BadRequest, NoBackendAvailable
+from proxy.errors import BadRequest, NoBackendAvailable, ProxyError
+from proxy.observability.logging import get_logger
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.chat_request import PromptError
 
@@ -67,6 +71,12 @@ def continues(body: Mapping[str, Any]) -> bool:
     messages = body.get("messages")
     return isinstance(messages, list) and bool(messages) and isinstance(messages[-1], dict) \
         and messages[-1].get("role") == "assistant"
+
+
+class NoBackendIds(NoBackendAvailable):
+    """No backend could give a prompt's ids, and none refused the request: nothing is
+    known against it (an endpoint can serve it without prefix routing, and the server it
+    reaches answers it itself)."""
 
 
 @dataclass(frozen=True)
@@ -116,17 +126,23 @@ class BackendTokens:
         return await self._ask(ask, reason)
 
     async def _ask(self, ask: Callable[[BackendClient], Any], reason: str) -> array:
-        got: Tokens | BackendDown | BadResponse | None = None
+        failed: list[str] = []
         for _ in range(2):
             info = self.pick()
             got = await ask(BackendClient(self.session, info.url, info.api_key))
             if isinstance(got, Tokens):
                 self.counted(reason)
                 return got.ids if isinstance(got.ids, array) else array("i", got.ids)
-            if isinstance(got, BadResponse) and got.status == 400:
-                raise BadRequest(_message(got.body))  # the server refuses it too
-        raise NoBackendAvailable(f"no backend could tokenize the prompt: {got}",
-                                 retry_after=1)
+            if isinstance(got, BadResponse):
+                refusal = _refusal(got)
+                if refusal is not None:
+                    raise refusal  # deterministic: another backend would refuse it too
+            get_logger().warning("tokens.backend_failed", backend=info.name, reason=reason,
+                                 error=str(got)[:300])
+            failed.append(f"{info.name} {_failure(got)}")
+        # NOTE: names, never URLs: a client must not learn the backends' addresses
+        raise NoBackendIds(f"no backend could give the prompt's ids ({'; '.join(failed)})",
+                           retry_after=1)
 
     async def check(self, prompt: PromptBuilder, info: BackendInfo,
                     probes: Sequence[Mapping[str, Any]] = PROBES) -> Mismatch | None:
@@ -163,12 +179,50 @@ def _first_difference(probe: int, a: Sequence[int], b: Sequence[int]) -> Mismatc
     return Mismatch(probe, at, a[at] if at < len(a) else None, b[at] if at < len(b) else None)
 
 
-def _message(body: str) -> str:
-    """The server's own error message from its error body (else the body, cut)."""
+def _refusal(got: BadResponse) -> ProxyError | None:
+    """The error the server's chat endpoint answers for a request whose `/apply-template`
+    (or `/tokenize`) answered ``got``, when that is llama-server refusing the request
+    itself: its error body with 400 or 500, the statuses its handlers' exceptions
+    become (ex_wrapper). None for anything else: 401, 404, 503 (loading), another
+    server's error page say nothing about the request."""
+    if got.status not in (400, 500):
+        return None
+    found = _error_of(got.body)
+    if found is None:
+        return None
+    message, kind = found
+    err = BadRequest(message) if got.status == 400 else ProxyError(message)
+    if kind is not None:
+        err.type = kind  # (exceed_context_size_error is a 400 too)
+    return err
+
+
+# The start of llama-server's error body (nlohmann's keys are sorted), for a body the
+# backend client cut: the message up to the cut.
+_CUT_ERROR = re.compile(r'\{"error":\{"code":\d+,"message":"((?:[^"\\]|\\u[0-9a-fA-F]{4}|\\[^u])*)')
+_ERROR_TYPE = re.compile(r"[a-z_]{1,64}")
+
+
+def _error_of(body: str) -> tuple[str, str | None] | None:
+    """(message, type) of an OpenAI-style error body, also of one cut short."""
     try:
         err = json.loads(body).get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return str(err["message"])[:1000]
     except (ValueError, AttributeError):
-        pass
-    return body[:500]
+        cut = _CUT_ERROR.match(body)
+        if cut is None:
+            return None
+        try:  # (whole escapes only: the match stops before one that was cut)
+            return str(json.loads(f'"{cut.group(1)}"')) + " ...", None
+        except ValueError:
+            return None
+    if not isinstance(err, dict) or not isinstance(err.get("message"), str):
+        return None
+    kind = err.get("type")
+    return (err["message"][:4000],
+            kind if isinstance(kind, str) and _ERROR_TYPE.fullmatch(kind) else None)
+
+
+def _failure(got: BackendDown | BadResponse) -> str:
+    if isinstance(got, BackendDown):
+        return "timed out" if got.timed_out else "unreachable"
+    return f"answered {got.status}"

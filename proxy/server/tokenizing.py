@@ -23,6 +23,7 @@ from proxy.server.backend_tokens import (
     RENDER_FAILED,
     BackendTokens,
     Mismatch,
+    NoBackendIds,
     continues,
 )
 
@@ -89,7 +90,7 @@ class Tokenizing:
         """Exact ids of a chat body: local (`prompt_ids` when ``head``, else `ids`), or a
         backend's when there is no local tokenizer, the local template is not exact, or
         the local renderer refuses what the backend may render. A request the backend
-        refuses too is a 400 with its message."""
+        refuses gets its status and message; `NoBackendIds` when no backend can say."""
         if plan is None:
             return await self._remote().chat(body, NO_TOKENIZER)
         if self.inexact is not None:
@@ -115,7 +116,7 @@ class Tokenizing:
 
     def _remote(self) -> BackendTokens:
         if self.remote is None:
-            raise NoBackendAvailable("no backend to tokenize with yet", retry_after=1)
+            raise NoBackendIds("no backend to tokenize with yet", retry_after=1)
         return self.remote
 
     async def check(self, info: BackendInfo) -> None:

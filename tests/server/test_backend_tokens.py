@@ -6,6 +6,7 @@ answer is the server's, and the next turn's predicted reuse is what the server r
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
+from fake_backend import FakeBackend
 from faults import external, until
 from proxy_client import proxy
 from texts import words
@@ -22,6 +24,7 @@ from backends.process import LlamaServerProcess, ServerSpec, free_port
 from proxy.config.settings import ProxySettings
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.chat_request import PromptError
+from proxy.server.backend_tokens import NoBackendIds
 from proxy.server.keys import METRICS, TOKENIZING
 
 pytestmark = pytest.mark.timeout(180)
@@ -181,3 +184,76 @@ async def test_continued_final_messages_take_the_backends_rendering_where_it_dif
                             data["timings"]["cache_n"]))
         assert got[1][0] == got[1][1] > 200, got
         assert counted(client, "continuation") == 2
+
+
+# A plain template refusing a word with a message longer than the part of an error body
+# the backend client keeps (500 characters).
+LONG_REFUSAL = ("{%- for m in messages -%}{%- if 'LONGFAIL' in m.content -%}"
+                "{{ raise_exception('This template refuses the word LONGFAIL:"
+                + " the reason is long." * 30 + "') }}{%- endif -%}"
+                "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                "{%- endfor -%}{%- if add_generation_prompt -%}"
+                "{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+
+
+@pytest.mark.parametrize("case", ["specialized", "long"])
+async def test_a_request_the_server_refuses_gets_its_answer_without_a_local_gguf(
+        llama_server_bin: Path, demo_model: Path, tmp_path: Path, case: str) -> None:
+    """No local GGUF: the ids come from the backend's `/apply-template`, which refuses
+    the request as its chat endpoint does. The client gets that answer (status, type,
+    message; cut where the message is long), not a 503 to retry, and never the backend's
+    address. Qwen3.5's handler reports its template's failure as a 500; a plain template's
+    is a 400."""
+    if case == "specialized":
+        template = (llama_cpp_source() / "vendor" / "llama.cpp" / "models" / "templates"
+                    / "Qwen3.5-4B.jinja")
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "system", "content": "Answer in English."},
+                    {"role": "user", "content": "Hi"}]
+    else:
+        template = tmp_path / "long.jinja"
+        template.write_text(LONG_REFUSAL)
+        messages = [{"role": "user", "content": "LONGFAIL"}]
+    body = {"model": "kvroute-demo", "max_tokens": 2, "messages": messages}
+    async with server(llama_server_bin, demo_model, tmp_path / "a.log", template) as url, \
+            external(tmp_path, {"a": (url, None)}) as sup, proxy(sup) as client, \
+            aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/chat/completions", json=body) as r:
+            status, theirs = r.status, (await r.json())["error"]
+        assert status == (500 if case == "specialized" else 400)
+        async with client.post("/v1/chat/completions", json=body) as r:
+            text = await r.text()
+            assert (r.status, "Retry-After" in r.headers) == (status, False), text
+        assert url.split("//")[1] not in text
+        ours = json.loads(text)["error"]
+        if case == "specialized":
+            assert (ours["message"], ours["type"]) == (theirs["message"], theirs["type"])
+            return
+        assert ours["message"].endswith(" ...") and len(ours["message"]) > 300
+        assert theirs["message"].startswith(ours["message"][:-4])
+        async with client.post("/v1/messages", json=body) as r:  # in Anthropic's format
+            data = await r.json()
+            assert r.status == 400, data
+        assert data["error"]["type"] == "invalid_request_error"
+        assert theirs["message"].startswith(data["error"]["message"][:-4])
+
+
+async def test_a_backend_that_cannot_render_is_no_refusal(demo_model: Path,
+                                                          tmp_path: Path) -> None:
+    """A backend without `/apply-template` (an older llama-server, another OpenAI-style
+    server) says nothing against the request: `NoBackendIds`, not a refusal, which
+    names the backend, never its address."""
+    fake = FakeBackend()
+    await fake.start()
+    try:
+        async with external(tmp_path, {"f": (fake.url, None)}) as sup, \
+                proxy(sup) as client:
+            tok = client.server.app[TOKENIZING]
+            body = {"messages": [{"role": "user", "content": "Hello."}]}
+            with pytest.raises(NoBackendIds) as got:
+                await tok.chat(64, body, None)
+            assert "f answered 404" in got.value.message
+            assert fake.url.split("//")[1] not in got.value.message
+    finally:
+        await fake.stop()
+
