@@ -103,12 +103,14 @@ class BackendTokens:
         self.counted = counted
 
     async def chat(self, body: Mapping[str, Any], reason: str,
-                   tokenize: Callable[[str], Awaitable[array]] | None = None) -> array:
-        """Ids of the prompt the backend's chat endpoint builds for ``body``. With a local
-        ``tokenize`` (the GGUF's vocabulary: exact whatever the template), only the text
-        comes from the backend: its history's fragments are then cached here, and a turn
-        costs one render on the backend instead of a whole tokenization there."""
-        payload = _payload(body)
+                   tokenize: Callable[[str], Awaitable[array]] | None = None,
+                   raw: bytes | None = None) -> array:
+        """Ids of the prompt the backend's chat endpoint builds for ``body`` (``raw``: the
+        client's bytes it was parsed from, sent as they are). With a local ``tokenize``
+        (the GGUF's vocabulary: exact whatever the template), only the text comes from
+        the backend: its history's fragments are then cached here, and a turn costs one
+        render on the backend instead of a whole tokenization there."""
+        payload = _payload(body) if raw is None else raw
 
         async def ask(client: BackendClient) -> Tokens | BackendDown | BadResponse:
             prompt = await client.apply_template(payload)
@@ -166,11 +168,36 @@ class BackendTokens:
 
 
 def _payload(body: Mapping[str, Any]) -> bytes:
-    # orjson: a coding agent's turn is ~100 KB; an integer past 64 bits needs json
+    # orjson: a coding agent's turn is ~100 KB. It refuses an integer past 64 bits and
+    # nesting past 254 levels, which the server parses: a tool schema can be that deep.
     try:
         return orjson.dumps(body)
     except TypeError:
-        return json.dumps(body, separators=(",", ":")).encode()
+        return _deep_dumps(body).encode()
+
+
+def _deep_dumps(value: Any) -> str:
+    """JSON text of ``value`` at any depth: an explicit stack, where json.dumps recurses
+    and stops at Python's recursion limit (~1000 levels; orjson.loads accepts 1024)."""
+    out: list[str] = []
+    todo: list[tuple[bool, Any]] = [(False, value)]  # (literal text?, text or value)
+    while todo:
+        literal, v = todo.pop()
+        if literal:
+            out.append(v)
+        elif isinstance(v, Mapping):
+            parts: list[tuple[bool, Any]] = [(True, "{")]
+            for i, (k, x) in enumerate(v.items()):
+                parts += [(True, ("," if i else "") + json.dumps(str(k)) + ":"), (False, x)]
+            todo += reversed([*parts, (True, "}")])
+        elif isinstance(v, list | tuple):
+            parts = [(True, "[")]
+            for i, x in enumerate(v):
+                parts += [(True, ","), (False, x)] if i else [(False, x)]
+            todo += reversed([*parts, (True, "]")])
+        else:
+            out.append(json.dumps(v))
+    return "".join(out)
 
 
 def _first_difference(probe: int, a: Sequence[int], b: Sequence[int]) -> Mismatch:

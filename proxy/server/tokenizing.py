@@ -86,26 +86,32 @@ class Tokenizing:
                           if self.continuation else "")
 
     async def chat(self, size: int, body: dict[str, Any], plan: Callable[[], Plan] | None,
-                   *, head: bool = False) -> array | PendingPrompt:
+                   *, head: bool = False, raw: bytes | None = None) -> array | PendingPrompt:
         """Exact ids of a chat body: local (`prompt_ids` when ``head``, else `ids`), or a
         backend's when there is no local tokenizer, the local template is not exact, or
-        the local renderer refuses what the backend may render. A request the backend
+        the local renderer fails on what the backend may render (``raw``: the client's
+        bytes ``body`` was parsed from, sent to it as they are). A request the backend
         refuses gets its status and message; `NoBackendIds` when no backend can say."""
         if plan is None:
-            return await self._remote().chat(body, NO_TOKENIZER)
+            return await self._remote().chat(body, NO_TOKENIZER, raw=raw)
         if self.inexact is not None:
-            return await self._remote().chat(body, INEXACT, self._tokenize)
+            return await self._remote().chat(body, INEXACT, self._tokenize, raw)
         if self.continuation is not None and continues(body):
-            return await self._remote().chat(body, CONTINUATION, self._tokenize)
+            return await self._remote().chat(body, CONTINUATION, self._tokenize, raw)
         try:
             return await (self.prompt_ids(size, plan) if head else self.ids(size, plan))
         except PromptError as e:
             if self.remote is None:
                 raise _refused(e) from None
             try:
-                return await self.remote.chat(body, RENDER_FAILED, self._tokenize)
+                return await self.remote.chat(body, RENDER_FAILED, self._tokenize, raw)
             except NoBackendAvailable:
                 raise _refused(e) from None
+        except Exception as e:
+            # not a refusal the server shares: a limit of this renderer (RecursionError
+            # on a tool schema nested deeper than Python's stack), or a fault in it
+            get_logger().warning("tokens.render_failed", error=f"{type(e).__name__}: {e}"[:300])
+            return await self._remote().chat(body, RENDER_FAILED, self._tokenize, raw)
 
     async def _tokenize(self, text: str) -> array:
         # (the text the backend rendered, in this GGUF's vocabulary, fragment-cached; a

@@ -257,3 +257,38 @@ async def test_a_backend_that_cannot_render_is_no_refusal(demo_model: Path,
     finally:
         await fake.stop()
 
+
+def nested_tool(depth: int) -> bytes:
+    """A chat body whose one tool's parameters nest `depth` objects deep (2 JSON levels
+    each: orjson, and so kvroute, parses up to 1024 levels; llama-server has no limit)."""
+    schema = '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' \
+        + "}}" * depth
+    return ('{"model":"kvroute-demo","max_tokens":2,"messages":[{"role":"user","content":'
+            '"Fill in the form."}],"tools":[{"type":"function","function":{"name":"f",'
+            '"description":"A form.","parameters":' + schema + "}}]}").encode()
+
+
+async def test_a_tool_schema_too_deep_for_the_local_renderer_is_rendered_by_the_backend(
+        backend_pool: Any) -> None:
+    """Jinja's `tojson` of a schema nested 500 deep exceeds Python's recursion limit here;
+    llama-server serves it. The backend renders it (its ids, exact: the same request
+    again is predicted as the server reuses it), and the proxy goes on serving."""
+    sup = await backend_pool(n=1)
+    info = sup.ready()[0]
+    raw = nested_tool(500)
+    headers = {"Content-Type": "application/json"}
+    async with proxy(sup) as client, aiohttp.ClientSession() as http:
+        async with http.post(info.url + "/apply-template", data=raw, headers={
+                **headers, "Authorization": f"Bearer {info.api_key}"}) as r:
+            assert r.status == 200, await r.text()
+        got = []
+        for _ in range(2):
+            async with client.post("/v1/chat/completions", data=raw, headers=headers) as r:
+                data = await r.json()
+                assert r.status == 200, data
+                got.append((int(r.headers["X-Kvroute-Predicted-Cached"]),
+                            data["timings"]["cache_n"]))
+        assert abs(got[1][0] - got[1][1]) <= 1 and got[1][1] > 5000, got
+        assert counted(client, "render_failed") == 2
+        turns = await conversation(client, 5, turns=2)
+        assert all(abs(p - r) <= 1 for p, r in turns), turns
