@@ -22,11 +22,12 @@ import orjson
 from aiohttp import web
 
 from proxy.anthropic.convert import anthropic_to_chat
-from proxy.anthropic.relay import AnthropicRelay
+from proxy.anthropic.relay import AnthropicErrors, AnthropicRelay
 from proxy.errors import BadRequest
 from proxy.forwarding.send import JSON
 from proxy.prompt.chat_request import PromptError
-from proxy.server.handlers import prompt_for, read_json, tokens_for
+from proxy.server.backend_tokens import NoBackendIds
+from proxy.server.handlers import prompt_for, read_json, tokens_for, unrouted
 from proxy.server.keys import FORWARDER, TOKENIZING
 from proxy.server.validate import check_fields
 
@@ -94,9 +95,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
         payload = orjson.dumps(chat)
     except TypeError:  # an integer past 64 bits
         payload = json.dumps(chat, separators=(",", ":")).encode()
+    relay = AnthropicRelay(model, body.get("stop_sequences") or ())
+    if tokens is None:  # no backend can give the ids, none refused the request
+        return await unrouted(request, "/v1/chat/completions", payload, relay)
     return await request.app[FORWARDER].routed(
         request, endpoint="messages", path="/v1/chat/completions", raw=payload, body=chat,
-        tokens=tokens, relay=AnthropicRelay(model, body.get("stop_sequences") or ()))
+        tokens=tokens, relay=relay)
 
 
 async def count_tokens(request: web.Request) -> web.StreamResponse:
@@ -105,5 +109,8 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     prompt = request.app[TOKENIZING].prompt
     chat = chat_body(body)
     plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
-    tokens = await tokens_for(request, raw, chat, plan)
+    try:
+        tokens = await tokens_for(request, raw, chat, plan)
+    except NoBackendIds:  # the backend counts them itself
+        return await unrouted(request, "/v1/messages/count_tokens", raw, AnthropicErrors())
     return web.json_response({"input_tokens": len(tokens)})

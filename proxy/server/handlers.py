@@ -19,11 +19,11 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.errors import BadRequest, NoBackendAvailable, NotFound, PayloadTooLarge, RequestTimeout
 from proxy.forwarding.forwarder import PendingPrompt
-from proxy.forwarding.send import JSON
+from proxy.forwarding.send import AS_IS, JSON, Relay
 from proxy.observability.metrics import CONTENT_TYPE
 from proxy.prompt.chat_request import PromptError
 from proxy.prompt.tokenizer import Plan
-from proxy.server.backend_tokens import NO_TOKENIZER
+from proxy.server.backend_tokens import NO_TOKENIZER, NoBackendIds
 from proxy.server.keys import (
     ADMISSION,
     BACKENDS,
@@ -141,10 +141,17 @@ async def tokens_for(request: web.Request, raw: bytes, body: JSON,
 
 
 async def prompt_for(request: web.Request, raw: bytes, body: JSON,
-                     plan: Callable[[], Plan] | None) -> array | PendingPrompt:
+                     plan: Callable[[], Plan] | None, *, parsed: bool = False
+                     ) -> array | PendingPrompt | None:
     """`tokens_for`, or the head of the prompt to route on while the rest is tokenized
-    (Tokenizing.prompt_ids)."""
-    return await request.app[TOKENIZING].chat(len(raw), body, plan, head=True)
+    (Tokenizing.prompt_ids); None when no backend can give the ids and none refused the
+    request (then it is served unrouted). ``parsed``: ``body`` is ``raw`` parsed, so a
+    backend asked for the ids gets ``raw`` as it is."""
+    try:
+        return await request.app[TOKENIZING].chat(len(raw), body, plan, head=True,
+                                                  raw=raw if parsed else None)
+    except NoBackendIds:
+        return None
 
 
 # ---------------------------------------------------------------------- endpoints
@@ -155,7 +162,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_model(request, body)
     prompt = request.app[TOKENIZING].prompt
     plan = None if prompt is None else (lambda: prompt.plan_chat(body))
-    tokens = await prompt_for(request, raw, body, plan)
+    tokens = await prompt_for(request, raw, body, plan, parsed=True)
+    if tokens is None:
+        return await unrouted(request, "/v1/chat/completions", raw)
     return await request.app[FORWARDER].routed(
         request, endpoint="chat", path="/v1/chat/completions", raw=raw, body=body,
         tokens=tokens)
@@ -201,11 +210,12 @@ def pick_ready(app: web.Application) -> BackendInfo:
     return ready[cursor[0] % len(ready)]
 
 
-async def unrouted(request: web.Request, path: str, raw: bytes) -> web.StreamResponse:
-    """Forward to the next ready backend without prefix routing (no tokenizer)."""
+async def unrouted(request: web.Request, path: str, raw: bytes,
+                   relay: Relay = AS_IS) -> web.StreamResponse:
+    """Forward to the next ready backend without prefix routing (no prompt ids)."""
     app = request.app
     return await app[FORWARDER].passthrough(request, path, pick_ready(app), raw,
-                                            pick=lambda: pick_ready(app))
+                                            relay=relay, pick=lambda: pick_ready(app))
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:

@@ -238,22 +238,33 @@ async def test_a_request_the_server_refuses_gets_its_answer_without_a_local_gguf
         assert theirs["message"].startswith(data["error"]["message"][:-4])
 
 
-async def test_a_backend_that_cannot_render_is_no_refusal(demo_model: Path,
-                                                          tmp_path: Path) -> None:
+async def test_a_backend_that_cannot_render_serves_the_request_unrouted(
+        demo_model: Path, tmp_path: Path) -> None:
     """A backend without `/apply-template` (an older llama-server, another OpenAI-style
-    server) says nothing against the request: `NoBackendIds`, not a refusal, which
-    names the backend, never its address."""
+    server) says nothing against the request: without a local GGUF it is served as it is,
+    unrouted, as before kvroute asked backends for ids. `NoBackendIds` names the backend,
+    never its address."""
     fake = FakeBackend()
     await fake.start()
     try:
         async with external(tmp_path, {"f": (fake.url, None)}) as sup, \
                 proxy(sup) as client:
-            tok = client.server.app[TOKENIZING]
-            body = {"messages": [{"role": "user", "content": "Hello."}]}
+            body = {"model": "kvroute-demo", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "Hello."}]}
             with pytest.raises(NoBackendIds) as got:
-                await tok.chat(64, body, None)
+                await client.server.app[TOKENIZING].chat(64, body, None)
             assert "f answered 404" in got.value.message
             assert fake.url.split("//")[1] not in got.value.message
+            async with client.post("/v1/chat/completions", json=body) as r:
+                data = await r.json()
+                assert r.status == 200, data
+            assert data["choices"][0]["message"]["content"] == "ok"
+            async with client.post("/v1/messages", json=body) as r:
+                data = await r.json()
+                assert r.status == 200, data
+            assert data["content"] == [{"type": "text", "text": "ok"}]
+            assert [p for p, _, _ in fake.requests] == ["/v1/chat/completions"] * 2
+            assert all(b"id_slot" not in raw for _, _, raw in fake.requests)
     finally:
         await fake.stop()
 
