@@ -60,6 +60,16 @@ class KvDiskConfig:
     save_after_idle_s: float = 1.0  # a slot idle this long after a turn is saved
     min_tokens: int = 1024  # smaller contents are cheaper to recompute than to keep
 
+    def __post_init__(self) -> None:
+        # a budget of nothing would write every save and delete it at once
+        if not self.max_gib > 0:
+            raise ValueError(f"kv_disk.max_gib: must be positive, got {self.max_gib}")
+        if not self.save_after_idle_s >= 0:
+            raise ValueError("kv_disk.save_after_idle_s: must be >= 0, got "
+                             f"{self.save_after_idle_s}")
+        if self.min_tokens < 0:
+            raise ValueError(f"kv_disk.min_tokens: must be >= 0, got {self.min_tokens}")
+
 
 class FleetSpec(Protocol):
     """The configuration a Supervisor runs from (proxy.config.load.Config is one)."""

@@ -44,7 +44,7 @@ from proxy.errors import (
 from proxy.feedback.reports import Recorder
 from proxy.forwarding.forwarder import Forwarder
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.slot_store import SlotStore
+from proxy.forwarding.slot_store import SlotStore, model_identity
 from proxy.forwarding.upstream import Upstream
 from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
@@ -186,6 +186,10 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
         if info is None:
             health.backend_down(name)
             return
+        if store is not None and info.managed:
+            # what the process just loaded: only files of that model are restored into it
+            cfg = next((b for b in app[CONFIG].managed() if b.name == info.name), None)
+            store.backend_ready(info.name, model_identity(cfg) if cfg is not None else None)
         if store is not None and info.managed and store.has(info.name):
             background(_restored_up(app, info))  # its saved slots first
         else:
@@ -211,7 +215,13 @@ async def _restored_up(app: web.Application, info: BackendInfo) -> None:
     """A restarted backend: restore its saved slots, then route to it, holding them."""
     store = app[FORWARDER].slot_store
     assert store is not None
-    restored = await store.restore(info)
+    try:
+        restored = await store.restore(info)
+    except Exception:
+        # the restore is a head start, never a condition: routed with empty slots rather
+        # than not at all (what did come back is then unknown: mispredicted, not wrong)
+        get_logger().warning("slot.restore_crashed", backend=info.name, exc_info=True)
+        restored = []
     if info not in app[SUPERVISOR].ready():  # it went down again meanwhile
         return
     app[HEALTH].backend_up(info)

@@ -1,4 +1,4 @@
-"""The disk tier: slots saved to files, restored into any backend of the host.
+"""The disk tier: slots saved to files, restored into a backend of the same model.
 
 llama-server writes a slot's KV to a file in its `--slot-save-path` and reads it back into
 any slot of any server of the same model and build (`POST /slots/{id}?action=save|
@@ -12,10 +12,26 @@ file restored into the slot first (`Decision.restore`). And when a backend comes
 saved content back before requests are routed there.
 
 What a file holds is recorded beside it (`index.json`: backend, slot, the token ids the
-router knew the slot to hold), so a restore is predicted exactly. File names are
-kvroute's own (no client input reaches a path); files are 0600 in a 0700 directory; the
-budget (`max_gib`) drops the oldest saves; a file that fails to restore (truncated,
-another model or build) is dropped and counted, and the slot starts empty.
+router knew the slot to hold, and the model that computed it), so a restore is predicted
+exactly. File names are kvroute's own (no client input reaches a path); files are 0600 in
+a 0700 directory; the budget (`max_gib`) drops the oldest saves, and a file no entry names
+(a save that failed or was given up, whatever the server wrote of it) is removed.
+
+The server checks a file's format, layer count and cache types, not which weights made
+it: the KV of a fine-tune or another quantization of the same base loads without a word
+and decodes wrong. So each file carries its model's identity (`model_identity`), and is
+restored only into a backend that runs that model now and reads this directory (managed
+ones; an external server has a directory of its own, if any). A file of another model
+than its backend's is kept, for its own model (a configuration switched back finds it),
+within the budget that ages it out otherwise, and counted `foreign` when that backend
+starts. A file the server refuses (it answered, and said no: another build, a short
+count) is dropped and counted, and the slot starts empty. A server that does not answer
+(down, restarting, hung) says nothing of the file, which is kept for its next start; but
+one that goes away during the same file's restore twice in a row is taken to be brought
+down by it, and the file is dropped. A file whose size is not what the server wrote is
+dropped without being sent: the server aborts on a truncated one (a GGML_ASSERT in
+llama_state_seq_load_file), and every restart would die on it again. Events counted:
+saved, save_failed, restored, restore_failed, restore_interrupted, foreign, index_failed.
 """
 
 from __future__ import annotations
@@ -23,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import time
@@ -33,13 +50,37 @@ from pathlib import Path
 import aiohttp
 import structlog
 
-from backends.client import BackendClient
-from backends.config import KvDiskConfig
+from backends.client import BackendClient, BackendDown
+from backends.config import KvDiskConfig, ManagedBackendConfig
 from backends.supervisor import BackendInfo
 from proxy.routing.router import Router
 
 INDEX = "index.json"
 _PREFIX = "kvroute-"
+# A restore reads its file whole into the server's KV, in the server's loop: allow the loop
+# this long to take the task, and the file's size at a hard disk's speed. Past that the
+# server is hung (stopped, a wedged loop), and a request goes on without the restore: the
+# server takes its tasks in order, so the restore, if it ever runs, still comes first.
+RESTORE_BASE_S = 5.0
+RESTORE_BYTES_PER_S = 100 * (1 << 20)
+_SAVE_TIMEOUT_S = 120.0  # off the request path: a large slot on a slow disk
+
+
+def model_identity(cfg: ManagedBackendConfig) -> str | None:
+    """What a slot's KV depends on besides its tokens, as a short hash (None: the model
+    file cannot be read). The weights: the GGUF by its resolved path, size and mtime (a
+    file replaced or requantized in place gets another). The command line: a LoRA adapter,
+    RoPE scaling, the cache types change what the KV holds, and `LLAMA_ARG_*` variables
+    are options too. The build is not: the server checks a file's format version itself,
+    and another build computes the same KV from the same weights, up to rounding."""
+    try:
+        path = cfg.model.resolve()
+        st = path.stat()
+    except OSError:
+        return None
+    env = sorted((k, v) for k, v in cfg.env.items() if k.startswith("LLAMA_ARG_"))
+    doc = [str(path), st.st_size, st.st_mtime_ns, list(cfg.extra_args), env]
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -49,6 +90,8 @@ class Saved:
     slot: int
     tokens: bytes  # int32 token bytes the slot was known to hold when saved
     saved_at: float
+    model: str  # model_identity of the backend when it was saved
+    size: int = 0  # bytes of the file as the server wrote it
 
     @property
     def file(self) -> str:
@@ -60,11 +103,41 @@ class SlotStore:
                  counted: Callable[[str], None]) -> None:
         self.cfg, self.session, self.router, self.counted = cfg, session, router, counted
         self.log = structlog.get_logger()
+        self._writing: set[str] = set()  # files a save in flight may be writing
         self.saved: dict[int, Saved] = self._load()
         self._next = max(self.saved, default=0) + 1
-        for e in self.saved.values():  # any backend of the host may restore them
-            router.disk_add(e.id, e.file, e.tokens)
+        # managed backend -> model_identity when it last became ready (see backend_ready)
+        self.models: dict[str, str] = {}
+        self._offered: dict[int, frozenset[str]] = {}  # entry -> who the router offers it to
+        self._strikes: dict[int, int] = {}  # entry -> restores the server went away during
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
+
+    def backend_ready(self, name: str, model: str | None) -> None:
+        """Managed backend ``name`` became ready running ``model`` (``model_identity``;
+        None: unknown, and then nothing is saved from it or restored into it). Only then
+        are the files of that model offered to it: no file reaches a backend of another
+        model, or one that does not read this directory."""
+        if model is None:
+            self.models.pop(name, None)
+        else:
+            self.models[name] = model
+        foreign = sum(e.backend == name and e.model != model for e in self.saved.values())
+        if foreign and model is not None:
+            self.log.warning("slot.foreign", backend=name, files=foreign)
+            for _ in range(foreign):
+                self.counted("foreign")
+        for e in self.saved.values():
+            self._offer(e)
+
+    def _offer(self, e: Saved) -> None:
+        where = frozenset(n for n, m in self.models.items() if m == e.model)
+        if self._offered.get(e.id) == where:
+            return
+        self._offered[e.id] = where
+        if where:
+            self.router.disk_add(e.id, e.file, e.tokens, where)
+        else:
+            self.router.disk_drop(e.id)
 
     # ------------------------------------------------------------------ saving
     def note(self, info: BackendInfo, slot: int) -> None:
@@ -84,29 +157,39 @@ class SlotStore:
 
     async def _save_when_idle(self, info: BackendInfo, slot: int) -> None:
         await asyncio.sleep(self.cfg.save_after_idle_s)
+        model = self.models.get(info.name)
         tokens = self.router.held(info.name, slot)
-        if tokens is None or len(tokens) // 4 < self.cfg.min_tokens:
+        if not info.managed or model is None or tokens is None \
+                or len(tokens) // 4 < self.cfg.min_tokens:
             return
-        known = self._latest(info.name, slot)
+        known = self._latest(info.name, slot, model)
         if known is not None and known.tokens == tokens:
             return  # (nothing new since the last save)
-        entry = Saved(self._next, info.name, slot, tokens, time.time())
+        entry = Saved(self._next, info.name, slot, tokens, time.time(), model)
         self._next += 1
-        client = BackendClient(self.session, info.url, info.api_key, timeout=120)
-        got = await client.slot_file(slot, "save", entry.file)
-        # the slot must still hold what was saved: a turn that started meanwhile on it
-        # would make the record wrong
-        if not isinstance(got, int) or got < len(tokens) // 4 \
-                or self.router.held(info.name, slot) != tokens:
+        client = BackendClient(self.session, info.url, info.api_key, timeout=_SAVE_TIMEOUT_S)
+        ok = False
+        self._writing.add(entry.file)
+        try:
+            got = await client.slot_file(slot, "save", entry.file)
+            # the slot must still hold what was saved: a turn that started meanwhile on it
+            # would make the record wrong
+            ok = isinstance(got, int) and got >= len(tokens) // 4 \
+                and self.router.held(info.name, slot) == tokens
+        finally:
+            self._writing.discard(entry.file)
+            entry.size = _size(self.cfg.path / entry.file)
+            if not ok:  # the server may have written it, whole or in part: no entry names it
+                self._unlink(entry.file)
+        if not ok or not entry.size:
             self.counted("save_failed")
-            self._drop(entry.id)
             return
         with contextlib.suppress(OSError):
             (self.cfg.path / entry.file).chmod(0o600)
         if known is not None and tokens.startswith(known.tokens):
             self._drop(known.id)  # the same conversation, further on
         self.saved[entry.id] = entry
-        self.router.disk_add(entry.id, entry.file, tokens)
+        self._offer(entry)
         self.counted("saved")
         self._enforce_budget()
         self._write()
@@ -114,42 +197,71 @@ class SlotStore:
 
     # --------------------------------------------------------------- restoring
     def has(self, backend: str) -> bool:
-        return any(e.backend == backend for e in self.saved.values())
+        """Are there files to restore into ``backend`` (of the model it runs)?"""
+        model = self.models.get(backend)
+        return any(e.backend == backend and e.model == model for e in self.saved.values())
 
-    def _latest(self, backend: str, slot: int) -> Saved | None:
-        mine = [e for e in self.saved.values() if (e.backend, e.slot) == (backend, slot)]
+    def _latest(self, backend: str, slot: int, model: str) -> Saved | None:
+        mine = [e for e in self.saved.values()
+                if (e.backend, e.slot, e.model) == (backend, slot, model)]
         return max(mine, key=lambda e: e.saved_at, default=None)
+
+    async def _restore(self, info: BackendInfo, slot: int, e: Saved) -> bool | None:
+        """Restore ``e`` into ``info``'s ``slot``: True; False: refused, ``e`` is
+        dropped; None: no answer (the server is down or hung)."""
+        if _size(self.cfg.path / e.file) != e.size:
+            got: object = "the file is not the size the server wrote"
+        else:
+            timeout = RESTORE_BASE_S + e.size / RESTORE_BYTES_PER_S
+            client = BackendClient(self.session, info.url, info.api_key, timeout=timeout)
+            got = await client.slot_file(slot, "restore", e.file)
+            if isinstance(got, int) and got >= len(e.tokens) // 4:
+                self._strikes.pop(e.id, None)
+                self.counted("restored")
+                return True
+        self.log.warning("slot.restore_failed", backend=info.name, slot=slot, file=e.file,
+                         error=str(got))
+        down = isinstance(got, BackendDown)
+        strikes = self._strikes.get(e.id, 0) + 1
+        if down and strikes < 2:
+            self._strikes[e.id] = strikes  # once says nothing of the file
+            self.counted("restore_interrupted")
+            return None
+        self.counted("restore_failed")
+        self._drop(e.id)  # else chosen again (and, if it brings the server down, again)
+        return None if down else False
 
     async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool:
         """Restore ``file`` into ``info``'s ``slot`` (a request is about to be sent there,
-        predicted to reuse it)."""
-        client = BackendClient(self.session, info.url, info.api_key, timeout=120)
-        got = await client.slot_file(slot, "restore", file)
-        ok = isinstance(got, int)
-        self.counted("restored" if ok else "restore_failed")
-        if not ok:
-            self.log.warning("slot.restore_failed", backend=info.name, slot=slot,
-                             file=file, error=str(got))
-        return ok
+        predicted to reuse it); False: the request is prefilled instead."""
+        e = next((e for e in self.saved.values() if e.file == file), None)
+        if e is None or not info.managed or e.model != self.models.get(info.name):
+            # dropped since the decision (budget, a refusal), or not this backend's to read
+            self.log.info("slot.restore_skipped", backend=info.name, slot=slot, file=file)
+            return False
+        done = await self._restore(info, slot, e)
+        if e.id not in self.saved:
+            self._write()
+        return bool(done)
 
     async def restore(self, info: BackendInfo) -> list[tuple[int, bytes]]:
         """Restore ``info``'s saved slots into it (a new process: its slots are empty);
-        the (slot, tokens) that came back."""
-        client = BackendClient(self.session, info.url, info.api_key, timeout=120)
-        out = []
-        slots = {e.slot for e in self.saved.values() if e.backend == info.name}
+        the (slot, tokens) that came back. The server gone or hung: the rest wait for
+        its next start."""
+        model = self.models.get(info.name)
+        out: list[tuple[int, bytes]] = []
+        if not info.managed or model is None:
+            return out
+        slots = {e.slot for e in self.saved.values()
+                 if e.backend == info.name and e.model == model}
         for slot in sorted(s for s in slots if s < info.n_slots):
-            entry = self._latest(info.name, slot)
+            entry = self._latest(info.name, slot, model)
             assert entry is not None
-            got = await client.slot_file(slot, "restore", entry.file)
-            if isinstance(got, int) and got >= len(entry.tokens) // 4:
+            done = await self._restore(info, slot, entry)
+            if done is None:
+                break
+            if done:
                 out.append((slot, entry.tokens))
-                self.counted("restored")
-            else:
-                self.log.warning("slot.restore_failed", backend=info.name, slot=slot,
-                                 error=str(got))
-                self.counted("restore_failed")
-                self._drop(entry.id)
         if out:
             self.log.info("slot.restored", backend=info.name,
                           slots=[(s, len(t) // 4) for s, t in out])
@@ -164,10 +276,15 @@ class SlotStore:
     # ------------------------------------------------------------------ the files
     def _drop(self, entry_id: int) -> None:
         entry = self.saved.pop(entry_id, None)
+        self._offered.pop(entry_id, None)
+        self._strikes.pop(entry_id, None)
         self.router.disk_drop(entry_id)
         if entry is not None:
-            with contextlib.suppress(OSError):
-                (self.cfg.path / entry.file).unlink()
+            self._unlink(entry.file)
+
+    def _unlink(self, file: str) -> None:
+        with contextlib.suppress(OSError):
+            (self.cfg.path / file).unlink()
 
     def _enforce_budget(self) -> None:
         budget = self.cfg.max_gib * (1 << 30)
@@ -177,34 +294,55 @@ class SlotStore:
             oldest = by_age.pop(0)
             total -= _size(self.cfg.path / oldest.file)
             self._drop(oldest.id)
+        # a save given up (cancelled, timed out) may have been written after all
+        self._sweep({e.file for e in self.saved.values()} | self._writing)
+
+    def _sweep(self, named: set[str]) -> None:
+        """Remove the slot files of the directory that are not in ``named``."""
+        with contextlib.suppress(OSError):
+            for f in self.cfg.path.glob(f"{_PREFIX}*.bin"):
+                if f.name not in named:
+                    self._unlink(f.name)
 
     def _write(self) -> None:
         doc = [{"id": e.id, "backend": e.backend, "slot": e.slot, "saved_at": e.saved_at,
-                "tokens": base64.b64encode(e.tokens).decode()} for e in self.saved.values()]
+                "model": e.model, "size": e.size,
+                "tokens": base64.b64encode(e.tokens).decode()}
+               for e in self.saved.values()]
         tmp = self.cfg.path / (INDEX + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, self.cfg.path / INDEX)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.cfg.path / INDEX)
+        except OSError as err:
+            # a full disk, the directory removed: the files serve this run all the same,
+            # and the next start trusts only the last index written (files no entry of
+            # it names are removed, entries whose file is gone are dropped)
+            self._unlink(tmp.name)
+            self.counted("index_failed")
+            self.log.warning("slot.index_failed", path=str(tmp), error=str(err))
 
     def _load(self) -> dict[int, Saved]:
         """The index a previous run left (entries whose file is gone are dropped, files
-        no entry names are deleted)."""
+        no entry names are deleted). An entry that does not parse is skipped alone; so is
+        one without a model or size (an older kvroute's: what computed its KV is
+        unknown)."""
         out: dict[int, Saved] = {}
         try:
             doc = json.loads((self.cfg.path / INDEX).read_text())
-            for d in doc if isinstance(doc, list) else ():
+        except (OSError, ValueError):
+            doc = None  # none yet, or unreadable: start empty
+        for d in doc if isinstance(doc, list) else ():
+            try:
                 e = Saved(int(d["id"]), str(d["backend"]), int(d["slot"]),
-                          base64.b64decode(d["tokens"]), float(d["saved_at"]))
-                if (self.cfg.path / e.file).is_file() and len(e.tokens) % 4 == 0:
-                    out[e.id] = e
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # none yet, or unreadable: start empty
-        named = {e.file for e in out.values()}
-        with contextlib.suppress(OSError):
-            for f in Path(self.cfg.path).glob(f"{_PREFIX}*.bin"):
-                if f.name not in named:
-                    f.unlink()
+                          base64.b64decode(d["tokens"], validate=True),
+                          float(d["saved_at"]), str(d["model"]), int(d["size"]))
+            except (ValueError, KeyError, TypeError):  # (binascii.Error is a ValueError)
+                continue
+            if (self.cfg.path / e.file).is_file() and len(e.tokens) % 4 == 0:
+                out[e.id] = e
+        self._sweep({e.file for e in out.values()})
         return out
 
 

@@ -72,7 +72,8 @@ class Router(QueuedRequests):
         self._inflight: dict[int, Inflight] = {}
         self._baselines = Baselines(seed)
         self._next_id = 0
-        self._disk: dict[int, str] = {}  # disk entry -> its file (see disk_add)
+        # disk entry -> its file and the backends that may restore it (see disk_add)
+        self._disk: dict[int, tuple[str, frozenset[str]]] = {}
         # at most one: every call but `decide(defer=True)` itself applies it first
         self._unplaced: _Unplaced | None = None
         self.mispredictions = 0  # completions whose reported reuse differed from ours
@@ -124,10 +125,12 @@ class Router(QueuedRequests):
             return False
         return st.cache.seed(slot, sequence)
 
-    def disk_add(self, entry: int, file: str, sequence: bytes) -> None:
-        """A slot saved to disk as ``file`` holds ``sequence``: any backend of the host
-        may have it restored into one of its slots."""
-        self._disk[entry] = file
+    def disk_add(self, entry: int, file: str, sequence: bytes,
+                 backends: frozenset[str]) -> None:
+        """A slot saved to disk as ``file`` holds ``sequence``: each of ``backends`` (those
+        that run the model that computed it and read the directory it is in) may have it
+        restored into one of its slots. Called again for an entry when they change."""
+        self._disk[entry] = (file, backends)
         self.tree.assign(("", DISK, entry), sequence)
 
     def disk_drop(self, entry: int) -> None:
@@ -147,12 +150,12 @@ class Router(QueuedRequests):
         checkpoints, so a request diverging from it would reuse nothing."""
         if self._backends[backend].cache.checkpointed:
             return None
-        best = max(((got, idx) for (_, kind, idx), got in held.items() if kind == DISK),
-                   default=None)
+        best = max(((got, idx) for (_, kind, idx), got in held.items()
+                    if kind == DISK and backend in self._disk[idx][1]), default=None)
         if best is None or best[0] - p.reuse < self.settings.disk_min_gain_tokens:
             return None
         got, idx = best
-        return self._disk[idx], self.tree.tokens_of(("", DISK, idx)), min(got, n - 1)
+        return self._disk[idx][0], self.tree.tokens_of(("", DISK, idx)), min(got, n - 1)
 
     # --------------------------------------------------------------- decision
     def decide(

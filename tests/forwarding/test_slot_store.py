@@ -1,12 +1,16 @@
 """Slots saved to disk and restored into a backend that restarts (kv_disk): a real
 llama-server killed with SIGKILL while it holds three conversations; each one's next turn
-reuses its history from the restored slot, predicted exactly."""
+reuses its history from the restored slot, predicted exactly. And what must not cost a
+backend its files or its routing: being down when they are restored, an index that
+cannot be written; and what must not be restored at all: the files of another model."""
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+import shutil
 import signal
 import stat
 from collections.abc import Callable
@@ -14,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from aiohttp.test_utils import TestClient
 from faults import FAST_HEALTH, until
 from proxy_client import proxy
@@ -24,7 +29,8 @@ from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
 from proxy.forwarding.slot_store import INDEX
-from proxy.server.keys import METRICS, ROUTER
+from proxy.observability.logging import configure_logging
+from proxy.server.keys import FORWARDER, METRICS, ROUTER
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -149,3 +155,127 @@ async def test_a_conversation_moves_to_another_backend_by_restore(
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
         await sup.stop()
+
+
+def routed(client: TestClient[Any, Any], name: str) -> bool:
+    return name in client.server.app[ROUTER].snapshot()["backends"]  # type: ignore[operator]
+
+
+async def test_a_backend_down_while_its_slots_are_restored_keeps_its_files(
+        pool_config: Callable[..., Config], tmp_path: Path) -> None:
+    """Its process is gone (killed, restarting) when its slots are restored: the server
+    said nothing of the files, which wait for its next start. That start restores one
+    and drops the other, truncated, without sending it (the server aborts on one)."""
+    disk = KvDiskConfig(tmp_path / "slots", save_after_idle_s=0.3, min_tokens=64)
+    cfg = dataclasses.replace(pool_config(n=1, slots=2, cache_ram_mib=0), kv_disk=disk)
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with proxy(sup) as client:
+            # two lengths: the index's token counts tell which file is which
+            sessions = [[{"role": "system", "content": words(n, 60 + n)},
+                         {"role": "user", "content": words(30, 61)}] for n in (300, 500)]
+            before = [(await turn(client, s))[2] for s in sessions]
+            await until(lambda: counted(client, "saved") >= 2, 30)
+            files = {len(e["tokens"]): disk.path / f"kvroute-{e['id']}.bin"
+                     for e in json.loads((disk.path / INDEX).read_text())}
+            short, long = (files[k] for k in sorted(files))
+            with long.open("r+b") as f:
+                f.truncate(long.stat().st_size // 2)
+
+            old, pid = sup.get("a"), sup.pid("a")
+            assert old is not None and pid is not None
+            os.kill(pid, signal.SIGKILL)
+            await until(lambda: not routed(client, "a"), 30)
+            store = client.server.app[FORWARDER].slot_store
+            assert store is not None
+            assert await store.restore(old) == []  # (nothing listens on its port)
+            assert short.is_file() and long.is_file() and store.has("a")
+
+            await until(lambda: sup.pid("a") not in (None, pid), 90)
+            await until(lambda: routed(client, "a"), 30)
+            assert (counted(client, "restored"), counted(client, "restore_failed")) == (1, 1)
+            assert short.is_file() and not long.exists()
+            restarted = sup.pid("a")  # (the server aborts on a truncated file: never sent)
+            for s, previous in zip(sessions, before, strict=True):
+                s.append({"role": "user", "content": words(20, len(s))})
+                predicted, reused, _ = await turn(client, s)
+                assert abs(predicted - reused) <= 1, (predicted, reused)
+                if s is sessions[0]:
+                    assert reused >= 0.9 * previous, (reused, previous)
+            assert sup.pid("a") == restarted
+    finally:
+        await sup.stop()
+
+
+async def test_a_backend_is_routed_when_the_index_cannot_be_written(
+        pool_config: Callable[..., Config], tmp_path: Path) -> None:
+    """A restarted backend's slots come back while the index cannot be written (a
+    directory in the way of its temporary file: an OSError, as on a full disk): the
+    backend is routed all the same, holding them, and the failure is logged."""
+    disk = KvDiskConfig(tmp_path / "slots", save_after_idle_s=0.3, min_tokens=64)
+    cfg = dataclasses.replace(pool_config(n=1, slots=2, cache_ram_mib=0), kv_disk=disk)
+    out = io.StringIO()
+    saved_logging = structlog.get_config()
+    configure_logging("info", stream=out)
+    sup = Supervisor(cfg)
+    try:
+        await sup.start()
+        async with proxy(sup) as client:
+            session = [{"role": "system", "content": words(300, 40)},
+                       {"role": "user", "content": words(30, 41)}]
+            previous = (await turn(client, session))[2]
+            await until(lambda: counted(client, "saved") >= 1, 30)
+            (disk.path / (INDEX + ".tmp")).mkdir()
+            pid = sup.pid("a")
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            await until(lambda: sup.pid("a") not in (None, pid), 90)
+            await until(lambda: routed(client, "a"), 30)
+            assert counted(client, "restored") == 1
+            assert counted(client, "index_failed") >= 1
+            session.append({"role": "user", "content": words(20, 42)})
+            predicted, reused, _ = await turn(client, session)
+            assert reused >= 0.9 * previous and abs(predicted - reused) <= 1
+    finally:
+        await sup.stop()
+        structlog.configure(**saved_logging)
+    assert '"slot.index_failed"' in out.getvalue()
+
+
+async def test_files_of_another_model_are_not_restored_but_kept_for_theirs(
+        pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path) -> None:
+    """Backend "a" is given another model file between two runs (a hard link to the same
+    weights here: the server would load a fine-tune of the same shape as silently): the
+    slot saved from the first is not restored into it, and is counted. The first model
+    back, it is restored."""
+    other = tmp_path / "other.gguf"
+    try:
+        os.link(demo_model, other)
+    except OSError:  # (another file system)
+        shutil.copyfile(demo_model, other)
+    disk = KvDiskConfig(tmp_path / "slots", save_after_idle_s=0.3, min_tokens=64)
+    base = pool_config(n=1, slots=2, cache_ram_mib=0)
+    session = [{"role": "system", "content": words(300, 50)},
+               {"role": "user", "content": words(40, 51)}]
+    for run, model in enumerate((demo_model, other, demo_model)):
+        a = dataclasses.replace(base.backends[0], model=model)
+        sup = Supervisor(dataclasses.replace(base, backends=(a,), kv_disk=disk))
+        await sup.start()
+        try:
+            async with proxy(sup) as client:
+                if run == 0:
+                    previous = (await turn(client, session))[2]
+                    await until(lambda: counted(client, "saved") >= 1, 30)
+                elif run == 1:
+                    await until(lambda: routed(client, "a"), 30)
+                    assert counted(client, "restored") == 0
+                    assert counted(client, "foreign") == 1
+                    assert len(list(disk.path.glob("kvroute-*.bin"))) == 1  # kept
+                else:
+                    await until(lambda: counted(client, "restored") >= 1, 30)
+                    session.append({"role": "user", "content": words(20, 52)})
+                    predicted, reused, _ = await turn(client, session)
+                    assert reused >= 0.9 * previous and abs(predicted - reused) <= 1
+        finally:
+            await sup.stop()
