@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 SLOT = 0
 RAM = 1
 PENDING = 2  # a queued request's prompt, recorded before it has a slot (router-level)
-DISK = 3  # a slot saved to disk (router-level: any backend of the host may restore it)
+DISK = 3  # a slot saved to disk (router-level: the backends of its model may restore it)
 
 CacheHolder = tuple[str, int, int]  # a tree holder of this model: (backend, kind, index)
 
