@@ -328,6 +328,27 @@ class Router(QueuedRequests):
         decision.reasons.update(reuse=reuse, tier=tier)
         return replace(decision, predicted_cached=reuse, tier=tier)
 
+    def restore_failed(self, decision: Decision) -> Decision:
+        """The disk file chosen for the decision's slot was not restored: the server
+        cleared the slot (or the file was gone), so the request is prefilled from scratch.
+        Returns the decision with that prediction; the model's slot is emptied first."""
+        u = self._unplaced
+        st = self._backends.get(decision.backend)
+        f = self._inflight.get(decision.request_id)
+        if st is None or f is None or decision.restore is None:
+            return decision
+        if u is not None and u.request_id == decision.request_id and u.restore is not None:
+            self._unplaced = replace(u, restore=b"")  # an empty slot: start reuses nothing
+            self._apply_unplaced()  # (which charges the prefill it adds)
+        else:  # applied already: the slot holds the prompt now, as the server's does
+            more = decision.predicted_cached
+            st.work += more
+            f.work += more
+            st.busy_until += more / st.rate
+        f.replaced = None
+        decision.reasons.update(reuse=0, tier="none", restore="failed")
+        return replace(decision, predicted_cached=0, tier="none", restore=None)
+
     def _apply_unplaced(self) -> None:
         u, self._unplaced = self._unplaced, None
         if u is None:

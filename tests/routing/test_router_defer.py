@@ -12,6 +12,7 @@ from proxy.routing.cache.predict import BackendCapacity
 from proxy.routing.decision import Decision, Handoff
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
+from proxy.routing.tree.token_bytes import to_token_bytes
 
 # (op, a, b): decide (a: conversation, b: new tokens), complete / abort (a: which live
 # request), place (a: which live request)
@@ -136,3 +137,30 @@ def test_place_is_idempotent_and_any_later_call_applies_it() -> None:
     assert isinstance(e, Decision) and r.tree.match(list(range(50))).held
     assert e.slot != d.slot
     assert r.place(d) == r.place(d) == d
+
+
+def test_a_failed_restore_is_predicted_as_a_prefill() -> None:
+    """A slot given a file from disk first is predicted to reuse it; if the restore
+    fails (the server clears the slot), the request reuses nothing, and the model's slot
+    holds its prompt afterwards as the server's does."""
+    for applied in (False, True):
+        r = Router("prefix")
+        r.add_backend(BackendCapacity("a", 1, 8192, 0, 8192))
+        history = list(range(100, 1100))
+        r.disk_add(0, "kvroute-0.bin", to_token_bytes(history), frozenset({"a"}))
+        prompt = history + list(range(5000, 5040))
+        d = r.decide(prompt, defer=True)
+        assert isinstance(d, Decision) and d.restore == "kvroute-0.bin"
+        assert d.tier == "disk" and d.predicted_cached == 1000
+        if applied:  # another decision applied the model's update meanwhile
+            r.snapshot()
+        failed = r.restore_failed(d)
+        assert (failed.predicted_cached, failed.tier, failed.restore) == (0, "none", None)
+        assert r.place(failed).predicted_cached == 0
+        # the whole prompt is prefill work now (and the slot held nothing before it)
+        backend = r.snapshot()["backends"]["a"]  # type: ignore[index]
+        assert backend["work_tokens"] == len(prompt) + r.settings.request_overhead_tokens
+        assert r.held("a", 0) is None  # busy: it holds this request's prompt
+        r.complete(failed, output_tokens=[1, 2], reported_cached=0, prompt_ms=100.0,
+                   prompt_n=len(prompt), reported_slot=0, now=1.0)
+        assert r.held("a", 0) == to_token_bytes([*prompt, 1, 2])
