@@ -2,8 +2,9 @@
 llama-server and the demo models. Idempotent; seconds when all are cached. Progress goes
 to stderr, the result (paths, version) to stdout.
 
-The plain demo model is always built (tests and the loadtest use it); `demo-swa` and
-`demo-hybrid` only when the config's backends use them, or with --all-demos."""
+The plain demo model is always built (tests and the loadtest use it); `demo-swa`,
+`demo-hybrid` and `demo-coder` only when the config's backends use them, or with
+--all-demos."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, default=None,
                    help="config file (default: ./config.yaml if present)")
     p.add_argument("--all-demos", action="store_true",
-                   help="also build demo-swa and demo-hybrid, used or not")
+                   help="also build the other demo models, used or not")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
 

@@ -12,6 +12,10 @@ Three architectures share the vocabulary, the template and the sizes: `demo` is 
 with interleaved sliding-window attention (backends/demo_swa.py) and `demo-hybrid` is
 lfm2, short convolutions next to attention (backends/demo_hybrid.py). The last two
 reuse cache only from llama-server's context checkpoints (docs/checkpoints.md).
+`demo-coder` is `demo` with StarCoder's vocabulary (49,152 tokens), whose FIM tokens
+(`<fim_prefix>`, `<fim_suffix>`, `<fim_middle>`, `<repo_name>`, `<file_sep>`) the GGUF
+names, so its servers answer `/infill` in the repo-level layout (Qwen2's vocabulary file
+has no FIM tokens; llama.cpp would find the first three by their text, not the others).
 """
 
 from __future__ import annotations
@@ -32,10 +36,26 @@ from backends.binary import Progress, _print, cache_dir, cache_lock, llama_cpp_s
 from backends.demo_gguf import Weights
 
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "chatml-tools.jinja"
-VOCAB_RELPATH = Path("vendor") / "llama.cpp" / "models" / "ggml-vocab-qwen2.gguf"
-EOS_ID = 151645  # <|im_end|>: ends a ChatML turn
-BOS_ID = 151643  # <|endoftext|>; add_bos_token is false, as for Qwen2
+VOCAB_DIR = Path("vendor") / "llama.cpp" / "models"
 ARCH = "llama"
+
+
+@dataclass(frozen=True)
+class DemoVocab:
+    """A vocabulary file of the vendored tree and the ids the GGUF names."""
+
+    file: str  # under VOCAB_DIR
+    pre: str  # tokenizer.ggml.pre: the pre-tokenizer llama.cpp applies
+    eos: int
+    bos: int  # also the padding id; add_bos_token is false for both vocabularies
+    fim: dict[str, int] | None = None  # tokenizer.ggml.fim_<name>_token_id
+
+
+# EOS <|im_end|> ends a ChatML turn; BOS <|endoftext|>
+QWEN2 = DemoVocab("ggml-vocab-qwen2.gguf", "qwen2", eos=151645, bos=151643)
+# <|endoftext|> (id 0) is both, as in StarCoder's own GGUFs
+STARCODER = DemoVocab("ggml-vocab-starcoder.gguf", "starcoder", eos=0, bos=0,
+                      fim={"pre": 1, "mid": 2, "suf": 3, "pad": 4, "rep": 5, "sep": 6})
 
 
 @dataclass(frozen=True)
@@ -80,12 +100,12 @@ def template_text(vocab_template: str | None = None) -> str | None:
     return vocab_template
 
 
-def _vocab_path(progress: Progress) -> Path:
-    return llama_cpp_source(progress) / VOCAB_RELPATH
+def _vocab_path(progress: Progress, vocab: DemoVocab) -> Path:
+    return llama_cpp_source(progress) / VOCAB_DIR / vocab.file
 
 
-def _new_writer(path: Path, arch: str, vocab: Path, params: DemoModelParams
-                ) -> tuple[Any, int]:
+def _new_writer(path: Path, arch: str, vocab: Path, params: DemoModelParams,
+                ids: DemoVocab = QWEN2) -> tuple[Any, int]:
     """A gguf.GGUFWriter holding the vocabulary, the template and the sizes every
     architecture reads, and the vocabulary's size; the architecture adds the rest."""
     import gguf
@@ -107,14 +127,16 @@ def _new_writer(path: Path, arch: str, vocab: Path, params: DemoModelParams
     w.add_vocab_size(len(tokens))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(ids.pre)
     w.add_token_list(tokens)
     w.add_token_types(token_types)
     w.add_token_merges(merges)
-    w.add_eos_token_id(EOS_ID)
-    w.add_bos_token_id(BOS_ID)
-    w.add_pad_token_id(BOS_ID)
+    w.add_eos_token_id(ids.eos)
+    w.add_bos_token_id(ids.bos)
+    w.add_pad_token_id(ids.bos)
     w.add_add_bos_token(False)
+    for name, token in (ids.fim or {}).items():
+        w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", token)
     if template:
         w.add_chat_template(template)
     return w, len(tokens)
@@ -149,6 +171,7 @@ class DemoKind:
     arch: str
     layout: str  # architecture and layer layout, in the file name: a change rebuilds
     add_model: Callable[[Any, int, DemoModelParams, Weights], None]
+    vocab: DemoVocab = QWEN2
 
 
 DEMO = "demo"
@@ -156,12 +179,15 @@ DEMO_KINDS = {
     DEMO: DemoKind(ARCH, "", _add_llama),
     "demo-swa": DemoKind(demo_swa.ARCH, demo_swa.LAYOUT, demo_swa.add_model),
     "demo-hybrid": DemoKind(demo_hybrid.ARCH, demo_hybrid.LAYOUT, demo_hybrid.add_model),
+    "demo-coder": DemoKind(ARCH, "starcoder", _add_llama, STARCODER),
 }
 
 
-def _write(path: Path, vocab: Path, params: DemoModelParams, kind: str) -> None:
-    spec = DEMO_KINDS[kind]
-    w, n_vocab = _new_writer(path, spec.arch, vocab, params)
+def write_model(path: Path, spec: DemoKind, params: DemoModelParams,
+                progress: Progress = _print) -> None:
+    """Write a model of `spec` to `path` (tests write variants of the demo kinds)."""
+    vocab = _vocab_path(progress, spec.vocab)
+    w, n_vocab = _new_writer(path, spec.arch, vocab, params, spec.vocab)
     spec.add_model(w, n_vocab, params, Weights(params.seed))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -202,14 +228,13 @@ def ensure_demo_model(params: DemoModelParams | None = None, progress: Progress 
     with cache_lock():
         if path.is_file():  # built by a concurrent prepare while we waited for the lock
             return path
-        vocab = _vocab_path(progress)
         if not TEMPLATE_PATH.is_file():
             progress(f"note: {TEMPLATE_PATH} missing; using the vocabulary's chat template")
         progress(f"==> synthesising the demo model {path.name} (a few seconds)")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         try:
-            _write(tmp, vocab, params, kind)
+            write_model(tmp, DEMO_KINDS[kind], params, progress)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
