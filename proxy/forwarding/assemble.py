@@ -36,7 +36,9 @@ _TOP = ("created", "model", "system_fingerprint")
 # The generation's length: the first of these the body has (server-schema.cpp: n_predict,
 # then its aliases in this order), whatever the others say.
 _LENGTH_KEYS = ("n_predict", "max_completion_tokens", "max_tokens")
-_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/completion"})
+# llama.cpp's own answers: /infill answers as /completion does
+NATIVE_PATHS = frozenset({"/completion", "/infill"})
+_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", *NATIVE_PATHS})
 
 
 class Assembler(Protocol):
@@ -50,7 +52,7 @@ class Assembler(Protocol):
 def assembler_for(path: str, body: JSON) -> Assembler | None:
     """How to assemble `body`'s answer on `path`, or None to send it as it is."""
     if path not in _PATHS or _short(body) or _several(body) or \
-            ("response_fields" in body and path == "/completion"):  # (its body's shape)
+            ("response_fields" in body and path in NATIVE_PATHS):  # (its body's shape)
         return None
     if body.get("logprobs") is True and body.get("tools"):
         return None  # llama-server refuses logprobs with tools in a stream, not without

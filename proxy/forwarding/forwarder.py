@@ -25,7 +25,7 @@ from proxy.errors import (
     UpstreamTimeout,
 )
 from proxy.feedback.reports import Outcome, Recorder, held_output
-from proxy.forwarding.assemble import assembler_for, runs_on_when_left
+from proxy.forwarding.assemble import NATIVE_PATHS, assembler_for, runs_on_when_left
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import AS_IS, JSON, Relay, Settle, Target, send, upstream_payload
 from proxy.forwarding.slot_store import SlotStore
@@ -197,7 +197,7 @@ class Forwarder:
             extra["stream"] = True
             if path in _USAGE_PATHS:
                 extra["stream_options"] = {"include_usage": True}
-        if path == "/completion" and "return_tokens" not in body:
+        if path in NATIVE_PATHS and "return_tokens" not in body:
             extra["return_tokens"] = True  # exact generated ids: the slot holds these
         payload = upstream_payload(raw, body, extra)
         target = Target(info, decision.slot, decision.predicted_cached, decision.tier)

@@ -97,6 +97,14 @@ class FragmentTokenizer:
             n = llama_cpp.llama_token_to_piece(self._vocab, token_id, buf, len(buf), 0, True)
         return buf.raw[:n].decode("utf-8", errors="replace")
 
+    def fim_ids(self) -> tuple[int, int, int, int, int]:
+        """The FIM tokens (prefix, suffix, middle, repo, file separator), -1 where the
+        vocabulary has none: what llama-server builds an `/infill` prompt with."""
+        v = self._vocab
+        return (llama_cpp.llama_vocab_fim_pre(v), llama_cpp.llama_vocab_fim_suf(v),
+                llama_cpp.llama_vocab_fim_mid(v), llama_cpp.llama_vocab_fim_rep(v),
+                llama_cpp.llama_vocab_fim_sep(v))
+
     # -- tokenization -------------------------------------------------------------------
 
     def _llama_tokenize(self, data: bytes, add_special: bool, parse_special: bool) -> bytes:

@@ -17,11 +17,19 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from backends.config import ManagedBackendConfig
 from proxy.errors import BadRequest, NoBackendAvailable, NotFound, PayloadTooLarge, RequestTimeout
 from proxy.forwarding.forwarder import PendingPrompt
 from proxy.forwarding.send import AS_IS, JSON, Relay
 from proxy.observability.metrics import CONTENT_TYPE
 from proxy.prompt.chat_request import PromptError
+from proxy.prompt.infill import (
+    InfillUnmodelled,
+    common_shape,
+    fim_missing,
+    infill_ids,
+    server_shape,
+)
 from proxy.prompt.tokenizer import Plan
 from proxy.server.backend_tokens import NO_TOKENIZER, NoBackendIds
 from proxy.server.keys import (
@@ -54,6 +62,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/completion", completion)
     app.router.add_post("/completions", completion)
+    app.router.add_post("/infill", infill)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/models", models)
     app.router.add_get("/v1/models/{name:.+}", model)
@@ -198,6 +207,30 @@ async def _completion(request: web.Request, path: str, endpoint: str) -> web.Str
             raise BadRequest(str(e)) from None
     return await request.app[FORWARDER].routed(
         request, endpoint=endpoint, path=path, raw=raw, body=body, tokens=tokens)
+
+
+async def infill(request: web.Request) -> web.StreamResponse:
+    """`/infill` (llama.vim, llama.vscode): routed by the prompt the server builds from
+    the body and its FIM tokens (proxy/prompt/infill.py). Without a local vocabulary, or
+    with one that has no FIM tokens, a backend answers it as it would (its own 501)."""
+    raw, body = await read_json(request)
+    check_fields(body, chat=False)
+    prompt = request.app[TOKENIZING].prompt
+    if prompt is None or fim_missing(prompt.tokenizer):
+        return await unrouted(request, "/infill", raw)
+    args = {b.name: b.extra_args for b in request.app[CONFIG].backends
+            if isinstance(b, ManagedBackendConfig)}
+    shape = common_shape(server_shape(b.memory.n_batch, b.slot_ctx, args.get(b.name, ()))
+                         for b in request.app[BACKENDS].values())
+    try:
+        tokens = await request.app[TOKENIZING].run(
+            len(raw), lambda: infill_ids(prompt.tokenizer, body, shape))
+    except InfillUnmodelled:
+        return await unrouted(request, "/infill", raw)
+    except PromptError as e:
+        raise BadRequest(str(e)) from None
+    return await request.app[FORWARDER].routed(
+        request, endpoint="infill", path="/infill", raw=raw, body=body, tokens=tokens)
 
 
 def pick_ready(app: web.Application) -> BackendInfo:
