@@ -316,10 +316,11 @@ class _Attempt:
             self.decision = dataclasses.replace(self.decision, slot=h.slot,
                                                 predicted_cached=h.predicted_cached)
         store = self.fw.slot_store
+        # the slot is given the saved conversation first: the request then reuses it
         if self.decision.restore is not None and self.decision.slot is not None \
-                and store is not None:
-            # the slot is given the saved conversation first: the request then reuses it
-            await store.restore_into(self.info, self.decision.slot, self.decision.restore)
+                and store is not None and not await store.restore_into(
+                    self.info, self.decision.slot, self.decision.restore):
+            self.decision = self.router.restore_failed(self.decision)
         sending = self.fw._send(self.request, self.path, self.raw, self.body, self.relay,
                                 self.info, self.decision, self.outcome, {}, self.settle,
                                 self.placed)
