@@ -316,10 +316,12 @@ class _Attempt:
             self.decision = dataclasses.replace(self.decision, slot=h.slot,
                                                 predicted_cached=h.predicted_cached)
         store = self.fw.slot_store
-        # the slot is given the saved conversation first: the request then reuses it
+        # the slot is given the saved conversation first: the request then reuses it (if
+        # the server was asked and it failed, the request is a prefill: predicted so; if
+        # it was not asked, the file went meanwhile and the model's guess stands)
         if self.decision.restore is not None and self.decision.slot is not None \
-                and store is not None and not await store.restore_into(
-                    self.info, self.decision.slot, self.decision.restore):
+                and store is not None and await store.restore_into(
+                    self.info, self.decision.slot, self.decision.restore) is False:
             self.decision = self.router.restore_failed(self.decision)
         sending = self.fw._send(self.request, self.path, self.raw, self.body, self.relay,
                                 self.info, self.decision, self.outcome, {}, self.settle,

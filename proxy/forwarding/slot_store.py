@@ -231,14 +231,16 @@ class SlotStore:
         self._drop(e.id)  # else chosen again (and, if it brings the server down, again)
         return None if down else False
 
-    async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool:
+    async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool | None:
         """Restore ``file`` into ``info``'s ``slot`` (a request is about to be sent there,
-        predicted to reuse it); False: the request is prefilled instead."""
+        predicted to reuse it): True. False: it failed, and the slot may hold nothing now
+        (the server clears it on a refusal; after no answer, what it holds is unknown).
+        None: nothing was asked of the server, the slot holds what it held."""
         e = next((e for e in self.saved.values() if e.file == file), None)
         if e is None or not info.managed or e.model != self.models.get(info.name):
             # dropped since the decision (budget, a refusal), or not this backend's to read
             self.log.info("slot.restore_skipped", backend=info.name, slot=slot, file=file)
-            return False
+            return None
         done = await self._restore(info, slot, e)
         if e.id not in self.saved:
             self._write()

@@ -106,6 +106,16 @@ async def test_a_file_that_cannot_be_restored_is_not_chosen_again(
         assert s.events == ["restore_failed"]
         assert not s.path.exists() and s.store.saved == {}
         assert s.sup.pid("a") == pid
+        if fault == "overwritten":  # the server refused it and cleared the slot
+            failed = s.router.restore_failed(decision)  # type: ignore[arg-type]
+            async with aiohttp.ClientSession() as session, session.post(
+                    s.info.url + "/completion",
+                    headers={"Authorization": f"Bearer {s.info.api_key}"},
+                    json={"prompt": s.prompt, "n_predict": 1, "id_slot": 0,
+                          "cache_prompt": True}) as r:
+                assert r.status == 200, await r.text()
+                reused = (await r.json())["timings"]["cache_n"]
+            assert (failed.predicted_cached, reused) == (0, 0)
         s.router.add_backend(capacity(s.info))  # afresh: its slot holds nothing
         assert s.router.decide(s.prompt).restore is None  # type: ignore[union-attr]
 
