@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.routing.tree.radix import RadixTree
@@ -183,6 +183,8 @@ op = st.one_of(
 
 @settings(max_examples=500, deadline=None)
 @given(st.lists(op, max_size=40), st.lists(tokens, min_size=1, max_size=5))
+# a holder re-assigned past where another holder's path continued its old end
+@example([("assign", 0, [0]), ("assign", 1, [0, 0]), ("assign", 0, [0, 0, 0])], [[0]])
 def test_against_brute_force(ops: list[tuple[object, ...]], queries: list[list[int]]) -> None:
     t = RadixTree()
     ref: dict[int, list[int]] = {}

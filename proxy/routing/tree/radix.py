@@ -115,11 +115,14 @@ class RadixTree(HolderQueries):
             shared = old.depth
         else:
             shared = self._release(holder, old, stop=on_path)
-        # NOTE: a holder extending its own sequence leaves a chain of equal holder sets
+        # NOTE: a holder extending its own sequence leaves a chain of equal holder sets:
+        # at the new end, and at the old one when another holder's path continued it
         end = self._end[holder]
         if end.parent is not None:
             self._maybe_merge_down(end.parent)
         self._maybe_merge_down(self._end[holder])
+        if old is not None and id(old) in on_path and old.parent is not None:
+            self._maybe_merge_down(old)
         self._evict_if_needed()
         return shared
 
