@@ -22,18 +22,26 @@
   time (EWMA of observed durations, ``default_service_s`` until learned) / n_slots. Its
   reuse is what the server will give it in the slot it gets when one frees
   (``BackendCache.predict_queued``): a queued request sharing a system prompt with the
-  running ones reuses it, so queueing there is priced (and predicted) as such.
+  running ones reuses it, so queueing there is priced (and predicted) as such. The
+  proxy holds queued requests and hands a freed slot to the one that reuses the most
+  there (proxy/routing/queue.py), so one that would reuse at least ``wait_min_tokens``
+  here is priced as the next one served: its RAM entry is then loaded before the starts
+  of the requests queued ahead of it save their slots and evict it.
 - Waiting for a busy slot: a slot running a request that holds at least
   ``wait_min_tokens`` of this prompt is an option too (an agent's summary sent with its
   session's next turn, a turn sent before the previous answer ended). The request is
   held by the proxy and sent pinned to that slot when it frees (``Handoff``); expected
   ttft = the slot's expected end (its prefill in the backlog, then the backend's mean
   time after prefill) + the rest of the prompt. Taken only when that is sooner than
-  running now anywhere (a burst of new sessions over one prefix still spreads), one
-  waiter per slot, and never for a slot running another named session's request (its
-  next turn is due: see ``_best_option``); a waiter whose slot runs far past its
-  expected end (``wait_grace_s``) is routed again. Without it such a call recomputes the
-  history elsewhere, or lands in another session's slot and destroys that history.
+  running now anywhere (a burst of new sessions over one prefix still spreads), at most
+  ``_WAITERS_PER_SLOT`` waiters per slot (the second, an unnamed request only, waits for
+  the first one's turn too and reuses what it shares with the first one's prompt), and
+  never for a slot running another named session's request (its next turn is due: see
+  ``_best_option``); a waiter whose slot runs far past its expected end
+  (``wait_grace_s``) is routed again. Without it such a call recomputes the history
+  elsewhere, or lands in another session's slot and destroys that history; and requests
+  over one document sent together (the Mooncake replay's siblings: one prefix, another
+  question) would each recompute it and each leave a copy of it in the small RAM tier.
 - The choice minimises ``ttft + queue_cost_weight x (prompt - reuse) / rate(b)``: the
   uncached prefill also delays every request that queues behind it on that backend, so
   recomputing a long prefix elsewhere to save a little of this request's ttft is a bad
@@ -122,6 +130,14 @@ class Candidate:
         pend = self.pending_lcp
         ahead = [(pend.get(r, 0), st.queued_n[r]) for r in st.queued if r not in st.targets]
         first = st.cache.predict_queued(self.slot_lcp, self.ram_lcp, ahead, n)
+        if min_tokens is not None and ahead:
+            # the proxy hands a freed slot to the waiter that reuses the most there
+            # (QueuedRequests._next_waiter), not to the oldest: reusing at least
+            # min_tokens, this one is served first, before the starts ahead of it save
+            # their slots to RAM and evict the entry it would load
+            alone = st.cache.predict_queued(self.slot_lcp, self.ram_lcp, [], n)
+            if alone.reuse >= min_tokens and alone.reuse > first.reuse:
+                first = alone
         if min_tokens is not None:
             awaited = st.targets.values()
             held = [(got, i) for i, got in self.slot_lcp.items()
@@ -210,17 +226,21 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
     # session's turn, a turn sent before the previous answer ended): the caller holds the
     # request and sends it pinned there when the slot frees (Router: targets, Handoff).
     # Landing in an idle slot instead would recompute that part and, in a slot holding
-    # another conversation, destroy it. One waiter per slot: a second would wait for the
-    # first and find its prompt there, not the one modelled. Never for the busy slot of
-    # another named session: that conversation is in progress, its next turn due in
-    # seconds, and the waiter would take its history just before (the destruction
-    # charge prices history alike, however soon it is needed).
+    # another conversation, destroy it. Never for the busy slot of another named session:
+    # that conversation is in progress, its next turn due in seconds, and the waiter
+    # would take its history just before (the destruction charge prices history alike,
+    # however soon it is needed).
     wait: tuple[tuple[float, float, int], Placement, int] | None = None
-    awaited = st.targets.values()
+    awaited = list(st.targets.values())
     for i, got in slot_lcp.items():
-        if got < s.wait_min_tokens or not slots[i].busy or i in awaited:
+        if got < s.wait_min_tokens or not slots[i].busy:
             continue
         if session is not None and st.slot_session.get(i, session) != session:
+            continue
+        if i in awaited:
+            queued = _behind_waiter(c, i, n, s, session, now, awaited.count(i))
+            if queued is not None and (wait is None or queued[0] < wait[0]):
+                wait = queued
             continue
         p = cache.predict(i, slot_lcp, ram_lcp, n, after_busy=True)
         assert p is not None
@@ -231,6 +251,46 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
     if wait is None:
         return plain, None
     return plain, (wait[0][0], wait[0][1], wait[1], wait[2], True)
+
+
+# Waiters one busy slot may have. The second one waits for the first one's turn as well;
+# more would queue a burst of new conversations over one prefix behind each other while
+# other backends stand idle (each recompute elsewhere looks slower than one more turn).
+_WAITERS_PER_SLOT = 2
+
+
+def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: str | None,
+                   now: float, waiters: int
+                   ) -> tuple[tuple[float, float, int], Placement, int] | None:
+    """Waiting for busy ``slot`` behind the request already waiting for it: (key,
+    placement, slot) as in ``_best_option``, or None when not an option.
+
+    Requests over one document sent together (the Mooncake replay: one prefix, another
+    question each) arrive while the first of them is still being prefilled. The second
+    waits for its slot; a third that recomputes the document elsewhere pays its whole
+    prefill, and its copy of the document later takes a second place in a RAM tier that
+    holds a few prompts. Behind the waiter it finds the waiter's prompt in the slot, so
+    it reuses what the two share (the server keeps that prefix in the slot and
+    truncates the rest). It waits for the running request's end, the waiter's prefill,
+    then one service time (the learned duration of a request, or ``default_service_s``,
+    as for the server's queue). The waiter's own tail beyond the shared part is
+    truncated then: charged as destroyed. Unnamed requests only: the waiter may be
+    another session's turn, which the request behind it would truncate, and the policy
+    cannot tell."""
+    st = c.state
+    if session is not None or waiters >= _WAITERS_PER_SLOT:
+        return None
+    ahead = [r for r, t in st.targets.items() if t == slot][-1]
+    shared = min(c.pending_lcp.get(ahead, 0), n - 1)
+    if shared < s.wait_min_tokens:
+        return None
+    tail = max(0, st.queued_n.get(ahead, shared) - shared)
+    p = Placement(slot, shared, "slot", None, 0, False, tail)
+    rate = st.rate
+    free = max(now, st.slot_free_at.get(slot, now)) + tail / rate + (
+        st.service_s or s.default_service_s)
+    ttft = _ttft(max(st.busy_until - now, free - now, 0.0), p, n, rate, s)
+    return (ttft + _penalty(p, s, rate), ttft, st.cache.slots[slot].last_used), p, slot
 
 
 def _ttft(wait: float, p: Placement, n: int, rate: float, s: RouterSettings) -> float:

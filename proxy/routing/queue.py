@@ -46,14 +46,17 @@ class QueuedRequests:
     _policy: str
 
     def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
-        """A slot freed. A request waiting for that very slot gets it, pinned; otherwise
-        a request waiting for any slot gets the one the server would give it unpinned:
-        the one that holds at least ``min_tokens`` of its prompt and the most of all
-        waiters' (its conversation's next turn), else the oldest. The proxy holds them,
-        so it need not hand slots out in arrival order as the server's queue does: a
-        turn that came while its slot was busy would otherwise take whichever slot freed
-        first and leave its history to the waiter behind it, which recomputes it again.
-        The model records the hand-off now."""
+        """A slot freed. A request waiting for that very slot gets it, pinned (the first
+        of its waiters); otherwise a request waiting for any slot gets the one the
+        server would give it unpinned: the waiter that would reuse the most there, at
+        least ``wait_min_tokens`` (its conversation's next turn in the freed slot, or
+        an entry of the RAM tier), else the oldest. The proxy holds them, so it need not
+        hand slots out in arrival order as the server's queue does: a turn that came
+        while its slot was busy would otherwise take whichever slot freed first and
+        leave its history to the waiter behind it, which recomputes it again; and each
+        start ahead of a waiter saves the slot it takes to RAM, which on a small RAM tier
+        evicts the entry that waiter was sent here to load. The model records the
+        hand-off now."""
         out: list[Handoff] = []
         cache = st.cache
         for rid, slot in list(st.targets.items()):
@@ -68,17 +71,18 @@ class QueuedRequests:
         return out
 
     def _next_waiter(self, st: BackendState, backend: str, waiting: list[int]) -> int:
-        """The waiter an idle slot of ``backend`` goes to (see ``_drain_queue``); the
-        baseline policies keep the server's order."""
+        """The waiter an idle slot of ``backend`` goes to (see ``_drain_queue``): the
+        one whose unpinned start there (as ``_hand`` makes it) reuses the most, from the
+        slot or from RAM; the baseline policies keep the server's order."""
         best, most = waiting[0], self.settings.wait_min_tokens - 1
         if self._policy != "prefix":
             return best
-        for i in st.cache.idle:
-            h = (backend, SLOT, i)
-            for rid in waiting:
-                got = self.tree.common_prefix((backend, PENDING, rid), h)
-                if got > most:
-                    best, most = rid, got
+        cache = st.cache
+        for rid in waiting:
+            f = self._inflight[rid]
+            p = cache.predict(None, *self._lcps(cache, f.prompt), f.n)
+            if p is not None and p.reuse > most:
+                best, most = rid, p.reuse
         return best
 
     def _hand(self, st: BackendState, backend: str, rid: int, slot: int | None,

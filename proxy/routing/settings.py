@@ -16,8 +16,9 @@ class RouterSettings:
     # a request that continues a conversation a backend holds whole (at least this many
     # tokens) is exempt from the load bound there: see choose_prefix
     continuation_min_tokens: int = 1024
-    # a request may wait for a busy slot holding at least this many of its tokens
-    wait_min_tokens: int = 1024
+    # a request may wait for a busy slot holding at least this many of its tokens (and
+    # is handed a freed slot first when it reuses that many there; see queue.py)
+    wait_min_tokens: int = 256
     # a waiter gives up and is routed again once its slot is this late (or as late again
     # as its expected wait, if longer): a bound for generations far longer than learned,
     # loose because early estimates (default rate, no decode time yet) are rough

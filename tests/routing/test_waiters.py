@@ -1,0 +1,69 @@
+"""Requests the proxy holds for a slot: a second waiter behind the first, and the order
+freed slots are handed out in."""
+
+from __future__ import annotations
+
+from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.decision import Decision, Handoff
+from proxy.routing.router import Router
+
+DOC = list(range(100_000, 102_000))  # one document, asked about by several requests
+
+
+def cap(name: str, slots: int = 1, ram: int = 1 << 30) -> BackendCapacity:
+    return BackendCapacity(name, slots, 16384, ram, 8192)
+
+
+def decide(r: Router, tokens: list[int], now: float) -> Decision:
+    d = r.decide(tokens, now=now)
+    assert isinstance(d, Decision), d
+    return d
+
+
+def test_siblings_queue_behind_the_first_waiter_of_their_slot() -> None:
+    """Three requests over one document, sent together, the other slot busy with a
+    long unrelated request: the first runs, the second waits for its slot, the third
+    waits behind the second and reuses the document from the second's prompt (the other
+    slot, freed first, would make it recompute the document). A fourth does not queue
+    there: two waiters per slot at most."""
+    r = Router()
+    r.add_backend(cap("a", slots=2))
+    w = decide(r, list(range(500_000, 500_300)), now=0.0)
+    r.complete(w, prompt_ms=200.0, prompt_n=300, now=0.3)  # 1500 tokens/s, 0.3 s a request
+    du = decide(r, list(range(200_000, 203_000)), now=0.5)
+    d1 = decide(r, [*DOC, *[1] * 10], now=1.0)
+    d2 = decide(r, [*DOC, *[2] * 10], now=1.5)
+    d3 = decide(r, [*DOC, *[3] * 10], now=1.6)
+    for d in (d2, d3):
+        assert d.queued and d.reasons["waits_for_slot"] == d1.slot
+    assert d3.predicted_cached == len(DOC)
+    d4 = decide(r, [*DOC, *[4] * 10], now=1.7)
+    assert d4.queued and "waits_for_slot" not in d4.reasons
+    got = r.complete(d1, output_tokens=[7] * 4, reported_cached=0, now=2.5)
+    assert got == [Handoff(d2.request_id, "a", d1.slot, len(DOC))]
+    got = r.complete(d2, output_tokens=[7] * 4, reported_cached=len(DOC), now=3.0)
+    assert got == [Handoff(d3.request_id, "a", d1.slot, len(DOC))]
+    got = r.complete(du, output_tokens=[7] * 4, reported_cached=0, now=3.5)
+    assert [h.request_id for h in got] == [d4.request_id]
+    r.complete(d3, reported_cached=len(DOC), now=4.0)
+    r.complete(d4, reported_cached=got[0].predicted_cached, now=4.0)
+    assert r.mispredictions == 0 and r.snapshot()["inflight"] == 0
+
+
+def test_a_freed_slot_goes_to_the_waiter_that_loads_its_prefix_from_ram() -> None:
+    """One slot. The document's request ran, then an unrelated one took the slot (the
+    document went to RAM). Two requests wait: an unrelated one, then one over the
+    document. The freed slot goes to the second, which loads the document from RAM:
+    started after the other, it would come after that start's save of the slot to RAM,
+    which on a RAM tier of a few prompts evicts the document."""
+    r = Router()
+    r.add_backend(cap("a"))
+    dx = decide(r, [*DOC, 1], now=0.0)
+    r.complete(dx, output_tokens=[7] * 4, now=1.0)
+    dy = decide(r, list(range(200_000, 201_000)), now=1.0)  # displaces the document
+    w1 = decide(r, list(range(300_000, 301_000)), now=1.1)
+    w2 = decide(r, [*DOC, 2], now=1.2)
+    assert w1.queued and w2.queued
+    got = r.complete(dy, output_tokens=[7] * 4, now=2.0)
+    assert [h.request_id for h in got] == [w2.request_id]
+    assert got[0].predicted_cached == len(DOC)
