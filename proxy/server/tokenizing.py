@@ -107,6 +107,12 @@ class Tokenizing:
                 return await self.remote.chat(body, RENDER_FAILED, self._tokenize, raw)
             except NoBackendAvailable:
                 raise _refused(e) from None
+            except ProxyError:
+                # refused there too: a client error named here is the clearer answer (the
+                # server may call a null field its own 500); else the server's words
+                if e.status < 500:
+                    raise _refused(e) from None
+                raise
         except Exception as e:
             # not a refusal the server shares: a limit of this renderer (RecursionError
             # on a tool schema nested deeper than Python's stack), or a fault in it

@@ -20,7 +20,7 @@ import pytest_asyncio
 from aiohttp import ClientTimeout
 from aiohttp.test_utils import TestClient, TestServer
 from fake_backend import FakeBackend
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from backends.binary import cache_dir
@@ -356,6 +356,8 @@ small_bodies = st.fixed_dictionaries(
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(body=small_bodies)
+# a null name: llama-server's own parser answers 500; the local renderer names the field
+@example(body={"messages": [{"role": "user", "name": None, "content": ""}]})
 async def test_generated_requests_on_real_backends_never_5xx(real: TestClient[Any, Any],
                                                              body: dict[str, Any]) -> None:
     # NOTE: bounded generation: a generated max_tokens could ask for 2^31 tokens
