@@ -18,8 +18,8 @@ from backends.demo_model import (
     DemoModelParams,
     demo_model_path,
     ensure_demo_model,
-    gguf_kv_bytes_per_token,
 )
+from backends.memory import gguf_kv_bytes_per_token
 
 __all__ = [
     "DemoModelParams",

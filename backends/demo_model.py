@@ -26,7 +26,6 @@ import os
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -293,31 +292,3 @@ def read_gguf_metadata(path: Path, arrays: bool = False) -> dict[str, Any]:
                 (out[key],) = struct.unpack_from(fmt, m, off)
                 off += struct.calcsize(fmt)
         return out
-
-
-@lru_cache(maxsize=32)
-def _kv_bytes_cached(path: str, mtime_ns: int) -> int | None:
-    meta = read_gguf_metadata(Path(path))
-
-    def num(key: str, default: object = None) -> int:
-        value = meta.get(key, default)
-        if not isinstance(value, int | float):
-            raise KeyError(key)
-        return int(value)
-
-    if "kvroute.kv_bytes_per_token" in meta:
-        return num("kvroute.kv_bytes_per_token")
-    arch = meta.get("general.architecture")
-    try:
-        n_layer = num(f"{arch}.block_count")
-        n_head = num(f"{arch}.attention.head_count")
-        n_head_kv = num(f"{arch}.attention.head_count_kv", n_head)
-        head_dim = num(f"{arch}.attention.key_length", num(f"{arch}.embedding_length") // n_head)
-    except KeyError:
-        return None  # e.g. per-layer head counts (arrays): not a plain attention model
-    return n_layer * n_head_kv * head_dim * 2 * 2
-
-
-def gguf_kv_bytes_per_token(path: Path) -> int | None:
-    """f16 KV bytes per token from a GGUF's metadata; None if it is not a plain attention model."""
-    return _kv_bytes_cached(str(path), path.stat().st_mtime_ns)

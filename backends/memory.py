@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from backends.demo_model import read_gguf_metadata
@@ -67,6 +68,18 @@ class ModelMemory:
 def gguf_memory(path: Path) -> ModelMemory:
     """The memory of the model in a GGUF, from its metadata (per-layer arrays read only
     when the scalar keys do not tell)."""
+    return _gguf_memory(str(path), path.stat().st_mtime_ns)
+
+
+def gguf_kv_bytes_per_token(path: Path) -> int | None:
+    """f16 K+V bytes per token of the layers whose cache grows with the context (None:
+    the metadata does not tell)."""
+    return gguf_memory(path).kv_bytes_per_token
+
+
+@lru_cache(maxsize=32)
+def _gguf_memory(file: str, mtime_ns: int) -> ModelMemory:
+    path = Path(file)
     meta = read_gguf_metadata(path)
     arch = str(meta.get("general.architecture"))
     if f"{arch}.attention.head_count_kv" not in meta or (

@@ -39,8 +39,7 @@ from backends.config import (
     FleetSpec,
     ManagedBackendConfig,
 )
-from backends.demo_model import gguf_kv_bytes_per_token
-from backends.memory import DENSE, MemoryKind, server_memory
+from backends.memory import DENSE, MemoryKind, gguf_kv_bytes_per_token, server_memory
 from backends.process import Failed, LlamaServerProcess, ServerSpec, free_port
 
 log = structlog.get_logger(__name__)

@@ -334,7 +334,8 @@ def fleet_estimate(workload: wl.Workload, runs: list[PolicyRun],
     nor with the disk tier, which it leaves out)."""
     if not workload.blocks or not runs or args.target or args.kv_disk:
         return None
-    from backends.demo_model import ensure_demo_model, gguf_kv_bytes_per_token
+    from backends.demo_model import ensure_demo_model
+    from backends.memory import gguf_kv_bytes_per_token
     from loadtest.bounds import run_estimate
     from proxy.routing.cache.predict import BackendCapacity
 

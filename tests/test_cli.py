@@ -252,7 +252,8 @@ def test_prepare_is_deterministic_and_idempotent(tmp_path: Path, llama_server_bi
     prepare()
     assert hashlib.sha256(model.read_bytes()).hexdigest() == digest  # seeded: same bytes
 
-    from backends.demo_model import gguf_kv_bytes_per_token, read_gguf_metadata
+    from backends.demo_model import read_gguf_metadata
+    from backends.memory import gguf_kv_bytes_per_token
 
     meta = read_gguf_metadata(model)
     assert gguf_kv_bytes_per_token(model) == 128
