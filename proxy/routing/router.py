@@ -199,9 +199,7 @@ class Router(QueuedRequests):
         if head and any(self._backends[b].cache.checkpointed for b in names):
             # a checkpointed slot gives all it shares only to a prompt that goes on past
             # its end (else: up to a checkpoint): only the whole prompt can tell
-            most = max((got for (_, kind, _), got in held.items() if kind != PENDING),
-                       default=0)
-            return NeedWholePrompt(most, 0)
+            return NeedWholePrompt(_most_kv(held), 0)
         # per backend: slot -> lcp, RAM entry -> lcp, queued request id -> lcp
         per: dict[str, tuple[dict[int, int], dict[int, int], dict[int, int]]] = {
             b: ({}, {}, {}) for b in names
@@ -219,8 +217,7 @@ class Router(QueuedRequests):
         if head and self._policy == "prefix":
             p = choice.placement or choice.queued  # (prefix sets one or the other)
             assert p is not None
-            most = max((got for (_, kind, _), got in held.items() if kind != PENDING),
-                       default=0)
+            most = _most_kv(held)
             if p.reuse < most:
                 return NeedWholePrompt(most, p.reuse)
 
@@ -544,6 +541,11 @@ class Router(QueuedRequests):
             "mispredictions": self.mispredictions,
             "backends": {name: st.snapshot() for name, st in self._backends.items()},
         }
+
+
+def _most_kv(held: dict[Any, int]) -> int:
+    """The most tokens of a prompt any holder of KV has (queued prompts are none)."""
+    return max((got for (_, kind, _), got in held.items() if kind != PENDING), default=0)
 
 
 def _from_disk(p: Placement | None) -> Placement | None:
