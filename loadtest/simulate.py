@@ -64,6 +64,7 @@ class SimResult:
     rejected: int
     prompt_tokens: int
     reused_tokens: int
+    held_tokens: int  # of each prompt, the longest prefix any backend held as it arrived
     ttft_mean: float
     ttft_p90: float
     imbalance: float  # max / mean of per-backend busy seconds (prefill + decode)
@@ -77,6 +78,12 @@ class SimResult:
     @property
     def hit_ratio(self) -> float:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def held_ratio(self) -> float:
+        """What perfect routing could have reused of what the fleet held: the oracle less
+        this is lost to eviction, this less the hit ratio to routing and queueing."""
+        return self.held_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def requests_per_s(self) -> float:
@@ -125,6 +132,7 @@ class _Req:
     decision: Decision
     slot: int | None = None  # pinned slot, then the slot it runs in
     user_starts: tuple[int, ...] = ()
+    held: int = 0  # the longest prefix any backend held as it arrived
     reuse: int = 0
     prefill_s: float = 0.0
 
@@ -177,7 +185,7 @@ def simulate(
     heapq.heapify(events)
     order = len(trace)
     ttfts: list[float] = []
-    prompt_tokens = reused = rejected = 0
+    prompt_tokens = reused = held_tokens = rejected = 0
 
     def lcps(name: str, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
         slot_lcp: dict[int, int] = {}
@@ -191,7 +199,7 @@ def simulate(
         return slot_lcp, ram_lcp
 
     def try_start(srv: _Server, req: _Req, now: float) -> bool:
-        nonlocal order, prompt_tokens, reused
+        nonlocal order, prompt_tokens, reused, held_tokens
         cache = srv.cache
         slot = req.slot
         if slot is not None and cache.slots[slot].busy:
@@ -214,6 +222,7 @@ def simulate(
         srv.served += 1
         prompt_tokens += req.n
         reused += p.reuse
+        held_tokens += req.held
         order += 1
         heapq.heappush(events, (first, order, 2, req))  # its first token: prefilled
         order += 1
@@ -240,7 +249,9 @@ def simulate(
                 if not isinstance(d, Decision):
                     rejected += 1
                     continue
-                req = _Req(idx, now, q, len(q) // 4, r.output_length, d, d.slot, users)
+                n = len(q) // 4
+                req = _Req(idx, now, q, n, r.output_length, d, d.slot, users,
+                           held=min(truth_tree.match(q).matched, n - 1))
                 if d.queued:
                     held[d.request_id] = req  # the proxy holds it until its Handoff
                     continue
@@ -293,6 +304,7 @@ def simulate(
         rejected=rejected,
         prompt_tokens=prompt_tokens,
         reused_tokens=reused,
+        held_tokens=held_tokens,
         ttft_mean=sum(ttfts) / done if done else math.nan,
         ttft_p90=ttfts[min(done - 1, int(0.9 * done))] if done else math.nan,
         imbalance=max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0,
@@ -345,6 +357,7 @@ def format_table(results: Sequence[SimResult], oracle: float) -> str:
     rows = [
         ("hit ratio", lambda r: f"{r.hit_ratio:.3f}"),
         ("oracle hit ratio", lambda r: f"{oracle:.3f}"),
+        ("held at arrival", lambda r: f"{r.held_ratio:.3f}"),
         ("ttft mean s", lambda r: f"{r.ttft_mean:.3f}"),
         ("ttft p90 s", lambda r: f"{r.ttft_p90:.3f}"),
         ("imbalance (busy max/mean)", lambda r: f"{r.imbalance:.3f}"),

@@ -139,3 +139,20 @@ def test_chat_replay_is_simulated_on_its_templated_tokens(demo_model: Path) -> N
         recurrent=True)), prompts=prompts, user_starts=starts)
     assert hybrid.mispredicted == 0.0
     assert 0 < hybrid.reused_tokens < res.reused_tokens
+
+
+@pytest.mark.parametrize(("n_slots", "ram", "held"), [
+    (1, 0, 0),  # B's turn evicts A's history from the only slot: lost to eviction
+    (2, 0, 1024),  # both histories stay in slots
+    (1, 100_000, 1024),  # A's history waits in RAM
+])
+def test_held_at_arrival_splits_eviction_from_routing(n_slots: int, ram: int,
+                                                      held: int) -> None:
+    """Conversation A, then B, then A's second turn on one backend: what the fleet held
+    of A's history as it came back (the oracle less this is what eviction lost)."""
+    trace = [TraceRequest(0, 1024, 1, (1, 2)), TraceRequest(1000, 1024, 1, (5, 6)),
+             TraceRequest(2000, 1536, 1, (1, 2, 3))]
+    be = SimBackend(n_slots=n_slots, ram_cache_tokens=ram, prefill_tps=5_000.0)
+    r = simulate(trace, "prefix", 1, be)
+    assert r.held_tokens == held
+    assert r.hit_ratio <= r.held_ratio <= oracle_hit_ratio(trace)
