@@ -58,7 +58,7 @@ class KvDiskConfig:
     path: Path  # a directory of kvroute's own (0700), one file per saved slot
     max_gib: float = 8.0  # the files' budget: the oldest saves go first
     save_after_idle_s: float = 1.0  # a slot idle this long after a turn is saved
-    min_tokens: int = 1024  # smaller contents are cheaper to recompute than to keep
+    min_tokens: int = 256  # smaller contents are cheaper to recompute than to keep
 
     def __post_init__(self) -> None:
         # a budget of nothing would write every save and delete it at once

@@ -316,6 +316,9 @@ class _Attempt:
             self.decision = dataclasses.replace(self.decision, slot=h.slot,
                                                 predicted_cached=h.predicted_cached)
         store = self.fw.slot_store
+        if store is not None and self.decision.slot is not None:
+            keeps = self.decision.predicted_cached if self.decision.tier == "slot" else 0
+            await store.spill(self.info, self.decision.slot, keeps)
         # the slot is given the saved conversation first: the request then reuses it (if
         # the server was asked and it failed, the request is a prefill: predicted so; if
         # it was not asked, the file went meanwhile and the model's guess stands)

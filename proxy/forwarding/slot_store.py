@@ -4,7 +4,10 @@ llama-server writes a slot's KV to a file in its `--slot-save-path` and reads it
 any slot of any server of the same model and build (`POST /slots/{id}?action=save|
 restore`). A slot that stays idle for `save_after_idle_s` after a turn (the agent is
 thinking, the user reading) is saved; a later save of the same conversation replaces the
-file, another conversation in that slot gets a file of its own. The router holds every
+file, another conversation in that slot gets a file of its own. A request about to
+displace a slot's content before it was saved (a busy fleet turns slots over faster than
+that) has it saved first, a spill, when the save is short (`SPILL_MAX_S` at the write rate
+the saves so far measured): it delays that request by as long. The router holds every
 file's tokens in its tree: a request whose prefix a file holds better than the slot it
 is given (the conversation's backend is busy or gone, its slot reused since) has that
 file restored into the slot first (`Decision.restore`). And when a backend comes back
@@ -31,7 +34,8 @@ one that goes away during the same file's restore twice in a row is taken to be 
 down by it, and the file is dropped. A file whose size is not what the server wrote is
 dropped without being sent: the server aborts on a truncated one (a GGML_ASSERT in
 llama_state_seq_load_file), and every restart would die on it again. Events counted:
-saved, save_failed, restored, restore_failed, restore_interrupted, foreign, index_failed.
+saved, spilled, save_failed, restored, restore_failed, restore_interrupted, foreign,
+index_failed.
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ _PREFIX = "kvroute-"
 RESTORE_BASE_S = 5.0
 RESTORE_BYTES_PER_S = 100 * (1 << 20)
 _SAVE_TIMEOUT_S = 120.0  # off the request path: a large slot on a slow disk
+# A spill is on the request path: a save this short (a few percent of a cold prefill of
+# the same tokens on any hardware kvroute serves) is paid once to spare a prefill later.
+SPILL_MAX_S = 0.25
+_WRITE_BPS_FIRST = 200 * (1 << 20)  # until a save measures it: a slow SSD's write rate
 
 
 def model_identity(cfg: ManagedBackendConfig) -> str | None:
@@ -111,6 +119,9 @@ class SlotStore:
         self._offered: dict[int, frozenset[str]] = {}  # entry -> who the router offers it to
         self._strikes: dict[int, int] = {}  # entry -> restores the server went away during
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
+        # (backend, slot) -> what the slot held when its last turn ended, until saved
+        self._unsaved: dict[tuple[str, int], bytes] = {}
+        self.write_bps = float(_WRITE_BPS_FIRST)  # the servers' save rate, as measured
 
     def backend_ready(self, name: str, model: str | None) -> None:
         """Managed backend ``name`` became ready running ``model`` (``model_identity``;
@@ -147,35 +158,63 @@ class SlotStore:
         if info.memory.name != "dense":
             return
         key = (info.name, slot)
-        old = self._pending.pop(key, None)
-        if old is not None:
-            old.cancel()
+        self._cancel_pending(key)
+        tokens = self.router.held(info.name, slot)
+        if tokens is None:  # (handed to a queued request already)
+            self._unsaved.pop(key, None)
+        else:
+            self._unsaved[key] = tokens
         task = asyncio.create_task(self._save_when_idle(info, slot))
         self._pending[key] = task
         task.add_done_callback(lambda t: self._pending.pop(key, None)
                                if self._pending.get(key) is t else None)
 
+    def _cancel_pending(self, key: tuple[str, int]) -> None:
+        old = self._pending.pop(key, None)
+        if old is not None:
+            old.cancel()
+
     async def _save_when_idle(self, info: BackendInfo, slot: int) -> None:
         await asyncio.sleep(self.cfg.save_after_idle_s)
-        model = self.models.get(info.name)
         tokens = self.router.held(info.name, slot)
-        if not info.managed or model is None or tokens is None \
-                or len(tokens) // 4 < self.cfg.min_tokens:
+        if tokens is not None:
+            # the slot must still hold it after the save: a turn that started meanwhile
+            # on it would make the record wrong
+            await self._save(info, slot, tokens,
+                             lambda: self.router.held(info.name, slot) == tokens)
+
+    async def spill(self, info: BackendInfo, slot: int, keeps: int) -> None:
+        """A request is about to be sent to ``info``'s ``slot``, reusing its first
+        ``keeps`` tokens: save what the slot holds first if the request displaces it, it
+        was not saved, and the save is short. The slot is the request's meanwhile, so
+        it holds the same when the save is done."""
+        key = (info.name, slot)
+        tokens = self._unsaved.pop(key, None)
+        if tokens is None or len(tokens) // 4 - keeps < self.cfg.min_tokens:
+            return
+        if len(tokens) // 4 * (info.kv_bytes_per_token or 0) > SPILL_MAX_S * self.write_bps:
+            return  # left to the idle save: the request would wait too long
+        self._cancel_pending(key)
+        await self._save(info, slot, tokens, lambda: True, spilled=True)
+
+    async def _save(self, info: BackendInfo, slot: int, tokens: bytes,
+                    still_held: Callable[[], bool], spilled: bool = False) -> None:
+        model = self.models.get(info.name)
+        if not info.managed or model is None or len(tokens) // 4 < self.cfg.min_tokens:
             return
         known = self._latest(info.name, slot, model)
         if known is not None and known.tokens == tokens:
             return  # (nothing new since the last save)
         entry = Saved(self._next, info.name, slot, tokens, time.time(), model)
         self._next += 1
-        client = BackendClient(self.session, info.url, info.api_key, timeout=_SAVE_TIMEOUT_S)
+        timeout = _SAVE_TIMEOUT_S if not spilled else RESTORE_BASE_S
+        client = BackendClient(self.session, info.url, info.api_key, timeout=timeout)
         ok = False
         self._writing.add(entry.file)
+        began = time.monotonic()
         try:
             got = await client.slot_file(slot, "save", entry.file)
-            # the slot must still hold what was saved: a turn that started meanwhile on it
-            # would make the record wrong
-            ok = isinstance(got, int) and got >= len(tokens) // 4 \
-                and self.router.held(info.name, slot) == tokens
+            ok = isinstance(got, int) and got >= len(tokens) // 4 and still_held()
         finally:
             self._writing.discard(entry.file)
             entry.size = _size(self.cfg.path / entry.file)
@@ -184,16 +223,21 @@ class SlotStore:
         if not ok or not entry.size:
             self.counted("save_failed")
             return
+        self._unsaved.pop((info.name, slot), None)
+        took = time.monotonic() - began
+        if took > 0:  # (the round trip counted in: what a spill waits)
+            self.write_bps = 0.7 * self.write_bps + 0.3 * entry.size / took
         with contextlib.suppress(OSError):
             (self.cfg.path / entry.file).chmod(0o600)
         if known is not None and tokens.startswith(known.tokens):
             self._drop(known.id)  # the same conversation, further on
         self.saved[entry.id] = entry
         self._offer(entry)
-        self.counted("saved")
+        self.counted("spilled" if spilled else "saved")
         self._enforce_budget()
         self._write()
-        self.log.info("slot.saved", backend=info.name, slot=slot, tokens=len(tokens) // 4)
+        self.log.info("slot.saved", backend=info.name, slot=slot, tokens=len(tokens) // 4,
+                      spilled=spilled, ms=round(took * 1000, 1))
 
     # --------------------------------------------------------------- restoring
     def has(self, backend: str) -> bool:

@@ -279,3 +279,37 @@ async def test_files_of_another_model_are_not_restored_but_kept_for_theirs(
                     assert reused >= 0.9 * previous and abs(predicted - reused) <= 1
         finally:
             await sup.stop()
+
+
+async def test_a_slot_displaced_before_its_idle_save_is_spilled_first(
+        pool_config: Callable[..., Config], tmp_path: Path) -> None:
+    """One slot, no RAM cache, no idle save in time: conversation B displaces A from the
+    slot right after A's turn. A is saved first (a spill, before B is sent), so A's next
+    turn gets its history back from disk, predicted exactly; without the spill it would
+    be a cold prefill. B's content, displaced by A's return, is spilled in turn."""
+    disk = KvDiskConfig(tmp_path / "slots", save_after_idle_s=600, min_tokens=64)
+    cfg = dataclasses.replace(pool_config(n=1, slots=1, cache_ram_mib=0), kv_disk=disk)
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with proxy(sup) as client:
+            a = [{"role": "system", "content": words(500, 120)},
+                 {"role": "user", "content": words(40, 121)}]
+            b = [{"role": "system", "content": words(300, 122)},
+                 {"role": "user", "content": words(40, 123)}]
+            previous = (await turn(client, a))[2]
+            await turn(client, b)
+            assert counted(client, "spilled") == 1 and counted(client, "saved") == 0
+            a.append({"role": "user", "content": words(20, 124)})
+            async with client.post("/v1/chat/completions", json={
+                    "model": "kvroute-demo", "max_tokens": 4, "messages": a}) as r:
+                body = await r.json()
+                assert r.status == 200, body
+                assert r.headers["X-Kvroute-Tier"] == "disk"
+                predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+            reused = body["timings"]["cache_n"]
+            assert reused >= 0.9 * previous and abs(predicted - reused) <= 1, \
+                (predicted, reused, previous)
+            assert counted(client, "spilled") == 2  # B's turn, displaced by A's return
+    finally:
+        await sup.stop()
