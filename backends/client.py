@@ -215,21 +215,10 @@ class BackendClient:
             return BadResponse(self.url, 200, str(data)[:500])
         return n
 
-    async def metrics(self) -> dict[str, float] | Failure:
-        """Prometheus text -> {"llamacpp:prompt_tokens_total": 123.0, ...} (unlabelled)."""
+    async def metrics(self) -> str | Failure:
+        """The server's Prometheus text (llama-server --metrics; 501 without it)."""
         res = await self._request("GET", "/metrics")
         if isinstance(res, BackendDown):
             return res
         status, text = res
-        if status != 200:
-            return BadResponse(self.url, status, text[:500])
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name, _, value = line.rpartition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                continue
-        return out
+        return text if status == 200 else BadResponse(self.url, status, text[:500])

@@ -31,6 +31,7 @@ from proxy.prompt.infill import (
     server_shape,
 )
 from proxy.prompt.tokenizer import Plan
+from proxy.server.backend_metrics import scrape
 from proxy.server.backend_tokens import NO_TOKENIZER, NoBackendIds
 from proxy.server.keys import (
     ADMISSION,
@@ -308,8 +309,11 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(),
-                        headers={"Content-Type": CONTENT_TYPE})
+    app = request.app
+    own = app[METRICS].render()
+    session = app[FORWARDER].session
+    theirs = await scrape(session, app[BACKENDS].values()) if session is not None else b""
+    return web.Response(body=own + theirs, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def status(request: web.Request) -> web.Response:
