@@ -6,6 +6,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-installed
 PYTEST_ARGS ?=
+# GPU=cuda or GPU=vulkan: build llama-server with that GPU backend (nvcc, or the Vulkan
+# SDK's glslc, needed), cached beside the CPU build, which it leaves alone; `kvroute
+# serve` then runs it. Exported as KVROUTE_GPU, which may also be set instead. Empty: CPU.
+GPU ?=
+ifneq ($(GPU),)
+export KVROUTE_GPU := $(GPU)
+endif
 
 # The real Claude Code CLI, for the end-to-end test (tests/test_claude_code.py, skipped
 # without it; it checks that it runs this version). A native binary in an npm package:

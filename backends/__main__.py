@@ -1,6 +1,9 @@
-"""`python -m backends prepare [--config PATH] [--all-demos] [--json]`: obtain
-llama-server and the demo models. Idempotent; seconds when all are cached. Progress goes
-to stderr, the result (paths, version) to stdout.
+"""`python -m backends prepare [--config PATH] [--gpu cpu|cuda|vulkan] [--all-demos]
+[--json]`: obtain llama-server and the demo models. Idempotent; seconds when all are
+cached. Progress goes to stderr, the result (paths, version) to stdout.
+
+--gpu (default: $KVROUTE_GPU, else cpu) picks the variant built when no llama-server is
+configured or on PATH; each variant is cached on its own (backends/gpu.py).
 
 The plain demo model is always built (tests and the loadtest use it); `demo-swa`,
 `demo-hybrid` and `demo-coder` only when the config's backends use them, or with
@@ -19,12 +22,15 @@ from backends.binary import (
     BinaryError,
     cache_dir,
     ensure_llama_server,
+    gpu_variant,
     llama_cpp_python_version,
 )
 from backends.demo_model import DEMO, DEMO_KINDS, DemoModelParams, demo_kinds_for, ensure_demo_model
+from backends.gpu import GPUS
 
 
-def prepare(config_path: Path | None, all_demos: bool = False) -> dict[str, Any]:
+def prepare(config_path: Path | None, all_demos: bool = False,
+            gpu: str | None = None) -> dict[str, Any]:
     """Build/find everything the config needs; returns what doctor/scripts want to know."""
     configured_binary: str | None = None
     params = DemoModelParams()
@@ -38,12 +44,16 @@ def prepare(config_path: Path | None, all_demos: bool = False) -> dict[str, Any]
         used = demo_kinds_for(params, (b.model for b in cfg.managed() if b.is_demo))
         kinds += [k for k in used if k not in kinds]
     t0 = time.monotonic()
-    binary = ensure_llama_server(configured_binary)
+    gpu = gpu_variant(gpu)
+    binary = ensure_llama_server(configured_binary, gpu=gpu)
+    if gpu != "cpu" and binary.source in ("config", "path"):
+        print(f"note: using the llama-server from {binary.source} ({binary.path}); a {gpu} "
+              "build is made only when none is configured or on PATH", file=sys.stderr)
     model = ensure_demo_model(params)
     others = {k: str(ensure_demo_model(params, kind=k)) for k in kinds if k != DEMO}
     return {
         "llama_server": {"path": str(binary.path), "version": binary.version,
-                         "source": binary.source},
+                         "source": binary.source, "gpu": gpu},
         "demo_model": {"path": str(model), "kv_bytes_per_token": params.kv_bytes_per_token,
                        "params": params.tag()},
         "other_demo_models": others,
@@ -61,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="config file (default: ./config.yaml if present)")
     p.add_argument("--all-demos", action="store_true",
                    help="also build the other demo models, used or not")
+    p.add_argument("--gpu", choices=GPUS, default=None,
+                   help="build llama-server for this GPU backend (default: $KVROUTE_GPU, "
+                        "else cpu); used only when none is configured or on PATH")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
 
@@ -68,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if config_path is None and Path("config.yaml").is_file():
         config_path = Path("config.yaml")
     try:
-        result = prepare(config_path, args.all_demos)
+        result = prepare(config_path, args.all_demos, args.gpu)
     except (BinaryError, ValueError) as e:  # ConfigError is a ValueError
         print(f"prepare failed: {e}", file=sys.stderr)
         return 1

@@ -2,15 +2,16 @@
 
 Lookup order: the binary named in config, else `llama-server` on PATH, else
 the one built from the llama.cpp tree vendored in the pinned llama-cpp-python sdist, so
-the server and the proxy's tokenizer come from the same llama.cpp version.
+the server and the proxy's tokenizer come from the same llama.cpp version. The built one
+is of the variant asked for: cpu, cuda or vulkan (backends/gpu.py).
 
 Cache layout (`KVROUTE_CACHE` overrides the whole directory):
 
     ~/.cache/kvroute/<llama-cpp-python version>/
         src/llama_cpp_python-<version>/   extracted sdist (pip download --no-binary)
-        build/                            cmake build tree
-        bin/llama-server                  the built binary, copied out of build/
-        llama-server.version              `llama-server --version` of that binary
+        build/, build-<gpu>/              cmake build trees, one per variant (gpu.py)
+        bin/llama-server[-<gpu>]          the built binaries, copied out of the trees
+        llama-server[-<gpu>].version      `llama-server --version` of each
         models/kvroute-demo-*.gguf        demo models (backends/demo_model.py)
 """
 
@@ -28,21 +29,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends.gpu import (
+    GPU_ENV,
+    GPUS,
+    binary_path,
+    build_dir,
+    cmake_configure_command,
+    find_toolchain,
+    missing_toolchain,
+    requested_gpu,
+    version_stamp,
+)
+
 # NOTE: used only when llama-cpp-python is not installed (e.g. doctor in a broken venv);
 # must match the pin in pyproject.toml.
 PINNED_LLAMA_CPP_PYTHON = "0.3.36"
-
-CMAKE_FLAGS = (
-    "-DLLAMA_BUILD_SERVER=ON",
-    "-DLLAMA_BUILD_TOOLS=ON",
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_CURL=OFF",
-    "-DLLAMA_OPENSSL=OFF",
-    # one static binary: nothing to find at run time, safe to copy out of build/
-    "-DBUILD_SHARED_LIBS=OFF",
-    "-DCMAKE_BUILD_TYPE=Release",
-)
 
 Progress = Callable[[str], None]
 
@@ -72,8 +73,17 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "kvroute" / llama_cpp_python_version()
 
 
-def cached_binary_path(cache: Path | None = None) -> Path:
-    return (cache or cache_dir()) / "bin" / "llama-server"
+def gpu_variant(value: str | None = None) -> str:
+    """The build variant asked for: ``value``, else ``$KVROUTE_GPU``, else cpu."""
+    gpu = requested_gpu(value)
+    if gpu not in GPUS:
+        raise BinaryError(f"{GPU_ENV}={gpu!r}: not a llama-server build variant "
+                          f"(fix: one of {', '.join(GPUS)}; empty means cpu)")
+    return gpu
+
+
+def cached_binary_path(cache: Path | None = None, gpu: str | None = None) -> Path:
+    return binary_path(cache or cache_dir(), gpu_variant(gpu))
 
 
 @contextlib.contextmanager
@@ -107,8 +117,20 @@ def binary_version(path: Path) -> str:
     return ""
 
 
-def find_llama_server(configured: str | Path | None = None) -> LlamaServerBinary | None:
-    """Resolve without building. Returns None when nothing usable is found."""
+def _cached(gpu: str) -> LlamaServerBinary | None:
+    cache = cache_dir()
+    path = binary_path(cache, gpu)
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        return None
+    stamp = version_stamp(cache, gpu)
+    version = stamp.read_text().strip() if stamp.is_file() else binary_version(path)
+    return LlamaServerBinary(path, version, "cache")
+
+
+def find_llama_server(configured: str | Path | None = None,
+                      gpu: str | None = None) -> LlamaServerBinary | None:
+    """Resolve without building. Returns None when nothing usable is found. ``gpu``
+    (default: $KVROUTE_GPU, else cpu) picks which cached build counts."""
     if configured:
         path = Path(configured).expanduser()
         if not (path.is_file() and os.access(path, os.X_OK)):
@@ -120,12 +142,7 @@ def find_llama_server(configured: str | Path | None = None) -> LlamaServerBinary
     on_path = shutil.which("llama-server")
     if on_path:
         return LlamaServerBinary(Path(on_path).resolve(), binary_version(Path(on_path)), "path")
-    cached = cached_binary_path()
-    if cached.is_file() and os.access(cached, os.X_OK):
-        stamp = cached.parent.parent / "llama-server.version"
-        version = stamp.read_text().strip() if stamp.is_file() else binary_version(cached)
-        return LlamaServerBinary(cached, version, "cache")
-    return None
+    return _cached(gpu_variant(gpu))
 
 
 def _source_candidates(cache: Path, version: str) -> list[Path]:
@@ -135,12 +152,20 @@ def _source_candidates(cache: Path, version: str) -> list[Path]:
     return [cache / "src" / name, cache.parent / "src" / name]
 
 
-def llama_cpp_source(progress: Progress = _print) -> Path:
-    """The pinned sdist's root (contains vendor/llama.cpp); downloaded from PyPI if missing."""
-    cache, version = cache_dir(), llama_cpp_python_version()
-    for cand in _source_candidates(cache, version):
+def find_llama_cpp_source() -> Path | None:
+    """The pinned sdist's root if it is extracted already (nothing is downloaded)."""
+    for cand in _source_candidates(cache_dir(), llama_cpp_python_version()):
         if (cand / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
             return cand
+    return None
+
+
+def llama_cpp_source(progress: Progress = _print) -> Path:
+    """The pinned sdist's root (contains vendor/llama.cpp); downloaded from PyPI if missing."""
+    found = find_llama_cpp_source()
+    if found is not None:
+        return found
+    cache, version = cache_dir(), llama_cpp_python_version()
     src = cache / "src"
     src.mkdir(parents=True, exist_ok=True)
     tarball = src / f"llama_cpp_python-{version}.tar.gz"
@@ -165,60 +190,93 @@ def llama_cpp_source(progress: Progress = _print) -> Path:
 
 
 def _run_streamed(cmd: list[str], progress: Progress, log: Path) -> None:
-    """Run a build step, echoing cmake's `[ NN%]` lines so a 4-minute build shows progress."""
+    """Run a build step, echoing cmake's `[ NN%]` lines so a 4-minute build shows progress,
+    and its errors whole (a CMake error's explanation is on the lines after it)."""
     progress("$ " + " ".join(cmd))
     with open(log, "a") as fh, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     ) as proc:
         assert proc.stdout is not None
+        in_error = False
         for line in proc.stdout:
             fh.write(line)
-            if line.startswith("[") or "Error" in line or "error:" in line:
+            in_error = line.startswith("CMake Error") or (in_error and line[:1] in " \n")
+            if in_error or line.startswith("[") or "Error" in line or "error:" in line:
                 progress("   " + line.rstrip())
         if proc.wait() != 0:
             raise BinaryError(f"build step failed: {' '.join(cmd)} (full log: {log})")
 
 
-def build_llama_server(progress: Progress = _print, jobs: int | None = None) -> LlamaServerBinary:
-    """Build llama-server from the pinned sdist with cmake; incremental if build/ exists."""
+# what a GPU configure step that fails on a machine with the compiler most often lacks
+_GPU_HINTS = {
+    "cuda": "a CUDA build needs the whole toolkit (nvcc, cudart and cuBLAS: CMake's error "
+            "above names what it did not find); on a machine without the GPU, set "
+            "CUDAARCHS to the GPUs' compute capabilities, e.g. CUDAARCHS=86",
+    "vulkan": "a Vulkan build needs the Vulkan headers and loader (libvulkan-dev), glslc "
+              "and spirv-headers: CMake's error above names what it did not find",
+}
+
+
+def _configure(build: Path, gpu: str, progress: Progress, log: Path) -> None:
+    """Configure ``gpu``'s build tree unless it is configured with the same command."""
+    compiler = find_toolchain(gpu)
+    if gpu != "cpu" and compiler is None:
+        raise BinaryError(missing_toolchain(gpu))  # before any download: fail at once
+    source = llama_cpp_source(progress) / "vendor" / "llama.cpp"
+    cmd = cmake_configure_command(source, build, gpu, compiler, os.environ.get("CUDAARCHS"))
+    # cmake leaves a cache and even Makefiles behind when configuring fails: only this
+    # stamp, written after it succeeds, says the tree is usable
+    stamp = build / ".kvroute-configured"
+    if stamp.is_file() and stamp.read_text() == " ".join(cmd):
+        progress(f"==> building llama-server ({gpu}) in {build} (incremental)")
+        return
+    stamp.unlink(missing_ok=True)
+    progress(f"==> building llama-server ({gpu}) from {source} "
+             "(about 4 min on 2 cores for cpu, longer with a GPU backend)")
+    try:
+        _run_streamed(cmd, progress, log)
+    except BinaryError as e:
+        raise BinaryError(f"{e}; {_GPU_HINTS[gpu]}" if gpu in _GPU_HINTS else str(e)) from e
+    stamp.write_text(" ".join(cmd))
+
+
+def build_llama_server(progress: Progress = _print, jobs: int | None = None,
+                       gpu: str = "cpu") -> LlamaServerBinary:
+    """Build ``gpu``'s variant of llama-server from the pinned sdist with cmake, in its own
+    build tree (incremental once configured)."""
     if not shutil.which("cmake"):
         raise BinaryError(
             "cmake not found (fix: install cmake and a C++ compiler, "
             "or set llama_server in config.yaml to an existing binary)"
         )
     cache = cache_dir()
-    build = cache / "build"
-    log = cache / "build.log"
-    jobs = jobs or max(1, os.cpu_count() or 1)
-    if not (build / "CMakeCache.txt").is_file():
-        source = llama_cpp_source(progress) / "vendor" / "llama.cpp"
-        progress(f"==> building llama-server from {source} (about 4 min on 2 cores)")
-        _run_streamed(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], progress, log)
-    else:
-        # an existing tree remembers its own source dir; re-running configure with a
-        # different -S would fail, so only build
-        progress(f"==> building llama-server in {build} (incremental)")
+    build = build_dir(cache, gpu)
+    log = cache / f"{build.name}.log"
+    _configure(build, gpu, progress, log)
     _run_streamed(
-        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
+        ["cmake", "--build", str(build), "--target", "llama-server",
+         "-j", str(jobs or max(1, os.cpu_count() or 1))],
         progress, log,
     )
-    built = build / "bin" / "llama-server"
-    dest = cached_binary_path(cache)
+    dest = binary_path(cache, gpu)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_suffix(".tmp")
-    shutil.copy2(built, tmp)
+    shutil.copy2(build / "bin" / "llama-server", tmp)
     os.replace(tmp, dest)  # atomic: a concurrent reader never sees half a binary
     version = binary_version(dest)
-    (cache / "llama-server.version").write_text(version + "\n")
+    version_stamp(cache, gpu).write_text(version + "\n")
     return LlamaServerBinary(dest, version, "built")
 
 
 def ensure_llama_server(
-    configured: str | Path | None = None, progress: Progress = _print
+    configured: str | Path | None = None, progress: Progress = _print,
+    gpu: str | None = None,
 ) -> LlamaServerBinary:
-    found = find_llama_server(configured)
+    """Find llama-server, or build ``gpu``'s variant (default: $KVROUTE_GPU, else cpu)."""
+    gpu = gpu_variant(gpu)
+    found = find_llama_server(configured, gpu)
     if found is not None:
         return found
     with cache_lock():
-        found = find_llama_server(configured)  # another process may have built it meanwhile
-        return found if found is not None else build_llama_server(progress)
+        found = find_llama_server(configured, gpu)  # another process may have built it
+        return found if found is not None else build_llama_server(progress, gpu=gpu)

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from backends.binary import LlamaServerBinary
 from proxy.config.fields import ConfigError
 from proxy.config.load import Config, check_port_free, load_config
 
@@ -39,10 +40,22 @@ def _prepare_artifacts(cfg: Config) -> None:
     from backends.demo_model import demo_kinds_for, ensure_demo_model
 
     if cfg.managed():
-        ensure_llama_server(cfg.llama_server)
+        _warn_on_version(ensure_llama_server(cfg.llama_server))
     demos = [b.model for b in cfg.managed() if b.is_demo]
     for kind in demo_kinds_for(cfg.demo_model, demos):  # demo, demo-swa, demo-hybrid
         ensure_demo_model(cfg.demo_model, kind=kind)
+
+
+def _warn_on_version(binary: LlamaServerBinary) -> None:
+    """A llama-server of another llama.cpp than the tokenizer's may cache other prompt
+    ids than kvroute routes by: said at start, not fatal (it may well work)."""
+    from backends.version import version_warning
+    from proxy.observability.logging import get_logger
+
+    warning = version_warning(binary.path, binary.version)
+    if warning:
+        get_logger("kvroute.cli").warning("llama_server.version_mismatch",
+                                          source=binary.source, detail=warning)
 
 
 async def _serve(cfg: Config) -> int:
@@ -180,6 +193,7 @@ def doctor_report(config_path: Path | None) -> dict[str, Any]:
     from backends.binary import BinaryError, cache_dir, find_llama_server
     from backends.binary import llama_cpp_python_version as lcp_version
     from backends.demo_model import DemoModelParams, demo_model_path
+    from backends.version import version_warning
 
     report: dict[str, Any] = {"ok": True, "python": platform.python_version()}
     try:
@@ -220,13 +234,15 @@ def doctor_report(config_path: Path | None) -> dict[str, Any]:
                          "policy": cfg.proxy.policy}
     report["config"] = conf
 
-    srv: dict[str, Any] = {"path": None, "version": None, "source": None, "error": None}
+    srv: dict[str, Any] = {"path": None, "version": None, "source": None, "error": None,
+                           "version_warning": None}
     try:
         found = find_llama_server(cfg.llama_server if cfg else None)
         if found is None:
             srv["error"] = "not found (fix: run `python -m backends prepare`)"
         else:
-            srv.update(path=str(found.path), version=found.version, source=found.source)
+            srv.update(path=str(found.path), version=found.version, source=found.source,
+                       version_warning=version_warning(found.path, found.version))
     except BinaryError as e:
         srv["error"] = str(e)
     if srv["error"]:
@@ -270,6 +286,8 @@ def _print_report(r: dict[str, Any]) -> None:
     srv, model, conf, lcp = r["llama_server"], r["demo_model"], r["config"], r["llama_cpp_python"]
     print(f"[{mark(not srv['error'])}] llama-server: {srv['path'] or srv['error']}"
           + (f"  ({srv['version']}, {srv['source']})" if srv["path"] else ""))
+    if srv.get("version_warning"):
+        print(f"[!! ] {srv['version_warning']}")
     print(f"[{mark(lcp['importable'])}] llama-cpp-python {lcp['version']}"
           + (f": {lcp['error']}" if lcp["error"] else ""))
     print(f"[{mark(model['exists'])}] demo model: {model['path']}"

@@ -1,0 +1,126 @@
+"""The llama-server build variants: cpu (the default), cuda and vulkan. Each has its own
+cmake command line (the flags of the vendored tree's docs/build.md), the toolchain it
+needs, and its own build tree, binary and version stamp in the cache, so building one
+never touches another and each stays incremental.
+
+The variant comes from ``--gpu`` (``python -m backends prepare``), else ``$KVROUTE_GPU``
+(``make run GPU=cuda`` sets it), else cpu.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+GPUS = ("cpu", "cuda", "vulkan")
+GPU_ENV = "KVROUTE_GPU"
+
+CMAKE_FLAGS = (
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    # one static binary: nothing to find at run time, safe to copy out of build/ (a GPU
+    # variant still loads the driver's and toolkit's shared libraries, as any GPU program)
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+)
+# where the CUDA toolkit installs when it is not on PATH (CMake's FindCUDAToolkit looks
+# there too)
+CUDA_ROOTS = ("/usr/local/cuda", "/opt/cuda")
+
+Which = Callable[..., str | None]  # shutil.which
+
+
+def requested_gpu(value: str | None = None) -> str:
+    """The variant asked for, normalised: ``value``, else ``$KVROUTE_GPU``, else cpu
+    (binary.gpu_variant checks it is one of GPUS)."""
+    raw = value if value is not None else os.environ.get(GPU_ENV, "")
+    return raw.strip().lower() or "cpu"
+
+
+def _suffix(gpu: str) -> str:
+    # the cpu variant keeps the names it always had, so existing caches stay valid
+    return "" if gpu == "cpu" else f"-{gpu}"
+
+
+def build_dir(cache: Path, gpu: str) -> Path:
+    return cache / f"build{_suffix(gpu)}"
+
+
+def binary_path(cache: Path, gpu: str) -> Path:
+    return cache / "bin" / f"llama-server{_suffix(gpu)}"
+
+
+def version_stamp(cache: Path, gpu: str) -> Path:
+    return cache / f"llama-server{_suffix(gpu)}.version"
+
+
+def cmake_configure_command(source: Path, build: Path, gpu: str,
+                            compiler: str | None = None,
+                            cuda_archs: str | None = None) -> list[str]:
+    """The cmake configure step of ``gpu``'s variant. ``compiler`` is the variant's
+    toolchain program (nvcc for cuda, glslc for vulkan), named so cmake uses the one
+    kvroute checked; ``cuda_archs`` ($CUDAARCHS, e.g. "86;89") the GPU generations to
+    build for, else ggml builds for the GPUs present (and fails where there are none)."""
+    cmd = ["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS]
+    if gpu == "cuda":
+        cmd.append("-DGGML_CUDA=ON")
+        if compiler:
+            cmd.append(f"-DCMAKE_CUDA_COMPILER={compiler}")
+        if cuda_archs:
+            cmd.append(f"-DCMAKE_CUDA_ARCHITECTURES={cuda_archs}")
+    elif gpu == "vulkan":
+        cmd.append("-DGGML_VULKAN=ON")
+        if compiler:
+            cmd.append(f"-DVulkan_GLSLC_EXECUTABLE={compiler}")
+    return cmd
+
+
+def _find_nvcc(which: Which, env: Mapping[str, str]) -> str | None:
+    if env.get("CUDACXX"):
+        return which(env["CUDACXX"], path=env.get("PATH"))
+    roots = [env.get("CUDA_PATH"), env.get("CUDA_HOME"), *CUDA_ROOTS]
+    return which("nvcc", path=env.get("PATH")) or next(
+        (str(p) for r in roots if r and (p := Path(r) / "bin" / "nvcc").is_file()), None)
+
+
+def _find_glslc(which: Which, env: Mapping[str, str]) -> str | None:
+    sdk = env.get("VULKAN_SDK")
+    found = which("glslc", path=env.get("PATH"))
+    return found or (which("glslc", path=str(Path(sdk) / "bin")) if sdk else None)
+
+
+_MISSING = {
+    "cuda": ("the CUDA compiler nvcc, which is not in $CUDACXX, on PATH, or under "
+             "$CUDA_PATH, $CUDA_HOME, " + ", ".join(CUDA_ROOTS),
+             "install the CUDA Toolkit (https://developer.nvidia.com/cuda-downloads, or "
+             "`apt install nvidia-cuda-toolkit`) and put its bin/ on PATH, or set "
+             "CUDACXX=/path/to/nvcc"),
+    "vulkan": ("the Vulkan SDK's shader compiler glslc, which is not on PATH or in "
+               "$VULKAN_SDK/bin",
+               "install the Vulkan SDK (https://vulkan.lunarg.com/sdk/home) and source its "
+               "setup-env.sh, or on Debian/Ubuntu `apt install libvulkan-dev glslc "
+               "spirv-headers`"),
+}
+
+
+def find_toolchain(gpu: str, which: Which = shutil.which,
+                   env: Mapping[str, str] | None = None) -> str | None:
+    """The toolchain program ``gpu``'s build needs (nvcc, glslc), or None: missing, or
+    the cpu variant, which needs none beyond a C++ compiler."""
+    env = os.environ if env is None else env
+    if gpu == "cpu":
+        return None
+    return (_find_nvcc if gpu == "cuda" else _find_glslc)(which, env)
+
+
+def missing_toolchain(gpu: str) -> str:
+    """What ``gpu``'s build lacks when find_toolchain finds nothing, and what to install."""
+    needs, fix = _MISSING[gpu]
+    return (f"a {gpu} build of llama-server (GPU={gpu}) needs {needs} "
+            f"(fix: {fix}; or leave GPU unset for the CPU build)")
