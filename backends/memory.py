@@ -2,8 +2,9 @@
 recurrent layers, and the server's context-checkpoint settings.
 
 ``/props`` names neither, so they come from the model's GGUF metadata and the server's
-command line (defaults of the pinned build otherwise). docs/checkpoints.md says what each
-changes; proxy/routing/cache/checkpoints.py applies it.
+command line (defaults of the pinned build otherwise). docs/checkpoints.md says what
+each changes; proxy/routing/cache/checkpoints.py applies it. So do the bytes a token takes
+in the cache: each layer's KV heads, in the cache types of -ctk and -ctv.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ _SWA_PATTERN = {"gemma2": (2, False), "gemma3": (6, False), "gemma3n": (5, False
                 "llama4": (4, False), "exaone4": (4, False), "olmo2": (4, False),
                 "plamo3": (8, False), "cohere2moe": (4, True), "laguna": (4, True)}
 CELL_META_BYTES = 12  # per cached cell: its position, sequence count and id (int32 each)
+# The KV cache types llama-server accepts (-ctk, -ctv; common/arg.cpp kv_cache_types) as
+# ggml stores them: values per block, bytes per block (ggml-common.h block_*).
+KV_CACHE_TYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34),
+                  "q4_0": (32, 18), "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22),
+                  "q5_1": (32, 24)}
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,8 @@ class MemoryKind:
     # sliding layers' window or the recurrent state. A RAM entry holds it once, plus once
     # per context checkpoint, beside the full-attention KV (llama_state_seq_get_size).
     partial_bytes: int = 0
-    kv_bytes_per_token: int | None = None  # of the full-attention layers (None: unknown)
+    # of the full-attention layers, in the server's cache types (None: unknown)
+    kv_bytes_per_token: int | None = None
 
     @property
     def name(self) -> str:
@@ -63,6 +70,12 @@ class ModelMemory:
     kv_bytes_per_token: int | None = None  # f16 K+V of the full-attention layers
     swa_cell_bytes: int = 0  # f16 K+V of the sliding layers, and the cell's metadata
     recurrent_bytes: int = 0  # the recurrent state of one sequence (f32)
+    # K and V values per token of the full-attention layers and per cell of the sliding
+    # ones (KV heads x head size, summed over the layers): what the cache types size
+    k_values: int = 0
+    v_values: int = 0
+    k_swa_values: int = 0
+    v_swa_values: int = 0
 
 
 def gguf_memory(path: Path) -> ModelMemory:
@@ -102,8 +115,10 @@ def _gguf_memory(file: str, mtime_ns: int) -> ModelMemory:
                     for k in meta) or 0 in per_layer
     swa = _sliding_layers(meta, arch, n_layer) if n_swa else [False] * n_layer
     k_swa, v_swa = num("attention.key_length_swa", k_len), num("attention.value_length_swa", v_len)
-    full = sum(h * (k_len + v_len) * 2 for h, s in zip(per_layer, swa, strict=False) if h and not s)
-    sliding = sum(h * (k_swa + v_swa) * 2 for h, s in zip(per_layer, swa, strict=False) if h and s)
+    full_heads = sum(h for h, s in zip(per_layer, swa, strict=False) if h and not s)
+    swa_heads = sum(h for h, s in zip(per_layer, swa, strict=False) if h and s)
+    full = full_heads * (k_len + v_len) * 2
+    sliding = swa_heads * (k_swa + v_swa) * 2
     if "kvroute.kv_bytes_per_token" in meta:  # a demo model says it itself
         full = int(meta["kvroute.kv_bytes_per_token"])  # type: ignore[call-overload]
     rec = 0
@@ -120,7 +135,9 @@ def _gguf_memory(file: str, mtime_ns: int) -> ModelMemory:
             rec = n_rec * (conv + state * inner) * 4
     return ModelMemory(n_swa=n_swa, recurrent=recurrent, kv_bytes_per_token=full or None,
                        swa_cell_bytes=sliding + CELL_META_BYTES if sliding else 0,
-                       recurrent_bytes=rec)
+                       recurrent_bytes=rec, k_values=full_heads * k_len,
+                       v_values=full_heads * v_len, k_swa_values=swa_heads * k_swa,
+                       v_swa_values=swa_heads * v_swa)
 
 
 def _sliding_layers(meta: dict[str, object], arch: str, n_layer: int) -> list[bool]:
@@ -139,14 +156,46 @@ def _sliding_layers(meta: dict[str, object], arch: str, n_layer: int) -> list[bo
 def _arg(args: Sequence[str], names: tuple[str, ...], default: int) -> int:
     """The value of the last of ``names`` on a llama-server command line."""
     value = default
+    for raw in _values(args, names):
+        # (not a number: the server refuses to start, nothing to model)
+        with contextlib.suppress(ValueError):
+            value = int(raw)
+    return value
+
+
+def _values(args: Sequence[str], names: tuple[str, ...]) -> list[str]:
+    """The values given to any of ``names`` (``-x v`` or ``-x=v``), in order."""
+    out = []
     for i, a in enumerate(args):
         key, eq, inline = a.partition("=")
         if key in names:
-            raw = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
-            # (not a number: the server refuses to start, nothing to model)
-            with contextlib.suppress(ValueError):
-                value = int(raw)
-    return value
+            out.append(inline if eq else (args[i + 1] if i + 1 < len(args) else ""))
+    return out
+
+
+def cache_types(args: Sequence[str]) -> tuple[str, str]:
+    """The K and V cache types a server started with ``args`` uses (f16 unless told; a
+    type the server does not know makes it refuse to start, so it is not modelled)."""
+    k = [v for v in _values(args, ("-ctk", "--cache-type-k")) if v in KV_CACHE_TYPES]
+    v = [v for v in _values(args, ("-ctv", "--cache-type-v")) if v in KV_CACHE_TYPES]
+    return (k[-1] if k else "f16"), (v[-1] if v else "f16")
+
+
+def type_bytes(values: int, cache_type: str) -> int:
+    """Bytes of ``values`` K or V values stored as ``cache_type`` (ggml_row_size: heads
+    are whole blocks, which llama.cpp requires of a quantized cache)."""
+    per_block, block_bytes = KV_CACHE_TYPES[cache_type]
+    return values * block_bytes // per_block
+
+
+def typed_kv_bytes(f16_bytes: int, k_values: int, v_values: int,
+                   types: tuple[str, str]) -> int:
+    """``f16_bytes`` of K and V stored in ``types`` instead."""
+    if types == ("f16", "f16") or not (k_values or v_values):
+        return f16_bytes
+    typed = type_bytes(k_values, types[0]) + type_bytes(v_values, types[1])
+    # the f16 size is a demo model's own word when it carries one: scaled, not replaced
+    return f16_bytes * typed // (2 * (k_values + v_values))
 
 
 def swa_cells(n_swa: int, n_ubatch: int, slot_ctx: int, n_sequences: int = 1) -> int:
@@ -173,6 +222,10 @@ def server_memory(model: Path | None, args: Sequence[str], slot_ctx: int,
     n_batch = _arg(args, ("-b", "--batch-size"), 2048)
     n_ubatch = min(n_ubatch, n_batch)
     unified = any(a in ("-kvu", "--kv-unified") for a in args)
+    types = cache_types(args)
+    full = typed_kv_bytes(m.kv_bytes_per_token or 0, m.k_values, m.v_values, types)
+    swa = m.swa_cell_bytes and typed_kv_bytes(m.swa_cell_bytes - CELL_META_BYTES,
+                                              m.k_swa_values, m.v_swa_values, types)
     return MemoryKind(
         n_swa=n_swa, recurrent=recurrent,
         swa_cells=swa_cells(n_swa, n_ubatch, slot_ctx, n_slots if unified else 1),
@@ -181,8 +234,6 @@ def server_memory(model: Path | None, args: Sequence[str], slot_ctx: int,
         n_ubatch=n_ubatch, n_batch=n_batch,
         # a sliding cache keeps its window of each sequence in a save (measured: a state
         # reloaded covers the last n_swa positions); --swa-full caches every layer whole
-        partial_bytes=(n_swa * m.swa_cell_bytes if n_swa else 0) + m.recurrent_bytes,
-        kv_bytes_per_token=(m.kv_bytes_per_token if n_swa or not m.swa_cell_bytes
-                            else (m.kv_bytes_per_token or 0) + m.swa_cell_bytes
-                            - CELL_META_BYTES),
+        partial_bytes=(n_swa * (swa + CELL_META_BYTES) if n_swa else 0) + m.recurrent_bytes,
+        kv_bytes_per_token=(full if n_swa or not swa else full + swa) or None,
     )

@@ -4,10 +4,23 @@ log, `prompt_save` and the cache state) and its sliding-window cache's cells."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+from pathlib import Path
+
 import pytest
 
+from backends.binary import find_llama_server, llama_cpp_source
 from backends.demo_model import ensure_demo_model
-from backends.memory import _arg, server_memory, swa_cells
+from backends.memory import (
+    CELL_META_BYTES,
+    _arg,
+    cache_types,
+    server_memory,
+    swa_cells,
+    type_bytes,
+)
+from backends.process import free_port
 from proxy.routing.cache.checkpoints import Memory
 from proxy.routing.cache.predict import BackendCapacity
 
@@ -64,3 +77,103 @@ def test_swa_cells(n_swa: int, ubatch: int, ctx: int, seqs: int, cells: int) -> 
 ])
 def test_arguments(args: list[str], value: int) -> None:
     assert _arg(args, ("-b", "--batch-size"), 7) == value
+
+
+# -- KV cache types -----------------------------------------------------------------------
+# Real models' shapes, from the GGUFs (vocabulary and hyperparameters, no weights) that
+# the vendored llama.cpp tree ships: per token, K and V are layers x KV heads x head size
+# values each, stored as the cache type says (q8_0: 34 bytes per 32 values, q4_0: 18,
+# f16: 2 per value).
+LLAMA3_8B = "ggml-vocab-llama-bpe.gguf"  # 32 layers, 8 KV heads of 128 (GQA, 32 heads)
+FALCON_7B = "ggml-vocab-falcon.gguf"  # 32 layers, 1 KV head of 64 (MQA, 71 heads)
+STARCODER2 = "ggml-vocab-starcoder.gguf"  # 30 layers, 2 KV heads of 128 (GQA, 24 heads)
+
+
+@pytest.mark.parametrize("model, args, kv_bytes", [
+    (LLAMA3_8B, [], 131072),  # 2 x 32768 values x 2 bytes
+    (LLAMA3_8B, ["-ctk", "f16", "-ctv", "f16"], 131072),
+    (LLAMA3_8B, ["-ctk", "q8_0", "-ctv", "q8_0"], 69632),  # 2 x 32768 / 32 x 34
+    (LLAMA3_8B, ["-ctk", "q4_0", "-ctv", "q4_0"], 36864),  # 2 x 32768 / 32 x 18
+    (LLAMA3_8B, ["--cache-type-k=q8_0"], 100352),  # 34816 + 65536
+    (LLAMA3_8B, ["-ctk", "q5_1", "-ctv", "q5_0"], 47104),  # 1024 x 24 + 1024 x 22
+    (LLAMA3_8B, ["-ctk", "iq4_nl", "-ctv", "q4_1"], 38912),  # 1024 x 18 + 1024 x 20
+    (LLAMA3_8B, ["-ctk", "f32", "-ctv", "bf16"], 196608),  # 32768 x 4 + 32768 x 2
+    (LLAMA3_8B, ["-ctk", "q8_0", "-ctk", "q4_0"], 83968),  # the last one counts
+    (LLAMA3_8B, ["-ctk", "q3_k"], 131072),  # not a cache type: the server refuses it
+    (FALCON_7B, [], 8192),  # 2 x 2048 values x 2
+    (FALCON_7B, ["-ctk", "q8_0", "-ctv", "q8_0"], 4352),  # 2 x 64 blocks x 34
+    (STARCODER2, ["-ctk", "q4_0", "-ctv", "q8_0"], 12480),  # 240 x 18 + 240 x 34
+])
+def test_kv_bytes_per_token_follow_the_cache_types(
+        model: str, args: list[str], kv_bytes: int) -> None:
+    gguf = llama_cpp_source() / "vendor" / "llama.cpp" / "models" / model
+    assert server_memory(gguf, args, 4096, 2).kv_bytes_per_token == kv_bytes
+
+
+@pytest.mark.parametrize("args, types", [
+    ([], ("f16", "f16")), (["-ctk", "q8_0"], ("q8_0", "f16")),
+    (["--cache-type-v", "q4_0", "-ctk=bf16"], ("bf16", "q4_0")),
+    (["-ctv", "nope"], ("f16", "f16")),
+])
+def test_cache_types(args: list[str], types: tuple[str, str]) -> None:
+    assert cache_types(args) == types
+
+
+@pytest.mark.parametrize("cache_type, values, size", [
+    ("f32", 64, 256), ("f16", 64, 128), ("bf16", 64, 128), ("q8_0", 64, 68),
+    ("q4_0", 64, 36), ("q4_1", 64, 40), ("q5_0", 64, 44), ("q5_1", 64, 48),
+    ("iq4_nl", 64, 36),
+])
+def test_type_bytes(cache_type: str, values: int, size: int) -> None:
+    assert type_bytes(values, cache_type) == size
+
+
+def test_a_sliding_window_cache_shrinks_with_its_types_too() -> None:
+    swa = ensure_demo_model(kind="demo-swa")
+    f16 = server_memory(swa, [], 4096, 2)
+    q8 = server_memory(swa, ["-ctk", "q8_0", "-ctv", "q8_0"], 4096, 2)
+    assert q8.kv_bytes_per_token == f16.kv_bytes_per_token * 17 // 32  # 34 / 64 bytes
+    cell = CELL_META_BYTES
+    assert (q8.partial_bytes // q8.n_swa - cell) * 32 == (f16.partial_bytes // f16.n_swa
+                                                          - cell) * 17
+
+
+def _server_kv_cache_log(model: Path, args: list[str], cells: int) -> list[str]:
+    """The `llama_kv_cache: size = ...` lines of a real llama-server started on ``model``
+    (one per cache: a sliding-window model has two, the full-attention one first)."""
+    binary = find_llama_server()
+    assert binary is not None
+    cmd = [str(binary.path), "-m", str(model), "-c", str(cells), "-np", "1", "-t", "1",
+           "--port", str(free_port()), "-lv", "4", *args]
+    lines: list[str] = []
+    with subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                          text=True) as proc:
+        assert proc.stderr is not None
+        try:
+            for line in proc.stderr:
+                if "llama_kv_cache: size =" in line:
+                    lines.append(line)
+                if "listening on" in line or "error" in line.lower():
+                    break
+        finally:
+            proc.kill()
+    return lines
+
+
+@pytest.mark.parametrize("kind, args", [
+    ("demo", ["-ctk", "q8_0", "-ctv", "q4_0", "-fa", "on"]),
+    ("demo", ["-ctk", "q5_1", "-ctv", "iq4_nl", "-fa", "on"]),
+    ("demo", ["-ctk", "bf16"]),
+    ("demo-swa", ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]),
+])
+def test_the_server_allocates_what_is_modelled(kind: str, args: list[str]) -> None:
+    """llama-server's own account: `size = 8.50 MiB (4096 cells, ...), K (q8_0): 4.25
+    MiB, V (q8_0): 4.25 MiB`."""
+    model = ensure_demo_model(kind=kind)
+    lines = _server_kv_cache_log(model, args, 4096)
+    assert lines, "no llama_kv_cache line in the server's log"
+    m = re.search(r"size = +([\d.]+) MiB \( *(\d+) cells", lines[0])
+    assert m is not None and int(m.group(2)) == 4096
+    modelled = server_memory(model, args, 4096, 1).kv_bytes_per_token
+    assert modelled is not None
+    assert float(m.group(1)) == pytest.approx(modelled * 4096 / MiB, abs=0.006)
