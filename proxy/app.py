@@ -50,6 +50,7 @@ from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.delimiters import user_starts
+from proxy.responses import routes as responses
 from proxy.routing.router import Router
 from proxy.server import handlers
 from proxy.server.admission import Admission, Refused
@@ -96,6 +97,7 @@ def create_app(config: Config, supervisor: Supervisor,
     app.cleanup_ctx.append(_backends_ctx)
     handlers.add_routes(app)
     anthropic.add_routes(app)
+    responses.add_routes(app)
     return app
 
 

@@ -1,8 +1,9 @@
 """Thin endpoints: parse and validate, get the exact tokens, hand over to the Forwarder.
 
-Anthropic `/v1/messages` plugs in the same way as chat completions: translate
-the body to a chat-completions body, `tokens_for(..., prompt.plan_chat(...))` on it, then
-`forwarder.routed(..., path="/v1/chat/completions", relay=<a Relay translating back>)`.
+Anthropic `/v1/messages` and OpenAI `/v1/responses` plug in the same way as chat
+completions: translate the body to a chat-completions body, `tokens_for(...,
+prompt.plan_chat(...))` on it, then `forwarder.routed(..., path="/v1/chat/completions",
+relay=<a Relay translating back>)`.
 """
 
 from __future__ import annotations
@@ -68,9 +69,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/models", models)
     app.router.add_get("/v1/models/{name:.+}", model)
     app.router.add_get("/models/{name:.+}", model)
-    for path in ("/v1/responses", "/responses"):
-        app.router.add_route("*", path, unsupported)
-        app.router.add_route("*", path + "/{rest:.*}", unsupported)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/kvroute/status", status)
@@ -294,11 +292,6 @@ async def model(request: web.Request) -> web.Response:
         if obj["id"] == name:
             return web.json_response(obj)
     raise NotFound(f"model {name[:100]!r} does not exist")
-
-
-async def unsupported(request: web.Request) -> web.Response:
-    raise NotFound(f"{request.path[:100]} is not served by kvroute (the OpenAI Responses "
-                   "API is not routed yet): use /v1/chat/completions")
 
 
 async def health(request: web.Request) -> web.Response:
