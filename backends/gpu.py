@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 GPUS = ("cpu", "cuda", "vulkan")
@@ -81,10 +81,10 @@ def cmake_configure_command(source: Path, build: Path, gpu: str,
     return cmd
 
 
-def _find_nvcc(which: Which, env: Mapping[str, str]) -> str | None:
+def _find_nvcc(which: Which, env: Mapping[str, str], cuda_roots: Sequence[str]) -> str | None:
     if env.get("CUDACXX"):
         return which(env["CUDACXX"], path=env.get("PATH"))
-    roots = [env.get("CUDA_PATH"), env.get("CUDA_HOME"), *CUDA_ROOTS]
+    roots = [env.get("CUDA_PATH"), env.get("CUDA_HOME"), *cuda_roots]
     return which("nvcc", path=env.get("PATH")) or next(
         (str(p) for r in roots if r and (p := Path(r) / "bin" / "nvcc").is_file()), None)
 
@@ -109,14 +109,14 @@ _MISSING = {
 }
 
 
-def find_toolchain(gpu: str, which: Which = shutil.which,
-                   env: Mapping[str, str] | None = None) -> str | None:
+def find_toolchain(gpu: str, which: Which = shutil.which, env: Mapping[str, str] | None = None,
+                   cuda_roots: Sequence[str] = CUDA_ROOTS) -> str | None:
     """The toolchain program ``gpu``'s build needs (nvcc, glslc), or None: missing, or
     the cpu variant, which needs none beyond a C++ compiler."""
     env = os.environ if env is None else env
-    if gpu == "cpu":
-        return None
-    return (_find_nvcc if gpu == "cuda" else _find_glslc)(which, env)
+    if gpu == "cuda":
+        return _find_nvcc(which, env, cuda_roots)
+    return _find_glslc(which, env) if gpu == "vulkan" else None
 
 
 def missing_toolchain(gpu: str) -> str:

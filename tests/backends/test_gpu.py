@@ -1,0 +1,167 @@
+"""llama-server's GPU builds (backends/gpu.py, binary.py). No GPU here: the switch is
+checked by the cmake command line it produces, by where each variant lives in the cache,
+and by the error a build gives when its toolchain is missing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backends.binary import BinaryError, ensure_llama_server, find_llama_server, gpu_variant
+from backends.gpu import (
+    CMAKE_FLAGS,
+    binary_path,
+    build_dir,
+    cmake_configure_command,
+    find_toolchain,
+    missing_toolchain,
+    version_stamp,
+)
+
+SRC, BUILD = Path("/src/llama.cpp"), Path("/cache/build-x")
+
+
+@pytest.mark.parametrize("gpu, compiler, archs, added", [
+    ("cpu", None, None, []),
+    ("cpu", None, "86", []),  # CUDAARCHS means nothing to a CPU build
+    ("cuda", None, None, ["-DGGML_CUDA=ON"]),
+    ("cuda", "/usr/local/cuda/bin/nvcc", None,
+     ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc"]),
+    ("cuda", "/opt/cuda/bin/nvcc", "86;89",
+     ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_COMPILER=/opt/cuda/bin/nvcc",
+      "-DCMAKE_CUDA_ARCHITECTURES=86;89"]),
+    ("vulkan", None, None, ["-DGGML_VULKAN=ON"]),
+    ("vulkan", "/usr/bin/glslc", "86",
+     ["-DGGML_VULKAN=ON", "-DVulkan_GLSLC_EXECUTABLE=/usr/bin/glslc"]),
+])
+def test_cmake_configure_command(gpu: str, compiler: str | None, archs: str | None,
+                                 added: list[str]) -> None:
+    cmd = cmake_configure_command(SRC, BUILD, gpu, compiler, archs)
+    assert cmd == ["cmake", "-S", str(SRC), "-B", str(BUILD), *CMAKE_FLAGS, *added]
+
+
+def test_the_shared_flags_build_one_static_release_server() -> None:
+    assert {"-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
+            "-DCMAKE_BUILD_TYPE=Release"} <= set(CMAKE_FLAGS)
+    assert not any("GGML_CUDA" in f or "GGML_VULKAN" in f for f in CMAKE_FLAGS)
+
+
+@pytest.mark.parametrize("gpu, build, binary, stamp", [
+    # the CPU build keeps the names it always had: existing caches stay valid
+    ("cpu", "build", "bin/llama-server", "llama-server.version"),
+    ("cuda", "build-cuda", "bin/llama-server-cuda", "llama-server-cuda.version"),
+    ("vulkan", "build-vulkan", "bin/llama-server-vulkan", "llama-server-vulkan.version"),
+])
+def test_each_variant_has_its_own_place(gpu: str, build: str, binary: str,
+                                        stamp: str) -> None:
+    cache = Path("/c")
+    assert (build_dir(cache, gpu), binary_path(cache, gpu), version_stamp(cache, gpu)) == (
+        cache / build, cache / binary, cache / stamp)
+
+
+@pytest.mark.parametrize("value, env, gpu", [
+    (None, None, "cpu"), (None, "", "cpu"), ("", "cuda", "cpu"), (None, "vulkan", "vulkan"),
+    ("CUDA", None, "cuda"), (" vulkan ", "cuda", "vulkan"), ("cpu", "cuda", "cpu"),
+])
+def test_gpu_variant(value: str | None, env: str | None, gpu: str,
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if env is None:
+        monkeypatch.delenv("KVROUTE_GPU", raising=False)
+    else:
+        monkeypatch.setenv("KVROUTE_GPU", env)
+    assert gpu_variant(value) == gpu
+
+
+def test_an_unknown_variant_is_refused() -> None:
+    with pytest.raises(BinaryError, match=r"'rocm'.*one of cpu, cuda, vulkan"):
+        gpu_variant("rocm")
+
+
+def _executable(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_toolchains_are_found_where_their_builds_look(tmp_path: Path) -> None:
+    on_path = _executable(tmp_path / "bin" / "nvcc")
+    in_root = _executable(tmp_path / "cuda" / "bin" / "nvcc")
+    glslc = _executable(tmp_path / "sdk" / "bin" / "glslc")
+    empty = str(tmp_path / "empty")
+    assert find_toolchain("cuda", env={"PATH": str(on_path.parent)}, cuda_roots=()) == str(
+        on_path)
+    assert find_toolchain("cuda", env={"PATH": empty, "CUDACXX": str(in_root)},
+                          cuda_roots=()) == str(in_root)
+    assert find_toolchain("cuda", env={"PATH": empty, "CUDA_HOME": str(tmp_path / "cuda")},
+                          cuda_roots=()) == str(in_root)
+    assert find_toolchain("cuda", env={"PATH": empty},
+                          cuda_roots=(str(tmp_path / "cuda"),)) == str(in_root)
+    assert find_toolchain("vulkan", env={"PATH": empty, "VULKAN_SDK": str(tmp_path / "sdk")}
+                          ) == str(glslc)
+    assert find_toolchain("cpu", env={"PATH": empty}) is None
+
+
+def test_a_missing_toolchain_is_none(tmp_path: Path) -> None:
+    env = {"PATH": str(tmp_path)}
+    assert find_toolchain("cuda", env=env, cuda_roots=(str(tmp_path / "cuda"),)) is None
+    assert find_toolchain("vulkan", env=env) is None
+
+
+@pytest.mark.parametrize("gpu, names", [
+    ("cuda", ["nvcc", "CUDA Toolkit", "CUDACXX", "GPU unset"]),
+    ("vulkan", ["glslc", "Vulkan SDK", "apt install libvulkan-dev glslc", "GPU unset"]),
+])
+def test_the_missing_toolchain_message_says_what_to_install(gpu: str,
+                                                            names: list[str]) -> None:
+    msg = missing_toolchain(gpu)
+    assert all(n in msg for n in names), msg
+
+
+@pytest.fixture
+def bare_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cache and a PATH with cmake only: no llama-server, nvcc or glslc."""
+    bin_dir = tmp_path / "path"
+    bin_dir.mkdir()
+    cmake = shutil.which("cmake")
+    if cmake:
+        (bin_dir / "cmake").symlink_to(cmake)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("KVROUTE_CACHE", str(tmp_path / "cache"))
+    for var in ("KVROUTE_GPU", "VULKAN_SDK", "CUDACXX"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path / "cache"
+
+
+def test_a_vulkan_build_without_the_sdk_fails_at_once(bare_machine: Path) -> None:
+    if shutil.which("cmake") is None:
+        pytest.skip("no cmake")
+    with pytest.raises(BinaryError, match="glslc"):
+        ensure_llama_server(gpu="vulkan")
+    assert not build_dir(bare_machine, "vulkan").exists()  # checked before configuring
+
+
+def test_prepare_says_what_to_install(bare_machine: Path, tmp_path: Path) -> None:
+    """`make run GPU=vulkan` on a machine without the Vulkan SDK."""
+    r = subprocess.run([sys.executable, "-m", "backends", "prepare", "--gpu", "vulkan"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert r.returncode == 1
+    assert "prepare failed: a vulkan build of llama-server" in r.stderr
+    assert "Vulkan SDK" in r.stderr and "glslc" in r.stderr
+
+
+def test_a_cached_variant_is_found_and_leaves_the_others_alone(bare_machine: Path) -> None:
+    cuda = _executable(binary_path(bare_machine, "cuda"))
+    version_stamp(bare_machine, "cuda").write_text("version: 0.5.0-dev (build 1, commit "
+                                                   "0c1e570)\n")
+    found = find_llama_server(gpu="cuda")
+    assert found is not None and (found.path, found.source) == (cuda, "cache")
+    assert found.version.endswith("commit 0c1e570)")
+    assert find_llama_server(gpu="cpu") is None  # the CPU build is another file
+    assert ensure_llama_server(gpu="cuda").path == cuda  # cached: nothing is built
