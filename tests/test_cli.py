@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import signal
@@ -263,3 +264,81 @@ def test_prepare_is_deterministic_and_idempotent(tmp_path: Path, llama_server_bi
     template = REPO / "backends" / "templates" / "chatml-tools.jinja"
     if template.is_file():  # our tool-capable template, not the vocabulary's
         assert meta["tokenizer.chat_template"] == template.read_text()
+
+
+# -- llama.cpp versions -------------------------------------------------------------------
+# A llama-server of another llama.cpp than the tokenizer's: a real executable in tmp_path
+# that answers --version as such a server would.
+OTHER_VERSION = "version: 0.4.0-dev (build 4242, commit deadbee)"
+
+
+def other_llama_server(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "llama-server"
+    path.write_text(f'#!/bin/sh\necho "{OTHER_VERSION}" >&2\n')
+    path.chmod(0o755)
+    return path
+
+
+def names_both_versions(warning: str | None, server: Path) -> bool:
+    from backends.version import tokenizer_version
+
+    ours = tokenizer_version()
+    assert ours is not None and ours.commit and warning
+    return all(s in warning for s in (str(server), "0.4.0-dev", "deadbee", ours.version,
+                                      ours.commit))
+
+
+@pytest.mark.parametrize("where", ["config", "path"])
+def test_doctor_warns_of_another_llama_cpp(where: str, tmp_path: Path,
+                                           llama_server_bin: Path, demo_model: Path) -> None:
+    other = other_llama_server(tmp_path / "bin")
+    config, _ = write_config(tmp_path, other if where == "config" else llama_server_bin)
+    env = dict(os.environ)
+    if where == "path":
+        data = yaml.safe_load(config.read_text())
+        del data["llama_server"]
+        config.write_text(yaml.safe_dump(data))
+        env["PATH"] = f"{other.parent}:{env['PATH']}"
+    r = subprocess.run([*KVROUTE, "doctor", "--json", "--config", str(config)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60, env=env)
+    srv = json.loads(r.stdout)["llama_server"]
+    assert (srv["path"], srv["source"], srv["version"]) == (str(other), where, OTHER_VERSION)
+    assert names_both_versions(srv["version_warning"], other)
+    text = subprocess.run([*KVROUTE, "doctor", "--config", str(config)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env=env).stdout
+    assert "[!! ] llama-server " + str(other) + " is llama.cpp 0.4.0-dev" in text
+
+
+def test_doctor_is_quiet_for_the_built_server(tmp_path: Path, llama_server_bin: Path,
+                                              demo_model: Path) -> None:
+    config, _ = write_config(tmp_path, llama_server_bin)
+    r = subprocess.run([*KVROUTE, "doctor", "--json", "--config", str(config)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert json.loads(r.stdout)["llama_server"]["version_warning"] is None
+
+
+@pytest.mark.parametrize("which", ["other", "built"])
+def test_serve_warns_of_another_llama_cpp_at_start(which: str, tmp_path: Path,
+                                                   llama_server_bin: Path,
+                                                   demo_model: Path) -> None:
+    """What `kvroute serve` logs before it starts the backends."""
+    from proxy.cli import _prepare_artifacts
+    from proxy.config.load import load_config
+    from proxy.observability.logging import configure_logging
+
+    other = other_llama_server(tmp_path / "bin")
+    config, _ = write_config(tmp_path, other if which == "other" else llama_server_bin)
+    out = io.StringIO()
+    configure_logging("info", stream=out)
+    try:
+        _prepare_artifacts(load_config(config, check_port=False))
+    finally:
+        configure_logging("info")
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    warned = [e for e in events if e["event"] == "llama_server.version_mismatch"]
+    if which == "built":
+        assert warned == []
+    else:
+        assert [(e["level"], e["source"]) for e in warned] == [("warning", "config")]
+        assert names_both_versions(warned[0]["detail"], other)
