@@ -13,6 +13,9 @@ GPU ?=
 ifneq ($(GPU),)
 export KVROUTE_GPU := $(GPU)
 endif
+# CONFIG=path/to/config.yaml: what `make run` serves (default: ./config.yaml)
+CONFIG ?=
+CONFIG_ARG := $(if $(CONFIG),--config $(CONFIG))
 
 # The real Claude Code CLI, for the end-to-end test (tests/test_claude_code.py, skipped
 # without it; it checks that it runs this version). A native binary in an npm package:
@@ -31,10 +34,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 artifacts: $(STAMP)
-	$(PY) -m backends prepare
+	$(PY) -m backends prepare $(CONFIG_ARG)
 
 run: artifacts
-	$(VENV)/bin/kvroute serve
+	$(VENV)/bin/kvroute serve $(CONFIG_ARG)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check proxy backends loadtest tests
