@@ -1,6 +1,8 @@
 """llama-server backends: obtain the binary and the demo model, run and supervise servers.
 
     binary.py      find or build llama-server; the artifact cache
+    gpu.py         its build variants (cpu, cuda, vulkan): cmake flags, toolchains
+    version.py     which llama.cpp a server and the tokenizer come from
     demo_model.py  synthesise the demo GGUF
     process.py     one llama-server process: spawn, wait_ready, stop
     supervisor.py  all configured backends: start, watch, restart, stop

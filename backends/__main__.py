@@ -53,7 +53,8 @@ def prepare(config_path: Path | None, all_demos: bool = False,
     others = {k: str(ensure_demo_model(params, kind=k)) for k in kinds if k != DEMO}
     return {
         "llama_server": {"path": str(binary.path), "version": binary.version,
-                         "source": binary.source, "gpu": gpu},
+                         "source": binary.source},
+        "gpu": gpu,  # the variant built or looked for in the cache
         "demo_model": {"path": str(model), "kv_bytes_per_token": params.kv_bytes_per_token,
                        "params": params.tag()},
         "other_demo_models": others,
