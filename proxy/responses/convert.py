@@ -21,6 +21,8 @@ insertion-ordered, and so is this: keys keep their place (the template dumps too
   unless they say, and become chat functions; none left -> no `tools`;
 - `max_output_tokens` -> `max_tokens` (a null kept); `reasoning.effort` ->
   `reasoning_effort`.
+
+Errors carry the server's messages, prefixed with the index of the input item at fault.
 """
 
 from __future__ import annotations
@@ -168,7 +170,10 @@ def _add_item(item: Any, messages: list[JSON]) -> None:
         else:
             messages.append({"role": "assistant", "content": [], "reasoning_content": text})
     else:
-        raise PromptError("Cannot determine type of 'item'")
+        raise PromptError("Cannot determine type of 'item' (expected a message with a role "
+                          "-- an assistant's with \"type\": \"message\" -- or a "
+                          "function_call, function_call_output or reasoning item with "
+                          "its fields)")
 
 
 def _tools(tools: Any) -> list[JSON]:
@@ -200,8 +205,11 @@ def responses_to_chat(body: Mapping[str, Any]) -> JSON:
     if isinstance(value, str):
         messages.append({"role": "user", "content": value})
     elif isinstance(value, list):
-        for item in value:
-            _add_item(item, messages)
+        for i, item in enumerate(value):
+            try:
+                _add_item(item, messages)
+            except PromptError as e:
+                raise PromptError(f"input[{i}]: {e}") from None  # (the server names none)
     else:
         raise PromptError("'input' must be a string or array of objects")
     chat["messages"] = messages

@@ -170,7 +170,8 @@ BAD_BODIES: list[Any] = [
     {"input": [{"type": "reasoning", "summary": [], "content": []}]},
     {"input": [{"type": "function_call_output", "call_id": "c", "output": [{"a": 1}]}]},
     {"input": [{"type": "function_call", "name": "f"}]},
-    {"input": "x", "tools": {"type": "function"}}, {"input": "x", "tools": [None, 3]},
+    {"input": "x", "tools": {"type": "function"}},
+    {"input": "x", "tools": [None, 3], "max_output_tokens": 1},
     {"input": "x", "max_output_tokens": "many"}, {"input": "x", "max_output_tokens": 2**40},
     {"input": "x", "previous_response_id": 7}, {"input": "x", "temperature": "hot"},
     {"input": "x", "stream": "yes"}, {"input": "x", "instructions": {"a": 1}, "reasoning": 3,
@@ -235,3 +236,22 @@ async def test_six_turns_reuse_the_previous_prompt_on_one_backend(backend_pool: 
                  "output": words(60, 230 + turn)},
                 {"role": "user", "content": words(15, 240 + turn)}]
     assert len(backends) == 1, backends
+
+
+async def test_the_backends_own_errors_keep_the_openai_shape(backend_pool: Any) -> None:
+    # greedy, so deterministic: a tool-call prefill that the model continues with
+    # gibberish fails llama-server's tool-call parser (a 500 of the server's, not ours)
+    sup = await backend_pool()
+    bad = {"model": "m", "max_output_tokens": 3, "temperature": 0, "tools": TOOLS,
+           "input": [{"role": "user", "content": words(20, 70)},
+                     {"type": "message", "role": "assistant", "content": [
+                         {"type": "output_text", "text": '<tool_call>\n{"name": "shell", '
+                          '"arguments": {"command": "ls"}}\n</tool_call>'}]}]}
+    async with sdk(sup) as (client, _):
+        with pytest.raises(openai.APIStatusError) as e:
+            await client.responses.create(**bad)
+        assert e.value.status_code == 500 and e.value.message
+        stream = await client.responses.create(**bad, stream=True)
+        with pytest.raises(openai.APIError) as err:  # the SDK raises the error event
+            _ = [ev async for ev in stream]
+        assert err.value.message
