@@ -120,6 +120,18 @@ class BackendClient:
             return res
         return Health(ok=res[0] == 200, status=res[0])
 
+    async def models(self) -> list[str] | Failure:
+        """The model ids `/v1/models` lists (any server of the OpenAI API has it)."""
+        data = await self._json("GET", "/v1/models")
+        if isinstance(data, BackendDown | BadResponse):
+            return data
+        rows = data.get("data") if isinstance(data, dict) else None
+        ids = [r["id"] for r in rows if isinstance(r, dict) and isinstance(r.get("id"), str)] \
+            if isinstance(rows, list) else []
+        if not ids:
+            return BadResponse(self.url, 200, str(data)[:500])
+        return ids
+
     async def props(self) -> Props | Failure:
         data = await self._json("GET", "/props")
         if isinstance(data, BackendDown | BadResponse):

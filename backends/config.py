@@ -36,6 +36,12 @@ class ManagedBackendConfig:
     is_demo: bool = False  # model is the demo model (prepare can build it)
 
 
+# what an external backend is
+LLAMA = "llama"
+OPENAI = "openai"
+BACKEND_KINDS = (LLAMA, OPENAI)
+
+
 @dataclass(frozen=True)
 class ExternalBackendConfig:
     name: str
@@ -45,6 +51,13 @@ class ExternalBackendConfig:
     # model kvroute tokenizes for is the one it serves), else EXTERNAL_KV_BYTES
     kv_bytes_per_token: int | None = None
     cache_ram_mib: int = 0  # what the remote was started with, if known
+    # LLAMA: a llama-server (slots pinned by id_slot, /props, /slots). OPENAI: any server
+    # of the OpenAI API (vLLM, SGLang, another kvroute): nothing of llama-server's is
+    # asked or sent; its prefix cache, which it does not describe, is modelled as
+    # `sequences` prompts of up to `ctx` tokens each, least recently used going first
+    kind: str = LLAMA
+    sequences: int = 32
+    ctx: int = 131072
 
 
 BackendConfig = ManagedBackendConfig | ExternalBackendConfig

@@ -35,6 +35,8 @@ from backends.binary import find_llama_server
 from backends.client import BackendClient, BadResponse, Health, Props
 from backends.config import (
     EXTERNAL_KV_BYTES,
+    LLAMA,
+    OPENAI,
     ExternalBackendConfig,
     FleetSpec,
     ManagedBackendConfig,
@@ -63,6 +65,7 @@ class BackendInfo:
     model: str  # model id/alias as /v1/models reports it
     managed: bool
     memory: MemoryKind = DENSE  # what the server can cut its cache back to
+    kind: str = LLAMA  # OPENAI: speaks the OpenAI API only (no id_slot, /slots, /props)
 
 
 C = TypeVar("C", bound=FleetSpec)
@@ -152,6 +155,7 @@ class Supervisor(Generic[C]):
             out.append({
                 "name": b.cfg.name,
                 "managed": b.managed,
+                "kind": b.cfg.kind if isinstance(b.cfg, ExternalBackendConfig) else LLAMA,
                 "state": b.state,
                 "healthy": info is not None,
                 "url": b.url,
@@ -320,6 +324,27 @@ class Supervisor(Generic[C]):
         kv = None if gguf is None else await asyncio.to_thread(gguf_kv_bytes_per_token, gguf)
         return kv or EXTERNAL_KV_BYTES
 
+    async def _probe_openai(self, b: _Backend, client: BackendClient) -> str | None:
+        """A server of the OpenAI API is up while its /v1/models answers (it serves the
+        first model listed); the error, or None."""
+        cfg = b.cfg
+        assert isinstance(cfg, ExternalBackendConfig)
+        models = await client.models()
+        if not isinstance(models, list):
+            key = isinstance(models, BadResponse) and models.status in (401, 403)
+            hint = "check api_key" if key else "is the url the server's root?"
+            return f"/v1/models: {models} (fix: {hint})"
+        if b.info is None:
+            b.info = BackendInfo(
+                name=cfg.name, url=cfg.url, api_key=cfg.api_key, n_slots=cfg.sequences,
+                slot_ctx=cfg.ctx, ram_cache_bytes=0,
+                kv_bytes_per_token=await self._external_kv_bytes(cfg), model=models[0],
+                managed=False, kind=OPENAI)
+            b.ready_since = time.time()
+            self._set(b, "ready")
+            self._notify(cfg.name, b.info)
+        return None
+
     async def _run_external(self, b: _Backend) -> None:
         cfg = b.cfg
         assert isinstance(cfg, ExternalBackendConfig) and self._session is not None
@@ -327,8 +352,9 @@ class Supervisor(Generic[C]):
         b.url = cfg.url
         while not self._stopping:
             error: str | None = None
-            h = await client.health()
-            if not (isinstance(h, Health) and h.ok):
+            if cfg.kind == OPENAI:
+                error = await self._probe_openai(b, client)
+            elif not (isinstance(h := await client.health(), Health) and h.ok):
                 error = f"/health: {h}"
             elif b.info is None:
                 props = await client.props()

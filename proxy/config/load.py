@@ -19,8 +19,11 @@ from typing import Any
 import yaml
 
 from backends.binary import cache_dir as default_cache_dir
+from backends.client import MAX_SLOT_CTX, MAX_SLOTS
 from backends.config import (
+    BACKEND_KINDS,
     EXTERNAL_KV_BYTES,
+    LLAMA,
     BackendConfig,
     ExternalBackendConfig,
     KvDiskConfig,
@@ -127,6 +130,9 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
             kv_bytes_per_token=(sec.get_int("kv_bytes_per_token", EXTERNAL_KV_BYTES)
                                 if sec.has("kv_bytes_per_token") else None),
             cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
+            kind=_kind(sec, where),
+            sequences=sec.get_int("sequences", 32, hi=MAX_SLOTS),
+            ctx=sec.get_int("ctx", 131072, hi=MAX_SLOT_CTX),
         )
         sec.finish([f.name for f in fields(ExternalBackendConfig)])
         return ext
@@ -159,6 +165,15 @@ _HEALTH_ZERO_OFF = frozenset({"stall_timeout_s"})
 _PROXY_OWN = ("host", "port", "policy", "api_keys", "health", "tokenizer")
 # Client API keys may come from the environment, so they need not sit in a file.
 API_KEYS_ENV = "KVROUTE_API_KEYS"
+
+
+def _kind(sec: _Section, where: str) -> str:
+    kind = sec.get_str("kind", LLAMA, "openai")
+    if kind not in BACKEND_KINDS:
+        raise ConfigError(f"{where}kind: expected one of {', '.join(BACKEND_KINDS)}, got "
+                          f"{kind!r} (fix: kind: openai for a server of the OpenAI API only)")
+    assert kind is not None
+    return kind
 
 
 def _proxy_settings(sec: _Section, base: Path) -> ProxySettings:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from backends.config import LLAMA
 from backends.supervisor import BackendInfo
 from proxy.errors import (
     BadRequest,
@@ -35,9 +36,10 @@ from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
 
-# Endpoints whose streams report usage only when asked (`stream_options.include_usage`).
 CHAT_PATH = "/v1/chat/completions"
-_USAGE_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
+# The OpenAI API's endpoints: all that a backend of kind openai serves, and those whose
+# streams report usage only when asked (`stream_options.include_usage`).
+OPENAI_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 
 
 def _wants_usage(body: JSON) -> bool:
@@ -118,6 +120,13 @@ class Forwarder:
             self.backends.values()
         return max((i.slot_ctx for i in infos), default=None)
 
+    def serving(self, path: str) -> frozenset[str] | None:
+        """The backends that serve ``path`` (None: all): any but the OpenAI API's
+        endpoints only on llama-servers."""
+        if path in OPENAI_PATHS or all(b.kind == LLAMA for b in self.backends.values()):
+            return None
+        return frozenset(n for n, b in self.backends.items() if b.kind == LLAMA)
+
     def _room_for(self, n: int) -> str:
         """What to change so that an ``n``-token prompt fits: the next power of two that
         leaves at least 1024 tokens for the answer."""
@@ -185,22 +194,24 @@ class Forwarder:
                     relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
                     extra: JSON, settle: Settle | None,
                     sent: Callable[[Response], None] | None) -> web.StreamResponse:
-        if decision.slot is not None:
+        llama = info.kind == LLAMA
+        if decision.slot is not None and llama:
             extra["id_slot"] = decision.slot
         strip_usage = False
-        if body.get("stream") is True and path in _USAGE_PATHS and not _wants_usage(body):
+        if body.get("stream") is True and path in OPENAI_PATHS and not _wants_usage(body):
             extra["stream_options"] = {"include_usage": True}
             strip_usage = True
         assemble = None if body.get("stream") is True else assembler_for(path, body)
         if assemble is not None:
             # streamed upstream so that a client that leaves stops it (proxy/forwarding/assemble.py)
             extra["stream"] = True
-            if path in _USAGE_PATHS:
+            if path in OPENAI_PATHS:
                 extra["stream_options"] = {"include_usage": True}
-        if path in NATIVE_PATHS and "return_tokens" not in body:
+        if path in NATIVE_PATHS and "return_tokens" not in body and llama:
             extra["return_tokens"] = True  # exact generated ids: the slot holds these
         payload = upstream_payload(raw, body, extra)
-        target = Target(info, decision.slot, decision.predicted_cached, decision.tier)
+        target = Target(info, decision.slot if llama else None, decision.predicted_cached,
+                        decision.tier)
         return await send(self.upstream, request, target, path, payload, outcome,
                           relay=relay, strip_usage=strip_usage, health=self.health,
                           first_byte_timeout=self.first_byte_timeout, assemble=assemble,
@@ -249,6 +260,7 @@ class _Attempt:
         # usual: the model's state stays right); the prediction shown is 0
         self.no_reuse = body.get("cache_prompt") is False
         self.detached: asyncio.Future[web.StreamResponse] | None = None
+        self.among = fw.serving(path)
 
     async def run(self) -> web.StreamResponse:
         self.decision = await self.decide()
@@ -286,16 +298,19 @@ class _Attempt:
         if pending is None:
             tokens: Sequence[int] = self.tokens  # type: ignore[assignment]
             got = self.router.decide(tokens, session=self.hint, now=time.monotonic(),
-                                     defer=True, user_starts=self.user_starts(tokens))
+                                     defer=True, user_starts=self.user_starts(tokens),
+                                     among=self.among)
         else:
             got = self.router.decide(pending.head, session=self.hint, now=time.monotonic(),
                                      n_prompt=pending.n_estimate, defer=True,
-                                     user_starts=self.user_starts(pending.head))
+                                     user_starts=self.user_starts(pending.head),
+                                     among=self.among)
             if isinstance(got, NeedWholePrompt):  # not moved off its history on the head
                 self.tokens = whole = await _whole(pending)
                 self.pending, self.whole = None, True
                 got = self.router.decide(whole, session=self.hint, now=time.monotonic(),
-                                         defer=True, user_starts=self.user_starts(whole))
+                                         defer=True, user_starts=self.user_starts(whole),
+                                         among=self.among)
         if isinstance(got, NoBackend):
             raise _no_backend_error(got)
         assert not isinstance(got, NeedWholePrompt), "only ever for a head"
@@ -388,7 +403,8 @@ class _Attempt:
         if outcome.complete and 0 < outcome.status < 400 and whole:
             self.fw._complete(decision, outcome, check=not self.no_reuse)
         elif whole and outcome.cancelled and outcome.status == 200 \
-                and outcome.first_token_at is None and decision.slot is not None:
+                and outcome.first_token_at is None and decision.slot is not None \
+                and self.info.kind == LLAMA:
             # the client left during the prefill, which llama-server goes on with
             # (it notices only when it writes the first token): the slot is busy until
             # then, and holds what was prefilled

@@ -47,6 +47,7 @@ from typing import Any
 import aiohttp
 
 from backends.client import BackendClient, BackendDown, BadResponse, Health
+from backends.config import LLAMA
 from backends.supervisor import BackendInfo
 from proxy.config.settings import HealthSettings
 from proxy.forwarding.upstream import Response
@@ -122,7 +123,8 @@ class BackendHealth:
         if old is not None and old.stall_probe is not None:
             old.stall_probe.cancel()
         self._cut_waiting(old, "restarted")
-        self.breakers[info.name] = Breaker(info, closed_at=self._now())
+        self.breakers[info.name] = Breaker(info, closed_at=self._now(),
+                                           has_slots=info.kind == LLAMA)
         self._join(info)
 
     def backend_down(self, name: str) -> None:
@@ -198,8 +200,12 @@ class BackendHealth:
                      timeout: float) -> None:
         info = b.info
         client = BackendClient(session, info.url, info.api_key, timeout=timeout)
-        got = await client.health()
-        error = None if isinstance(got, Health) and got.ok else _failed("/health", got)
+        if info.kind == LLAMA:
+            got: object = await client.health()
+            error = None if isinstance(got, Health) and got.ok else _failed("/health", got)
+        else:  # a server of the OpenAI API only: up while it lists its models
+            got = await client.models()
+            error = None if isinstance(got, list) else _failed("/v1/models", got)
         if error is None and b.state == OPEN and b.has_slots:
             error = await self._not_yet(client, b)
         if self.breakers.get(info.name) is not b:

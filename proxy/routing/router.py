@@ -17,7 +17,7 @@ decision ever sees the model without it.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -167,6 +167,7 @@ class Router(QueuedRequests):
         n_prompt: int | None = None,
         defer: bool = False,
         user_starts: tuple[int, ...] = (),
+        among: Collection[str] | None = None,
     ) -> Decision | NoBackend | NeedWholePrompt:
         """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
         native int32 bytes (the tree's format, see proxy/routing/tree/token_bytes.py).
@@ -178,7 +179,9 @@ class Router(QueuedRequests):
         ``defer``: leave the slot model's update to ``place`` (see the module doc).
 
         ``user_starts``: the positions where the server finds a user message starting
-        (it checkpoints there on sliding-window and hybrid models)."""
+        (it checkpoints there on sliding-window and hybrid models).
+
+        ``among``: the backends that may serve it (None: any)."""
         self._apply_unplaced()
         q = to_token_bytes(tokens)
         n = len(q) // 4
@@ -187,10 +190,11 @@ class Router(QueuedRequests):
             n = n_prompt  # type: ignore[assignment]
         if n == 0:
             return NoBackend("empty prompt", "empty")
-        if not self._backends:
+        serving = [b for b in self._backends if among is None or b in among]
+        if not serving:
             return NoBackend("no healthy backend", "unavailable")
         # NOTE: the server needs room for the prompt and at least one generated token
-        names = [b for b, st in self._backends.items() if st.cache.cap.slot_ctx > n]
+        names = [b for b in serving if self._backends[b].cache.cap.slot_ctx > n]
         if not names:
             return NoBackend(
                 f"prompt of {n} tokens exceeds every backend's slot context", "too_long"

@@ -232,9 +232,11 @@ async def infill(request: web.Request) -> web.StreamResponse:
         request, endpoint="infill", path="/infill", raw=raw, body=body, tokens=tokens)
 
 
-def pick_ready(app: web.Application) -> BackendInfo:
-    """Next ready backend, round robin (calls that carry no prefix to route by)."""
-    ready = list(app[BACKENDS].values())
+def pick_ready(app: web.Application, path: str = "") -> BackendInfo:
+    """Next ready backend that serves ``path``, round robin (calls that carry no prefix
+    to route by; no path: a llama-server's own call)."""
+    serving = app[FORWARDER].serving(path)
+    ready = [b for b in app[BACKENDS].values() if serving is None or b.name in serving]
     if not ready:
         raise NoBackendAvailable("no healthy backend", retry_after=1)
     cursor = app[CURSOR]
@@ -246,8 +248,8 @@ async def unrouted(request: web.Request, path: str, raw: bytes,
                    relay: Relay = AS_IS) -> web.StreamResponse:
     """Forward to the next ready backend without prefix routing (no prompt ids)."""
     app = request.app
-    return await app[FORWARDER].passthrough(request, path, pick_ready(app), raw,
-                                            relay=relay, pick=lambda: pick_ready(app))
+    return await app[FORWARDER].passthrough(request, path, pick_ready(app, path), raw,
+                                            relay=relay, pick=lambda: pick_ready(app, path))
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:

@@ -639,3 +639,20 @@ def test_a_freed_slot_goes_to_the_waiter_whose_history_it_holds() -> None:
     assert got == [Handoff(turn.request_id, "a", 0, len(conv))]
     got = r.complete(y, now=2.0)
     assert [(h.request_id, h.slot) for h in got] == [(new.request_id, 1)]
+
+
+def test_a_request_goes_only_among_the_backends_that_serve_it() -> None:
+    """The backend holding the prompt does not serve this request (another kind of
+    server): it goes to one that does, predicted from what that one holds; none: no
+    backend."""
+    r = Router("prefix")
+    for name in ("a", "b"):
+        r.add_backend(BackendCapacity(name, 2, 4096, 0, 1024))
+    prompt = list(range(100, 400))
+    first = r.decide(prompt, among={"a"})
+    assert isinstance(first, Decision) and first.backend == "a"
+    r.complete(first, output_tokens=[], reported_cached=0, now=1.0)
+    again = r.decide(prompt, among={"b"}, now=2.0)
+    assert isinstance(again, Decision) and again.backend == "b"
+    assert again.predicted_cached == 0
+    assert isinstance(r.decide(prompt, among=frozenset(), now=3.0), NoBackend)
