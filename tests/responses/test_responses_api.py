@@ -76,6 +76,11 @@ async def test_plain_and_streamed(backend_pool: Any) -> None:
         # and through the SDK's stream helper (output_index, content_index, ...)
         async with client.responses.stream(**req) as helper:
             final = await helper.get_final_response()
+        # a longer answer is streamed from the backend and assembled (a client that
+        # leaves stops it): the same Responses body comes back
+        long = await client.responses.create(**{**req, "max_output_tokens": 48})
+        assert long.object == "response" and long.usage.input_tokens == n
+        assert long.output_text and 0 < long.usage.output_tokens <= 48
     types = [e.type for e in events]
     assert types[:4] == ["response.created", "response.in_progress",
                          "response.output_item.added", "response.content_part.added"]
