@@ -182,6 +182,15 @@ BAD_BODIES: list[Any] = [
     {"input": "x", "stream": "yes"}, {"input": "x", "instructions": {"a": 1}, "reasoning": 3,
                                        "max_output_tokens": 1},
     {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+    {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+    {"input": [{"type": "message", "role": "assistant",
+                "content": [{"type": "refusal", "refusal": "no"}]}]},
+    {"input": [{"type": "function_call_output", "call_id": "c",
+                "output": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]},
+    {"input": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"},
+     "max_output_tokens": 1},
+    {"input": "x", "max_output_tokens": 0}, {"input": "x", "id_slot": 99,
+                                             "max_output_tokens": 1},
     [], "just a string",
 ]
 

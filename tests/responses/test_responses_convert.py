@@ -9,6 +9,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.errors import BadRequest
 from proxy.prompt.chat_request import PromptError
@@ -145,3 +147,28 @@ def test_upstream_body_and_refused_state() -> None:
         with pytest.raises(BadRequest) as e:
             chat_body({"input": "hi", **body})
         assert says in e.value.message
+
+
+# any JSON, biased towards the keys and values the converter looks at
+_KEYS = st.sampled_from(["input", "instructions", "tools", "type", "role", "content",
+                         "text", "call_id", "name", "arguments", "output", "summary",
+                         "reasoning", "effort", "max_output_tokens", "image_url", "strict",
+                         "previous_response_id", "conversation", "stream", "refusal"])
+_VALUES = st.sampled_from(["message", "assistant", "user", "developer", "function_call",
+                           "function_call_output", "reasoning", "input_text", "output_text",
+                           "input_image", "refusal", "function", ""])
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=5) | _VALUES,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_KEYS, inner, max_size=5),
+    max_leaves=30)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(_KEYS, _JSON, max_size=6))
+def test_any_body_converts_or_is_refused_clearly(body: dict[str, Any]) -> None:
+    try:
+        chat = chat_body(body)
+    except BadRequest as e:
+        assert e.status == 400 and e.message
+        return
+    assert isinstance(chat["messages"], list)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai import omit
 from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
@@ -120,3 +122,23 @@ def test_body_with_reasoning_and_tool_calls() -> None:
     assert resp.usage.input_tokens == 50 and resp.usage.output_tokens == 7
     assert resp.usage.input_tokens_details.cached_tokens == 40
     assert ResponsesRelay("m").body({"choices": "junk"}) is not None  # never raises
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
+        ["choices", "delta", "message", "content", "reasoning_content", "tool_calls",
+         "index", "id", "function", "name", "arguments", "usage", "timings", "model",
+         "prompt_tokens", "cache_n", "completion_tokens"]), inner, max_size=4),
+    max_leaves=25)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(["choices", "usage", "timings", "model"]),
+                                _JSON, max_size=4), max_size=5))
+def test_an_external_backends_odd_chunks_never_break_the_relay(chunks: list[Any]) -> None:
+    relay = ResponsesRelay("m")
+    for c in chunks:
+        relay.event(c)
+        relay.body(c)
+    assert _events(relay.done() or [])[-1]["type"] == "response.completed"
