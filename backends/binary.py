@@ -39,6 +39,7 @@ from backends.gpu import (
     missing_toolchain,
     requested_gpu,
     version_stamp,
+    vulkan_headers_problem,
 )
 
 # NOTE: used only when llama-cpp-python is not installed (e.g. doctor in a broken venv);
@@ -222,6 +223,9 @@ def _configure(build: Path, gpu: str, progress: Progress, log: Path) -> None:
     compiler = find_toolchain(gpu)
     if gpu != "cpu" and compiler is None:
         raise BinaryError(missing_toolchain(gpu))  # before any download: fail at once
+    headers = vulkan_headers_problem() if gpu == "vulkan" else None
+    if headers:
+        raise BinaryError(f"a vulkan build of llama-server (GPU=vulkan): {headers}")
     source = llama_cpp_source(progress) / "vendor" / "llama.cpp"
     cmd = cmake_configure_command(source, build, gpu, compiler, os.environ.get("CUDAARCHS"))
     # cmake leaves a cache and even Makefiles behind when configuring fails: only this

@@ -10,6 +10,7 @@ The variant comes from ``--gpu`` (``python -m backends prepare``), else ``$KVROU
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,11 @@ CMAKE_FLAGS = (
 # where the CUDA toolkit installs when it is not on PATH (CMake's FindCUDAToolkit looks
 # there too)
 CUDA_ROOTS = ("/usr/local/cuda", "/opt/cuda")
+
+# The pinned tree's ggml-vulkan.cpp uses this extension's types (vk::LayerSettingEXT):
+# older Vulkan headers (Debian 12's, header version 239) fail to compile it
+VULKAN_HEADER_NEEDS = "VK_EXT_layer_settings"
+VULKAN_INCLUDE_DIRS = ("/usr/include", "/usr/local/include")
 
 Which = Callable[..., str | None]  # shutil.which
 
@@ -124,3 +130,27 @@ def missing_toolchain(gpu: str) -> str:
     needs, fix = _MISSING[gpu]
     return (f"a {gpu} build of llama-server (GPU={gpu}) needs {needs} "
             f"(fix: {fix}; or leave GPU unset for the CPU build)")
+
+
+def vulkan_headers_problem(env: Mapping[str, str] | None = None,
+                           include_dirs: Sequence[str] = VULKAN_INCLUDE_DIRS) -> str | None:
+    """Why the first Vulkan headers found ($VULKAN_SDK/include, then the system's) cannot
+    compile the pinned tree, or None: they can, or none are found there (CMake then says
+    what it misses). Checked before a build that would fail minutes in."""
+    env = os.environ if env is None else env
+    sdk = [str(Path(env["VULKAN_SDK"]) / "include")] if env.get("VULKAN_SDK") else []
+    for root in (*sdk, *include_dirs):
+        header = Path(root) / "vulkan" / "vulkan_core.h"
+        if not header.is_file():
+            continue
+        text = header.read_text(errors="replace")
+        if VULKAN_HEADER_NEEDS in text:
+            return None
+        version = re.search(r"#define VK_HEADER_VERSION (\d+)", text)
+        return (f"the Vulkan headers in {header.parent} (header version "
+                f"{version.group(1) if version else 'unknown'}) lack {VULKAN_HEADER_NEEDS}, "
+                "which this llama.cpp uses (fix: install the Vulkan SDK "
+                "(https://vulkan.lunarg.com/sdk/home) and source its setup-env.sh, or the "
+                "libvulkan-dev of a newer distribution, e.g. Ubuntu 24.04)")
+    return None
+

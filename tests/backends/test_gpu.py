@@ -12,15 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from backends.binary import BinaryError, ensure_llama_server, find_llama_server, gpu_variant
+from backends.binary import (
+    BinaryError,
+    ensure_llama_server,
+    find_llama_server,
+    gpu_variant,
+    llama_cpp_source,
+)
 from backends.gpu import (
     CMAKE_FLAGS,
+    VULKAN_HEADER_NEEDS,
     binary_path,
     build_dir,
     cmake_configure_command,
     find_toolchain,
     missing_toolchain,
     version_stamp,
+    vulkan_headers_problem,
 )
 
 SRC, BUILD = Path("/src/llama.cpp"), Path("/cache/build-x")
@@ -165,3 +173,33 @@ def test_a_cached_variant_is_found_and_leaves_the_others_alone(bare_machine: Pat
     assert found.version.endswith("commit 0c1e570)")
     assert find_llama_server(gpu="cpu") is None  # the CPU build is another file
     assert ensure_llama_server(gpu="cuda").path == cuda  # cached: nothing is built
+
+
+def _vulkan_header(root: Path, version: int, extensions: str) -> Path:
+    header = root / "vulkan" / "vulkan_core.h"
+    header.parent.mkdir(parents=True)
+    header.write_text(f"#define VK_HEADER_VERSION {version}\n{extensions}\n")
+    return header
+
+
+def test_vulkan_headers_too_old_for_the_tree_are_named(tmp_path: Path) -> None:
+    """Debian 12's libvulkan-dev (header version 239) fails to compile ggml-vulkan.cpp
+    minutes into the build: this says so before it starts."""
+    old = _vulkan_header(tmp_path / "old", 239, "#define VK_EXT_debug_utils 1")
+    new = _vulkan_header(tmp_path / "sdk" / "include", 283, f"#define {VULKAN_HEADER_NEEDS} 1")
+    problem = vulkan_headers_problem({}, include_dirs=[str(tmp_path / "old")])
+    assert problem is not None
+    assert all(s in problem for s in (str(old.parent), "239", VULKAN_HEADER_NEEDS,
+                                      "Vulkan SDK", "Ubuntu 24.04"))
+    # the SDK's headers come first, as they do for CMake once setup-env.sh is sourced
+    sdk = {"VULKAN_SDK": str(tmp_path / "sdk")}
+    assert vulkan_headers_problem(sdk, include_dirs=[str(tmp_path / "old")]) is None
+    assert new.is_file()
+    assert vulkan_headers_problem({}, include_dirs=[str(tmp_path / "none")]) is None
+
+
+def test_the_pinned_tree_uses_what_the_header_check_asks_for() -> None:
+    source = llama_cpp_source() / "vendor" / "llama.cpp" / "ggml" / "src" / "ggml-vulkan"
+    text = (source / "ggml-vulkan.cpp").read_text(errors="replace")
+    assert VULKAN_HEADER_NEEDS in text and "vk::LayerSettingEXT" in text
+
