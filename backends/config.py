@@ -30,7 +30,8 @@ class ManagedBackendConfig:
     ctx_per_slot: int = 8192  # -c is slots * ctx_per_slot
     threads: int = 1
     cache_ram_mib: int = 1024  # --cache-ram; 0 disables the host-RAM prompt cache
-    alias: str | None = None  # -a: the model id /v1/models reports
+    alias: str | None = None  # -a: the model id /v1/models reports, its pool's name
+    aliases: tuple[str, ...] = ()  # more names clients may send for its pool
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     is_demo: bool = False  # model is the demo model (prepare can build it)
@@ -58,6 +59,9 @@ class ExternalBackendConfig:
     kind: str = LLAMA
     sequences: int = 32
     ctx: int = 131072
+    # the pool it serves (the model name clients send); None: the first pool
+    alias: str | None = None
+    aliases: tuple[str, ...] = ()
 
 
 BackendConfig = ManagedBackendConfig | ExternalBackendConfig

@@ -26,10 +26,10 @@ from typing import TypeVar
 import aiohttp
 from aiohttp import web
 
-from backends.config import ManagedBackendConfig
 from backends.supervisor import BackendInfo, Supervisor
 from proxy.anthropic import routes as anthropic
 from proxy.config.load import Config
+from proxy.config.pools import PoolSpec
 from proxy.config.settings import ProxySettings
 from proxy.errors import (
     RESPONSE_STARTED,
@@ -63,11 +63,13 @@ from proxy.server.keys import (
     FORWARDER,
     HEALTH,
     METRICS,
+    POOLS,
     ROUTER,
     SETTINGS,
     SUPERVISOR,
     TOKENIZING,
 )
+from proxy.server.pools import Pool, Pools
 from proxy.server.tokenizing import Tokenizing
 
 T = TypeVar("T")
@@ -85,11 +87,16 @@ def create_app(config: Config, supervisor: Supervisor,
     app[SUPERVISOR] = supervisor
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
-    app[BACKENDS] = {}
-    app[CURSOR] = [0]
-    app[ROUTER] = Router(config.proxy.policy, settings=config.routing.router_settings())
-    app[HEALTH] = BackendHealth(app[ROUTER], app[BACKENDS], app[METRICS], settings.health,
-                                get_logger())
+    pools = []
+    for spec in config.pools():
+        router = Router(config.proxy.policy, settings=config.routing.router_settings())
+        routable: dict[str, BackendInfo] = {}
+        pools.append(Pool(spec, router, routable, BackendHealth(
+            router, routable, app[METRICS], settings.health, get_logger())))
+    app[POOLS] = Pools(pools)
+    first = app[POOLS].first
+    app[BACKENDS], app[CURSOR], app[ROUTER], app[HEALTH] = (
+        first.backends, first.cursor, first.router, first.health)
     app[ADMISSION] = Admission(settings.max_in_flight, settings.max_queue,
                                settings.queue_timeout_s)
     app.cleanup_ctx.append(_prompt_ctx)
@@ -101,35 +108,39 @@ def create_app(config: Config, supervisor: Supervisor,
     return app
 
 
-def tokenizer_model(config: Config) -> tuple[Path, str | None] | None:
-    """The GGUF (and `--chat-template-file` text, if any) the proxy tokenizes with.
-
-    Every backend serves the same model (one tree is shared across them), so the first
-    managed backend's is it. External-only setups have none: requests are then
-    balanced round robin without prefix routing.
-    """
-    for b in config.backends:
-        if isinstance(b, ManagedBackendConfig):
-            args = list(b.extra_args)
-            template = None
-            if "--chat-template-file" in args[:-1]:
-                template = Path(args[args.index("--chat-template-file") + 1]).read_text()
-            return b.model, template
-    return None
+def tokenizer_model(config: Config, spec: PoolSpec | None = None
+                    ) -> tuple[Path, str | None] | None:
+    """The GGUF (and `--chat-template-file` text, if any) a pool (default: the first) is
+    tokenized with: its first managed backend's. A pool of external backends has none:
+    its requests get their ids from a backend, or `proxy.tokenizer` for the first pool."""
+    spec = spec or config.pools()[0]
+    b = spec.managed
+    if b is None:
+        return None
+    args = list(b.extra_args)
+    template = None
+    if "--chat-template-file" in args[:-1]:
+        template = Path(args[args.index("--chat-template-file") + 1]).read_text()
+    return b.model, template
 
 
 async def _prompt_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    found = ((settings.tokenizer, None) if settings.tokenizer is not None
-             else tokenizer_model(app[CONFIG]))
-    tok = Tokenizing(None, settings.inline_tokenize_bytes)
-    if found is not None:
-        path, template = found
-        tok.prompt = await asyncio.get_running_loop().run_in_executor(
-            tok.pool, lambda: PromptBuilder.load(path, chat_template=template))
-    app[TOKENIZING] = tok
+    loop = asyncio.get_running_loop()
+    for pool in app[POOLS]:
+        found = ((settings.tokenizer, None)
+                 if settings.tokenizer is not None and pool is app[POOLS].first
+                 else tokenizer_model(app[CONFIG], pool.spec))
+        tok = Tokenizing(None, settings.inline_tokenize_bytes)
+        if found is not None:
+            path, template = found
+            tok.prompt = await loop.run_in_executor(
+                tok.pool, lambda p=path, t=template: PromptBuilder.load(p, chat_template=t))
+        pool.tokenizing = tok
+    app[TOKENIZING] = app[POOLS].first.tok
     yield
-    tok.pool.shutdown(wait=False, cancel_futures=True)
+    for pool in app[POOLS]:
+        pool.tok.pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -145,59 +156,66 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=4),
                                     cookie_jar=aiohttp.DummyCookieJar())
     recorder = Recorder(app[METRICS], get_logger())
-    app[FORWARDER] = Forwarder(upstream, app[ROUTER], app[BACKENDS], recorder,
-                               app[TOKENIZING].output_tokens, app[HEALTH],
-                               max_attempts=s.retry_attempts,
-                               first_byte_timeout=s.first_byte_timeout_s,
-                               log_prompts=s.log_prompts, session=session)
-    prompt = app[TOKENIZING].prompt
-    if prompt is not None:
-        delimiters = prompt.message_delimiters
-        app[FORWARDER].user_starts = lambda ids: user_starts(ids, delimiters)
-    app[TOKENIZING].remote = BackendTokens(
-        session, lambda: handlers.pick_ready(app),
-        lambda reason: app[METRICS].child(app[METRICS].tokens_from_backend, reason).inc())
+    metrics = app[METRICS]
     kv_disk = app[CONFIG].kv_disk
-    if kv_disk is not None:
-        metrics = app[METRICS]
-        app[FORWARDER].slot_store = SlotStore(
-            kv_disk, session, app[ROUTER],
-            lambda event: metrics.child(metrics.slot_files, event).inc())
-    prober = asyncio.create_task(app[HEALTH].run(session), name="kvroute-health")
+    pools = app[POOLS]
+    store = None if kv_disk is None else SlotStore(
+        kv_disk, session, [p.router for p in pools],
+        lambda event: metrics.child(metrics.slot_files, event).inc(),
+        router_of=lambda name: None if (p := pools.of_backend(name)) is None else p.router)
+    for pool in pools:
+        pool.forwarder = fw = Forwarder(
+            upstream, pool.router, pool.backends, recorder, pool.tok.output_tokens,
+            pool.health, max_attempts=s.retry_attempts,
+            first_byte_timeout=s.first_byte_timeout_s, log_prompts=s.log_prompts,
+            session=session)
+        prompt = pool.tok.prompt
+        if prompt is not None:
+            fw.user_starts = lambda ids, d=prompt.message_delimiters: user_starts(ids, d)
+        pool.tok.remote = BackendTokens(
+            session, lambda p=pool: handlers.pick_ready(p),
+            lambda reason: metrics.child(metrics.tokens_from_backend, reason).inc())
+        fw.slot_store = store
+    app[FORWARDER] = pools.first.fw
+    probers = [asyncio.create_task(p.health.run(session), name=f"kvroute-health-{i}")
+               for i, p in enumerate(pools)]
     yield
-    if app[FORWARDER].slot_store is not None:
-        await app[FORWARDER].slot_store.close()
-    prober.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await prober
-    await app[FORWARDER].close()
+    if store is not None:
+        await store.close()
+    for prober in probers:
+        prober.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await prober
+    for pool in pools:
+        await pool.fw.close()
     await session.close()
     await upstream.close()
 
 
 async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
-    supervisor, health, tokenizing = app[SUPERVISOR], app[HEALTH], app[TOKENIZING]
+    supervisor, pools = app[SUPERVISOR], app[POOLS]
     active = True
     checks: set[asyncio.Task[None]] = set()
 
     store = app[FORWARDER].slot_store
 
     def on_event(name: str, info: BackendInfo | None) -> None:
-        if not active:
+        pool = pools.of_backend(name)
+        if not active or pool is None:
             return
         if info is None:
-            health.backend_down(name)
+            pool.health.backend_down(name)
             return
         if store is not None and info.managed:
             # what the process just loaded: only files of that model are restored into it
             cfg = next((b for b in app[CONFIG].managed() if b.name == info.name), None)
             store.backend_ready(info.name, model_identity(cfg) if cfg is not None else None)
         if store is not None and info.managed and store.has(info.name):
-            background(_restored_up(app, info))  # its saved slots first
+            background(_restored_up(app, pool, info))  # its saved slots first
         else:
-            health.backend_up(info)
+            pool.health.backend_up(info)
         # is the local template the backend's? (once per backend URL)
-        background(tokenizing.check(info))
+        background(pool.tok.check(info))
 
     def background(work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
@@ -213,7 +231,7 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
 
 
-async def _restored_up(app: web.Application, info: BackendInfo) -> None:
+async def _restored_up(app: web.Application, pool: Pool, info: BackendInfo) -> None:
     """A restarted backend: restore its saved slots, then route to it, holding them."""
     store = app[FORWARDER].slot_store
     assert store is not None
@@ -226,9 +244,9 @@ async def _restored_up(app: web.Application, info: BackendInfo) -> None:
         restored = []
     if info not in app[SUPERVISOR].ready():  # it went down again meanwhile
         return
-    app[HEALTH].backend_up(info)
+    pool.health.backend_up(info)
     for slot, tokens in restored:
-        app[ROUTER].seed(info.name, slot, tokens)
+        pool.router.seed(info.name, slot, tokens)
 
 
 @web.middleware

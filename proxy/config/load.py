@@ -38,6 +38,7 @@ from proxy.config.fields import (  # ConfigError is re-exported: imported from h
     _Section,
     _show,
 )
+from proxy.config.pools import PoolSpec, derive_pools
 from proxy.config.settings import HealthSettings, ProxySettings
 from proxy.routing.policy import POLICIES
 from proxy.routing.settings import RouterSettings
@@ -80,6 +81,9 @@ class Config:
 
     def managed(self) -> tuple[ManagedBackendConfig, ...]:
         return tuple(b for b in self.backends if isinstance(b, ManagedBackendConfig))
+
+    def pools(self) -> tuple[PoolSpec, ...]:
+        return derive_pools(self.backends)
 
     @property
     def tokenizer(self) -> Path | None:
@@ -133,6 +137,8 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
             kind=_kind(sec, where),
             sequences=sec.get_int("sequences", 32, hi=MAX_SLOTS),
             ctx=sec.get_int("ctx", 131072, hi=MAX_SLOT_CTX),
+            alias=sec.get_str("alias", None, "my-model"),
+            aliases=sec.get_str_list("aliases"),
         )
         sec.finish([f.name for f in fields(ExternalBackendConfig)])
         return ext
@@ -153,6 +159,7 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
         threads=sec.get_int("threads", d.threads),
         cache_ram_mib=sec.get_int("cache_ram_mib", d.cache_ram_mib, lo=0),
         alias=sec.get_str("alias", f"kvroute-{model_raw}" if is_demo else None, "my-model"),
+        aliases=sec.get_str_list("aliases"),
         extra_args=sec.get_str_list("extra_args"),
         env=sec.get_str_map("env"),
     )
@@ -268,6 +275,7 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
     )
     top.finish([f.name for f in fields(Config)
                 if f.name not in ("cache_dir", "source")])
+    derive_pools(backends)  # (a pool of two GGUFs is refused here, before anything starts)
     return cfg
 
 

@@ -47,7 +47,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,9 +107,16 @@ class Saved:
 
 
 class SlotStore:
-    def __init__(self, cfg: KvDiskConfig, session: aiohttp.ClientSession, router: Router,
-                 counted: Callable[[str], None]) -> None:
-        self.cfg, self.session, self.router, self.counted = cfg, session, router, counted
+    """The files of one directory, for the routers of every model pool: ``routers``, and
+    ``router_of`` a backend (the one router, given alone)."""
+
+    def __init__(self, cfg: KvDiskConfig, session: aiohttp.ClientSession,
+                 routers: Router | Sequence[Router], counted: Callable[[str], None],
+                 router_of: Callable[[str], Router | None] | None = None) -> None:
+        self.cfg, self.session, self.counted = cfg, session, counted
+        self.routers = [routers] if isinstance(routers, Router) else list(routers)
+        only = self.routers[0] if len(self.routers) == 1 else None
+        self.router_of = router_of or (lambda _: only)
         self.log = structlog.get_logger()
         self._writing: set[str] = set()  # files a save in flight may be writing
         self.saved: dict[int, Saved] = self._load()
@@ -145,10 +152,16 @@ class SlotStore:
         if self._offered.get(e.id) == where:
             return
         self._offered[e.id] = where
-        if where:
-            self.router.disk_add(e.id, e.file, e.tokens, where)
-        else:
-            self.router.disk_drop(e.id)
+        for r in self.routers:
+            mine = frozenset(n for n in where if self.router_of(n) is r)
+            if mine:
+                r.disk_add(e.id, e.file, e.tokens, mine)
+            else:
+                r.disk_drop(e.id)
+
+    def _held(self, backend: str, slot: int) -> bytes | None:
+        r = self.router_of(backend)
+        return None if r is None else r.held(backend, slot)
 
     # ------------------------------------------------------------------ saving
     def note(self, info: BackendInfo, slot: int) -> None:
@@ -159,7 +172,7 @@ class SlotStore:
             return
         key = (info.name, slot)
         self._cancel_pending(key)
-        tokens = self.router.held(info.name, slot)
+        tokens = self._held(info.name, slot)
         if tokens is None:  # (handed to a queued request already)
             self._unsaved.pop(key, None)
         else:
@@ -176,12 +189,12 @@ class SlotStore:
 
     async def _save_when_idle(self, info: BackendInfo, slot: int) -> None:
         await asyncio.sleep(self.cfg.save_after_idle_s)
-        tokens = self.router.held(info.name, slot)
+        tokens = self._held(info.name, slot)
         if tokens is not None:
             # the slot must still hold it after the save: a turn that started meanwhile
             # on it would make the record wrong
             await self._save(info, slot, tokens,
-                             lambda: self.router.held(info.name, slot) == tokens)
+                             lambda: self._held(info.name, slot) == tokens)
 
     async def spill(self, info: BackendInfo, slot: int, keeps: int) -> None:
         """A request is about to be sent to ``info``'s ``slot``, reusing its first
@@ -324,7 +337,8 @@ class SlotStore:
         entry = self.saved.pop(entry_id, None)
         self._offered.pop(entry_id, None)
         self._strikes.pop(entry_id, None)
-        self.router.disk_drop(entry_id)
+        for r in self.routers:
+            r.disk_drop(entry_id)
         if entry is not None:
             self._unlink(entry.file)
 

@@ -36,8 +36,7 @@ from proxy.prompt.chat_request import PromptError
 from proxy.responses.convert import responses_to_chat
 from proxy.responses.relay import ResponsesRelay
 from proxy.server.backend_tokens import NoBackendIds
-from proxy.server.handlers import check_model, prompt_for, read_json, tokens_for, unrouted
-from proxy.server.keys import FORWARDER, TOKENIZING
+from proxy.server.handlers import pool_for, prompt_for, read_json, tokens_for, unrouted
 from proxy.server.validate import check_fields
 
 _STATELESS = ("kvroute keeps no responses (nor does llama-server): send the whole "
@@ -103,15 +102,15 @@ def _payload(chat: JSON) -> bytes:
 async def responses(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     chat = chat_body(body)
-    check_model(request, body)
-    prompt = request.app[TOKENIZING].prompt
+    pool = pool_for(request, body)
+    prompt = pool.tok.prompt
     plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
-    tokens = await prompt_for(request, raw, chat, plan)
+    tokens = await prompt_for(pool, raw, chat, plan)
     payload = _payload(chat)
     relay = ResponsesRelay(body["model"] if isinstance(body.get("model"), str) else "")
     if tokens is None:  # no backend can give the ids, none refused the request
-        return await unrouted(request, "/v1/chat/completions", payload, relay)
-    return await request.app[FORWARDER].routed(
+        return await unrouted(request, pool, "/v1/chat/completions", payload, relay)
+    return await pool.fw.routed(
         request, endpoint="responses", path="/v1/chat/completions", raw=payload,
         body=chat, tokens=tokens, relay=relay)
 
@@ -119,12 +118,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def input_tokens(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     chat = chat_body(body)
-    prompt = request.app[TOKENIZING].prompt
+    pool = pool_for(request, body)
+    prompt = pool.tok.prompt
     plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
     try:
-        tokens = await tokens_for(request, raw, chat, plan)
+        tokens = await tokens_for(pool, raw, chat, plan)
     except NoBackendIds:  # the backend counts them itself
-        return await unrouted(request, "/v1/responses/input_tokens", raw)
+        return await unrouted(request, pool, "/v1/responses/input_tokens", raw)
     return web.json_response({"input_tokens": len(tokens),
                               "object": "response.input_tokens"})
 

@@ -36,17 +36,16 @@ from proxy.server.backend_metrics import scrape
 from proxy.server.backend_tokens import NO_TOKENIZER, NoBackendIds
 from proxy.server.keys import (
     ADMISSION,
-    BACKENDS,
     CONFIG,
-    CURSOR,
     FORWARDER,
-    HEALTH,
     METRICS,
+    POOLS,
     ROUTER,
     SETTINGS,
     SUPERVISOR,
     TOKENIZING,
 )
+from proxy.server.pools import Pool
 from proxy.server.validate import check_fields, check_forwarded, check_messages
 
 if TYPE_CHECKING:
@@ -128,27 +127,22 @@ async def read_json(request: web.Request) -> tuple[bytes, JSON]:
     return raw, body
 
 
-def check_model(request: web.Request, body: JSON) -> None:
-    """404 for an OpenAI `model` that no backend serves (when `strict_models`)."""
-    model = body.get("model")
-    if not model or not request.app[SETTINGS].strict_models:
-        return
-    served = {b.info.model for b in request.app[HEALTH].breakers.values()}
-    if served and model not in served:
-        raise NotFound(f"model {str(model)[:100]!r} does not exist; available: "
-                       f"{', '.join(sorted(served))}", code="model_not_found")
+def pool_for(request: web.Request, body: JSON) -> Pool:
+    """The model pool the body's `model` names (see `Pools.for_model`; with one pool,
+    `strict_models` makes a name it does not serve a 404 too)."""
+    return request.app[POOLS].for_model(body.get("model"), request.app[SETTINGS].strict_models)
 
 
-async def tokens_for(request: web.Request, raw: bytes, body: JSON,
+async def tokens_for(pool: Pool, raw: bytes, body: JSON,
                      plan: Callable[[], Plan] | None) -> array:
     """Exact prompt ids of a chat body (`plan`: `PromptBuilder.plan_chat`, None without a
     local tokenizer): see `Tokenizing.chat`."""
-    got = await request.app[TOKENIZING].chat(len(raw), body, plan)
+    got = await pool.tok.chat(len(raw), body, plan)
     assert not isinstance(got, PendingPrompt)
     return got
 
 
-async def prompt_for(request: web.Request, raw: bytes, body: JSON,
+async def prompt_for(pool: Pool, raw: bytes, body: JSON,
                      plan: Callable[[], Plan] | None, *, parsed: bool = False
                      ) -> array | PendingPrompt | None:
     """`tokens_for`, or the head of the prompt to route on while the rest is tokenized
@@ -156,8 +150,8 @@ async def prompt_for(request: web.Request, raw: bytes, body: JSON,
     request (then it is served unrouted). ``parsed``: ``body`` is ``raw`` parsed, so a
     backend asked for the ids gets ``raw`` as it is."""
     try:
-        return await request.app[TOKENIZING].chat(len(raw), body, plan, head=True,
-                                                  raw=raw if parsed else None)
+        return await pool.tok.chat(len(raw), body, plan, head=True,
+                                   raw=raw if parsed else None)
     except NoBackendIds:
         return None
 
@@ -167,13 +161,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     check_messages(body, request.app[SETTINGS].max_messages)
     check_fields(body)
-    check_model(request, body)
-    prompt = request.app[TOKENIZING].prompt
+    pool = pool_for(request, body)
+    prompt = pool.tok.prompt
     plan = None if prompt is None else (lambda: prompt.plan_chat(body))
-    tokens = await prompt_for(request, raw, body, plan, parsed=True)
+    tokens = await prompt_for(pool, raw, body, plan, parsed=True)
     if tokens is None:
-        return await unrouted(request, "/v1/chat/completions", raw)
-    return await request.app[FORWARDER].routed(
+        return await unrouted(request, pool, "/v1/chat/completions", raw)
+    return await pool.fw.routed(
         request, endpoint="chat", path="/v1/chat/completions", raw=raw, body=body,
         tokens=tokens)
 
@@ -191,20 +185,19 @@ async def _completion(request: web.Request, path: str, endpoint: str) -> web.Str
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", code="missing_prompt")
     check_fields(body, chat=False)
-    if endpoint == "completions":
-        check_model(request, body)
-    tok = request.app[TOKENIZING]
+    pool = pool_for(request, body)
+    tok = pool.tok
     prompt = tok.prompt
     if prompt is None:
         if not isinstance(body["prompt"], str) or tok.remote is None:
-            return await unrouted(request, path, raw)  # (several prompts: the server's)
+            return await unrouted(request, pool, path, raw)  # (several prompts: the server's)
         tokens = await tok.remote.completion(body["prompt"], NO_TOKENIZER)
     else:
         try:
             tokens = await tok.run(len(raw), lambda: prompt.completion_ids(body["prompt"]))
         except PromptError as e:
             raise BadRequest(str(e)) from None
-    return await request.app[FORWARDER].routed(
+    return await pool.fw.routed(
         request, endpoint=endpoint, path=path, raw=raw, body=body, tokens=tokens)
 
 
@@ -214,64 +207,66 @@ async def infill(request: web.Request) -> web.StreamResponse:
     with one that has no FIM tokens, a backend answers it as it would (its own 501)."""
     raw, body = await read_json(request)
     check_fields(body, chat=False)
-    prompt = request.app[TOKENIZING].prompt
+    pool = pool_for(request, body)
+    prompt = pool.tok.prompt
     if prompt is None or fim_missing(prompt.tokenizer):
-        return await unrouted(request, "/infill", raw)
+        return await unrouted(request, pool, "/infill", raw)
     args = {b.name: b.extra_args for b in request.app[CONFIG].backends
             if isinstance(b, ManagedBackendConfig)}
     shape = common_shape(server_shape(b.memory.n_batch, b.slot_ctx, args.get(b.name, ()))
-                         for b in request.app[BACKENDS].values())
+                         for b in pool.backends.values())
     try:
-        tokens = await request.app[TOKENIZING].run(
-            len(raw), lambda: infill_ids(prompt.tokenizer, body, shape))
+        tokens = await pool.tok.run(len(raw), lambda: infill_ids(prompt.tokenizer, body, shape))
     except InfillUnmodelled:
-        return await unrouted(request, "/infill", raw)
+        return await unrouted(request, pool, "/infill", raw)
     except PromptError as e:
         raise BadRequest(str(e)) from None
-    return await request.app[FORWARDER].routed(
+    return await pool.fw.routed(
         request, endpoint="infill", path="/infill", raw=raw, body=body, tokens=tokens)
 
 
-def pick_ready(app: web.Application, path: str = "") -> BackendInfo:
-    """Next ready backend that serves ``path``, round robin (calls that carry no prefix
-    to route by; no path: a llama-server's own call)."""
-    serving = app[FORWARDER].serving(path)
-    ready = [b for b in app[BACKENDS].values() if serving is None or b.name in serving]
+def pick_ready(pool: Pool, path: str = "") -> BackendInfo:
+    """Next ready backend of ``pool`` that serves ``path``, round robin (calls that carry
+    no prefix to route by; no path: a llama-server's own call)."""
+    serving = pool.fw.serving(path)
+    ready = [b for b in pool.backends.values() if serving is None or b.name in serving]
     if not ready:
-        raise NoBackendAvailable("no healthy backend", retry_after=1)
-    cursor = app[CURSOR]
-    cursor[0] += 1
-    return ready[cursor[0] % len(ready)]
+        raise NoBackendAvailable(f"no healthy backend for {pool.spec.name or 'the model'}",
+                                 retry_after=1)
+    pool.cursor[0] += 1
+    return ready[pool.cursor[0] % len(ready)]
 
 
-async def unrouted(request: web.Request, path: str, raw: bytes,
+async def unrouted(request: web.Request, pool: Pool, path: str, raw: bytes,
                    relay: Relay = AS_IS) -> web.StreamResponse:
     """Forward to the next ready backend without prefix routing (no prompt ids)."""
-    app = request.app
-    return await app[FORWARDER].passthrough(request, path, pick_ready(app, path), raw,
-                                            relay=relay, pick=lambda: pick_ready(app, path))
+    return await pool.fw.passthrough(request, path, pick_ready(pool, path), raw,
+                                     relay=relay, pick=lambda: pick_ready(pool, path))
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
     # NOTE: only the fixed paths registered in add_routes get here, so the upstream path
     # is one of ours, never a client-chosen (absolute) URL.
-    app = request.app
     raw = b""
+    pool = request.app[POOLS].first
     if request.method == "POST":
         raw, body = await read_json(request)
-        prompt = app[TOKENIZING].prompt
+        pool = pool_for(request, body)
+        prompt = pool.tok.prompt
         check_forwarded(request.path, body, None if prompt is None else prompt.tokenizer.n_vocab)
     # NOTE: HEAD (aiohttp routes it to GET handlers) goes upstream as GET: aiohttp writes
     # no body to a HEAD request, and the upstream client cannot frame a HEAD answer
     method = "GET" if request.method == "HEAD" else request.method
-    return await app[FORWARDER].passthrough(request, request.path, pick_ready(app), raw,
-                                            pick=lambda: pick_ready(app), method=method)
+    return await pool.fw.passthrough(request, request.path, pick_ready(pool), raw,
+                                     pick=lambda: pick_ready(pool), method=method)
 
 
 def _model_objects(request: web.Request) -> list[dict[str, Any]]:
     """The served models, in the shape of the API the client speaks (Anthropic's SDK
     sends `anthropic-version`)."""
-    names = dict.fromkeys(info.model for info in request.app[BACKENDS].values())
+    names = dict.fromkeys(name for pool in request.app[POOLS] if pool.backends
+                          for name in (*pool.spec.aliases,
+                                       *(b.model for b in pool.backends.values())))
     if "anthropic-version" in request.headers:
         return [{"type": "model", "id": m, "display_name": m,
                  "created_at": "1970-01-01T00:00:00Z"} for m in names]
@@ -297,7 +292,7 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    n = len(request.app[BACKENDS])
+    n = sum(len(pool.backends) for pool in request.app[POOLS])
     if n:
         return web.json_response({"status": "ok", "backends_ready": n})
     return web.json_response({"status": "unavailable", "backends_ready": 0}, status=503)
@@ -305,20 +300,26 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     app = request.app
+    for pool in app[POOLS]:
+        app[METRICS].child(app[METRICS].pool_backends, pool.spec.name).set(len(pool.backends))
     own = app[METRICS].render()
     session = app[FORWARDER].session
-    theirs = await scrape(session, app[BACKENDS].values()) if session is not None else b""
+    ready = [b for pool in app[POOLS] for b in pool.backends.values()]
+    theirs = await scrape(session, ready) if session is not None else b""
     return web.Response(body=own + theirs, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def status(request: web.Request) -> web.Response:
     app = request.app
-    health = app[HEALTH]
+    pools = app[POOLS]
     # "healthy": the supervisor's view (the process serves); "routed": the proxy's (not
     # tripped by its breaker: requests go there)
-    backends = [{**s, "routed": s["name"] in app[BACKENDS],
-                 "proxy": health.state(str(s["name"]))}
-                for s in app[SUPERVISOR].statuses()]
+    backends = []
+    for s in app[SUPERVISOR].statuses():
+        pool = pools.of_backend(str(s["name"]))
+        backends.append({**s, "pool": pool and pool.spec.name,
+                         "routed": pool is not None and s["name"] in pool.backends,
+                         "proxy": pool and pool.health.state(str(s["name"]))})
     admission = app[ADMISSION]
     return web.json_response({
         "policy": app[CONFIG].proxy.policy,
@@ -328,6 +329,10 @@ async def status(request: web.Request) -> web.Response:
                       "max_in_flight": admission.max_in_flight,
                       "max_queue": admission.max_queue},
         "router": app[ROUTER].snapshot(),
+        # each model pool (the one above is the first's)
+        "pools": [{"name": p.spec.name, "aliases": p.spec.aliases,
+                   "backends": p.spec.backends, "tokenizer": p.tok.source,
+                   "router": p.router.snapshot()} for p in pools],
         "kv_disk": _disk_status(app),
     }, dumps=lambda o: json.dumps(o, default=str))
 

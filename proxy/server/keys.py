@@ -15,6 +15,7 @@ from proxy.forwarding.health import BackendHealth
 from proxy.observability.metrics import ProxyMetrics
 from proxy.routing.router import Router
 from proxy.server.admission import Admission
+from proxy.server.pools import Pools
 from proxy.server.tokenizing import Tokenizing
 
 CONFIG = web.AppKey("kvroute.config", Config)
@@ -27,6 +28,9 @@ HEALTH = web.AppKey("kvroute.health", BackendHealth)
 ADMISSION = web.AppKey("kvroute.admission", Admission)
 TOKENIZING: web.AppKey[Tokenizing] = web.AppKey("kvroute.tokenizing")
 FORWARDER = web.AppKey("kvroute.forwarder", Forwarder)
+# The model pools; ROUTER, BACKENDS, HEALTH, TOKENIZING, FORWARDER and CURSOR are the
+# first one's (the only one's, in most configurations).
+POOLS = web.AppKey("kvroute.pools", Pools)
 # Round-robin cursor for calls that are not routed by prefix (/tokenize, /props, ...).
 CURSOR: web.AppKey[list[int]] = web.AppKey("kvroute.cursor")
 

@@ -148,9 +148,10 @@ async def test_a_conversation_moves_by_restore_only_where_it_may(
         pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path,
         other: str) -> None:
     """Its backend stops answering; the other one runs another model file (a hard link to
-    the same weights: the server would load a fine-tune of the same shape as silently),
-    or is an external server (the files are not in its directory): the next turn goes
-    there without a restore, and reuses what it is predicted to."""
+    the same weights: the server would load a fine-tune of the same shape as silently;
+    a pool of its own, asked for by its name), or is an external server of the same pool
+    (the files are not in its directory): the next turn goes there without a restore,
+    and reuses what it is predicted to."""
     disk = KvDiskConfig(tmp_path / "slots", save_after_idle_s=0.3, min_tokens=64)
     base = pool_config(n=1, slots=1, cache_ram_mib=0)
     a = base.backends[0]
@@ -163,7 +164,7 @@ async def test_a_conversation_moves_by_restore_only_where_it_may(
         except OSError:  # (another file system)
             shutil.copyfile(demo_model, link)
         b: ManagedBackendConfig | ExternalBackendConfig = dataclasses.replace(
-            a, name="b", model=link)
+            a, name="b", model=link, alias="other")
     else:
         outside = Supervisor(pool_config(n=1, slots=1, cache_ram_mib=0, names=("x",)))
         await outside.start()
@@ -195,8 +196,9 @@ async def test_a_conversation_moves_by_restore_only_where_it_may(
             await until(lambda: "a" not in router.snapshot()["backends"], 30)  # type: ignore[operator]
 
             session.append({"role": "user", "content": words(20, 40)})
+            model = "other" if other == "another model" else "kvroute-demo"
             async with client.post("/v1/chat/completions", json={
-                    "model": "kvroute-demo", "max_tokens": 4, "messages": session}) as r:
+                    "model": model, "max_tokens": 4, "messages": session}) as r:
                 body = await r.json()
                 assert r.status == 200, body
                 assert r.headers["X-Kvroute-Backend"] == "b"
