@@ -320,7 +320,7 @@ class Supervisor(Generic[C]):
         """The configured size, else that of the GGUF the proxy tokenizes with."""
         if cfg.kv_bytes_per_token is not None:
             return cfg.kv_bytes_per_token
-        gguf = self.config.tokenizer
+        gguf = self.config.gguf_of(cfg.name)
         kv = None if gguf is None else await asyncio.to_thread(gguf_kv_bytes_per_token, gguf)
         return kv or EXTERNAL_KV_BYTES
 
@@ -365,7 +365,8 @@ class Supervisor(Generic[C]):
                         ram_cache_bytes=cfg.cache_ram_mib * MiB,
                         kv_bytes_per_token=await self._external_kv_bytes(cfg),
                         model=props.model_alias, managed=False,
-                        memory=await asyncio.to_thread(server_memory, self.config.tokenizer,
+                        memory=await asyncio.to_thread(server_memory,
+                                                       self.config.gguf_of(cfg.name),
                                                        (), props.slot_ctx, props.total_slots),
                     )
                     b.ready_since = time.time()

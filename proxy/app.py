@@ -26,6 +26,7 @@ from typing import TypeVar
 import aiohttp
 from aiohttp import web
 
+from backends.config import LLAMA
 from backends.supervisor import BackendInfo, Supervisor
 from proxy.anthropic import routes as anthropic
 from proxy.config.load import Config
@@ -57,9 +58,7 @@ from proxy.server.admission import Admission, Refused
 from proxy.server.backend_tokens import BackendTokens
 from proxy.server.keys import (
     ADMISSION,
-    BACKENDS,
     CONFIG,
-    CURSOR,
     FORWARDER,
     HEALTH,
     METRICS,
@@ -95,8 +94,7 @@ def create_app(config: Config, supervisor: Supervisor,
             router, routable, app[METRICS], settings.health, get_logger())))
     app[POOLS] = Pools(pools)
     first = app[POOLS].first
-    app[BACKENDS], app[CURSOR], app[ROUTER], app[HEALTH] = (
-        first.backends, first.cursor, first.router, first.health)
+    app[ROUTER], app[HEALTH] = first.router, first.health
     app[ADMISSION] = Admission(settings.max_in_flight, settings.max_queue,
                                settings.queue_timeout_s)
     app.cleanup_ctx.append(_prompt_ctx)
@@ -108,15 +106,16 @@ def create_app(config: Config, supervisor: Supervisor,
     return app
 
 
-def tokenizer_model(config: Config, spec: PoolSpec | None = None
-                    ) -> tuple[Path, str | None] | None:
+def tokenizer_model(config: Config, spec: PoolSpec | None = None,
+                    tokenizer: Path | None = None) -> tuple[Path, str | None] | None:
     """The GGUF (and `--chat-template-file` text, if any) a pool (default: the first) is
-    tokenized with: its first managed backend's. A pool of external backends has none:
-    its requests get their ids from a backend, or `proxy.tokenizer` for the first pool."""
+    tokenized with: its first managed backend's; for a pool of external backends only,
+    ``tokenizer`` (proxy.tokenizer), else none: its requests get their ids from a
+    backend."""
     spec = spec or config.pools()[0]
     b = spec.managed
     if b is None:
-        return None
+        return None if tokenizer is None else (tokenizer, None)
     args = list(b.extra_args)
     template = None
     if "--chat-template-file" in args[:-1]:
@@ -128,9 +127,7 @@ async def _prompt_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     loop = asyncio.get_running_loop()
     for pool in app[POOLS]:
-        found = ((settings.tokenizer, None)
-                 if settings.tokenizer is not None and pool is app[POOLS].first
-                 else tokenizer_model(app[CONFIG], pool.spec))
+        found = tokenizer_model(app[CONFIG], pool.spec, settings.tokenizer)
         tok = Tokenizing(None, settings.inline_tokenize_bytes)
         if found is not None:
             path, template = found
@@ -214,8 +211,10 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
             background(_restored_up(app, pool, info))  # its saved slots first
         else:
             pool.health.backend_up(info)
-        # is the local template the backend's? (once per backend URL)
-        background(pool.tok.check(info))
+        # is the local template the backend's? (once per backend URL; a server of the
+        # OpenAI API cannot say)
+        if info.kind == LLAMA:
+            background(pool.tok.check(info))
 
     def background(work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)

@@ -266,7 +266,7 @@ def _tokens(cfg: Config) -> dict[str, Any]:
     more); and what a running `kvroute serve` found (its template check)."""
     from proxy.app import tokenizer_model
 
-    found = (cfg.tokenizer, None) if cfg.tokenizer is not None else tokenizer_model(cfg)
+    found = tokenizer_model(cfg, tokenizer=cfg.tokenizer)
     out: dict[str, Any] = {"local_gguf": str(found[0]) if found else None, "serving": None}
     try:
         import urllib.request

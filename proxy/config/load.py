@@ -85,6 +85,15 @@ class Config:
     def pools(self) -> tuple[PoolSpec, ...]:
         return derive_pools(self.backends)
 
+    def pool_gguf(self, spec: PoolSpec) -> Path | None:
+        """What a pool is tokenized with: its first managed backend's GGUF, else (external
+        backends only) proxy.tokenizer."""
+        return spec.managed.model if spec.managed is not None else self.tokenizer
+
+    def gguf_of(self, backend: str) -> Path | None:
+        spec = next((p for p in self.pools() if backend in p.backends), None)
+        return None if spec is None else self.pool_gguf(spec)
+
     @property
     def tokenizer(self) -> Path | None:
         """The GGUF given as proxy.tokenizer, if any."""

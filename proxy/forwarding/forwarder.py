@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from backends.config import LLAMA
@@ -197,6 +198,8 @@ class Forwarder:
         llama = info.kind == LLAMA
         if decision.slot is not None and llama:
             extra["id_slot"] = decision.slot
+        if not llama:
+            extra["model"] = info.model  # (it may know only its own name: see _named)
         strip_usage = False
         if body.get("stream") is True and path in OPENAI_PATHS and not _wants_usage(body):
             extra["stream_options"] = {"include_usage": True}
@@ -226,7 +229,8 @@ class Forwarder:
         for attempt in (1, 2):
             outcome = Outcome(started=time.perf_counter())
             try:
-                return await send(self.upstream, request, Target(info), path, raw, outcome,
+                payload = _named(raw, info) if method == "POST" else raw
+                return await send(self.upstream, request, Target(info), path, payload, outcome,
                                   relay=relay, method=method, health=self.health,
                                   first_byte_timeout=self.first_byte_timeout)
             except (UpstreamError, UpstreamTimeout) as e:
@@ -434,6 +438,19 @@ class _Attempt:
             self.fw.recorder.end(self.endpoint, self.reported(), self.outcome, self.started,
                                  stream=self.body.get("stream") is True,
                                  backend_busy=self.detached is not None)
+
+
+def _named(raw: bytes, info: BackendInfo) -> bytes:
+    """The body for ``info``: a server of the OpenAI API (vLLM, SGLang) answers 404 to a
+    `model` it does not serve, and a pool takes any of its aliases (and, alone, any
+    name), so it gets its own. A llama-server takes any name: the body as it is."""
+    if info.kind == LLAMA or not raw:
+        return raw
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw
+    return upstream_payload(raw, body, {"model": info.model}) if isinstance(body, dict) else raw
 
 
 async def _whole(pending: PendingPrompt) -> array:

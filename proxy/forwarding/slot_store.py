@@ -71,6 +71,10 @@ _SAVE_TIMEOUT_S = 120.0  # off the request path: a large slot on a slow disk
 # A spill is on the request path: a save this short (a few percent of a cold prefill of
 # the same tokens on any hardware kvroute serves) is paid once to spare a prefill later.
 SPILL_MAX_S = 0.25
+# How long a spill may take before the request goes on without it: its estimate several
+# times over, and a round trip.
+SPILL_BASE_S = 1.0
+SPILL_SLACK = 4.0
 _WRITE_BPS_FIRST = 200 * (1 << 20)  # until a save measures it: a slow SSD's write rate
 
 
@@ -128,6 +132,7 @@ class SlotStore:
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
         # (backend, slot) -> what the slot held when its last turn ended, until saved
         self._unsaved: dict[tuple[str, int], bytes] = {}
+        self._saving: set[tuple[str, int]] = set()  # idle saves past their wait
         self.write_bps = float(_WRITE_BPS_FIRST)  # the servers' save rate, as measured
 
     def backend_ready(self, name: str, model: str | None) -> None:
@@ -139,6 +144,9 @@ class SlotStore:
             self.models.pop(name, None)
         else:
             self.models[name] = model
+        for key in [k for k in (*self._pending, *self._unsaved) if k[0] == name]:
+            self._cancel_pending(key)  # (a new process: its slots start empty)
+            self._unsaved.pop(key, None)
         foreign = sum(e.backend == name and e.model != model for e in self.saved.values())
         if foreign and model is not None:
             self.log.warning("slot.foreign", backend=name, files=foreign)
@@ -179,16 +187,22 @@ class SlotStore:
             self._unsaved[key] = tokens
         task = asyncio.create_task(self._save_when_idle(info, slot))
         self._pending[key] = task
-        task.add_done_callback(lambda t: self._pending.pop(key, None)
-                               if self._pending.get(key) is t else None)
+        task.add_done_callback(lambda t: self._done(key, t))
+
+    def _done(self, key: tuple[str, int], task: asyncio.Task[None]) -> None:
+        if self._pending.get(key) is task:
+            del self._pending[key]
+            self._saving.discard(key)
 
     def _cancel_pending(self, key: tuple[str, int]) -> None:
         old = self._pending.pop(key, None)
+        self._saving.discard(key)
         if old is not None:
             old.cancel()
 
     async def _save_when_idle(self, info: BackendInfo, slot: int) -> None:
         await asyncio.sleep(self.cfg.save_after_idle_s)
+        self._saving.add((info.name, slot))  # (from here on a spill waits for it)
         tokens = self._held(info.name, slot)
         if tokens is not None:
             # the slot must still hold it after the save: a turn that started meanwhile
@@ -205,13 +219,25 @@ class SlotStore:
         tokens = self._unsaved.pop(key, None)
         if tokens is None or len(tokens) // 4 - keeps < self.cfg.min_tokens:
             return
-        if len(tokens) // 4 * (info.kv_bytes_per_token or 0) > SPILL_MAX_S * self.write_bps:
-            return  # left to the idle save: the request would wait too long
-        self._cancel_pending(key)
-        await self._save(info, slot, tokens, lambda: True, spilled=True)
+        estimate = len(tokens) // 4 * (info.kv_bytes_per_token or 0) / self.write_bps
+        if estimate > SPILL_MAX_S:
+            return  # lost: the request would wait too long (the idle save wakes too late)
+        pending = self._pending.get(key)
+        if pending is not None and key in self._saving:
+            # the idle save is under way, and the server runs it first anyway: wait for
+            # it (the save below then finds those tokens saved, or saves them)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.shield(pending)
+        else:
+            self._cancel_pending(key)
+        await self._save(info, slot, tokens, lambda: True,
+                         timeout=SPILL_BASE_S + SPILL_SLACK * estimate)
 
     async def _save(self, info: BackendInfo, slot: int, tokens: bytes,
-                    still_held: Callable[[], bool], spilled: bool = False) -> None:
+                    still_held: Callable[[], bool], timeout: float | None = None) -> None:
+        """Save ``slot`` as holding ``tokens``; ``timeout``: a spill's bound (the request
+        waits for it), none for an idle save."""
+        spilled = timeout is not None
         model = self.models.get(info.name)
         if not info.managed or model is None or len(tokens) // 4 < self.cfg.min_tokens:
             return
@@ -220,8 +246,8 @@ class SlotStore:
             return  # (nothing new since the last save)
         entry = Saved(self._next, info.name, slot, tokens, time.time(), model)
         self._next += 1
-        timeout = _SAVE_TIMEOUT_S if not spilled else RESTORE_BASE_S
-        client = BackendClient(self.session, info.url, info.api_key, timeout=timeout)
+        client = BackendClient(self.session, info.url, info.api_key,
+                               timeout=_SAVE_TIMEOUT_S if timeout is None else timeout)
         ok = False
         self._writing.add(entry.file)
         began = time.monotonic()
@@ -235,6 +261,8 @@ class SlotStore:
                 self._unlink(entry.file)
         if not ok or not entry.size:
             self.counted("save_failed")
+            if spilled:  # (a disk that stalls: the next spills are skipped, not waited on)
+                self.write_bps /= 2
             return
         self._unsaved.pop((info.name, slot), None)
         took = time.monotonic() - began

@@ -70,8 +70,8 @@ class ProxyMetrics:
             "kvroute_slot_files", "Slots saved to disk and restored (kv_disk), and the "
             "saves and restores that failed.", ["event"], registry=r)
         self.pool_backends = Gauge(
-            "kvroute_pool_backends", "Routable backends of each model pool (by the name "
-            "its backends report).", ["pool"], registry=r)
+            "kvroute_pool_backends", "Routable backends of each model pool, by its name "
+            "(empty: a pool of external backends that name none).", ["pool"], registry=r)
         self.tokens_from_backend = Counter(
             "kvroute_tokens_from_backend", "Requests whose prompt ids a backend computed "
             "(/apply-template + /tokenize), by why kvroute did not.", ["reason"], registry=r)

@@ -130,7 +130,13 @@ class BackendTokens:
     async def _ask(self, ask: Callable[[BackendClient], Any], reason: str) -> array:
         failed: list[str] = []
         for _ in range(2):
-            info = self.pick()
+            try:
+                info = self.pick()
+            except NoBackendAvailable as e:
+                # no llama-server to ask (only servers of the OpenAI API are up): the
+                # request is served without prefix routing by one of those
+                raise NoBackendIds(f"no backend could give the prompt's ids ({e})",
+                                   retry_after=1) from None
             got = await ask(BackendClient(self.session, info.url, info.api_key))
             if isinstance(got, Tokens):
                 self.counted(reason)

@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from backends.config import ManagedBackendConfig
+from backends.config import LLAMA, ManagedBackendConfig
 from proxy.errors import BadRequest, NoBackendAvailable, NotFound, PayloadTooLarge, RequestTimeout
 from proxy.forwarding.forwarder import PendingPrompt
 from proxy.forwarding.send import AS_IS, JSON, Relay
@@ -214,7 +214,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     args = {b.name: b.extra_args for b in request.app[CONFIG].backends
             if isinstance(b, ManagedBackendConfig)}
     shape = common_shape(server_shape(b.memory.n_batch, b.slot_ctx, args.get(b.name, ()))
-                         for b in pool.backends.values())
+                         for b in pool.backends.values() if b.kind == LLAMA)
     try:
         tokens = await pool.tok.run(len(raw), lambda: infill_ids(prompt.tokenizer, body, shape))
     except InfillUnmodelled:
@@ -264,9 +264,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 def _model_objects(request: web.Request) -> list[dict[str, Any]]:
     """The served models, in the shape of the API the client speaks (Anthropic's SDK
     sends `anthropic-version`)."""
-    names = dict.fromkeys(name for pool in request.app[POOLS] if pool.backends
-                          for name in (*pool.spec.aliases,
-                                       *(b.model for b in pool.backends.values())))
+    names = dict.fromkeys(name for pool in request.app[POOLS] if pool.health.breakers
+                          for name in sorted(pool.names()))
     if "anthropic-version" in request.headers:
         return [{"type": "model", "id": m, "display_name": m,
                  "created_at": "1970-01-01T00:00:00Z"} for m in names]
@@ -292,10 +291,12 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    n = sum(len(pool.backends) for pool in request.app[POOLS])
-    if n:
-        return web.json_response({"status": "ok", "backends_ready": n})
-    return web.json_response({"status": "unavailable", "backends_ready": 0}, status=503)
+    ready = {pool.spec.name: len(pool.backends) for pool in request.app[POOLS]}
+    n = sum(ready.values())
+    body = {"status": "ok" if n else "unavailable", "backends_ready": n}
+    if len(ready) > 1:  # (a pool with none is unavailable while the others serve)
+        body["pools"] = ready
+    return web.json_response(body, status=200 if n else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

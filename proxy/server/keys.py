@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from backends.supervisor import BackendInfo, Supervisor
+from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
 from proxy.forwarding.forwarder import Forwarder
@@ -22,16 +22,14 @@ CONFIG = web.AppKey("kvroute.config", Config)
 SUPERVISOR = web.AppKey("kvroute.supervisor", Supervisor)
 SETTINGS = web.AppKey("kvroute.settings", ProxySettings)
 METRICS = web.AppKey("kvroute.metrics", ProxyMetrics)
-BACKENDS: web.AppKey[dict[str, BackendInfo]] = web.AppKey("kvroute.backends")
 ROUTER = web.AppKey("kvroute.router", Router)
 HEALTH = web.AppKey("kvroute.health", BackendHealth)
 ADMISSION = web.AppKey("kvroute.admission", Admission)
 TOKENIZING: web.AppKey[Tokenizing] = web.AppKey("kvroute.tokenizing")
 FORWARDER = web.AppKey("kvroute.forwarder", Forwarder)
-# The model pools; ROUTER, BACKENDS, HEALTH, TOKENIZING, FORWARDER and CURSOR are the
-# first one's (the only one's, in most configurations).
+# The model pools; ROUTER, HEALTH, TOKENIZING and FORWARDER are the first one's (the
+# only one's, in most configurations), and the FORWARDER's session and slot store the
+# app's.
 POOLS = web.AppKey("kvroute.pools", Pools)
-# Round-robin cursor for calls that are not routed by prefix (/tokenize, /props, ...).
-CURSOR: web.AppKey[list[int]] = web.AppKey("kvroute.cursor")
 
 

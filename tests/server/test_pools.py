@@ -69,6 +69,8 @@ async def test_two_pools_route_and_predict_each_on_its_own(
                 listed = {m["id"] for m in (await r.json())["data"]}
             async with client.get("/metrics") as r:
                 text = await r.text()
+            async with client.get("/health") as r:
+                assert (await r.json())["pools"] == {DEMO: 2, CODER: 1}
             assert f'kvroute_pool_backends{{pool="{DEMO}"}} 2.0' in text
             assert f'kvroute_pool_backends{{pool="{CODER}"}} 1.0' in text
             async with client.get("/kvroute/status") as r:
