@@ -186,6 +186,10 @@ class Recorder:
         self.metrics.retries.labels(endpoint, cause).inc()
         self.log.info("retry", endpoint=endpoint, cause=cause, error=str(err))
 
+    def slot_waited(self, backend: str, seconds: float) -> None:
+        """A request was held this long for a busy slot before it was sent."""
+        self.metrics.child(self.metrics.slot_wait, backend).observe(seconds)
+
     def begin(self, backend: str) -> None:
         self.metrics.child(self.metrics.in_flight, backend).inc()
 
@@ -212,7 +216,8 @@ class Recorder:
         ttft = outcome.ttft
         if outcome.complete:
             m.record_feedback(backend, decision.prompt_tokens, decision.predicted_cached,
-                              outcome.reported_cached)
+                              outcome.reported_cached, decision.tier)
+            m.record_generation(backend, outcome.predicted_n, outcome.predicted_ms)
             if ttft is not None:
                 m.child(m.ttft, backend).observe(ttft)
         # NOTE: the policy's full reasons (nested dicts) cost as much to render as the rest

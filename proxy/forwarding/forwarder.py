@@ -331,7 +331,9 @@ class _Attempt:
         if self.decision.queued:
             # NOTE: placed with the whole prompt if tokenized by then (take_rest): the
             # slot it waits for may hold more than the head (a summary with its turn)
+            held_at = time.perf_counter()
             h = await self.fw.waits.hold(self.decision, self.info)
+            self.fw.recorder.slot_waited(self.info.name, time.perf_counter() - held_at)
             self.decision = dataclasses.replace(self.decision, slot=h.slot,
                                                 predicted_cached=h.predicted_cached)
         store = self.fw.slot_store

@@ -16,6 +16,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Latency buckets span a cached 1-token answer (ms) to a cold 30k-token prompt on CPU.
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                  120.0)
+# Per output token: ~5 ms on a GPU to a second on a loaded CPU.
+_TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _ERROR_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 
@@ -72,6 +74,27 @@ class ProxyMetrics:
         self.pool_backends = Gauge(
             "kvroute_pool_backends", "Routable backends of each model pool, by its name "
             "(empty: a pool of external backends that name none).", ["pool"], registry=r)
+        self.reused_by_tier = Counter(
+            "kvroute_reused_tokens", "Prompt tokens the backend reported reused, by the "
+            "tier they were predicted from (slot, ram, disk, none: a reuse not foreseen).",
+            ["backend", "tier"], registry=r)
+        self.output_tokens = Counter(
+            "kvroute_output_tokens", "Tokens generated, as the backend counts them.",
+            ["backend"], registry=r)
+        self.time_per_output_token = Histogram(
+            "kvroute_time_per_output_token_seconds", "Generation time per output token "
+            "(the backend's own timing of its decoding).", ["backend"],
+            buckets=_TPOT_BUCKETS, registry=r)
+        self.slot_wait = Histogram(
+            "kvroute_slot_wait_seconds", "Time a request was held for a busy slot that "
+            "holds its prefix before it was sent.", ["backend"], buckets=_TIME_BUCKETS,
+            registry=r)
+        self.admission_wait = Histogram(
+            "kvroute_admission_wait_seconds", "Time a request waited for admission.",
+            buckets=_TIME_BUCKETS, registry=r)
+        self.build_info = Gauge(
+            "kvroute_build_info", "1, labelled with kvroute's version and the llama.cpp "
+            "version it tokenizes as.", ["version", "llama_cpp"], registry=r)
         self.tokens_from_backend = Counter(
             "kvroute_tokens_from_backend", "Requests whose prompt ids a backend computed "
             "(/apply-template + /tokenize), by why kvroute did not.", ["reason"], registry=r)
@@ -89,13 +112,23 @@ class ProxyMetrics:
         return c
 
     def record_feedback(self, backend: str, prompt_tokens: int, predicted: int,
-                        reported: int | None) -> None:
-        """Token counters and the prediction error of one routed request."""
+                        reported: int | None, tier: str = "none") -> None:
+        """Token counters and the prediction error of one routed request (``tier``: where
+        its reuse was predicted to come from)."""
         self.child(self.prompt_tokens, backend).inc(prompt_tokens)
         self.child(self.predicted_cached, backend).inc(predicted)
         if reported is not None:
             self.child(self.reported_cached, backend).inc(reported)
+            self.child(self.reused_by_tier, backend, tier).inc(reported)
             self.prediction_error.observe(abs(predicted - reported))
+
+    def record_generation(self, backend: str, n: int | None, ms: float | None) -> None:
+        """The backend's count and time of the tokens it generated (either unknown:
+        nothing)."""
+        if n:
+            self.child(self.output_tokens, backend).inc(n)
+            if ms is not None:
+                self.child(self.time_per_output_token, backend).observe(ms / 1000 / n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,14 +19,17 @@ async def test_each_backends_metrics_come_labelled(pool_config: Callable[..., Co
     await sup.start()
     try:
         async with proxy(sup) as client:
-            processed = 0
+            processed = generated = reused = 0
             for i in range(4):
                 async with client.post("/v1/chat/completions", json={
                         "model": "kvroute-demo", "max_tokens": 2,
-                        "messages": [{"role": "user", "content": words(60, 200 + i)}]}) as r:
+                        "messages": [{"role": "user", "content": words(60, 200 + i % 2)}]}
+                        ) as r:
                     body = await r.json()
                     assert r.status == 200, body
                     processed += body["timings"]["prompt_n"]
+                    generated += body["timings"]["predicted_n"]
+                    reused += body["timings"]["cache_n"]
             async with client.get("/metrics") as r:
                 assert r.status == 200
                 text = await r.text()
@@ -42,3 +45,18 @@ async def test_each_backends_metrics_come_labelled(pool_config: Callable[..., Co
     assert {s.labels["backend"] for s in prompt} == {"a", "b"}
     assert sum(s.value for s in prompt) == processed
     assert "kvroute_requests" in families  # kvroute's own, beside them
+
+    def total(family: str, sample: str) -> float:
+        return sum(s.value for s in families[family].samples if s.name == sample)
+
+    assert total("kvroute_output_tokens", "kvroute_output_tokens_total") == generated
+    by_tier: dict[str, float] = {}
+    for s in families["kvroute_reused_tokens"].samples:
+        if s.name == "kvroute_reused_tokens_total":
+            by_tier[s.labels["tier"]] = by_tier.get(s.labels["tier"], 0.0) + s.value
+    assert sum(by_tier.values()) == reused > 0 and by_tier.get("slot", 0) > 0, by_tier
+    assert total("kvroute_time_per_output_token_seconds",
+                 "kvroute_time_per_output_token_seconds_count") == 4
+    assert total("kvroute_admission_wait_seconds", "kvroute_admission_wait_seconds_count") >= 4
+    info = families["kvroute_build_info"].samples[0]
+    assert info.value == 1 and info.labels["llama_cpp"] != "unknown"
