@@ -24,7 +24,7 @@ CLAUDE_CODE_VERSION ?= 2.1.331
 CLAUDE_CODE_DIR := $(HOME)/.cache/kvroute/npm
 CLAUDE_CODE_PKG := $(CLAUDE_CODE_DIR)/node_modules/@anthropic-ai/claude-code/package.json
 
-.PHONY: run test lint artifacts claude-code bench clean
+.PHONY: run test lint artifacts claude-code chromium bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,7 +51,15 @@ claude-code:
 		|| echo "WARNING: Claude Code install failed: its end-to-end test will be skipped"; \
 	else echo "WARNING: no npm: the Claude Code end-to-end test will be skipped"; fi
 
-test: artifacts lint claude-code
+# Headless Chromium for the status page's browser test (skipped without it): installed
+# with apt when missing and this is root; never fatal.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	{ command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && echo "==> installing chromium" \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+	  >/dev/null; } || echo "WARNING: no chromium: the status page's browser test will be skipped"
+
+test: artifacts lint claude-code chromium
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The benchmarks behind BENCHMARKS.md that need no backends: routing core, proxy
