@@ -14,7 +14,9 @@ from aiohttp.test_utils import TestClient
 from proxy_client import proxy
 from texts import words
 
+from backends.config import ExternalBackendConfig
 from backends.demo_model import ensure_demo_model
+from backends.process import free_port
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.pools import derive_pools
@@ -43,8 +45,11 @@ async def test_two_pools_route_and_predict_each_on_its_own(
     a, b, c = base.backends
     coder = dataclasses.replace(c, model=ensure_demo_model(kind="demo-coder"), alias=CODER,
                                 aliases=("coder",))
-    cfg = dataclasses.replace(base, backends=(a, b, coder))
-    assert [(p.name, p.backends) for p in cfg.pools()] == [(DEMO, ("a", "b")), (CODER, ("c",))]
+    ghost = ExternalBackendConfig(name="g", url=f"http://127.0.0.1:{free_port()}",
+                                  alias="ghost")  # nothing listens there
+    cfg = dataclasses.replace(base, backends=(a, b, coder, ghost))
+    assert [(p.name, p.backends) for p in cfg.pools()] == \
+        [(DEMO, ("a", "b")), (CODER, ("c",)), ("ghost", ("g",))]
     sup = Supervisor(cfg)
     await sup.start()
     try:
@@ -67,18 +72,26 @@ async def test_two_pools_route_and_predict_each_on_its_own(
                 unknown = (r.status, await r.json())
             async with client.get("/v1/models") as r:
                 listed = {m["id"] for m in (await r.json())["data"]}
+            for path, fmt in (("/v1/chat/completions", "server_error"),
+                              ("/v1/messages", "overloaded_error")):
+                async with client.post(path, json={
+                        "model": "ghost", "max_tokens": 2,
+                        "messages": [{"role": "user", "content": "hi"}]}) as r:
+                    err = await r.json()
+                    assert r.status == 503 and "ghost" in str(err), err
+                    assert err["error"]["type"] == fmt, err
             async with client.get("/metrics") as r:
                 text = await r.text()
             async with client.get("/health") as r:
-                assert (await r.json())["pools"] == {DEMO: 2, CODER: 1}
+                assert (await r.json())["pools"] == {DEMO: 2, CODER: 1, "ghost": 0}
             assert f'kvroute_pool_backends{{pool="{DEMO}"}} 2.0' in text
             assert f'kvroute_pool_backends{{pool="{CODER}"}} 1.0' in text
             async with client.get("/kvroute/status") as r:
                 status = await r.json()
             assert [(p["name"], p["backends"]) for p in status["pools"]] == \
-                [(DEMO, ["a", "b"]), (CODER, ["c"])]
+                [(DEMO, ["a", "b"]), (CODER, ["c"]), ("ghost", ["g"])]
             assert {b["name"]: b["pool"] for b in status["backends"]} == \
-                {"a": DEMO, "b": DEMO, "c": CODER}
+                {"a": DEMO, "b": DEMO, "c": CODER, "g": "ghost"}
             async with client.post("/completion", json={
                     "model": "coder", "prompt": words(40, 620), "n_predict": 2}) as r:
                 assert r.status == 200 and r.headers["X-Kvroute-Backend"] == "c"
