@@ -4,7 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# kvroute and its run-time dependencies (`make run`); the dev tools (`make test`) on top
 STAMP := $(VENV)/.kvroute-installed
+DEV_STAMP := $(VENV)/.kvroute-dev-installed
 PYTEST_ARGS ?=
 # GPU=cuda or GPU=vulkan: build llama-server with that GPU backend (nvcc, or the Vulkan
 # SDK's glslc, needed), cached beside the CPU build, which it leaves alone; `kvroute
@@ -30,8 +32,13 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "==> installing kvroute into $(VENV) (first time: llama-cpp-python compiles, ~4 min)"
 	$(PY) -m pip install --upgrade pip wheel >/dev/null
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -e .
 	@touch $(STAMP)
+
+# the test, lint and SDK packages of the `dev` extra: `make run` never needs them
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[dev]'
+	@touch $(DEV_STAMP)
 
 artifacts: $(STAMP)
 	$(PY) -m backends prepare $(CONFIG_ARG)
@@ -39,7 +46,7 @@ artifacts: $(STAMP)
 run: artifacts
 	$(VENV)/bin/kvroute serve $(CONFIG_ARG)
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check proxy backends loadtest tests
 
 claude-code:
