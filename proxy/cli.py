@@ -149,13 +149,23 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-async def _probe(url: str) -> tuple[bool, str]:
+async def _probe(url: str, api_key: str | None = None, kind: str = "llama"
+                 ) -> tuple[bool, str]:
+    """Up or not, and why: a llama-server by /health, a server of the OpenAI API by the
+    models it lists (with the key kvroute sends it)."""
     import aiohttp
 
     from backends.client import BackendClient, Health
+    from backends.config import OPENAI
 
     async with aiohttp.ClientSession() as session:
-        h = await BackendClient(session, url, timeout=3.0).health()
+        client = BackendClient(session, url, api_key, timeout=3.0)
+        if kind == OPENAI:
+            models = await client.models()
+            if isinstance(models, list):
+                return True, f"/v1/models: {', '.join(models[:3])}"
+            return False, getattr(models, "reason", None) or f"/v1/models: {models}"
+        h = await client.health()
     if isinstance(h, Health):
         return h.ok, f"/health {h.status}"
     return False, h.reason
@@ -181,7 +191,8 @@ def _backend_health(cfg: Config) -> list[dict[str, Any]]:
         if url is None:
             entry["detail"] = "not running (start it with `kvroute serve`)"
         else:
-            entry["healthy"], entry["detail"] = asyncio.run(_probe(url))
+            entry["healthy"], entry["detail"] = asyncio.run(_probe(
+                url, getattr(b, "api_key", None), getattr(b, "kind", "llama")))
             if managed:
                 entry["pid"] = running[b.name].get("pid")
                 entry["log"] = running[b.name].get("log")
@@ -268,6 +279,10 @@ def _tokens(cfg: Config) -> dict[str, Any]:
 
     found = tokenizer_model(cfg, tokenizer=cfg.tokenizer)
     out: dict[str, Any] = {"local_gguf": str(found[0]) if found else None, "serving": None}
+    pools = cfg.pools()
+    if len(pools) > 1:  # (the first is the one above)
+        out["pools"] = {p.name: None if (g := tokenizer_model(cfg, p, cfg.tokenizer)) is None
+                        else str(g[0]) for p in pools}
     try:
         import urllib.request
 
@@ -308,6 +323,9 @@ def _print_report(r: dict[str, Any]) -> None:
                  "from the backends (no local GGUF: set proxy.tokenizer to save a round trip)")
         print(f"[ok ] prompt ids: {where}"
               + (f"; the running proxy: {tok['serving']}" if tok["serving"] else ""))
+        for name, gguf in (tok.get("pools") or {}).items():
+            print(f"      pool {name or '(unnamed)'}: "
+                  f"{f'local ({gguf})' if gguf else 'from its backends'}")
     print(f"cache: {r['cache_dir']}")
     print("all good" if r["ok"] else "problems found (see BAD lines)")
 

@@ -168,6 +168,26 @@ def test_serve_rejects_bad_config(tmp_path: Path, llama_server_bin: Path) -> Non
     assert r.returncode == 2 and "bogus: unknown key" in r.stderr
 
 
+def test_doctor_names_each_pools_tokenizer(tmp_path: Path, llama_server_bin: Path,
+                                           demo_model: Path) -> None:
+    """Three pools: the demo model's, a coder model's, a server of the OpenAI API's (down:
+    said so, from its /v1/models)."""
+    from backends.demo_model import ensure_demo_model
+
+    coder = ensure_demo_model(kind="demo-coder")
+    dead = f"http://127.0.0.1:{free_port()}"
+    extra = {"backends": [{"name": "a", "model": "demo"}, {"name": "c", "model": "demo-coder"},
+                          {"name": "v", "url": dead, "kind": "openai", "alias": "vllm"}]}
+    config, _ = write_config(tmp_path, llama_server_bin, **extra)
+    r = subprocess.run([*KVROUTE, "doctor", "--json", "--config", str(config)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    report = json.loads(r.stdout)
+    assert report["tokens"]["pools"] == {"kvroute-demo": str(demo_model),
+                                         "kvroute-demo-coder": str(coder), "vllm": None}
+    v = next(b for b in report["backends"] if b["name"] == "v")
+    assert v["healthy"] is False and "Cannot connect" in v["detail"]
+
+
 def test_doctor_json(tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     extra = {"backends": [{"name": "a", "model": "demo"}, {"name": "far", "url": dead}]}
