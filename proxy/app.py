@@ -53,11 +53,12 @@ from proxy.forwarding.slot_store import SlotStore, model_identity
 from proxy.forwarding.upstream import Upstream
 from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
+from proxy.observability.recent import RecentActivity
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.delimiters import user_starts
 from proxy.responses import routes as responses
 from proxy.routing.router import Router
-from proxy.server import handlers
+from proxy.server import handlers, status_page
 from proxy.server.admission import Admission, Refused
 from proxy.server.backend_tokens import BackendTokens
 from proxy.server.keys import (
@@ -67,6 +68,7 @@ from proxy.server.keys import (
     HEALTH,
     METRICS,
     POOLS,
+    RECENT,
     ROUTER,
     SETTINGS,
     SUPERVISOR,
@@ -90,6 +92,7 @@ def create_app(config: Config, supervisor: Supervisor,
     app[SUPERVISOR] = supervisor
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
+    app[RECENT] = RecentActivity()  # the status page's recent decisions (the Recorder's)
     app[METRICS].build_info.labels(*_build()).set(1)
     pools = []
     for spec in config.pools():
@@ -108,6 +111,7 @@ def create_app(config: Config, supervisor: Supervisor,
     handlers.add_routes(app)
     anthropic.add_routes(app)
     responses.add_routes(app)
+    status_page.add_routes(app)
     return app
 
 
@@ -167,7 +171,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     # not keep one backend answer's cookies.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=4),
                                     cookie_jar=aiohttp.DummyCookieJar())
-    recorder = Recorder(app[METRICS], get_logger())
+    recorder = Recorder(app[METRICS], get_logger(), app[RECENT])
     metrics = app[METRICS]
     kv_disk = app[CONFIG].kv_disk
     pools = app[POOLS]
@@ -288,14 +292,14 @@ async def _errors_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 
 _OPEN_PATHS = frozenset({"/health"})
-_ADMIN_PATHS = frozenset({"/metrics", "/kvroute/status"})
+_ADMIN_PATHS = frozenset({"/metrics", "/kvroute/status", *status_page.PAGE_PATHS})
 
 
 def _presented_key(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    return request.headers.get("x-api-key")
+    return status_page.basic_password(auth) or request.headers.get("x-api-key")
 
 
 @web.middleware
@@ -312,6 +316,8 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
     for key in s.api_keys:
         ok |= hmac.compare_digest(given, key.encode())
     if not ok:
+        if path in status_page.PAGE_PATHS:
+            return status_page.ask_for_key()
         raise Unauthorized("missing or invalid API key")
     return await handler(request)
 

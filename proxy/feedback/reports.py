@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.errors import UpstreamTimeout
 from proxy.observability.metrics import ProxyMetrics
+from proxy.observability.recent import RecentActivity
 
 if TYPE_CHECKING:
     from proxy.routing.decision import Decision
@@ -174,11 +175,14 @@ def held_output(outcome: Outcome, tokenize: Callable[[str], Sequence[int]]) -> S
 
 
 class Recorder:
-    """Metrics and the one log line of each routed request."""
+    """Metrics and the one log line of each routed request (and its entry among the
+    status page's recent decisions, when ``recent`` is given)."""
 
-    def __init__(self, metrics: ProxyMetrics, log: Any) -> None:
+    def __init__(self, metrics: ProxyMetrics, log: Any,
+                 recent: RecentActivity | None = None) -> None:
         self.metrics = metrics
         self.log = log
+        self.recent = recent
 
     def retried(self, endpoint: str, err: Exception) -> None:
         """A request that got no answer is tried again on another backend."""
@@ -234,3 +238,26 @@ class Recorder:
             ttft_ms=None if ttft is None else round(ttft * 1000, 2),
             latency_ms=round(latency * 1000, 2), why=reasons.get("why"), head_tokens=head)
         self.log.debug("routed.reasons", request_id=decision.request_id, reasons=reasons)
+        if self.recent is not None:
+            self._remember(endpoint, decision, outcome, status, stream, latency)
+
+    def _remember(self, endpoint: str, decision: Decision, outcome: Outcome, status: str,
+                  stream: bool, latency: float) -> None:
+        """The decision among the recent ones: ids, counts and names only (no text)."""
+        assert self.recent is not None
+        reasons, ttft = decision.reasons, outcome.ttft
+        slot = outcome.reported_slot if outcome.reported_slot is not None else \
+            reasons.get("slot", decision.slot)
+        try:
+            self.recent.add({
+                "request_id": decision.request_id, "endpoint": endpoint,
+                "backend": decision.backend, "slot": slot, "pinned": decision.slot is not None,
+                "tier": decision.tier, "queued": decision.queued, "status": status,
+                "stream": stream, "prompt_tokens": decision.prompt_tokens,
+                "predicted_cached": decision.predicted_cached,
+                "reported_cached": outcome.reported_cached, "prompt_n": outcome.prompt_n,
+                "ttft_ms": None if ttft is None else round(ttft * 1000, 2),
+                "latency_ms": round(latency * 1000, 2), "why": reasons.get("why"),
+                "head_tokens": reasons.get("head"), "matched": reasons.get("matched")})
+        except Exception:  # called from a `finally`: the page's loss, never the request's
+            self.log.exception("recent.failed", request_id=decision.request_id)

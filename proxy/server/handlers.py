@@ -311,7 +311,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    app = request.app
+    return web.json_response(status_body(request.app), dumps=lambda o: json.dumps(o, default=str))
+
+
+def status_body(app: web.Application) -> dict[str, object]:
+    """/kvroute/status: backends, admission, each pool's router, the disk tier."""
     pools = app[POOLS]
     # "healthy": the supervisor's view (the process serves); "routed": the proxy's (not
     # tripped by its breaker: requests go there)
@@ -322,7 +326,7 @@ async def status(request: web.Request) -> web.Response:
                          "routed": pool is not None and s["name"] in pool.backends,
                          "proxy": pool and pool.health.state(str(s["name"]))})
     admission = app[ADMISSION]
-    return web.json_response({
+    return {
         "policy": app[CONFIG].proxy.policy,
         "tokenizer": app[TOKENIZING].source,
         "backends": backends,
@@ -335,7 +339,7 @@ async def status(request: web.Request) -> web.Response:
                    "backends": p.spec.backends, "tokenizer": p.tok.source,
                    "router": p.router.snapshot()} for p in pools],
         "kv_disk": _disk_status(app),
-    }, dumps=lambda o: json.dumps(o, default=str))
+    }
 
 
 def _disk_status(app: web.Application) -> dict[str, object] | None:
