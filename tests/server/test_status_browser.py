@@ -112,6 +112,7 @@ STATE = """JSON.stringify({
   sessions: [...document.querySelectorAll("#caches .session")].map(e => e.textContent),
   decisions: [...document.querySelectorAll("#decisions tbody tr")].map(
     r => [...r.cells].map(c => c.textContent)),
+  totals: document.getElementById("totals").textContent,
   text: document.body.innerText,
   imgs: document.querySelectorAll("img").length,
   title: document.title,
@@ -135,16 +136,22 @@ async def test_the_page_updates_live_in_a_browser(backend_pool: PoolFactory,
         before = json.loads(await page.eval(STATE))
         assert before["backends"] == ["a", "b"] and before["slots"] == 4
 
-        for i, session in enumerate(("ops-1", HOSTILE)):
+        # a conversation and its next turn (reuse), then another session's first turn
+        first = [{"role": "user", "content": f"{CANARY}: tell me about slots"}]
+        turns = (("ops-1", first),
+                 ("ops-1", [*first, {"role": "assistant", "content": "They hold KV."},
+                            {"role": "user", "content": "And the RAM tier?"}]),
+                 (HOSTILE, [{"role": "user", "content": f"{CANARY}: a new question"}]))
+        for session, messages in turns:
             body = {"model": "kvroute-demo", "max_tokens": 4, "temperature": 0,
-                    "messages": [{"role": "user", "content": f"{CANARY} turn {i}"}]}
+                    "messages": messages}
             async with c.post("/v1/chat/completions", json=body,
                               headers={**auth, "X-Session-Id": session}) as r:
                 assert r.status == 200, await r.text()
 
         # no reload: the decisions arrive over the open stream, the snapshots go on
         n = len(before["decisions"])
-        await page.wait(state(f"s.decisions.length >= {n + 2}"))
+        await page.wait(state(f"s.decisions.length >= {n + 3}"))
         await page.wait(state(f"s.snapshots >= {before['snapshots'] + 2}"))
         await page.wait(state(f"s.sessions.some(t => t.includes({json.dumps(HOSTILE)}))"))
         after = json.loads(await page.eval(STATE))
@@ -155,6 +162,7 @@ async def test_the_page_updates_live_in_a_browser(backend_pool: PoolFactory,
 
     newest = after["decisions"][0]  # time, request, endpoint, backend, slot, tier, ...
     assert newest[2] == "chat" and newest[3] in {"a", "b"} and newest[10] == "200"
+    assert "last minute: 3 requests" in after["totals"]
     assert after["conn"] == "live" and not page.exceptions
     # the hostile session id is shown as text, never parsed as markup
     assert any(HOSTILE in s for s in after["sessions"])

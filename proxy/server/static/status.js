@@ -33,6 +33,15 @@ function routerOf(body, name) {
   return null;
 }
 
+function breaker(state) {
+  if (!state) return "–";
+  const kind = state.breaker === "closed" ? "ok" : state.breaker === "open" ? "bad" : "warn";
+  const cell = el("span", null, pill(String(state.breaker), kind));
+  if (state.trips) cell.append(" " + num(state.trips) + " trips");
+  if (state.last_error) cell.title = String(state.last_error);
+  return cell;
+}
+
 function renderBackends(body) {
   const rows = body.backends.map((b) => {
     const r = routerOf(body, b.name);
@@ -41,7 +50,7 @@ function renderBackends(body) {
       td(pill(String(b.state), b.state === "ready" ? "ok" : "warn")),
       td(pill(b.healthy ? "healthy" : "down", b.healthy ? "ok" : "bad")),
       td(b.routed ? "yes" : "no"),
-      td(b.proxy === null || b.proxy === undefined ? "–" : typeof b.proxy === "object" ? JSON.stringify(b.proxy) : String(b.proxy)),
+      td(breaker(b.proxy)),
       td(b.model), td(b.memory), td(num(b.n_slots), "num"),
       td(r ? num(r.inflight) : "–", "num"), td(r ? num(r.prefill_tps) : "–", "num"),
       td(num(b.restarts), "num"), td(b.last_error || ""));
