@@ -7,12 +7,15 @@ verify` accepts the unit where systemd is installed."""
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
+import os
 import shlex
 import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -21,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from backends.binary import find_llama_server
 from backends.demo_model import demo_model_path
 from backends.gpu import binary_path
 from proxy import cli
@@ -150,6 +154,75 @@ def test_dockerfile_copies_what_the_repo_has() -> None:
     needed = packages | {"pyproject.toml", project["project"]["readme"], "config.yaml"}
     build_copied = {s.rstrip("/") for _, sources, _ in BUILD.copies() for s in sources}
     assert needed <= build_copied, needed - build_copied
+
+
+def _copy_context(dst: Path) -> None:
+    """The build stage's COPYs into ``dst``, as Docker does them: what .dockerignore
+    leaves of the context, links kept as links."""
+    for flags, sources, target in BUILD.copies():
+        assert "from" not in flags
+        assert not target.startswith("/"), "the build stage copies into its WORKDIR"
+        for src in sources:
+            # a directory's contents go to the target; a file into it when it ends in /
+            into = dst / target
+            if (ROOT / src).is_dir():
+                shutil.copytree(ROOT / src, into, symlinks=True, dirs_exist_ok=True,
+                                ignore=lambda d, names: [
+                                    n for n in names
+                                    if _ignored(str((Path(d) / n).relative_to(ROOT)))])
+            else:
+                into = into / Path(src).name if target.endswith("/") else into
+                into.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / src, into, follow_symlinks=False)
+
+
+def test_docker_build_context_builds_the_wheel(tmp_path: Path) -> None:
+    """What the build stage copies is enough for its `pip install .`, built-in config
+    included (proxy/config/default.yaml links to the copied config.yaml)."""
+    (workdir,) = BUILD.all("WORKDIR")
+    src = tmp_path / "ctx" / workdir.lstrip("/")
+    src.mkdir(parents=True)
+    _copy_context(src)
+    have = all(importlib.util.find_spec(m) for m in ("setuptools", "wheel"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    *(["--no-build-isolation"] if have else []), "-w", str(tmp_path), "."],
+                   cwd=src, check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("kvroute-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("proxy/config/default.yaml") == (ROOT / "config.yaml").read_bytes()
+        assert "backends/templates/chatml-tools.jinja" in z.namelist()
+
+
+def test_runtime_layout_is_enough_for_kvroute(tmp_path: Path) -> None:
+    """The runtime stage's layout, rebuilt from this machine's cache: llama-server alone
+    on PATH, the demo model alone in KVROUTE_CACHE (no sdist, no build tree).
+    `kvroute doctor` over the image's config finds both, and the llama.cpp version."""
+    built = find_llama_server()
+    model = demo_model_path(DEPLOY.demo_model)
+    if built is None or not model.is_file():
+        pytest.skip("llama-server or the demo model not built (python -m backends prepare)")
+    from_build = {src: dst for flags, sources, dst in RUNTIME.copies()
+                  if flags.get("from") == "build" for src in sources}
+    root = tmp_path / "image"
+    build_cache = Path(BUILD.env()["KVROUTE_CACHE"])
+    server = root / from_build[str(binary_path(build_cache, "cpu"))].lstrip("/")
+    server.parent.mkdir(parents=True)
+    server.symlink_to(built.path)
+    cache = root / RUNTIME.env()["KVROUTE_CACHE"].lstrip("/")
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / model.name).symlink_to(model)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env |= {"KVROUTE_CACHE": str(cache), "KVROUTE_GPU": "",
+            # the image's PATH has no other llama-server: this machine's may
+            "PATH": f"{KVROUTE.parent}:{server.parent}:/usr/bin:/bin"}
+    out = subprocess.run([str(KVROUTE), "doctor", "--json", "--config", str(DEPLOY_CONFIG)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+                         check=False)
+    report = json.loads(out.stdout)
+    assert report["llama_server"]["source"] == "path", report["llama_server"]
+    assert report["llama_server"]["version"] and not report["llama_server"]["version_warning"]
+    assert report["demo_model"]["exists"], report["demo_model"]
+    assert report["config"]["ok"], report["config"]
 
 
 def test_dockerfile_builds_llama_server_as_backends_prepare_does(
