@@ -69,30 +69,37 @@ class EventStreams:
         for stream in self._open:
             stream.wake.set()
 
-    async def pump(self, resp: web.StreamResponse, stream: Stream, snapshot: Snapshot) -> None:
+    async def pump(self, request: web.Request, resp: web.StreamResponse, stream: Stream,
+                   snapshot: Snapshot) -> None:
         """Write a snapshot every ``interval_s`` and each decision as it comes, until the
-        app closes, the client leaves or stops reading."""
+        app closes, the client leaves or stops reading (then its connection is cut: the
+        stream's end would wait for that client too)."""
         loop = asyncio.get_running_loop()
         due, first = loop.time(), True
         while not self.closed:
             if loop.time() >= due:
-                if not await self._send(resp, b"snapshot", snapshot(first)):
+                if not await self._send(request, resp, b"snapshot", snapshot(first)):
                     return
                 due, first = loop.time() + self.interval_s, False
             while stream.pending:
-                if not await self._send(resp, b"decision", stream.pending.popleft()):
+                if not await self._send(request, resp, b"decision", stream.pending.popleft()):
                     return
             stream.wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, due - loop.time())):
                     await stream.wake.wait()
 
-    async def _send(self, resp: web.StreamResponse, event: bytes, data: object) -> bool:
+    async def _send(self, request: web.Request, resp: web.StreamResponse, event: bytes,
+                    data: object) -> bool:
         """One event; False when the client is gone or has not read it in time."""
         body = orjson.dumps(data, default=str, option=orjson.OPT_NON_STR_KEYS)
         try:
             async with asyncio.timeout(self.write_timeout_s):
                 await resp.write(b"event: " + event + b"\ndata: " + body + b"\n\n")
-        except (TimeoutError, ConnectionError, RuntimeError):
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            return False
+        except (ConnectionError, RuntimeError):
             return False  # (RuntimeError: aiohttp's write on a closed transport)
         return True

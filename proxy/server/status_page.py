@@ -105,7 +105,7 @@ async def events(request: web.Request) -> web.StreamResponse:
         # ends where the pushed ones begin)
         unsubscribe = app[RECENT].subscribe(stream.push)
         try:
-            await streams.pump(resp, stream, lambda first: snapshot(app, first))
+            await streams.pump(request, resp, stream, lambda first: snapshot(app, first))
         finally:
             unsubscribe()
     finally:

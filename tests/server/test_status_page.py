@@ -176,6 +176,9 @@ async def test_streams_are_bounded_and_end_with_the_app(backend_pool: PoolFactor
         # a client that stops reading: its stream ends, its memory stays bounded
         stalled = await _stalled_client(c)
         await _until(lambda: streams.count == 2)
+        server = c.server.runner.server
+        assert server is not None
+        with_stalled = len(server.connections)
         recent = c.app[RECENT]
         big = {"request_id": 0, "backend": "a", "why": "x" * 4000}
         deadline = time.monotonic() + 60
@@ -185,7 +188,8 @@ async def test_streams_are_bounded_and_end_with_the_app(backend_pool: PoolFactor
             assert all(len(s.pending) <= 256 for s in streams._open)
             await asyncio.sleep(0.01)
         assert streams.count == 1, "the stalled stream did not end"
-        stalled.close()
+        await _until(lambda: len(server.connections) < with_stalled)  # cut, not left waiting
+        await _cut(stalled)
 
         # the app closes: the open stream ends now (not at the shutdown timeout)
         events = Events(a)
@@ -210,6 +214,19 @@ async def _stalled_client(c: TestClient[Any, Any]) -> socket.socket:
     await asyncio.get_running_loop().sock_sendall(
         sock, b"GET /kvroute/events HTTP/1.1\r\nHost: x\r\n\r\n")
     return sock
+
+
+async def _cut(sock: socket.socket) -> None:
+    """``sock``'s connection ends (reset, or closed after what was sent)."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(20):
+            while await loop.sock_recv(sock, 1 << 20):
+                pass
+    except ConnectionResetError:
+        pass
+    finally:
+        sock.close()
 
 
 async def _until(cond: Any, timeout: float = 10) -> None:
