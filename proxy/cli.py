@@ -102,7 +102,8 @@ async def _serve(cfg: Config) -> int:
         held = ("" if not ctx else f", a slot holds {ctx[0]:,} tokens" if len(ctx) == 1
                 else f", a slot holds {ctx[0]:,} to {ctx[-1]:,} tokens")
         print(f"kvroute: listening on {url} ({n_ready}/{n_all} backends ready{held}, "
-              f"policy {cfg.proxy.policy}); Ctrl-C stops", file=sys.stderr, flush=True)
+              f"policy {cfg.proxy.policy}); status page {url}/; Ctrl-C stops",
+              file=sys.stderr, flush=True)
         await stop.wait()
         log.info("serve.stopping")
         return 0

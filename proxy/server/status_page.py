@@ -48,7 +48,7 @@ def add_routes(app: web.Application) -> None:
     app[STATUS_STREAMS] = EventStreams()
     app.router.add_get("/", page)
     app.router.add_get("/kvroute/", page)
-    app.router.add_get("/kvroute/events", events)
+    app.router.add_get("/kvroute/events", events, allow_head=False)  # (a HEAD would stream)
     app.router.add_get("/kvroute/static/{name}", static)
     app.on_shutdown.append(_close_streams)
 
