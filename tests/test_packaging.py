@@ -42,6 +42,8 @@ def test_wheel_carries_the_package_data(wheel: Path) -> None:
         metadata = email.message_from_bytes(z.read(meta))
     assert "loadtest/traces/mooncake_synthetic_trace.jsonl" in names
     assert "backends/templates/chatml-tools.jinja" in names
+    assert {"proxy/server/static/status.html", "proxy/server/static/status.js",
+            "proxy/server/static/status.css"} <= names  # the status page (status_page.py)
     assert not {n for n in names if n.startswith("tests/")}
 
     # a plain install pulls neither matplotlib nor any dev tool: they are extras
