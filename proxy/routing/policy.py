@@ -118,7 +118,6 @@ class Candidate:
     slot_lcp: dict[int, int]  # slot -> tokens of the prompt that slot holds
     ram_lcp: dict[int, int]  # RAM entry -> tokens of the prompt that entry holds
     pending_lcp: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
-    disk_lcp: int = 0  # tokens of the prompt the best saved slot it may restore holds
 
     def predict_queued(self, n: int, min_tokens: int | None) -> tuple[Placement, int | None]:
         """Landing of a request that must wait for a slot here, and the busy slot it
@@ -210,10 +209,6 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
         key = (ttft + _penalty(p, s, rate), ttft, slots[p.slot].last_used)
         if best is None or key < best[0]:
             best = (key, p, opt)
-    restore = _restore_option(c, n, s, backlog, empty if empty is not None else cold,
-                              best[1].reuse if best is not None else 0)
-    if restore is not None and (best is None or restore[0] < best[0]):
-        best = restore
     plain: Option
     if best is not None:
         plain = (best[0][0], best[0][1], best[1], best[2], False)
@@ -298,33 +293,11 @@ def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: 
     return (ttft + _penalty(p, s, rate), ttft, st.cache.slots[slot].last_used), p, slot
 
 
-def _restore_option(c: Candidate, n: int, s: RouterSettings, backlog: float,
-                    slot: int | None, reuse: int
-                    ) -> tuple[tuple[float, float, int], Placement, int] | None:
-    """Restoring the best saved slot offered to ``c`` into its idle ``slot`` (the empty
-    one, else the smallest unrelated one) first, as ``_best_option`` keys an option; None
-    when it would not hold enough more of the prompt than ``reuse`` (the best idle
-    placement's): a conversation whose backend is busy moves to an idle one by restore
-    instead of waiting there or recomputing here."""
-    if slot is None or c.disk_lcp - reuse < max(1, s.disk_min_gain_tokens):
-        return None
-    cache = c.state.cache
-    p = cache.predict(slot, c.slot_lcp, {}, n)
-    assert p is not None, "an idle slot"
-    # (what the slot held is charged as for any placement there)
-    p = p._replace(reuse=min(c.disk_lcp, n - 1), tier="disk", ram_entry=None)
-    ttft = _ttft(backlog, p, n, c.state.rate, s)
-    return (ttft + _penalty(p, s, c.state.rate), ttft, cache.slots[slot].last_used), p, slot
-
-
 def _ttft(wait: float, p: Placement, n: int, rate: float, s: RouterSettings) -> float:
-    """Expected time to first token: waiting, then the uncached prefill (and a RAM or
-    disk load)."""
+    """Expected time to first token: waiting, then the uncached prefill (and a RAM load)."""
     ttft = wait + (n - p.reuse) / rate
     if p.tier == "ram":
         ttft += s.ram_load_s_per_token * p.reuse
-    elif p.tier == "disk":
-        ttft += s.disk_load_s_per_token * p.reuse
     return ttft
 
 

@@ -142,19 +142,6 @@ class Router(QueuedRequests):
         """Does a backend checkpoint where user messages start (see ``decide``)?"""
         return any(st.cache.checkpointed for st in self._backends.values())
 
-    def _disk_lcps(self, held: dict[Any, int]) -> dict[str, int]:
-        """Per backend, the most of the prompt a saved slot it may restore holds (none on
-        a checkpointed backend: see `_disk_gain`)."""
-        out: dict[str, int] = {}
-        for (_, kind, idx), got in held.items():
-            if kind != DISK:
-                continue
-            for b in self._disk[idx][1]:
-                st = self._backends.get(b)
-                if st is not None and not st.cache.checkpointed and got > out.get(b, 0):
-                    out[b] = got
-        return out
-
     def _disk_gain(self, held: dict[Any, int], p: Placement, n: int, backend: str
                    ) -> tuple[str, bytes, int] | None:
         """The disk file to restore into the placement's slot first, its sequence and
@@ -165,9 +152,7 @@ class Router(QueuedRequests):
             return None
         best = max(((got, idx) for (_, kind, idx), got in held.items()
                     if kind == DISK and backend in self._disk[idx][1]), default=None)
-        # (a placement the policy chose for a restore: whatever the slot itself holds)
-        base = 0 if p.tier == "disk" else p.reuse
-        if best is None or best[0] - base < self.settings.disk_min_gain_tokens:
+        if best is None or best[0] - p.reuse < self.settings.disk_min_gain_tokens:
             return None
         got, idx = best
         return self._disk[idx][0], self.tree.tokens_of(("", DISK, idx)), min(got, n - 1)
@@ -227,9 +212,7 @@ class Router(QueuedRequests):
             lcps = per.get(b)
             if lcps is not None:
                 lcps[kind][idx] = got  # SLOT, RAM, PENDING index the tuple
-        disk = self._disk_lcps(held) if self._disk and not head else {}
-        cands = [Candidate(b, self._backends[b], *per[b], disk_lcp=disk.get(b, 0))
-                 for b in names]
+        cands = [Candidate(b, self._backends[b], *per[b]) for b in names]
         if self._policy == "prefix":
             choice = choose_prefix(cands, n, self.settings, now, session,
                                    len(q) // 4 if head else None)

@@ -37,10 +37,6 @@ class RouterSettings:
     # this many more of the prompt than the slot would reuse (reading KV from disk costs
     # a small fraction of computing it, but a round trip and the server's loop)
     disk_min_gain_tokens: int = 256
-    # reading one token of KV back from a saved slot (a page-cached file on the demo model
-    # reads ~1 us a token; a large model's KV from an SSD, tens): charged as time to first
-    # token when the policy weighs a restore against the other placements
-    disk_load_s_per_token: float = 2e-5
     # RAM entries per backend the tree matches against: all of at least
     # ram_track_min_tokens, and smaller ones while there are no more than
     # ram_entries_tracked in all (the largest first; see BackendCache)
@@ -89,7 +85,6 @@ class RouterSettings:
             "min_rate_sample_tokens": self.min_rate_sample_tokens,
             "wait_min_tokens": self.wait_min_tokens,
             "disk_min_gain_tokens": self.disk_min_gain_tokens,
-            "disk_load_s_per_token": self.disk_load_s_per_token,
             "wait_grace_s": self.wait_grace_s,
             "ram_track_min_tokens": self.ram_track_min_tokens,
         }

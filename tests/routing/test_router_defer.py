@@ -164,23 +164,3 @@ def test_a_failed_restore_is_predicted_as_a_prefill() -> None:
         r.complete(failed, output_tokens=[1, 2], reported_cached=0, prompt_ms=100.0,
                    prompt_n=len(prompt), reported_slot=0, now=1.0)
         assert r.held("a", 0) == to_token_bytes([*prompt, 1, 2])
-
-
-def test_a_conversation_moves_by_restore_when_its_backend_is_busy() -> None:
-    """Its history is in an idle slot of a, whose other slot prefills a long prompt; b is
-    idle and empty. Waiting behind a's prefill beats recomputing the history on b, but
-    restoring the history's saved file into b beats both: the policy weighs it."""
-    r = Router("prefix")
-    r.add_backend(BackendCapacity("a", 2, 8192, 0, 8192))
-    r.add_backend(BackendCapacity("b", 1, 8192, 0, 8192))
-    history = list(range(100, 3000))
-    first = r.decide(history, now=0.0, among={"a"})
-    assert isinstance(first, Decision)
-    r.complete(first, output_tokens=[], reported_cached=0, now=1.0)
-    r.disk_add(0, "kvroute-0.bin", to_token_bytes(history), frozenset({"a", "b"}))
-    long = r.decide(list(range(10_000, 11_500)), now=1.0, among={"a"})
-    assert isinstance(long, Decision) and long.slot != first.slot  # a's other slot
-    d = r.decide([*history, *range(5000, 5100)], now=1.0)
-    assert isinstance(d, Decision)
-    assert (d.backend, d.tier, d.restore, d.predicted_cached) == \
-        ("b", "disk", "kvroute-0.bin", len(history))
