@@ -54,6 +54,7 @@ from proxy.forwarding.upstream import Upstream
 from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
 from proxy.observability.recent import RecentActivity
+from proxy.observability.tracing import Tracing
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.delimiters import user_starts
 from proxy.responses import routes as responses
@@ -172,6 +173,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=4),
                                     cookie_jar=aiohttp.DummyCookieJar())
     recorder = Recorder(app[METRICS], get_logger(), app[RECENT])
+    tracing = Tracing.start(s.otel)
     metrics = app[METRICS]
     kv_disk = app[CONFIG].kv_disk
     pools = app[POOLS]
@@ -192,6 +194,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
             session, lambda p=pool: handlers.pick_ready(p),
             lambda reason: metrics.child(metrics.tokens_from_backend, reason).inc())
         fw.slot_store = store
+        fw.tracing = tracing
     app[FORWARDER] = pools.first.fw
     probers = [asyncio.create_task(p.health.run(session), name=f"kvroute-health-{i}")
                for i, p in enumerate(pools)]

@@ -8,6 +8,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default).
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import socket
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ from proxy.config.fields import (  # ConfigError is re-exported: imported from h
 )
 from proxy.config.pools import PoolSpec, derive_pools
 from proxy.config.settings import HealthSettings, ProxySettings
+from proxy.observability.tracing import OTEL_MISSING
 from proxy.routing.policy import POLICIES
 from proxy.routing.settings import RouterSettings
 
@@ -214,6 +216,8 @@ def _proxy_settings(sec: _Section, base: Path) -> ProxySettings:
         if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
             raise ConfigError(f"proxy.{key}: expected a positive number, got {value!r} "
                               f"(fix: e.g. {key}: {getattr(ProxySettings(), key)})")
+    if knobs.get("otel") and importlib.util.find_spec("opentelemetry") is None:
+        raise ConfigError(OTEL_MISSING)
     return ProxySettings(api_keys=tuple(keys), health=health, tokenizer=tok_path, **knobs)
 
 

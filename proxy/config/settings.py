@@ -42,6 +42,7 @@ class ProxySettings:
     max_messages: int = 8192                # longer `messages` arrays -> 400
     strict_models: bool = False             # True: a `model` no backend serves -> 404
     log_prompts: bool = False               # debug: log request bodies (never keys)
+    otel: bool = False                      # OpenTelemetry spans (the kvroute[otel] extra)
     health: HealthSettings = field(default_factory=HealthSettings)  # probes, breakers
     # uncached text up to this size is tokenized on the event loop (a worst-case stall of
     # ~5 ms at 16 KiB); larger uncached text goes to a worker thread

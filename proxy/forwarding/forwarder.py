@@ -33,6 +33,7 @@ from proxy.forwarding.send import AS_IS, JSON, Relay, Settle, Target, send, upst
 from proxy.forwarding.slot_store import SlotStore
 from proxy.forwarding.upstream import Response, Upstream
 from proxy.forwarding.waits import BackendLeft, SlotWaits
+from proxy.observability.tracing import Tracing
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
@@ -109,6 +110,7 @@ class Forwarder:
         self._tokenize_output = tokenize_output
         self.session = session  # for /slots (see `SlotWaits.free_when_idle`)
         self.slot_store: SlotStore | None = None  # slots saved to disk (kv_disk), if on
+        self.tracing = Tracing()  # OpenTelemetry spans, if on (proxy.otel)
         # where a chat prompt's user messages start, as the server finds them (its
         # template's message delimiters): it checkpoints there on sliding-window and
         # hybrid models; None when the template is not known here
@@ -275,6 +277,7 @@ class _Attempt:
         self.outcome = Outcome(started=self.started,
                                on_first_token=lambda: self.router.prefilled(self.decision))
         self.fw.recorder.begin(self.info.name)
+        self.span = self.fw.tracing.begin(self.request.headers, self.endpoint)
         try:
             return await self.exchange()
         except (UpstreamError, UpstreamTimeout) as e:
@@ -436,10 +439,11 @@ class _Attempt:
                 self.feedback()
             else:
                 self.detached.add_done_callback(self.feedback_when_done)
-        finally:  # (the gauge and the log line, whatever the feedback did)
+        finally:  # (the gauge, the log line and the span, whatever the feedback did)
             self.fw.recorder.end(self.endpoint, self.reported(), self.outcome, self.started,
                                  stream=self.body.get("stream") is True,
                                  backend_busy=self.detached is not None)
+            self.fw.tracing.end(self.span, self.reported(), self.outcome)
 
 
 def _named(raw: bytes, info: BackendInfo) -> bytes:
