@@ -25,7 +25,7 @@ from proxy.routing.backend_state import BackendState, peer_rate, share_rate
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import DISK, PENDING, RAM, SLOT, BackendCapacity, Placement
 from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
-from proxy.routing.policy import POLICIES, Baselines, Candidate, choose_prefix
+from proxy.routing.policy import POLICIES, Baselines, Candidate, Choice, choose_prefix
 from proxy.routing.queue import Inflight, QueuedRequests
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
@@ -188,6 +188,37 @@ class Router(QueuedRequests):
         head = n_prompt is not None and n_prompt > n
         if head:
             n = n_prompt  # type: ignore[assignment]
+        found = self._candidates(q, n, head, among)
+        if not isinstance(found, tuple):
+            return found
+        cands, held = found
+        if self._policy == "prefix":
+            choice = choose_prefix(cands, n, self.settings, now, session,
+                                   len(q) // 4 if head else None)
+        else:
+            choice = self._baselines.choose(self._policy, cands, n)
+        if head and self._policy == "prefix":
+            p = choice.placement or choice.queued  # (prefix sets one or the other)
+            assert p is not None
+            most = _most_kv(held)
+            if p.reuse < most:
+                return NeedWholePrompt(most, p.reuse)
+        rid = self._next_id
+        self._next_id += 1
+        cand = next(c for c in cands if c.name == choice.backend)
+        restore = None
+        if choice.placement is not None and choice.slot is not None and not head \
+                and self._disk:
+            restore = self._disk_gain(held, choice.placement, n, choice.backend)
+        placed, beyond = self._place(rid, choice, cand, q, n, head, defer, restore,
+                                     user_starts)
+        return self._record(rid, choice, cand, placed, q, n, now, beyond, session, head,
+                            restore[0] if restore is not None else None, user_starts)
+
+    def _candidates(self, q: bytes, n: int, head: bool, among: Collection[str] | None
+                    ) -> tuple[list[Candidate], dict[Any, int]] | NoBackend | NeedWholePrompt:
+        """The backends that may take an ``n``-token prompt, each with what of ``q`` its
+        slots, RAM entries and queued requests hold, and the tree's match of ``q``."""
         if n == 0:
             return NoBackend("empty prompt", "empty")
         serving = [b for b in self._backends if among is None or b in among]
@@ -212,58 +243,51 @@ class Router(QueuedRequests):
             lcps = per.get(b)
             if lcps is not None:
                 lcps[kind][idx] = got  # SLOT, RAM, PENDING index the tuple
-        cands = [Candidate(b, self._backends[b], *per[b]) for b in names]
-        if self._policy == "prefix":
-            choice = choose_prefix(cands, n, self.settings, now, session,
-                                   len(q) // 4 if head else None)
-        else:
-            choice = self._baselines.choose(self._policy, cands, n)
-        if head and self._policy == "prefix":
-            p = choice.placement or choice.queued  # (prefix sets one or the other)
-            assert p is not None
-            most = _most_kv(held)
-            if p.reuse < most:
-                return NeedWholePrompt(most, p.reuse)
+        return [Candidate(b, self._backends[b], *per[b]) for b in names], held
 
-        rid = self._next_id
-        self._next_id += 1
-        st = self._backends[choice.backend]
-        slot_lcp, ram_lcp, _ = per[choice.backend]
-        placed = None
-        beyond = None
-        restore = None
-        if choice.placement is not None and choice.slot is not None and not head \
-                and self._disk:
-            restore = self._disk_gain(held, choice.placement, n, choice.backend)
-        if choice.placement is not None and restore is not None:
+    def _place(self, rid: int, choice: Choice, cand: Candidate, q: bytes, n: int,
+               head: bool, defer: bool, restore: tuple[str, bytes, int] | None,
+               user_starts: tuple[int, ...]) -> tuple[Placement | None, bytes | None]:
+        """The slot model's landing of the chosen placement (None: queued on the server),
+        now or, with ``defer``, at ``place``; and, decided on a head, what the holder it
+        reuses has beyond that head."""
+        st = cand.state
+        slot_lcp, ram_lcp = cand.slot_lcp, cand.ram_lcp
+        if choice.placement is None:
+            return None, None
+        assert choice.slot is not None or restore is None
+        if restore is not None:
             _, sequence, got = restore
-            slot_lcp = {**slot_lcp, choice.slot: got}  # the slot, once restored
+            slot_lcp = {**slot_lcp, choice.slot: got}  # type: ignore[dict-item]
             placed = choice.placement._replace(reuse=got, tier="disk", ram_entry=None,
                                                saved=False, displaced=0, destroyed=0)
             if defer:
                 self._unplaced = _Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
                                            ram_lcp, n, placed, sequence, user_starts)
-            else:
-                st.cache.restore(placed.slot, sequence)
-                placed = _from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
-                                                   user_starts=user_starts))
-        elif choice.placement is not None:
-            if head:
-                beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
-                                      len(q))
-            if defer:
-                placed = choice.placement
-                self._unplaced = _Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
-                                           ram_lcp, n, placed, user_starts=user_starts)
-            else:
-                # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
-                placed = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
-                                        choice.placement, user_starts=user_starts)
+                return placed, None
+            st.cache.restore(placed.slot, sequence)
+            return _from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
+                                             user_starts=user_starts)), None
+        beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
+                              len(q)) if head else None
+        if defer:
+            self._unplaced = _Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
+                                       ram_lcp, n, choice.placement, user_starts=user_starts)
+            return choice.placement, beyond
+        # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
+        return st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement,
+                              user_starts=user_starts), beyond
+
+    def _record(self, rid: int, choice: Choice, cand: Candidate, placed: Placement | None,
+                q: bytes, n: int, now: float, beyond: bytes | None, session: str | None,
+                head: bool, restore: str | None, user_starts: tuple[int, ...]) -> Decision:
+        """Book the request on its backend (work, in flight, the slot or the server's
+        queue) and say what was decided."""
+        st = cand.state
         queued = placed is None
         if placed is None:
             # queued on the server (unpinned): predict what it gets when a slot frees,
             # before recording it (it would share its whole prompt with itself)
-            cand = next(c for c in cands if c.name == choice.backend)
             pq = choice.queued or cand.predict_queued(n, None)[0]
             self.tree.assign((choice.backend, PENDING, rid), q)
             st.queued.append(rid)
@@ -300,7 +324,7 @@ class Router(QueuedRequests):
             tier=tier,
             reasons=reasons,
             queued=queued,
-            restore=restore[0] if restore is not None else None,
+            restore=restore,
         )
 
     def _beyond(self, backend: str, p: Placement, slot_lcp: dict[int, int],
