@@ -20,6 +20,7 @@ import anthropic
 import pytest
 from aiohttp.test_utils import TestServer
 from anthropic.lib.streaming._messages import accumulate_event
+from llama_chunks import chunk, named_events
 from texts import words
 
 from backends.supervisor import Supervisor
@@ -272,55 +273,28 @@ def test_session_hint_and_upstream_body() -> None:
 
 
 # ------------------------------------------- tool_use output: llama-server chunk shapes
-def _chunk(delta: dict[str, Any] | None, finish: str | None = None,
-           timings: dict[str, int] | None = None, usage: bool = False) -> dict[str, Any]:
-    # tools/server/server-task.cpp to_json_oaicompat_chat*: one choice, or none for usage
-    out: dict[str, Any] = {"id": "chatcmpl-x", "model": "kvroute-demo",
-                           "object": "chat.completion.chunk",
-                           "choices": [] if usage else [
-                               {"index": 0, "finish_reason": finish, "delta": delta or {}}]}
-    if usage:
-        out["usage"] = {"completion_tokens": 9, "prompt_tokens": 120, "total_tokens": 129,
-                        "prompt_tokens_details": {"cached_tokens": 100}}
-    if timings:
-        out["timings"] = timings
-    return out
-
-
-def _events(raw: list[bytes]) -> list[dict[str, Any]]:
-    out = []
-    for ev in b"".join(raw).decode().split("\n\n"):
-        lines = ev.strip().splitlines()
-        if lines:
-            assert lines[0].startswith("event: ") and lines[1].startswith("data: ")
-            data = json.loads(lines[1][6:])
-            assert data["type"] == lines[0][7:]
-            out.append(data)
-    return out
-
-
 def test_relay_stream_with_thinking_text_and_tool_calls() -> None:
     t = {"cache_n": 100, "prompt_n": 20, "predicted_n": 1}
     call = {"index": 0, "id": "call_1", "type": "function",
             "function": {"name": "Bash", "arguments": ""}}
     chunks = [
-        _chunk({"role": "assistant", "content": None}),
-        _chunk({"reasoning_content": "think"}, timings=t),
-        _chunk({"content": "ok"}, timings=t),
-        _chunk({"tool_calls": [call]}, timings=t),
-        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"command":'}}]}),
-        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ' "ls"}'}}]}),
-        _chunk({"tool_calls": [{**call, "index": 1, "id": "call_2",
+        chunk({"role": "assistant", "content": None}),
+        chunk({"reasoning_content": "think"}, timings=t),
+        chunk({"content": "ok"}, timings=t),
+        chunk({"tool_calls": [call]}, timings=t),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"command":'}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": ' "ls"}'}}]}),
+        chunk({"tool_calls": [{**call, "index": 1, "id": "call_2",
                                 "function": {"name": "Read", "arguments": "{}"}}]}),
-        _chunk({}, finish="tool_calls"),
-        _chunk(None, usage=True, timings={**t, "predicted_n": 9}),
+        chunk({}, finish="tool_calls"),
+        chunk(None, usage=True, timings={**t, "predicted_n": 9}),
     ]
     relay = AnthropicRelay("m")
     raw: list[bytes] = []
     for c in chunks:
         raw += relay.event(c) or []
     raw += relay.done() or []
-    events = _events(raw)
+    events = named_events(raw)
     assert events[0]["message"]["usage"] == {"cache_read_input_tokens": 100,
                                              "input_tokens": 20, "output_tokens": 0}
     snap = None

@@ -3,11 +3,11 @@ produce: reasoning and tool calls), read back with the OpenAI SDK's own stream s
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from llama_chunks import chunk, named_events
 from openai import omit
 from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
@@ -16,56 +16,29 @@ from openai.types.responses import Response, ResponseStreamEvent
 from proxy.responses.relay import ResponsesRelay
 
 
-def _chunk(delta: dict[str, Any] | None, finish: str | None = None,
-           timings: dict[str, int] | None = None, usage: bool = False) -> dict[str, Any]:
-    # tools/server/server-task.cpp to_json_oaicompat_chat*: one choice, or none for usage
-    out: dict[str, Any] = {"id": "chatcmpl-x", "model": "kvroute-demo",
-                           "object": "chat.completion.chunk",
-                           "choices": [] if usage else [
-                               {"index": 0, "finish_reason": finish, "delta": delta or {}}]}
-    if usage:
-        out["usage"] = {"completion_tokens": 9, "prompt_tokens": 120, "total_tokens": 129,
-                        "prompt_tokens_details": {"cached_tokens": 100}}
-    if timings:
-        out["timings"] = timings
-    return out
-
-
-def _events(raw: list[bytes]) -> list[dict[str, Any]]:
-    out = []
-    for ev in b"".join(raw).decode().split("\n\n"):
-        lines = ev.strip().splitlines()
-        if lines:
-            assert lines[0].startswith("event: ") and lines[1].startswith("data: ")
-            data = json.loads(lines[1][6:])
-            assert data["type"] == lines[0][7:]
-            out.append(data)
-    return out
-
-
 def test_stream_with_reasoning_text_and_tool_calls() -> None:
     t = {"cache_n": 100, "prompt_n": 20, "predicted_n": 1}
     call = {"index": 0, "id": "abc", "type": "function",
             "function": {"name": "shell", "arguments": ""}}
     chunks = [
-        _chunk({"role": "assistant", "content": None}),
-        _chunk({"reasoning_content": "think"}),
-        _chunk({"reasoning_content": " more"}),
-        _chunk({"content": "ok"}),
-        _chunk({"tool_calls": [call]}),
-        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"command":'}}]}),
-        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ' "ls"}'}}]}),
-        _chunk({"tool_calls": [{**call, "index": 1, "id": "def",
+        chunk({"role": "assistant", "content": None}),
+        chunk({"reasoning_content": "think"}),
+        chunk({"reasoning_content": " more"}),
+        chunk({"content": "ok"}),
+        chunk({"tool_calls": [call]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"command":'}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": ' "ls"}'}}]}),
+        chunk({"tool_calls": [{**call, "index": 1, "id": "def",
                                 "function": {"name": "read_file", "arguments": "{}"}}]}),
-        _chunk({}, finish="tool_calls", timings={**t, "predicted_n": 9}),
-        _chunk(None, usage=True, timings={**t, "predicted_n": 9}),
+        chunk({}, finish="tool_calls", timings={**t, "predicted_n": 9}),
+        chunk(None, usage=True, timings={**t, "predicted_n": 9}),
     ]
     relay = ResponsesRelay("m")
     raw: list[bytes] = []
     for c in chunks:
         raw += relay.event(c) or []
     raw += relay.done() or []
-    events = _events(raw)
+    events = named_events(raw)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     types = [e["type"] for e in events]
     assert types[:3] == ["response.created", "response.in_progress",
@@ -93,7 +66,7 @@ def test_stream_with_reasoning_text_and_tool_calls() -> None:
 def test_empty_stream_still_completes_and_errors_pass_as_the_server_writes_them() -> None:
     relay = ResponsesRelay("m")
     assert relay.event({"error": {"code": 500, "message": "boom"}}) is None  # relayed raw
-    events = _events(relay.done() or [])
+    events = named_events(relay.done() or [])
     assert [e["type"] for e in events] == ["response.created", "response.in_progress",
                                            "response.completed"]
     assert events[-1]["response"]["output"] == []
@@ -141,4 +114,4 @@ def test_an_external_backends_odd_chunks_never_break_the_relay(chunks: list[Any]
     for c in chunks:
         relay.event(c)
         relay.body(c)
-    assert _events(relay.done() or [])[-1]["type"] == "response.completed"
+    assert named_events(relay.done() or [])[-1]["type"] == "response.completed"
