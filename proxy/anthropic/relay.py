@@ -26,7 +26,7 @@ from typing import Any
 
 from proxy.errors import ErrorFormat, anthropic_error
 from proxy.feedback.reports import reported_reuse
-from proxy.forwarding.send import JSON, Relay
+from proxy.forwarding.send import JSON, Relay, first_choice
 
 _STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use"}
 
@@ -109,10 +109,7 @@ class AnthropicRelay(AnthropicErrors):
 
     # ---------------------------------------------------------- non-streaming
     def body(self, obj: JSON) -> JSON | None:
-        choices = obj.get("choices")
-        choice = choices[0] if isinstance(choices, list) and choices else {}
-        msg = choice.get("message") if isinstance(choice, dict) else None
-        msg = msg if isinstance(msg, dict) else {}
+        choice, msg = first_choice(obj)
         content: list[JSON] = []
         reasoning = msg.get("reasoning_content")
         if isinstance(reasoning, str) and reasoning:

@@ -16,15 +16,12 @@ are checked by the app's auth middleware. Session hint for the router:
 
 from __future__ import annotations
 
-import json
-
-import orjson
 from aiohttp import web
 
 from proxy.anthropic.convert import anthropic_to_chat
 from proxy.anthropic.relay import AnthropicErrors, AnthropicRelay
 from proxy.errors import BadRequest
-from proxy.forwarding.send import JSON
+from proxy.forwarding.send import JSON, encoded
 from proxy.prompt.chat_request import PromptError
 from proxy.server.backend_tokens import NoBackendIds
 from proxy.server.handlers import pool_for, prompt_for, read_json, tokens_for, unrouted
@@ -91,10 +88,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
     tokens = await prompt_for(pool, raw, chat, plan)
-    try:  # ~10x faster than json on a Claude Code turn (~1 ms for 120 KB)
-        payload = orjson.dumps(chat)
-    except TypeError:  # an integer past 64 bits
-        payload = json.dumps(chat, separators=(",", ":")).encode()
+    payload = encoded(chat)
     relay = AnthropicRelay(model, body.get("stop_sequences") or ())
     if tokens is None:  # no backend can give the ids, none refused the request
         return await unrouted(request, pool, "/v1/chat/completions", payload, relay)

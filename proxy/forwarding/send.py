@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -126,7 +127,25 @@ def upstream_payload(raw: bytes, body: JSON, extra: JSON) -> bytes:
             merged[key] = {**merged[key], **val}
         else:
             merged[key] = val
-    return orjson.dumps(merged)  # ~10x faster than json on a long conversation
+    return encoded(merged)
+
+
+def encoded(body: JSON) -> bytes:
+    """``body`` as the bytes sent upstream: orjson (~10x json's speed on a long
+    conversation), json for an integer past 64 bits (which orjson refuses)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+def first_choice(obj: JSON) -> tuple[JSON, JSON]:
+    """A chat answer's first choice and its message ({} for either it does not have)."""
+    choices = obj.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    choice = choice if isinstance(choice, dict) else {}
+    msg = choice.get("message")
+    return choice, msg if isinstance(msg, dict) else {}
 
 
 def backend_headers(info: BackendInfo) -> dict[str, str]:

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from proxy.feedback.reports import reported_reuse
-from proxy.forwarding.send import JSON, Relay
+from proxy.forwarding.send import JSON, Relay, first_choice
 
 _ALPHABET = string.ascii_letters + string.digits
 
@@ -124,10 +124,7 @@ class ResponsesRelay(Relay):
 
     # ---------------------------------------------------------- non-streaming
     def body(self, obj: JSON) -> JSON | None:
-        choices = obj.get("choices")
-        choice = choices[0] if isinstance(choices, list) and choices else {}
-        msg = choice.get("message") if isinstance(choice, dict) else None
-        msg = msg if isinstance(msg, dict) else {}
+        _, msg = first_choice(obj)
         output: list[JSON] = []
         reasoning = msg.get("reasoning_content")
         if isinstance(reasoning, str) and reasoning:

@@ -25,13 +25,10 @@ conversation id there).
 
 from __future__ import annotations
 
-import json
-
-import orjson
 from aiohttp import web
 
 from proxy.errors import BadRequest, NotFound
-from proxy.forwarding.send import JSON
+from proxy.forwarding.send import JSON, encoded
 from proxy.prompt.chat_request import PromptError
 from proxy.responses.convert import responses_to_chat
 from proxy.responses.relay import ResponsesRelay
@@ -91,13 +88,6 @@ def chat_body(body: JSON) -> JSON:
     return chat
 
 
-def _payload(chat: JSON) -> bytes:
-    try:  # ~10x faster than json on a long conversation
-        return orjson.dumps(chat)
-    except TypeError:  # an integer past 64 bits
-        return json.dumps(chat, separators=(",", ":")).encode()
-
-
 # ---------------------------------------------------------------------- endpoints
 async def responses(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
@@ -106,7 +96,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     prompt = pool.tok.prompt
     plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
     tokens = await prompt_for(pool, raw, chat, plan)
-    payload = _payload(chat)
+    payload = encoded(chat)
     relay = ResponsesRelay(body["model"] if isinstance(body.get("model"), str) else "")
     if tokens is None:  # no backend can give the ids, none refused the request
         return await unrouted(request, pool, "/v1/chat/completions", payload, relay)
