@@ -33,7 +33,7 @@ RUN /opt/kvroute/venv/bin/python -m backends prepare --config config.yaml
 FROM ${PYTHON_IMAGE} AS runtime
 # libgomp: the OpenMP runtime llama-server and llama-cpp-python's libllama link against
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libgomp1 \
+ && apt-get install -y --no-install-recommends libgomp1 libstdc++6 \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --user-group --uid 10001 --home-dir /var/lib/kvroute \
       --shell /usr/sbin/nologin kvroute \

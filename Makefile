@@ -59,12 +59,15 @@ claude-code:
 	else echo "WARNING: no npm: the Claude Code end-to-end test will be skipped"; fi
 
 # Headless Chromium for the status page's browser test (skipped without it): installed
-# with apt when missing and this is root; never fatal.
+# with apt when missing and this is root, tried once (a stamp); never fatal.
+CHROMIUM_TRIED := $(VENV)/.chromium-tried
 chromium:
-	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
-	{ command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && echo "==> installing chromium" \
-	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
-	  >/dev/null; } || echo "WARNING: no chromium: the status page's browser test will be skipped"
+	@chromium --version >/dev/null 2>&1 || chromium-browser --version >/dev/null 2>&1 || \
+	test -e $(CHROMIUM_TRIED) || \
+	{ touch $(CHROMIUM_TRIED); command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+	  && echo "==> installing chromium" && apt-get update -qq \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	echo "WARNING: no chromium: the status page's browser test will be skipped"
 
 test: artifacts lint claude-code chromium
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -209,6 +209,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         await pool.fw.close()
     await session.close()
     await upstream.close()
+    await asyncio.to_thread(tracing.close)  # (its exporter's last batch: a blocking send)
 
 
 async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -302,7 +303,14 @@ def _presented_key(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    return status_page.basic_password(auth) or request.headers.get("x-api-key")
+    # Basic credentials only where a browser is sent for them (the status page, the admin
+    # reads): a browser attaches them to any request to this origin, a form another site
+    # posts included, and a POST must not spend a backend on the operator's key
+    if request.path in status_page.PAGE_PATHS or request.path in _ADMIN_PATHS:
+        basic = status_page.basic_password(auth)
+        if basic:
+            return basic
+    return request.headers.get("x-api-key")
 
 
 @web.middleware

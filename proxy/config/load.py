@@ -41,7 +41,7 @@ from proxy.config.fields import (  # ConfigError is re-exported: imported from h
 )
 from proxy.config.pools import PoolSpec, derive_pools
 from proxy.config.settings import HealthSettings, ProxySettings
-from proxy.observability.tracing import OTEL_MISSING
+from proxy.observability.tracing import OTEL_MISSING, OTEL_MODULES
 from proxy.routing.policy import POLICIES
 from proxy.routing.settings import RouterSettings
 
@@ -216,9 +216,16 @@ def _proxy_settings(sec: _Section, base: Path) -> ProxySettings:
         if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
             raise ConfigError(f"proxy.{key}: expected a positive number, got {value!r} "
                               f"(fix: e.g. {key}: {getattr(ProxySettings(), key)})")
-    if knobs.get("otel") and importlib.util.find_spec("opentelemetry") is None:
+    if knobs.get("otel") and not all(_importable(m) for m in OTEL_MODULES):
         raise ConfigError(OTEL_MISSING)
     return ProxySettings(api_keys=tuple(keys), health=health, tokenizer=tok_path, **knobs)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # (a parent package is missing)
+        return False
 
 
 def _routing(raw: object) -> RoutingConfig:

@@ -277,8 +277,9 @@ class _Attempt:
         self.outcome = Outcome(started=self.started,
                                on_first_token=lambda: self.router.prefilled(self.decision))
         self.fw.recorder.begin(self.info.name)
-        self.span = self.fw.tracing.begin(self.request.headers, self.endpoint)
+        self.span = None
         try:
+            self.span = self.fw.tracing.begin(self.request.headers, self.endpoint)
             return await self.exchange()
         except (UpstreamError, UpstreamTimeout) as e:
             self.outcome.status = 0
@@ -440,10 +441,12 @@ class _Attempt:
             else:
                 self.detached.add_done_callback(self.feedback_when_done)
         finally:  # (the gauge, the log line and the span, whatever the feedback did)
-            self.fw.recorder.end(self.endpoint, self.reported(), self.outcome, self.started,
-                                 stream=self.body.get("stream") is True,
-                                 backend_busy=self.detached is not None)
-            self.fw.tracing.end(self.span, self.reported(), self.outcome)
+            try:
+                self.fw.recorder.end(self.endpoint, self.reported(), self.outcome,
+                                     self.started, stream=self.body.get("stream") is True,
+                                     backend_busy=self.detached is not None)
+            finally:
+                self.fw.tracing.end(self.span, self.reported(), self.outcome)
 
 
 def _named(raw: bytes, info: BackendInfo) -> bytes:

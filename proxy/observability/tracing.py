@@ -39,11 +39,18 @@ class Answered(Protocol):
     def ttft(self) -> float | None: ...
 
 
+# what `proxy.otel` needs installed: the API, and the SDK and exporter kvroute sets up
+# when the process has no tracer provider of its own
+OTEL_MODULES = ("opentelemetry.trace", "opentelemetry.sdk.trace",
+                "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+
+
 class Tracing:
     """Spans of routed requests; a no-op without a tracer."""
 
-    def __init__(self, tracer: Any = None) -> None:
+    def __init__(self, tracer: Any = None, provider: Any = None) -> None:
         self.tracer = tracer
+        self.provider = provider  # the one set up here, if any: flushed at `close`
 
     @classmethod
     def start(cls, enabled: bool) -> Tracing:
@@ -54,11 +61,18 @@ class Tracing:
             return cls()
         try:
             from opentelemetry import trace
+
+            provider = None
+            if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+                provider = _default_provider()  # (none set by the process: the SDK's)
         except ImportError:
             raise RuntimeError(OTEL_MISSING) from None
-        if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
-            _default_provider()  # (no provider set by the process: the SDK's)
-        return cls(trace.get_tracer("kvroute"))
+        return cls(trace.get_tracer("kvroute"), provider)
+
+    def close(self) -> None:
+        """Export what is left (spans are sent in batches) and stop."""
+        if self.provider is not None:
+            self.provider.shutdown()
 
     def begin(self, headers: Mapping[str, str], endpoint: str) -> Any:
         """A span for one attempt at a request with these headers (None: off)."""
@@ -95,7 +109,7 @@ class Tracing:
         span.end()
 
 
-def _default_provider() -> None:
+def _default_provider() -> Any:
     """The SDK's provider, exporting batches over OTLP/HTTP where OTEL_* says."""
     from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -106,3 +120,4 @@ def _default_provider() -> None:
     provider = TracerProvider(resource=Resource.create({"service.name": "kvroute"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
+    return provider

@@ -550,6 +550,11 @@ class Router(QueuedRequests):
         st = self._backends.get(backend)
         return 0 if st is None else st.cache.starts
 
+    def slot_sessions(self) -> dict[str, dict[int, str]]:
+        """backend -> slot -> the session id of the request last placed there (kept for
+        the policy's ties; not in the snapshot, which stays free of client strings)."""
+        return {name: dict(st.slot_session) for name, st in self._backends.items()}
+
     def prefill_rate(self, backend: str) -> float | None:
         """`backend`'s learned prefill rate (tokens/s), if it is routed."""
         st = self._backends.get(backend)

@@ -131,11 +131,9 @@ def snapshot(app: web.Application, with_decisions: bool) -> dict[str, Any]:
 
 
 def _slot_sessions(router: Router) -> dict[str, dict[int, str]]:
-    """backend -> slot -> the session id of the request last placed there. The router
-    keeps these for its policy but leaves them out of its snapshot: read, never written."""
-    states = getattr(router, "_backends", {})
-    return {name: {slot: session[:_SESSION_CHARS] for slot, session in st.slot_session.items()}
-            for name, st in states.items()}
+    """backend -> slot -> the session id of the request last placed there, cut short."""
+    return {name: {slot: session[:_SESSION_CHARS] for slot, session in slots.items()}
+            for name, slots in router.slot_sessions().items()}
 
 
 async def _close_streams(app: web.Application) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import shutil
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,7 +32,17 @@ pytestmark = pytest.mark.timeout(240)
 KEY = "browser-key-5e0b"
 CANARY = "walrus-canary-77c1"
 HOSTILE = '<img src=x onerror="document.title=1">'
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+def _chromium() -> str | None:
+    """A Chromium that runs (a snap's stub of one without snapd does not)."""
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path is not None and subprocess.run([path, "--version"], capture_output=True,
+                                               timeout=30, check=False).returncode == 0:
+            return path
+    return None
+
+
+CHROMIUM = _chromium()
 
 
 class Page:

@@ -132,6 +132,11 @@ async def test_every_page_path_needs_the_admin_key(backend_pool: PoolFactory) ->
                     assert r.status == 200, (path, headers)
         async with c.get("/kvroute/static/other.js", headers={"x-api-key": key}) as r:
             assert r.status == 404
+        # a browser sends the page's credentials with any request to kvroute, another
+        # site's form post included: they open the page, never a backend
+        async with c.post("/v1/chat/completions", headers={"Authorization": basic}, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}) as r:
+            assert r.status == 401
     async with proxy(sup, ProxySettings(api_keys=(key,), protect_admin=False)) as c, \
             c.get("/") as r:
         assert r.status == 200
