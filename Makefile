@@ -26,7 +26,7 @@ CLAUDE_CODE_VERSION ?= 2.1.331
 CLAUDE_CODE_DIR := $(HOME)/.cache/kvroute/npm
 CLAUDE_CODE_PKG := $(CLAUDE_CODE_DIR)/node_modules/@anthropic-ai/claude-code/package.json
 
-.PHONY: run test lint artifacts claude-code chromium bench clean
+.PHONY: run test lint artifacts claude-code chromium nats-server bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,7 +69,16 @@ chromium:
 	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	echo "WARNING: no chromium: the status page's browser test will be skipped"
 
-test: artifacts lint claude-code chromium
+# nats-server for the replicas' tests (skipped without it): as chromium above.
+NATS_TRIED := $(VENV)/.nats-tried
+nats-server:
+	@command -v nats-server >/dev/null || test -e $(NATS_TRIED) || \
+	{ touch $(NATS_TRIED); command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+	  && echo "==> installing nats-server" && apt-get update -qq \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server >/dev/null; } || \
+	echo "WARNING: no nats-server: the replicas' broker tests will be skipped"
+
+test: artifacts lint claude-code chromium nats-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The benchmarks behind BENCHMARKS.md that need no backends: routing core, proxy

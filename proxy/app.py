@@ -57,6 +57,8 @@ from proxy.observability.recent import RecentActivity
 from proxy.observability.tracing import Tracing
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.delimiters import user_starts
+from proxy.replicas.bus import ReplicaBus
+from proxy.replicas.events import Held
 from proxy.responses import routes as responses
 from proxy.routing.router import Router
 from proxy.server import handlers, status_page
@@ -70,6 +72,7 @@ from proxy.server.keys import (
     METRICS,
     POOLS,
     RECENT,
+    REPLICAS,
     ROUTER,
     SETTINGS,
     SUPERVISOR,
@@ -196,9 +199,12 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         fw.slot_store = store
         fw.tracing = tracing
     app[FORWARDER] = pools.first.fw
+    bus = await _replicas(app)
     probers = [asyncio.create_task(p.health.run(session), name=f"kvroute-health-{i}")
                for i, p in enumerate(pools)]
     yield
+    if bus is not None:
+        await bus.close()
     if store is not None:
         await store.close()
     for prober in probers:
@@ -210,6 +216,26 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     await session.close()
     await upstream.close()
     await asyncio.to_thread(tracing.close)  # (its exporter's last batch: a blocking send)
+
+
+async def _replicas(app: web.Application) -> ReplicaBus | None:
+    """The other replicas' view, shared over their broker (None: this one is alone)."""
+    cfg = app[CONFIG].replicas
+    if cfg is None:
+        return None
+    pools, metrics = app[POOLS], app[METRICS]
+
+    def apply(held: Held) -> bool:
+        pool = next((p for p in pools if p.spec.name == held.pool), None)
+        return pool is not None and pool.router.observe(held.backend, held.slot, held.tokens,
+                                                        now=time.monotonic())
+
+    bus = app[REPLICAS] = ReplicaBus(cfg.nats, cfg.replica, apply,
+                                     lambda e: metrics.child(metrics.replica_events, e).inc())
+    for pool in pools:
+        pool.fw.on_held = lambda b, s, t, name=pool.spec.name: bus.publish(name, b, s, t)
+    await bus.start()
+    return bus
 
 
 async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:

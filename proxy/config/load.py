@@ -69,6 +69,14 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class ReplicasConfig:
+    """Replicas sharing their view of the backends (proxy/replicas/bus.py)."""
+
+    nats: str  # the broker, e.g. nats://10.0.0.9:4222
+    replica: str  # this replica's name among them (default: host name and port)
+
+
+@dataclass(frozen=True)
 class Config:
     proxy: ProxyConfig
     routing: RoutingConfig
@@ -79,6 +87,7 @@ class Config:
     demo_model: DemoModelParams = field(default_factory=DemoModelParams)
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     kv_disk: KvDiskConfig | None = None  # slots saved to disk; None: off
+    replicas: ReplicasConfig | None = None  # other replicas' view shared; None: alone
     source: Path | None = None  # the file it was loaded from (None: built-in defaults)
 
     def managed(self) -> tuple[ManagedBackendConfig, ...]:
@@ -292,6 +301,7 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
         proxy=proxy, routing=_routing(top._get("routing")), backends=backends,
         llama_server=llama_server, cache_dir=default_cache_dir(), log_dir=log_dir,
         demo_model=demo_params, supervision=supervision, kv_disk=kv_disk, source=source,
+        replicas=_replicas(top._get("replicas"), proxy.port),
     )
     top.finish([f.name for f in fields(Config)
                 if f.name not in ("cache_dir", "source")])
@@ -313,6 +323,23 @@ def _kv_disk(raw: object, base: Path) -> KvDiskConfig | None:
                        min_tokens=sec.get_int("min_tokens", d.min_tokens))
     sec.finish(["path", "max_gib", "save_after_idle_s", "min_tokens"])
     return out
+
+
+def _replicas(raw: object, port: int) -> ReplicasConfig | None:
+    if raw is None:
+        return None
+    sec = _Section(raw, "replicas.")
+    url = sec.get_str("nats", None, "nats://127.0.0.1:4222")
+    if not url or not url.startswith(("nats://", "tls://")):
+        raise ConfigError(f"replicas.nats: expected a nats:// URL, got {_show(url)} "
+                          "(fix: e.g. nats: nats://127.0.0.1:4222)")
+    replica = sec.get_str("id", f"{socket.gethostname()}:{port}", "kvroute-1")
+    sec.finish(["nats", "id"])
+    if importlib.util.find_spec("nats") is None:
+        raise ConfigError("replicas: the NATS client is not installed "
+                          "(fix: pip install 'kvroute[replicas]')")
+    assert replica is not None
+    return ReplicasConfig(url, replica)
 
 
 def check_port_free(cfg: Config) -> None:

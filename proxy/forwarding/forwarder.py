@@ -111,6 +111,9 @@ class Forwarder:
         self.session = session  # for /slots (see `SlotWaits.free_when_idle`)
         self.slot_store: SlotStore | None = None  # slots saved to disk (kv_disk), if on
         self.tracing = Tracing()  # OpenTelemetry spans, if on (proxy.otel)
+        # told (backend, slot, tokens) of what each request left in its slot, for the
+        # other replicas (proxy/replicas/bus.py), if any
+        self.on_held: Callable[[str, int, bytes], None] | None = None
         # where a chat prompt's user messages start, as the server finds them (its
         # template's message delimiters): it checkpoints there on sliding-window and
         # hybrid models; None when the template is not known here
@@ -189,6 +192,10 @@ class Forwarder:
             starts_at_end=outcome.starts_at_end))
         info = self.backends.get(decision.backend)
         slot = outcome.reported_slot if outcome.reported_slot is not None else decision.slot
+        held = None if slot is None or self.on_held is None \
+            else self.router.held(decision.backend, slot)
+        if held:  # (None: handed to a queued request already, which tells in turn)
+            self.on_held(decision.backend, slot, held)  # type: ignore[misc, arg-type]
         if self.slot_store is not None and info is not None and info.managed \
                 and slot is not None:
             self.slot_store.note(info, slot)

@@ -95,6 +95,13 @@ class ProxyMetrics:
         self.build_info = Gauge(
             "kvroute_build_info", "1, labelled with kvroute's version and the llama.cpp "
             "version it tokenizes as.", ["version", "llama_cpp"], registry=r)
+        self.replica_events = Counter(
+            "kvroute_replica_events", "Events between replicas: sent, applied (another's, "
+            "to this one's model), ignored (a backend or slot busy here), invalid, dropped "
+            "(no broker, or sent too fast).", ["event"], registry=r)
+        self.replicas_connected = Gauge(
+            "kvroute_replicas_connected", "1 while the replicas' broker is reachable.",
+            registry=r)
         self.tokens_from_backend = Counter(
             "kvroute_tokens_from_backend", "Requests whose prompt ids a backend computed "
             "(/apply-template + /tokenize), by why kvroute did not.", ["reason"], registry=r)

@@ -550,6 +550,33 @@ class Router(QueuedRequests):
         st = self._backends.get(backend)
         return 0 if st is None else st.cache.starts
 
+    def observe(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0) -> bool:
+        """Another replica's request on ``backend``'s ``slot`` ended, leaving ``sequence``
+        (int32 token bytes) there: the model places and completes it as if it had routed
+        it (what it displaces goes to RAM as the server's would). False when the backend
+        is not routed here or the slot is busy with a request of this replica's (its own
+        answer settles what the slot holds then)."""
+        self._apply_unplaced()
+        st = self._backends.get(backend)
+        n = len(sequence) // 4
+        if st is None or not 0 <= slot < len(st.cache.slots) or st.cache.slots[slot].busy \
+                or n < 2 or len(sequence) % 4:
+            return False
+        found = self._candidates(sequence, n, False, (backend,))
+        if not isinstance(found, tuple):
+            return False
+        (cand,), _ = found
+        p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n)
+        assert p is not None, "an idle slot"
+        choice = Choice(backend, slot, p, {"why": "another replica's request"})
+        rid = self._next_id
+        self._next_id += 1
+        placed, _ = self._place(rid, choice, cand, sequence, n, False, False, None, ())
+        decision = self._record(rid, choice, cand, placed, sequence, n, now, None, None,
+                                False, None, ())
+        self.complete(decision, now=now)
+        return True
+
     def slot_sessions(self) -> dict[str, dict[int, str]]:
         """backend -> slot -> the session id of the request last placed there (kept for
         the policy's ties; not in the snapshot, which stays free of client strings)."""

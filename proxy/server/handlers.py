@@ -40,6 +40,7 @@ from proxy.server.keys import (
     FORWARDER,
     METRICS,
     POOLS,
+    REPLICAS,
     ROUTER,
     SETTINGS,
     SUPERVISOR,
@@ -303,6 +304,8 @@ async def metrics(request: web.Request) -> web.Response:
     app = request.app
     for pool in app[POOLS]:
         app[METRICS].child(app[METRICS].pool_backends, pool.spec.name).set(len(pool.backends))
+    if (bus := app.get(REPLICAS)) is not None:
+        app[METRICS].replicas_connected.set(1 if bus.connected else 0)
     own = app[METRICS].render()
     session = app[FORWARDER].session
     ready = [b for pool in app[POOLS] for b in pool.backends.values()]
@@ -339,6 +342,8 @@ def status_body(app: web.Application) -> dict[str, object]:
                    "backends": p.spec.backends, "tokenizer": p.tok.source,
                    "router": p.router.snapshot()} for p in pools],
         "kv_disk": _disk_status(app),
+        "replicas": None if (bus := app.get(REPLICAS)) is None else {
+            "id": bus.replica, "nats": bus.url, "connected": bus.connected},
     }
 
 

@@ -14,6 +14,7 @@ from proxy.forwarding.forwarder import Forwarder
 from proxy.forwarding.health import BackendHealth
 from proxy.observability.metrics import ProxyMetrics
 from proxy.observability.recent import RecentActivity
+from proxy.replicas.bus import ReplicaBus
 from proxy.routing.router import Router
 from proxy.server.admission import Admission
 from proxy.server.event_streams import EventStreams
@@ -33,6 +34,7 @@ FORWARDER = web.AppKey("kvroute.forwarder", Forwarder)
 # only one's, in most configurations), and the FORWARDER's session and slot store the
 # app's.
 POOLS = web.AppKey("kvroute.pools", Pools)
+REPLICAS = web.AppKey("kvroute.replicas", ReplicaBus)  # only with `replicas:` configured
 # the status page: recent routing decisions (filled by the Recorder) and its open streams
 RECENT = web.AppKey("kvroute.recent", RecentActivity)
 STATUS_STREAMS = web.AppKey("kvroute.status_streams", EventStreams)

@@ -164,3 +164,24 @@ def test_a_failed_restore_is_predicted_as_a_prefill() -> None:
         r.complete(failed, output_tokens=[1, 2], reported_cached=0, prompt_ms=100.0,
                    prompt_n=len(prompt), reported_slot=0, now=1.0)
         assert r.held("a", 0) == to_token_bytes([*prompt, 1, 2])
+
+
+def test_another_replicas_request_is_placed_as_if_routed_here() -> None:
+    """Replica b learns that replica a's request left a conversation in slot 0: b's next
+    turn of it is predicted from there; a slot busy with b's own request is left alone."""
+    a, b = Router("prefix"), Router("prefix")
+    for r in (a, b):
+        r.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
+    history = list(range(100, 1100))
+    d = a.decide(history, now=0.0)
+    assert isinstance(d, Decision) and d.slot is not None
+    a.complete(d, output_tokens=[7, 8], reported_cached=0, now=1.0)
+    held = a.held("x", d.slot)
+    assert held is not None and b.observe("x", d.slot, held, now=1.0)
+    assert b.held("x", d.slot) == held
+    turn = b.decide([*history, 7, 8, *range(5000, 5040)], now=2.0)
+    assert isinstance(turn, Decision)
+    assert (turn.slot, turn.tier, turn.predicted_cached) == (d.slot, "slot", 1002)
+    # b's own request is on that slot now: another replica's word does not move it
+    assert not b.observe("x", d.slot, held, now=2.0)
+    assert not b.observe("y", 0, held) and not b.observe("x", 9, held)

@@ -1,0 +1,133 @@
+"""Two kvroute replicas in front of the same real llama-server, sharing what their
+requests leave in its slots through a real NATS broker: a conversation's next turn,
+reaching the other replica, is predicted exactly from where the first one put it. The
+broker away: a replica still serves, and says so. Events from peers are validated."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from faults import until
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from texts import words
+
+from backends.process import free_port
+from backends.supervisor import Supervisor
+from proxy.app import create_app
+from proxy.config.load import Config, ReplicasConfig
+from proxy.replicas.events import MAX_TOKENS, Held, decode, encode
+from proxy.server.keys import ROUTER
+
+pytestmark = pytest.mark.timeout(120)
+NATS = shutil.which("nats-server")
+
+
+@pytest.mark.parametrize("held", [
+    Held("a", "kvroute-demo", "x", 0, bytes(range(8))),
+    Held("r" * 256, "", "gpu0", 65535, b"\x01\x00\x00\x00" * 5000),
+])
+def test_events_read_back_as_sent(held: Held) -> None:
+    assert decode(encode(held)) == held
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=300), st.builds(
+    lambda r, s, t: encode(Held(r, "p", "b", s, t)),
+    st.text(max_size=300), st.integers(0, 1 << 16), st.binary(min_size=0, max_size=64))))
+def test_whatever_a_peer_sends_is_an_event_or_nothing(data: bytes) -> None:
+    got = decode(data)
+    assert got is None or (len(got.tokens) % 4 == 0 and 0 < len(got.tokens) <= MAX_TOKENS * 4
+                           and len(got.replica) <= 256 and 0 <= got.slot < 1 << 16)
+
+
+@asynccontextmanager
+async def broker() -> AsyncIterator[str]:
+    port = free_port()
+    proc = subprocess.Popen([NATS, "-a", "127.0.0.1", "-p", str(port)],  # type: ignore[list-item]
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@asynccontextmanager
+async def replica(cfg: Config, sup: Supervisor, url: str, name: str
+                  ) -> AsyncIterator[TestClient[Any, Any]]:
+    app = create_app(dataclasses.replace(cfg, replicas=ReplicasConfig(url, name)), sup)
+    async with TestClient(TestServer(app)) as client:
+        yield client
+
+
+async def turn(client: TestClient[Any, Any], messages: list[dict[str, str]]
+               ) -> tuple[int, int, int]:
+    """(predicted, reused, prompt tokens) of one turn; a fixed answer goes in the history."""
+    async with client.post("/v1/chat/completions", json={
+            "model": "kvroute-demo", "max_tokens": 4, "messages": messages}) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+    messages.append({"role": "assistant", "content": "Noted."})
+    t = body["timings"]
+    return predicted, t["cache_n"], t["cache_n"] + t["prompt_n"]
+
+
+@pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get install nats-server; "
+                    "`make test` installs it where apt is available)")
+async def test_a_conversation_moves_between_replicas_predicted_exactly(
+        pool_config: Callable[..., Config]) -> None:
+    cfg = pool_config(n=1, slots=2, cache_ram_mib=0)
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with broker() as url, replica(cfg, sup, url, "r1") as a, \
+                replica(cfg, sup, url, "r2") as b:
+            for c in (a, b):
+                await until(lambda c=c: _connected(c), 20)
+            conv = [{"role": "system", "content": words(400, 950)},
+                    {"role": "user", "content": words(30, 951)}]
+            _, _, first = await turn(a, conv)
+            held = a.server.app[ROUTER].held
+            await until(lambda: any(b.server.app[ROUTER].held("a", s) == held("a", s)
+                                    and held("a", s) for s in (0, 1)), 20)
+            conv.append({"role": "user", "content": words(20, 952)})
+            predicted, reused, _ = await turn(b, conv)
+            async with b.get("/metrics") as r:
+                metrics = await r.text()
+    finally:
+        await sup.stop()
+    assert reused >= 0.9 * first and abs(predicted - reused) <= 1, (predicted, reused, first)
+    assert 'kvroute_replica_events_total{event="applied"} 1.0' in metrics
+
+
+async def _connected(client: TestClient[Any, Any]) -> bool:
+    async with client.get("/kvroute/status") as r:
+        return bool((await r.json())["replicas"]["connected"])
+
+
+async def test_without_its_broker_a_replica_serves_on_its_own_view(
+        pool_config: Callable[..., Config]) -> None:
+    cfg = pool_config(n=1, slots=1, cache_ram_mib=0)
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with replica(cfg, sup, f"nats://127.0.0.1:{free_port()}", "alone") as c:
+            conv = [{"role": "user", "content": words(200, 960)}]
+            await turn(c, conv)
+            conv.append({"role": "user", "content": words(10, 961)})
+            predicted, reused, _ = await turn(c, conv)
+            assert predicted == reused > 0
+            async with c.get("/kvroute/status") as r:
+                status = (await r.json())["replicas"]
+            assert status["id"] == "alone" and status["connected"] is False
+    finally:
+        await sup.stop()
