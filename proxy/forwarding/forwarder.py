@@ -389,6 +389,11 @@ class _Attempt:
         # the request is written: the model's bookkeeping runs while the backend works
         self.decision = self.router.place(self.decision)
         upstream.on_data = self.mark  # (the answer's parts arrive after this)
+        tell, d = self.fw.on_held, self.decision
+        if tell is not None and self.whole and d.slot is not None:
+            # the other replicas learn the prompt's place now, not only once the answer
+            # is over: a client's next turn may reach one of them as soon as it has it
+            tell(d.backend, d.slot, to_token_bytes(self.tokens))  # type: ignore[arg-type]
 
     def mark(self) -> None:
         # NOTE: as the bytes come, not when they are read: another answer read first
