@@ -17,8 +17,6 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from procs import healthy
 from prompt_corpus import Backend
 from special_vocab import model_with_markers
 from template_shapes import SYSTEM, TOOLS
@@ -189,7 +188,7 @@ def _observe(template: str, binary: Path, model: Path, log_dir: Path
                                      .read_text())
         backend = Backend(spec.url, None)
         deadline = time.monotonic() + 60
-        while _up(proc) and not _healthy(spec.url):
+        while _up(proc) and not healthy(spec.url):
             assert time.monotonic() < deadline, "llama-server did not start"
             time.sleep(0.05)
         assert _up(proc), _read(log_path)[-2000:]
@@ -218,14 +217,6 @@ def _observe(template: str, binary: Path, model: Path, log_dir: Path
 
 def _up(proc: subprocess.Popen[bytes]) -> bool:
     return proc.poll() is None
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def _read(log: Path) -> str:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from procs import healthy
 from prompt_corpus import Backend
 from template_shapes import SHAPES
 
@@ -117,14 +116,6 @@ class Running:
                 self.proc.wait()
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def _start(template: str, binary: Path, model: Path, log_dir: Path) -> Running:
     path = TEMPLATE_DIR / template
     spec = ServerSpec(binary=binary, model=model, port=free_port(), slots=1,
@@ -140,7 +131,7 @@ def _start(template: str, binary: Path, model: Path, log_dir: Path) -> Running:
     except (TemplateError, PromptError) as e:
         error = e
     deadline = time.monotonic() + 60
-    while proc.poll() is None and not _healthy(spec.url) and time.monotonic() < deadline:
+    while proc.poll() is None and not healthy(spec.url) and time.monotonic() < deadline:
         time.sleep(0.05)
     backend = Backend(spec.url, None) if proc.poll() is None else None
     return Running(template, proc, backend, builder, error, log.read_text()[-2000:])
