@@ -1,7 +1,8 @@
 """What the supervisor is told about each backend, and the fleet as a whole.
 
-Parsed from config.yaml by proxy/config/load.py; the supervisor reads only what
-:class:`FleetSpec` names, so it does not depend on the proxy's own configuration.
+Parsed from config.yaml (and an agent's file) by proxy/config/load.py; the supervisor
+reads only what :class:`FleetSpec` names, so it does not depend on the proxy's own
+configuration.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Protocol
+
+from backends.demo_model import DemoModelParams
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,50 @@ class KvDiskConfig:
             raise ValueError(f"kv_disk.min_tokens: must be >= 0, got {self.min_tokens}")
 
 
+@dataclass(frozen=True)
+class AgentLink:
+    """An agent (`kvroute agent` on another host) a router takes backends from."""
+
+    name: str  # its backends are "<name>/<backend>" here (default: the URL's host:port)
+    url: str  # e.g. "http://10.0.0.5:8090"
+    key: str = field(repr=False)  # what it asks of routers (Authorization: Bearer)
+    poll_interval_s: float = 2.0  # how often its /backends is asked
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Where an agent listens, and where routers reach the llama-servers it starts."""
+
+    key: str = field(repr=False)  # routers present it as Bearer to GET /backends
+    host: str = "127.0.0.1"  # the agent and its llama-servers listen here
+    port: int = 8090
+    advertise: str = "127.0.0.1"  # the host name or address routers reach them at
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """An agent's file: the managed backends of its host (the FleetSpec it supervises)."""
+
+    agent: AgentSettings
+    backends: tuple[ManagedBackendConfig, ...]
+    llama_server: str | None
+    log_dir: Path
+    demo_model: DemoModelParams = field(default_factory=DemoModelParams)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    source: Path | None = None
+    # what a FleetSpec has that an agent does not: a slot saved on the agent's disk could
+    # not be seen by the routers that restore it, nor can an agent have agents
+    kv_disk: KvDiskConfig | None = None
+    tokenizer: Path | None = None
+    agents: tuple[AgentLink, ...] = ()
+
+    def managed(self) -> tuple[ManagedBackendConfig, ...]:
+        return self.backends
+
+    def gguf_of(self, backend: str) -> Path | None:
+        return next((b.model for b in self.backends if b.name == backend), None)
+
+
 class FleetSpec(Protocol):
     """The configuration a Supervisor runs from (proxy.config.load.Config is one)."""
 
@@ -103,6 +150,8 @@ class FleetSpec(Protocol):
     def tokenizer(self) -> Path | None: ...
     @property
     def kv_disk(self) -> KvDiskConfig | None: ...
+    @property
+    def agents(self) -> tuple[AgentLink, ...]: ...
     def managed(self) -> tuple[ManagedBackendConfig, ...]: ...
     def gguf_of(self, backend: str) -> Path | None:
         """The GGUF of the model ``backend`` serves, as far as the configuration says."""

@@ -37,7 +37,8 @@ except (OSError, AttributeError):  # not Linux: fall back to process groups only
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now. Racy by nature; a bind failure shows up as a crash and
     the supervisor restarts on a new port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
@@ -91,7 +92,9 @@ class ServerSpec:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Where this host reaches it (a wildcard address is not one to connect to)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
 
 @dataclass(frozen=True)

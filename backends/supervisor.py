@@ -12,6 +12,8 @@ A restarted server has an empty cache, and subscribers hear cb(name, None) when 
 down and cb(name, info) when it is ready again, so the router can forget what it held.
 
 External backends are only probed; a down external backend is a state, never an error.
+Backends an agent runs on another host come and go as its answers say (backends/remote.py):
+named "<agent>/<backend>", never started or probed here.
 `log_dir/backends.json` mirrors the states (no keys) so `kvroute doctor` can find the
 running servers.
 """
@@ -43,6 +45,7 @@ from backends.config import (
 )
 from backends.memory import DENSE, MemoryKind, gguf_kv_bytes_per_token, server_memory
 from backends.process import Failed, LlamaServerProcess, ServerSpec, free_port
+from backends.remote import AgentWatch, Reported
 
 log = structlog.get_logger(__name__)
 
@@ -57,7 +60,8 @@ class BackendInfo:
 
     name: str
     url: str  # "http://127.0.0.1:PORT" (external: as configured)
-    api_key: str | None  # key the proxy must send (Authorization: Bearer)
+    # key the proxy must send (Authorization: Bearer); kept out of repr: never logged
+    api_key: str | None = field(repr=False)
     n_slots: int  # from /props total_slots
     slot_ctx: int  # from /props default_generation_settings.n_ctx
     ram_cache_bytes: int  # --cache-ram in bytes (0 if off/unknown)
@@ -86,6 +90,7 @@ class _Backend:
     ready_since: float | None = None  # time.time() of the last transition to ready
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # first ready/failed
     task: asyncio.Task[None] | None = None
+    agent: str | None = None  # the agent that runs it on another host (None: ours)
 
     @property
     def managed(self) -> bool:
@@ -93,8 +98,12 @@ class _Backend:
 
 
 class Supervisor(Generic[C]):
-    def __init__(self, config: C) -> None:
+    def __init__(self, config: C, host: str = "127.0.0.1") -> None:
+        """``host``: where managed llama-servers listen (an agent's: an address that
+        routers on other hosts reach)."""
         self.config = config
+        self.host = host
+        self._agents: list[asyncio.Task[None]] = []
         self._backends = {b.name: _Backend(b) for b in config.backends}
         self._subscribers: list[Subscriber] = []
         self._session: aiohttp.ClientSession | None = None
@@ -118,8 +127,12 @@ class Supervisor(Generic[C]):
         for b in self._backends.values():
             run = self._run_managed if b.managed else self._run_external
             b.task = asyncio.create_task(run(b), name=f"kvroute-backend-{b.cfg.name}")
+        watches = [AgentWatch(link, self._session, self) for link in self.config.agents]
+        self._agents = [asyncio.create_task(w.run(), name=f"kvroute-agent-{w.link.name}")
+                        for w in watches]
         timeout = self.config.supervision.startup_timeout_s + 10
         waits = [b.settled.wait() for b in self._backends.values()]
+        waits += [w.settled.wait() for w in watches]
         try:
             await asyncio.wait_for(asyncio.gather(*waits), timeout)
         except TimeoutError:
@@ -128,7 +141,7 @@ class Supervisor(Generic[C]):
     async def stop(self) -> None:
         """Stop every child (whole process groups), no orphans. Idempotent."""
         self._stopping = True
-        tasks = [b.task for b in self._backends.values() if b.task is not None]
+        tasks = [*self._agents, *(b.task for b in self._backends.values() if b.task)]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -157,6 +170,7 @@ class Supervisor(Generic[C]):
                 "managed": b.managed,
                 "kind": b.cfg.kind if isinstance(b.cfg, ExternalBackendConfig) else LLAMA,
                 "state": b.state,
+                "agent": b.agent,
                 "healthy": info is not None,
                 "url": b.url,
                 "pid": self.pid(b.cfg.name),
@@ -233,7 +247,8 @@ class Supervisor(Generic[C]):
                 b.settled.set()
                 return
             spec = ServerSpec(
-                binary=self._binary, model=cfg.model, port=free_port(), slots=cfg.slots,
+                binary=self._binary, model=cfg.model, port=free_port(self.host),
+                host=self.host, slots=cfg.slots,
                 ctx_per_slot=cfg.ctx_per_slot, threads=cfg.threads,
                 api_key=secrets.token_urlsafe(24), cache_ram_mib=cfg.cache_ram_mib,
                 alias=cfg.alias, extra_args=cfg.extra_args, env=cfg.env,
@@ -385,3 +400,57 @@ class Supervisor(Generic[C]):
                     self._set(b, "down", error)
             b.settled.set()
             await asyncio.sleep(self.config.supervision.health_interval_s)
+
+    # -- backends an agent runs (backends/remote.py) -------------------------------------
+
+    def remote(self, report: Reported) -> None:
+        """What an agent says of one of its backends now."""
+        name = report.cfg.name
+        b = self._backends.get(name)
+        if b is None:
+            b = self._backends[name] = _Backend(report.cfg, agent=report.agent)
+            b.settled.set()
+        b.cfg, b.url, b.restarts = report.cfg, report.cfg.url or b.url, report.restarts
+        info = _remote_info(report) if report.ready else None
+        if info is not None and info == b.info:
+            return
+        if b.info is not None:  # (another url or key: the agent restarted it)
+            b.info = None
+            self._notify(name, None)
+        if info is None:
+            if b.state != report.state or b.last_error != report.error:
+                self._set(b, report.state, report.error)
+            return
+        b.info, b.ready_since = info, time.time()
+        self._set(b, "ready")
+        self._notify(name, info)
+
+    def remote_down(self, name: str, error: str) -> None:
+        """Its agent does not answer: down until it says otherwise."""
+        b = self._backends.get(name)
+        if b is None:
+            return
+        if b.info is not None:
+            b.info = None
+            self._notify(name, None)
+        if b.state != "down" or b.last_error != error:
+            self._set(b, "down", error)
+
+    def forget(self, name: str) -> None:
+        """Its agent no longer lists it."""
+        b = self._backends.pop(name, None)
+        if b is None:
+            return
+        log.info("backend.gone", backend=name, agent=b.agent)
+        if b.info is not None:
+            b.info = None
+            self._notify(name, None)
+        self._write_state()
+
+
+def _remote_info(r: Reported) -> BackendInfo:
+    return BackendInfo(
+        name=r.cfg.name, url=r.cfg.url, api_key=r.cfg.api_key, n_slots=r.n_slots,
+        slot_ctx=r.slot_ctx, ram_cache_bytes=r.ram_cache_bytes,
+        kv_bytes_per_token=r.kv_bytes_per_token, model=r.model, managed=False,
+        memory=r.memory, kind=LLAMA)

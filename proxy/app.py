@@ -246,7 +246,10 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
     store = app[FORWARDER].slot_store
 
     def on_event(name: str, info: BackendInfo | None) -> None:
-        pool = pools.of_backend(name)
+        pool = pools.of_backend(name) if info is None else pools.adopt(info)
+        if active and pool is None and info is not None:
+            get_logger().warning("backend.no_pool", backend=name, model=info.model,
+                                 fix="name the model in an alias of a configured backend")
         if not active or pool is None:
             return
         if info is None:

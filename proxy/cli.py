@@ -1,8 +1,11 @@
-"""`kvroute serve` and `kvroute doctor`.
+"""`kvroute serve`, `kvroute agent` and `kvroute doctor`.
 
 serve: load and check the config, obtain llama-server and the demo model if needed
 (seconds when cached), start the supervisor, then the proxy app on host:port. SIGINT or
 SIGTERM stops the app, then every backend.
+
+agent: the llama-servers of one host, for routers on other hosts (backends/agent.py):
+the same set-up as serve for them, then the agent's routes until SIGINT or SIGTERM.
 
 doctor: what a user runs when something is wrong. `--json` prints a stable document
 (keys are only ever added) that scripts use to find the built artifacts:
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.binary import LlamaServerBinary
+from backends.config import AgentConfig
 from proxy.config.fields import ConfigError
 from proxy.config.load import Config, check_port_free, load_config
 
@@ -34,7 +38,7 @@ def _default_config_path(given: Path | None) -> Path | None:
     return Path("config.yaml") if Path("config.yaml").is_file() else None
 
 
-def _prepare_artifacts(cfg: Config) -> None:
+def _prepare_artifacts(cfg: Config | AgentConfig) -> None:
     """Obtain what the managed backends need; builds only on first use."""
     from backends.binary import ensure_llama_server
     from backends.demo_model import demo_kinds_for, ensure_demo_model
@@ -81,7 +85,7 @@ async def _serve(cfg: Config) -> int:
             starting.cancel()
             return 0
         stopped.cancel()
-        n_ready, n_all = len(supervisor.ready()), len(cfg.backends)
+        n_ready, n_all = len(supervisor.ready()), len(supervisor.statuses())
         if n_ready == 0:
             log.warning("serve.no_backend_ready", statuses=supervisor.statuses())
         # handler_cancellation: a client that hangs up cancels its handler at once, which
@@ -131,6 +135,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # prompts reach the log only when asked for explicitly (flag or proxy.log_prompts)
     configure_logging(args.log_level, log_prompts=cfg.proxy.settings.log_prompts)
     return asyncio.run(_serve(cfg))
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from proxy.config.agent_file import load_agent_config
+    from proxy.observability.logging import configure_logging
+
+    configure_logging(args.log_level)
+    try:
+        cfg = load_agent_config(args.config, allow_missing_demo=True)
+        _prepare_artifacts(cfg)
+    except (ConfigError, RuntimeError) as e:  # BinaryError is a RuntimeError
+        print(f"kvroute: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(_agent(cfg))
+
+
+async def _agent(cfg: AgentConfig) -> int:
+    from backends.agent import run_agent
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    a = cfg.agent
+    print(f"kvroute agent: listening on http://{a.host}:{a.port}, backends advertised at "
+          f"{a.advertise}; Ctrl-C stops", file=sys.stderr, flush=True)
+    return await run_agent(cfg, stop)
 
 
 # -- doctor ---------------------------------------------------------------------------
@@ -352,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--log-prompts", action="store_true",
                    help="also log request bodies (prompts) at debug level; never API keys")
     s.set_defaults(func=cmd_serve)
+    a = sub.add_parser("agent", help="run this host's backends for routers elsewhere")
+    a.add_argument("--config", type=Path, required=True, help="the agent's file (agent.yaml)")
+    a.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    a.set_defaults(func=cmd_agent)
     d = sub.add_parser("doctor", help="check the installation, config and backends")
     d.add_argument("--config", type=Path, help="config file (default: ./config.yaml)")
     d.add_argument("--json", action="store_true", help="stable JSON output for scripts")

@@ -25,6 +25,7 @@ from backends.config import (
     BACKEND_KINDS,
     EXTERNAL_KV_BYTES,
     LLAMA,
+    AgentLink,
     BackendConfig,
     ExternalBackendConfig,
     KvDiskConfig,
@@ -32,6 +33,7 @@ from backends.config import (
     SupervisionConfig,
 )
 from backends.demo_model import DEMO_KINDS, DemoModelParams, demo_model_path
+from proxy.config.agents import agent_links
 from proxy.config.fields import (  # ConfigError is re-exported: imported from here
     ConfigError,
     _knobs,
@@ -88,6 +90,7 @@ class Config:
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     kv_disk: KvDiskConfig | None = None  # slots saved to disk; None: off
     replicas: ReplicasConfig | None = None  # other replicas' view shared; None: alone
+    agents: tuple[AgentLink, ...] = ()  # hosts whose agents run more backends
     source: Path | None = None  # the file it was loaded from (None: built-in defaults)
 
     def managed(self) -> tuple[ManagedBackendConfig, ...]:
@@ -265,25 +268,52 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
     )
     proxy_sec.finish()
 
-    sup_sec = _Section(top._get("supervision"), "supervision.")
-    sd = SupervisionConfig()
-    supervision = SupervisionConfig(**{f.name: sup_sec.get_num(f.name, getattr(sd, f.name))
-                                       for f in fields(SupervisionConfig)})
-    sup_sec.finish([f.name for f in fields(SupervisionConfig)])
-
     kv_disk = _kv_disk(top._get("kv_disk"), base)
     demo_params = _demo_params(top._get("demo_model"))
-    demos = {k: demo_model_path(demo_params, kind=k) for k in DEMO_NAMES}
+    agents = agent_links(top._get("agents"))
+    backends = _backends(top, base, demo_params, allow_missing_demo, optional=bool(agents))
+    cfg = Config(
+        proxy=proxy, routing=_routing(top._get("routing")), backends=backends,
+        llama_server=_llama_server(top, base), cache_dir=default_cache_dir(),
+        log_dir=_path(base, top.get_str("log_dir", "logs", "logs") or "logs"),
+        demo_model=demo_params, supervision=_supervision(top._get("supervision")),
+        kv_disk=kv_disk, source=source, agents=agents,
+        replicas=_replicas(top._get("replicas"), proxy.port),
+    )
+    top.finish([f.name for f in fields(Config)
+                if f.name not in ("cache_dir", "source")])
+    derive_pools(backends)  # (a pool of two GGUFs is refused here, before anything starts)
+    return cfg
 
+
+def _supervision(raw: object) -> SupervisionConfig:
+    sec = _Section(raw, "supervision.")
+    d = SupervisionConfig()
+    out = SupervisionConfig(**{f.name: sec.get_num(f.name, getattr(d, f.name))
+                               for f in fields(SupervisionConfig)})
+    sec.finish([f.name for f in fields(SupervisionConfig)])
+    return out
+
+
+def _llama_server(top: _Section, base: Path) -> str | None:
     llama_server = top.get_str("llama_server", None, "/usr/local/bin/llama-server")
-    if llama_server is not None:
-        binary = _path(base, llama_server)
-        if not binary.is_file():
-            raise ConfigError(f"llama_server: file not found: {binary} (fix: correct the "
-                              "path, or remove the key to use PATH or build one)")
-        llama_server = str(binary)
+    if llama_server is None:
+        return None
+    binary = _path(base, llama_server)
+    if not binary.is_file():
+        raise ConfigError(f"llama_server: file not found: {binary} (fix: correct the "
+                          "path, or remove the key to use PATH or build one)")
+    return str(binary)
 
+
+def _backends(top: _Section, base: Path, demo_params: DemoModelParams,
+              allow_missing_demo: bool, optional: bool = False) -> tuple[BackendConfig, ...]:
+    """`backends:`, each named once (none at all: only with ``optional``, a router whose
+    agents run them)."""
+    demos = {k: demo_model_path(demo_params, kind=k) for k in DEMO_NAMES}
     raw_backends = top._get("backends")
+    if optional and raw_backends in (None, []):
+        return ()
     if not isinstance(raw_backends, list) or not raw_backends:
         raise ConfigError(f"backends: expected a non-empty list, got {_show(raw_backends)} "
                           "(fix: e.g. backends: [{name: a, model: demo}])")
@@ -295,18 +325,7 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
             raise ConfigError(f"backends[{i}].name: duplicate name {b.name!r} "
                               "(fix: give every backend a unique name)")
         seen.add(b.name)
-
-    log_dir = _path(base, top.get_str("log_dir", "logs", "logs") or "logs")
-    cfg = Config(
-        proxy=proxy, routing=_routing(top._get("routing")), backends=backends,
-        llama_server=llama_server, cache_dir=default_cache_dir(), log_dir=log_dir,
-        demo_model=demo_params, supervision=supervision, kv_disk=kv_disk, source=source,
-        replicas=_replicas(top._get("replicas"), proxy.port),
-    )
-    top.finish([f.name for f in fields(Config)
-                if f.name not in ("cache_dir", "source")])
-    derive_pools(backends)  # (a pool of two GGUFs is refused here, before anything starts)
-    return cfg
+    return backends
 
 
 def _kv_disk(raw: object, base: Path) -> KvDiskConfig | None:
@@ -376,16 +395,7 @@ def load_config(path: Path | None, *, check_port: bool = True,
     if path is None:
         data, base = yaml.safe_load(DEFAULT_PATH.read_text()), Path.cwd()
     else:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"--config: cannot read {path}: {e.strerror} "
-                              "(fix: give an existing config file)") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e} (fix: correct the syntax)") from None
-        base = Path(path).resolve().parent
+        data, base = _read_yaml(path)
     cfg = parse_config(data, base, allow_missing_demo=allow_missing_demo,
                        source=Path(path).resolve() if path else None)
     if overrides:
@@ -401,3 +411,18 @@ def load_config(path: Path | None, *, check_port: bool = True,
     if check_port:
         check_port_free(cfg)
     return cfg
+
+
+def _read_yaml(path: Path) -> tuple[object, Path]:
+    """The document and the directory its relative paths start from."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {path}: {e.strerror} "
+                          "(fix: give an existing config file)") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e} (fix: correct the syntax)") from None
+    return data, Path(path).resolve().parent
+

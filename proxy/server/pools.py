@@ -53,6 +53,7 @@ class Pools:
         assert pools, "a configuration has at least one backend"
         self._pools = pools
         self._of_backend = {b: p for p in pools for b in p.spec.backends}
+        self._adopted: dict[str, Pool] = {}  # backends an agent runs: known once up
 
     def __iter__(self) -> Iterator[Pool]:
         return iter(self._pools)
@@ -65,7 +66,20 @@ class Pools:
         return self._pools[0]
 
     def of_backend(self, name: str) -> Pool | None:
-        return self._of_backend.get(name)
+        return self._of_backend.get(name) or self._adopted.get(name)
+
+    def adopt(self, info: BackendInfo) -> Pool | None:
+        """The pool of a backend that is up: its configured one, else (one an agent runs,
+        named nowhere in the configuration) the pool one of whose names is the model it
+        serves, or the only pool; None when several pools name none of it."""
+        pool = self.of_backend(info.name)
+        if pool is None:
+            pool = next((p for p in self._pools if info.model in p.spec.aliases), None)
+            if pool is None and len(self._pools) == 1:
+                pool = self.first
+            if pool is not None:
+                self._adopted[info.name] = pool
+        return pool
 
     def for_model(self, model: object, strict: bool = False) -> Pool:
         """The pool a request's ``model`` names. With one pool any name reaches it, as
