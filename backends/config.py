@@ -50,7 +50,7 @@ BACKEND_KINDS = (LLAMA, OPENAI)
 class ExternalBackendConfig:
     name: str
     url: str  # e.g. "http://10.0.0.5:8080"; kvroute health-checks it, never starts it
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # (a repr may reach a log)
     # KV bytes per token of the remote model; None: from proxy.tokenizer's GGUF (the
     # model kvroute tokenizes for is the one it serves), else EXTERNAL_KV_BYTES
     kv_bytes_per_token: int | None = None
