@@ -111,9 +111,9 @@ class Forwarder:
         self.session = session  # for /slots (see `SlotWaits.free_when_idle`)
         self.slot_store: SlotStore | None = None  # slots saved to disk (kv_disk), if on
         self.tracing = Tracing()  # OpenTelemetry spans, if on (proxy.otel)
-        # told (backend, slot, tokens) of what each request left in its slot, for the
-        # other replicas (proxy/replicas/bus.py), if any
-        self.on_held: Callable[[str, int, bytes], None] | None = None
+        # told (backend, slot, request id, prompt) of each request sent to a slot, for
+        # the other replicas (proxy/replicas/peers.py `Teller`), if any
+        self.on_sent: Callable[[str, int, int, bytes], None] | None = None
         # where a chat prompt's user messages start, as the server finds them (its
         # template's message delimiters): it checkpoints there on sliding-window and
         # hybrid models; None when the template is not known here
@@ -192,10 +192,6 @@ class Forwarder:
             starts_at_end=outcome.starts_at_end))
         info = self.backends.get(decision.backend)
         slot = outcome.reported_slot if outcome.reported_slot is not None else decision.slot
-        held = None if slot is None or self.on_held is None \
-            else self.router.held(decision.backend, slot)
-        if held:  # (None: handed to a queued request already, which tells in turn)
-            self.on_held(decision.backend, slot, held)  # type: ignore[misc, arg-type]
         if self.slot_store is not None and info is not None and info.managed \
                 and slot is not None:
             self.slot_store.note(info, slot)
@@ -389,11 +385,12 @@ class _Attempt:
         # the request is written: the model's bookkeeping runs while the backend works
         self.decision = self.router.place(self.decision)
         upstream.on_data = self.mark  # (the answer's parts arrive after this)
-        tell, d = self.fw.on_held, self.decision
+        tell, d = self.fw.on_sent, self.decision
         if tell is not None and self.whole and d.slot is not None:
             # the other replicas learn the prompt's place now, not only once the answer
             # is over: a client's next turn may reach one of them as soon as it has it
-            tell(d.backend, d.slot, to_token_bytes(self.tokens))  # type: ignore[arg-type]
+            tell(d.backend, d.slot, d.request_id,
+                 to_token_bytes(self.tokens))  # type: ignore[arg-type]
 
     def mark(self) -> None:
         # NOTE: as the bytes come, not when they are read: another answer read first

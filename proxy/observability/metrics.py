@@ -97,10 +97,16 @@ class ProxyMetrics:
             "version it tokenizes as.", ["version", "llama_cpp"], registry=r)
         self.replica_events = Counter(
             "kvroute_replica_events", "Events between replicas: sent, applied (another's, "
-            "to this one's model), ignored (a backend or slot busy here), invalid, dropped "
+            "to this one's model), ignored (a backend or slot busy here, or nothing to "
+            "change), invalid, dropped "
             "(no broker, or sent too fast).", ["event"], registry=r)
         self.replicas_connected = Gauge(
             "kvroute_replicas_connected", "1 while the replicas' broker is reachable.",
+            registry=r)
+        self.replica_peers = Gauge(
+            "kvroute_replica_peers", "Other replicas heard from lately.", registry=r)
+        self.replica_inflight = Gauge(
+            "kvroute_replica_inflight", "Other replicas' requests busy in this one's model.",
             registry=r)
         self.tokens_from_backend = Counter(
             "kvroute_tokens_from_backend", "Requests whose prompt ids a backend computed "

@@ -1,62 +1,83 @@
 """The replicas' shared view over NATS (`replicas: {nats: URL}` in the config).
 
-Every replica publishes, on one subject, what each of its requests left in its slot when
-it ended (events.py), and applies the others' to its own model (`Router.observe`): a
-conversation that one replica routed is found where it is by the next replica its client
-reaches. Events are fire and forget: a replica that misses some (the broker was down, it
-joined late) predicts those slots wrong until the backends' own reports, or the next
-event for the slot, correct it. The broker being away never stops a replica: it routes
-on its own view, says so (`connected: false` in /kvroute/status, a warning, a metric),
-and publishes again once the client reconnects. NATS is the broker the peers' routers use
-for the same job (Dynamo's KV router): plain subjects, no server state to manage.
+Every replica publishes, on one subject, what its requests do to the backends' slots
+(events.py: a request's start with its prompt, its first token, its end with what its
+slot kept), and applies the others' to its own model (peers.py): a conversation one
+replica routed is found where it is by the next replica its client reaches, and a slot
+busy with another replica's request is busy here too. Each says `alive` every second;
+one that joins (or comes back after losing the broker) says `hello`, and the others
+send it what their slots hold on a subject of its own.
+
+Events are fire and forget. A replica that misses some predicts those slots wrong until
+the backends' own reports, or the next event for the slot, correct it. The broker being
+away never stops a replica: it routes on its own view, says so (`connected: false` in
+/kvroute/status, a warning, a metric), ends the others' requests in its model (their
+ends cannot come), and rebuilds from the others' snapshots once the client reconnects.
+NATS is the broker the peers' routers use for the same job (Dynamo's KV router): plain
+subjects, request-reply inboxes, no server state to manage.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import time
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 
-from proxy.replicas.events import Held, decode, encode
+from proxy.replicas.events import Event, Kind, decode, encode
+from proxy.replicas.peers import PeerView
 
-SUBJECT = "kvroute.held"
+SUBJECT = "kvroute.events"
 _QUEUE = 1024  # events waiting to be sent; past that the oldest are dropped
 _RETRY_S = 2.0  # between connection attempts before the first one succeeds
+ALIVE_S = 1.0
+
+
+def snapshot_subject(replica: str) -> str:
+    """Where a joining ``replica`` is sent the others' view (NATS subject tokens
+    cannot hold every character a replica's name may)."""
+    return f"kvroute.snapshot.{hashlib.sha256(replica.encode()).hexdigest()[:20]}"
 
 
 class ReplicaBus:
-    def __init__(self, url: str, replica: str, apply: Callable[[Held], bool],
+    def __init__(self, url: str, replica: str, view: PeerView,
                  counted: Callable[[str], None]) -> None:
-        self.url, self.replica, self.apply, self.counted = url, replica, apply, counted
+        self.url, self.replica, self.view, self.counted = url, replica, view, counted
         self.log = structlog.get_logger()
         self.connected = False
         self._nc: Any = None
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue(_QUEUE)
+        self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(_QUEUE)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         """Connect (in the background until the broker answers) and start sending."""
         self._tasks = [asyncio.create_task(self._connect(), name="kvroute-replicas"),
-                       asyncio.create_task(self._send(), name="kvroute-replicas-send")]
+                       asyncio.create_task(self._send(), name="kvroute-replicas-send"),
+                       asyncio.create_task(self._alive(), name="kvroute-replicas-alive")]
 
-    def publish(self, pool: str, backend: str, slot: int, tokens: bytes) -> None:
-        """A request of this replica's ended, leaving ``tokens`` in ``backend``'s ``slot``."""
-        data = encode(Held(self.replica, pool, backend, slot, tokens))
+    def publish(self, event: Event, subject: str = SUBJECT) -> None:
+        """Send ``event`` (in order, in the background)."""
         if self._queue.full():
             self._queue.get_nowait()
             self.counted("dropped")
-        self._queue.put_nowait(data)
+        self._queue.put_nowait((subject, encode(event)))
 
     async def close(self) -> None:
+        nc = self._nc
+        if nc is not None and self.connected:
+            with contextlib.suppress(Exception):  # (said as it leaves: best effort)
+                await nc.publish(SUBJECT, encode(Event(self.replica, Kind.BYE)))
+                await asyncio.wait_for(nc.flush(), 1.0)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._nc is not None:
+        if nc is not None:
             with contextlib.suppress(Exception):
-                await self._nc.close()
+                await nc.close()
 
     async def _connect(self) -> None:
         import nats
@@ -73,35 +94,58 @@ class ReplicaBus:
                     self.log.warning("replicas.unreachable", url=self.url, error=str(e)[:200])
                 await asyncio.sleep(_RETRY_S)
         await self._nc.subscribe(SUBJECT, cb=self._received)
+        await self._nc.subscribe(snapshot_subject(self.replica), cb=self._received)
         await self._up()
 
     async def _send(self) -> None:
         while True:
-            data = await self._queue.get()
+            subject, data = await self._queue.get()
             if self._nc is None or not self.connected:
                 self.counted("dropped")  # (no broker: the peers learn from the next one)
                 continue
             try:
-                await self._nc.publish(SUBJECT, data)
+                await self._nc.publish(subject, data)
                 self.counted("sent")
             except Exception as e:  # (disconnected meanwhile, its buffer full)
                 self.counted("dropped")
                 self.log.debug("replicas.publish_failed", error=str(e)[:200])
 
+    async def _alive(self) -> None:
+        while True:
+            await asyncio.sleep(ALIVE_S)
+            if self.connected:
+                self.publish(Event(self.replica, Kind.ALIVE))
+            self.view.expire(time.monotonic())
+
     async def _received(self, msg: Any) -> None:
-        held = decode(msg.data)
-        if held is None:
+        e = decode(msg.data)
+        if e is None:
             self.counted("invalid")
             return
-        if held.replica == self.replica:
+        if e.replica == self.replica:
             return  # (its own)
-        self.counted("applied" if self.apply(held) else "ignored")
+        now = time.monotonic()
+        if e.kind == Kind.BYE:
+            self.view.left(e.replica, now, "said bye")
+            return
+        if e.kind == Kind.HELLO:
+            self.view.left(e.replica, now, "joined again")  # (its requests' ids restart)
+            self.view.heard(e.replica, now)
+            for held in self.view.snapshot():
+                self.publish(held, snapshot_subject(e.replica))
+            return
+        self.view.heard(e.replica, now)
+        if e.kind != Kind.ALIVE:
+            self.counted("applied" if self.view.apply(e, now) else "ignored")
 
     async def _up(self) -> None:
         self.connected = True
         self.log.info("replicas.connected", url=self.url, replica=self.replica)
+        self.publish(Event(self.replica, Kind.HELLO))
 
     async def _down(self) -> None:
+        if self.connected:
+            self.view.lost(time.monotonic())
         self.connected = False
         self.log.warning("replicas.disconnected", url=self.url,
                          consequence="routing on this replica's own view")

@@ -1,7 +1,15 @@
-"""What one replica tells the others: a request of its own ended and left these tokens in
-this slot of this backend of this pool. Compact (zlib'd int32 ids, ~2-3 bytes a token),
-and validated on the way in: nothing a peer sends can make a replica raise, or hold more
-than `MAX_TOKENS` of it.
+"""What one replica tells the others, one compact event at a time:
+
+- ``start``: a request of its own is now in this slot of this backend (of this pool),
+  with this prompt: the slot is busy, and its prefill loads the backend;
+- ``first``: that request's first token came (its prefill is over);
+- ``end``: it left the slot, holding the first ``keep`` tokens of its prompt then
+  ``tokens`` (its answer, typically); nothing kept and no tokens: not known;
+- ``held``: the slot holds ``tokens`` (a snapshot sent to a replica that joins);
+- ``hello`` (it joined: the others send it their view), ``alive``, ``bye``.
+
+Token ids travel zlib'd as int32 (~2-3 bytes a token). Validated on the way in: nothing a
+peer sends can make a replica raise, or hold more than `MAX_TOKENS` of it.
 """
 
 from __future__ import annotations
@@ -10,29 +18,55 @@ import base64
 import binascii
 import zlib
 from dataclasses import dataclass
+from enum import StrEnum
 
 import orjson
 
 MAX_TOKENS = 1 << 22  # a slot's context at most (the largest models': ~10^6)
 MAX_EVENT_BYTES = 8 << 20  # what a peer may send in one event
 _MAX_NAME = 256
+_MAX_ID = 1 << 62
+
+
+class Kind(StrEnum):
+    START = "start"
+    FIRST = "first"
+    END = "end"
+    HELD = "held"
+    HELLO = "hello"
+    ALIVE = "alive"
+    BYE = "bye"
+
+
+_KINDS = frozenset(k.value for k in Kind)
+_OF_A_SLOT = (Kind.START, Kind.FIRST, Kind.END, Kind.HELD)  # name a pool, backend, slot
+_WITH_TOKENS = (Kind.START, Kind.HELD)  # carry at least two tokens
 
 
 @dataclass(frozen=True)
-class Held:
-    replica: str  # who routed the request
-    pool: str  # the model pool (its name; "" for an unnamed one)
-    backend: str
-    slot: int
-    tokens: bytes  # int32 token bytes the slot holds now
+class Event:
+    replica: str  # who sends it
+    kind: Kind
+    pool: str = ""  # the model pool (its name; "" for an unnamed one)
+    backend: str = ""
+    slot: int = 0
+    request: int = 0  # the sender's id of the request (start, first, end)
+    tokens: bytes = b""  # int32 token bytes
+    keep: int = 0  # (end) tokens of the request's prompt its slot still holds
 
 
-def encode(e: Held) -> bytes:
-    return orjson.dumps({"r": e.replica, "p": e.pool, "b": e.backend, "s": e.slot,
-                         "t": base64.b64encode(zlib.compress(e.tokens, 1)).decode()})
+def encode(e: Event) -> bytes:
+    obj: dict[str, object] = {"r": e.replica, "k": e.kind.value}
+    if e.kind in _OF_A_SLOT:
+        obj.update(p=e.pool, b=e.backend, s=e.slot, i=e.request)
+    if e.keep:
+        obj["n"] = e.keep
+    if e.tokens:
+        obj["t"] = base64.b64encode(zlib.compress(e.tokens, 1)).decode()
+    return orjson.dumps(obj)
 
 
-def decode(data: bytes) -> Held | None:
+def decode(data: bytes) -> Event | None:
     """The event in ``data``; None when it is not one (or too large)."""
     if len(data) > MAX_EVENT_BYTES:
         return None
@@ -40,22 +74,35 @@ def decode(data: bytes) -> Held | None:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(obj, dict):
+    if not isinstance(obj, dict) or not _name(obj.get("r")) \
+            or not isinstance(obj.get("k"), str) or obj["k"] not in _KINDS:
         return None
-    names = [obj.get(k) for k in ("r", "p", "b")]
-    slot, packed = obj.get("s"), obj.get("t")
-    if not all(isinstance(v, str) and len(v) <= _MAX_NAME for v in names) \
-            or not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < 1 << 16 \
-            or not isinstance(packed, str):
+    kind = Kind(obj["k"])
+    if kind not in _OF_A_SLOT:
+        return None if len(obj) != 2 else Event(obj["r"], kind)
+    pool, backend, slot, request = obj.get("p"), obj.get("b"), obj.get("s"), obj.get("i")
+    keep, packed = obj.get("n", 0), obj.get("t")
+    if not (_name(pool) and _name(backend) and _count(slot, 1 << 16)
+            and _count(request, _MAX_ID) and _count(keep, MAX_TOKENS + 1)):
         return None
-    tokens = _unpack(packed)
-    if tokens is None:
+    tokens = b"" if packed is None else _unpack(packed)
+    if tokens is None or (kind in _WITH_TOKENS and len(tokens) < 8) \
+            or (kind == Kind.FIRST and (tokens or keep)) or (kind != Kind.END and keep):
         return None
-    replica, pool, backend = names
-    return Held(replica, pool, backend, slot, tokens)  # type: ignore[arg-type]
+    return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep)
 
 
-def _unpack(packed: str) -> bytes | None:
+def _name(v: object) -> bool:
+    return isinstance(v, str) and len(v) <= _MAX_NAME
+
+
+def _count(v: object, below: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < below
+
+
+def _unpack(packed: object) -> bytes | None:
+    if not isinstance(packed, str):
+        return None
     try:
         z = zlib.decompressobj()
         tokens = z.decompress(base64.b64decode(packed, validate=True), MAX_TOKENS * 4)

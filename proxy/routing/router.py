@@ -25,6 +25,7 @@ from proxy.routing.backend_state import BackendState, peer_rate, share_rate
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import DISK, PENDING, RAM, SLOT, BackendCapacity, Placement
 from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
+from proxy.routing.observed import ObservedRequests, SlotListener
 from proxy.routing.policy import POLICIES, Baselines, Candidate, Choice, choose_prefix
 from proxy.routing.queue import Inflight, QueuedRequests
 from proxy.routing.settings import RouterSettings
@@ -59,7 +60,7 @@ class _Unplaced:
     user_starts: tuple[int, ...] = ()
 
 
-class Router(QueuedRequests):
+class Router(QueuedRequests, ObservedRequests):
     def __init__(
         self, policy: str = "prefix", *, settings: RouterSettings | None = None, seed: int = 0
     ) -> None:
@@ -78,6 +79,8 @@ class Router(QueuedRequests):
         self._unplaced: _Unplaced | None = None
         self.mispredictions = 0  # completions whose reported reuse differed from ours
         self.completed = 0
+        self._observed: set[int] = set()
+        self.listener: SlotListener | None = None  # hears this replica's slots change
 
     @property
     def policy(self) -> str:
@@ -108,6 +111,7 @@ class Router(QueuedRequests):
         st.cache.clear()
         for rid in [r for r, f in self._inflight.items() if f.backend == name]:
             del self._inflight[rid]
+            self._observed.discard(rid)
             self.tree.drop((name, PENDING, rid))
 
     def held(self, backend: str, slot: int) -> bytes | None:
@@ -442,6 +446,7 @@ class Router(QueuedRequests):
         left = min(f.work, self.settings.request_overhead_tokens)
         st.work -= f.work - left
         f.work = left
+        self._told_prefilled(decision.backend, decision.request_id)
 
     def complete(
         self,
@@ -499,6 +504,8 @@ class Router(QueuedRequests):
             cache.finish_generated(slot, out)
             if starts_at_end is not None and cache.starts > starts_at_end:
                 cache.saved_idle(slot)
+        self._told_freed(decision.backend, slot if slot is not None else f.slot,
+                         decision.request_id)
         return self._drain_queue(st, decision.backend, now)
 
     def wait_overdue(self, decision: Decision, now: float) -> bool:
@@ -534,6 +541,7 @@ class Router(QueuedRequests):
         st.release(f.work, now)
         if f.slot is None:
             self._unqueue(st, decision.backend, decision.request_id)
+            self._told_freed(decision.backend, None, decision.request_id)
             return []
         if prefilled:
             # NOTE: an agent's interrupted turn: its next one resends that history
@@ -543,39 +551,13 @@ class Router(QueuedRequests):
             st.cache.finish(f.slot, f.prompt[:4 * n], n)
         else:
             st.cache.finish(f.slot, None, 0)
+        self._told_freed(decision.backend, f.slot, decision.request_id)
         return self._drain_queue(st, decision.backend, now)
 
     def starts(self, backend: str) -> int:
         """Tasks the model has started on `backend` so far (0 if it is not routed)."""
         st = self._backends.get(backend)
         return 0 if st is None else st.cache.starts
-
-    def observe(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0) -> bool:
-        """Another replica's request on ``backend``'s ``slot`` ended, leaving ``sequence``
-        (int32 token bytes) there: the model places and completes it as if it had routed
-        it (what it displaces goes to RAM as the server's would). False when the backend
-        is not routed here or the slot is busy with a request of this replica's (its own
-        answer settles what the slot holds then)."""
-        self._apply_unplaced()
-        st = self._backends.get(backend)
-        n = len(sequence) // 4
-        if st is None or not 0 <= slot < len(st.cache.slots) or st.cache.slots[slot].busy \
-                or n < 2 or len(sequence) % 4:
-            return False
-        found = self._candidates(sequence, n, False, (backend,))
-        if not isinstance(found, tuple):
-            return False
-        (cand,), _ = found
-        p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n)
-        assert p is not None, "an idle slot"
-        choice = Choice(backend, slot, p, {"why": "another replica's request"})
-        rid = self._next_id
-        self._next_id += 1
-        placed, _ = self._place(rid, choice, cand, sequence, n, False, False, None, ())
-        decision = self._record(rid, choice, cand, placed, sequence, n, now, None, None,
-                                False, None, ())
-        self.complete(decision, now=now)
-        return True
 
     def slot_sessions(self) -> dict[str, dict[int, str]]:
         """backend -> slot -> the session id of the request last placed there (kept for

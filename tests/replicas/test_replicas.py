@@ -23,29 +23,35 @@ from backends.process import free_port
 from backends.supervisor import Supervisor
 from proxy.app import create_app
 from proxy.config.load import Config, ReplicasConfig
-from proxy.replicas.events import MAX_TOKENS, Held, decode, encode
+from proxy.replicas.events import MAX_TOKENS, Event, Kind, decode, encode
 from proxy.server.keys import ROUTER
 
 pytestmark = pytest.mark.timeout(120)
 NATS = shutil.which("nats-server")
 
 
-@pytest.mark.parametrize("held", [
-    Held("a", "kvroute-demo", "x", 0, bytes(range(8))),
-    Held("r" * 256, "", "gpu0", 65535, b"\x01\x00\x00\x00" * 5000),
+@pytest.mark.parametrize("event", [
+    Event("a", Kind.START, "kvroute-demo", "x", 0, 7, bytes(range(8))),
+    Event("r" * 256, Kind.HELD, "", "gpu0", 65535, 0, b"\x01\x00\x00\x00" * 5000),
+    Event("a", Kind.FIRST, "", "x", 1, 1 << 40),
+    Event("a", Kind.END, "", "x", 1, 3, b"\x02\x00\x00\x00", 900),
+    Event("a", Kind.END, "", "x", 1, 3),
+    Event("b", Kind.HELLO), Event("b", Kind.ALIVE), Event("b", Kind.BYE),
 ])
-def test_events_read_back_as_sent(held: Held) -> None:
-    assert decode(encode(held)) == held
+def test_events_read_back_as_sent(event: Event) -> None:
+    assert decode(encode(event)) == event
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.binary(max_size=300), st.builds(
-    lambda r, s, t: encode(Held(r, "p", "b", s, t)),
-    st.text(max_size=300), st.integers(0, 1 << 16), st.binary(min_size=0, max_size=64))))
+    lambda r, k, s, i, t, n: encode(Event(r, k, "p", "b", s, i, t, n)),
+    st.text(max_size=300), st.sampled_from(Kind), st.integers(0, 1 << 16),
+    st.integers(-1, 1 << 63), st.binary(min_size=0, max_size=64), st.integers(-1, 1 << 23))))
 def test_whatever_a_peer_sends_is_an_event_or_nothing(data: bytes) -> None:
     got = decode(data)
-    assert got is None or (len(got.tokens) % 4 == 0 and 0 < len(got.tokens) <= MAX_TOKENS * 4
-                           and len(got.replica) <= 256 and 0 <= got.slot < 1 << 16)
+    assert got is None or (len(got.tokens) % 4 == 0 and len(got.tokens) <= MAX_TOKENS * 4
+                           and len(got.replica) <= 256 and 0 <= got.slot < 1 << 16
+                           and 0 <= got.keep <= MAX_TOKENS and got.request >= 0)
 
 
 @asynccontextmanager
@@ -108,6 +114,33 @@ async def test_a_conversation_moves_between_replicas_predicted_exactly(
     assert reused >= 0.9 * first and abs(predicted - reused) <= 1, (predicted, reused, first)
     # a's prompt as it was sent, then what its answer left: b applied both
     assert 'kvroute_replica_events_total{event="applied"} 2.0' in metrics
+
+
+@pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get install nats-server; "
+                    "`make test` installs it where apt is available)")
+async def test_a_replica_that_joins_late_is_sent_the_others_view(
+        pool_config: Callable[..., Config]) -> None:
+    cfg = pool_config(n=1, slots=2, cache_ram_mib=0)
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with broker() as url, replica(cfg, sup, url, "r1") as a:
+            await until(lambda: _connected(a), 20)
+            conv = [{"role": "system", "content": words(300, 970)},
+                    {"role": "user", "content": words(30, 971)}]
+            await turn(a, conv)
+            held = a.server.app[ROUTER].held
+            async with replica(cfg, sup, url, "r2") as b:
+                await until(lambda: any(b.server.app[ROUTER].held("a", s) == held("a", s)
+                                        and held("a", s) for s in (0, 1)), 20)
+                conv.append({"role": "user", "content": words(20, 972)})
+                predicted, reused, _ = await turn(b, conv)
+                async with b.get("/kvroute/status") as r:
+                    status = (await r.json())["replicas"]
+    finally:
+        await sup.stop()
+    assert reused > 300 and abs(predicted - reused) <= 1, (predicted, reused)
+    assert status["peers"] == ["r1"] and status["peers_in_flight"] == 0
 
 
 async def _connected(client: TestClient[Any, Any]) -> bool:

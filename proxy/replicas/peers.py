@@ -1,0 +1,175 @@
+"""Both directions of the replicas' shared view, without the broker (bus.py carries it).
+
+`Teller`: what this replica's requests do to their slots, as events for the others (the
+router's `SlotListener`, and the forwarder's word when a request is sent). An answer's
+end names how many tokens of the prompt its slot kept and sends only the rest: every
+peer has the prompt from the start.
+
+`PeerView`: the others' events applied to this replica's routers. A peer's request
+keeps its slot busy and loads its backend here until its end comes; the end settles
+what the slot holds. A peer not heard for `PEER_TIMEOUT_S` (gone, or cut off), a
+request whose end never comes, and every peer's requests when the broker is lost, end
+as an interrupted request does: the slot keeps the prompt (the server keeps what it
+prefilled). A replica that joins is sent every idle slot's content (`snapshot`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import structlog
+
+from proxy.replicas.events import MAX_TOKENS, Event, Kind
+from proxy.routing.decision import Decision, Handoff
+from proxy.routing.router import Router
+from proxy.routing.tree.token_bytes import common_len
+
+PEER_TIMEOUT_S = 6.0  # a peer silent this long is gone (it says `alive` every second)
+REQUEST_TIMEOUT_S = 900.0  # a peer's request not ended by then: its end was lost
+_TOLD_MAX = 4096  # requests in flight remembered per direction (a bound, not a target)
+
+
+class Teller:
+    """This replica's requests in one pool, told to the others through ``send``."""
+
+    def __init__(self, replica: str, pool: str, send: Callable[[Event], None]) -> None:
+        self.replica, self.pool, self.send = replica, pool, send
+        self._prompts: OrderedDict[int, bytes] = OrderedDict()  # started, not yet ended
+
+    def started(self, backend: str, slot: int, request: int, prompt: bytes) -> None:
+        """``request`` was sent to ``backend``'s ``slot`` with ``prompt``."""
+        self._prompts[request] = prompt
+        if len(self._prompts) > _TOLD_MAX:
+            self._prompts.popitem(last=False)
+        self.send(Event(self.replica, Kind.START, self.pool, backend, slot, request, prompt))
+
+    def prefilled(self, backend: str, request: int) -> None:
+        if request in self._prompts:
+            self.send(Event(self.replica, Kind.FIRST, self.pool, backend, 0, request))
+
+    def freed(self, backend: str, slot: int, request: int, held: bytes | None) -> None:
+        prompt = self._prompts.pop(request, None)
+        if prompt is None and held is None:
+            return  # (the others never heard of it, and there is nothing to tell)
+        keep = 0 if prompt is None or held is None else common_len(prompt, held, 0)
+        rest = b"" if held is None else held[4 * keep:]
+        self.send(Event(self.replica, Kind.END, self.pool, backend, slot, request, rest, keep))
+
+
+@dataclass
+class _Told:
+    """A peer's request, as its start said."""
+
+    pool: str
+    prompt: bytes
+    decision: Decision | None  # placed in this model (None: its slot was busy here)
+    at: float
+
+
+@dataclass(frozen=True)
+class PoolPort:
+    """What the view drives in one pool: its router, and the forwarder's hand-offs of
+    requests waiting for a slot that a peer's request freed."""
+
+    router: Router
+    hand_off: Callable[[list[Handoff]], None]
+
+
+class PeerView:
+    def __init__(self, replica: str, pools: Mapping[str, PoolPort]) -> None:
+        self.replica, self.pools = replica, pools
+        self.log = structlog.get_logger()
+        self._seen: dict[str, float] = {}  # peer -> when last heard
+        self._told: OrderedDict[tuple[str, int], _Told] = OrderedDict()
+
+    @property
+    def peers(self) -> list[str]:
+        return sorted(self._seen)
+
+    @property
+    def in_flight(self) -> int:
+        """Peers' requests busy in this replica's model."""
+        return sum(t.decision is not None for t in self._told.values())
+
+    def heard(self, peer: str, now: float) -> None:
+        if peer not in self._seen:
+            self.log.info("replicas.peer_joined", peer=peer)
+        self._seen[peer] = now
+
+    def apply(self, e: Event, now: float) -> bool:
+        """Apply a peer's slot event; False when it changes nothing here."""
+        port = self.pools.get(e.pool)
+        if port is None:
+            return False
+        if e.kind == Kind.HELD:
+            return port.router.observe(e.backend, e.slot, e.tokens, now=now)
+        if e.kind == Kind.START:
+            if (old := self._told.pop((e.replica, e.request), None)) is not None:
+                self._end(old, now)  # (the peer restarted: its ids begin again)
+            d = port.router.observe_start(e.backend, e.slot, e.tokens, now=now)
+            self._told[e.replica, e.request] = _Told(e.pool, e.tokens, d, now)
+            if len(self._told) > _TOLD_MAX:
+                self._end(self._told.popitem(last=False)[1], now)
+            return d is not None
+        told = self._told.get((e.replica, e.request))
+        if e.kind == Kind.FIRST:
+            if told is None or told.decision is None:
+                return False
+            port.router.prefilled(told.decision)
+            return True
+        return self._ended(port, e, self._told.pop((e.replica, e.request), None), now)
+
+    def _ended(self, port: PoolPort, e: Event, told: _Told | None, now: float) -> bool:
+        if e.keep and (told is None or e.keep * 4 > len(told.prompt)):
+            held = None  # (its start was missed: what it kept is not known here)
+        elif e.keep * 4 + len(e.tokens) > MAX_TOKENS * 4:
+            held = None
+        else:
+            held = (b"" if told is None else told.prompt[:4 * e.keep]) + e.tokens
+        d = None if told is None else told.decision
+        if d is None:
+            return bool(held) and port.router.observe(e.backend, e.slot, held, now=now)
+        assert told is not None
+        if held and held.startswith(told.prompt):
+            port.hand_off(port.router.complete(d, output_tokens=held[len(told.prompt):],
+                                               now=now))
+            return True
+        port.hand_off(port.router.abort(d, now=now))
+        if held:
+            port.router.observe(e.backend, e.slot, held, now=now)
+        return True
+
+    def snapshot(self) -> list[Event]:
+        """What every idle slot holds in this model, for a replica that joins."""
+        return [Event(self.replica, Kind.HELD, pool, backend, slot, 0, held)
+                for pool, port in self.pools.items() for backend in port.router.backends
+                for slot, held in port.router.held_slots(backend)]
+
+    def left(self, peer: str, now: float, why: str) -> None:
+        """``peer`` left (said so, or was not heard for long): its requests end."""
+        if self._seen.pop(peer, None) is not None:
+            self.log.warning("replicas.peer_gone", peer=peer, why=why)
+        for key in [k for k in self._told if k[0] == peer]:
+            self._end(self._told.pop(key), now)
+
+    def expire(self, now: float) -> None:
+        """Forget peers not heard for long, and requests whose end was lost."""
+        for peer, at in list(self._seen.items()):
+            if now - at > PEER_TIMEOUT_S:
+                self.left(peer, now, "not heard")
+        for key in [k for k, t in self._told.items() if now - t.at > REQUEST_TIMEOUT_S]:
+            self._end(self._told.pop(key), now)
+
+    def lost(self, now: float) -> None:
+        """The broker is gone: no peer's end can come; every peer's request ends."""
+        for peer in list(self._seen):
+            self.left(peer, now, "broker lost")
+        while self._told:
+            self._end(self._told.popitem(last=False)[1], now)
+
+    def _end(self, told: _Told, now: float) -> None:
+        port = self.pools.get(told.pool)
+        if told.decision is not None and port is not None:
+            port.hand_off(port.router.abort(told.decision, now=now, prefilled=True))

@@ -1,0 +1,105 @@
+"""Requests routed by other replicas (proxy/replicas/), and this one's told to them.
+
+A mixin of :class:`~proxy.routing.router.Router`. Another replica's request, as that
+replica tells it, is placed in the model as if routed here: its slot is busy, its
+prefill loads the backend, and what it leaves there counts for this replica's next
+decisions. The other way, a `SlotListener` hears what this replica's own requests do
+to their slots: their prefill ending, and what each slot holds once a request leaves
+it, before a queued request takes it over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from proxy.routing.decision import Decision, Handoff
+from proxy.routing.policy import Candidate, Choice
+
+if TYPE_CHECKING:
+    from proxy.routing.backend_state import BackendState
+    from proxy.routing.cache.predict import Placement
+
+
+class SlotListener(Protocol):
+    def prefilled(self, backend: str, request: int) -> None:
+        """The request's first token came."""
+
+    def freed(self, backend: str, slot: int, request: int, held: bytes | None) -> None:
+        """The request left ``slot``, which holds ``held`` (None: not known)."""
+
+
+class ObservedRequests:
+    """Others' requests placed in the model (over the Router's records)."""
+
+    _backends: dict[str, BackendState]
+    _next_id: int
+    # requests placed by `observe_start` (told to no listener)
+    _observed: set[int]
+    listener: SlotListener | None
+    _apply_unplaced: Callable[[], None]
+    _candidates: Callable[..., tuple[list[Candidate], object] | object]
+    _place: Callable[..., tuple[Placement | None, bytes | None]]
+    _record: Callable[..., Decision]
+    complete: Callable[..., list[Handoff]]
+
+    def observe_start(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0
+                      ) -> Decision | None:
+        """Another replica's request is in ``backend``'s ``slot`` now, with ``sequence``
+        (int32 token bytes) as its prompt: the model places it there as if routed here;
+        it ends with ``complete`` (or ``abort``) as any. None when the backend is not
+        routed here or the slot is busy in this model (with a request of this
+        replica's: its own answer settles what the slot holds then)."""
+        self._apply_unplaced()
+        st = self._backends.get(backend)
+        n = len(sequence) // 4
+        if st is None or not 0 <= slot < len(st.cache.slots) or st.cache.slots[slot].busy \
+                or n < 2 or len(sequence) % 4:
+            return None
+        found = self._candidates(sequence, n, False, (backend,))
+        if not isinstance(found, tuple):
+            return None
+        (cand,), _ = found
+        p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n)
+        assert p is not None, "an idle slot"
+        choice = Choice(backend, slot, p, {"why": "another replica's request"})
+        rid = self._next_id
+        self._next_id += 1
+        placed, _ = self._place(rid, choice, cand, sequence, n, False, False, None, ())
+        self._observed.add(rid)
+        return self._record(rid, choice, cand, placed, sequence, n, now, None, None,
+                            False, None, ())
+
+    def observe(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0
+                ) -> bool:
+        """Another replica's request on ``backend``'s ``slot`` ended, leaving ``sequence``
+        there: ``observe_start`` and ``complete`` at once (what it displaces goes to RAM
+        as the server's would). False when it is not placed (see ``observe_start``)."""
+        decision = self.observe_start(backend, slot, sequence, now=now)
+        if decision is None:
+            return False
+        self.complete(decision, now=now)
+        return True
+
+    def _told_prefilled(self, backend: str, rid: int) -> None:
+        if self.listener is not None and rid not in self._observed:
+            self.listener.prefilled(backend, rid)
+
+    def _told_freed(self, backend: str, slot: int | None, rid: int) -> None:
+        """``rid`` left ``slot`` (None: it is not known where it ended): the listener
+        hears what the slot holds, unless the request was another replica's."""
+        if rid in self._observed:
+            self._observed.discard(rid)
+            return
+        st = self._backends.get(backend)
+        if self.listener is None or slot is None or st is None:
+            return
+        self.listener.freed(backend, slot, rid, st.cache.held(slot))
+
+    def held_slots(self, backend: str) -> list[tuple[int, bytes]]:
+        """What each idle slot of ``backend`` holds (told to a replica that joins)."""
+        st = self._backends.get(backend)
+        if st is None:
+            return []
+        return [(i, held) for i in range(len(st.cache.slots))
+                if (held := st.cache.held(i)) is not None]

@@ -1,0 +1,211 @@
+"""Two replicas' routers joined by their events (no broker: each event goes through the
+codec to the other's view at once): a peer's request is busy here while it runs and
+leaves in its slot what it left there; a peer gone, or the broker lost, ends its
+requests; a replica that joins takes the others' snapshot. Whatever order the events
+come in, nothing raises and nothing stays busy once every peer's request is over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.replicas.events import Event, Kind, decode, encode
+from proxy.replicas.peers import PEER_TIMEOUT_S, PeerView, PoolPort, Teller
+from proxy.routing.decision import Decision, Handoff
+from proxy.routing.router import BackendCapacity, Router
+from proxy.routing.tree.token_bytes import to_token_bytes
+
+POOL = "kvroute-demo"
+
+
+@dataclass
+class Replica:
+    name: str
+    router: Router = field(default_factory=lambda: Router("prefix"))
+    handed: list[int] = field(default_factory=list)  # hand-offs made by peers' ends
+    sent: list[Event] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.router.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
+        self.view = PeerView(self.name, {POOL: PoolPort(self.router, self.hand_off)})
+        self.teller = Teller(self.name, POOL, self.sent.append)
+        self.router.listener = self.teller
+
+    def hand_off(self, handoffs: list[Handoff]) -> None:
+        self.handed.extend(h.request_id for h in handoffs)
+
+    def send(self, d: Decision, prompt: list[int]) -> None:
+        """The forwarder's word once ``d`` is written to its slot."""
+        assert d.slot is not None
+        self.teller.started(d.backend, d.slot, d.request_id, to_token_bytes(prompt))
+
+    def deliver(self, to: Replica, now: float = 0.0) -> list[bool]:
+        out = []
+        for e in self.sent:
+            got = decode(encode(e))
+            assert got == e
+            to.view.heard(e.replica, now)
+            out.append(to.view.apply(got, now))
+        self.sent.clear()
+        return out
+
+
+def conversation(seed: int, n: int = 600) -> list[int]:
+    return [1000 * seed + i for i in range(n)]
+
+
+def test_a_peers_request_is_busy_here_until_its_end_says_what_it_left() -> None:
+    a, b = Replica("a"), Replica("b")
+    prompt = conversation(1)
+    d = a.router.decide(prompt, now=0.0)
+    assert isinstance(d, Decision) and d.slot is not None
+    a.send(d, prompt)
+    assert a.deliver(b) == [True]
+    assert b.router.held("x", d.slot) is None  # busy here too
+    assert b.router.snapshot()["backends"]["x"]["inflight"] == 1  # type: ignore[index]
+    other = b.router.decide(conversation(2), now=0.1)
+    assert isinstance(other, Decision) and other.slot not in (None, d.slot)
+    a.router.prefilled(d)
+    a.router.complete(d, output_tokens=[7, 8, 9], reported_cached=0, now=1.0)
+    first, end = a.sent
+    assert (first.kind, end.kind, end.keep, len(end.tokens)) == (
+        Kind.FIRST, Kind.END, len(prompt), 12)  # the end sends only the answer
+    assert a.deliver(b, 1.0) == [True, True]
+    assert b.router.held("x", d.slot) == to_token_bytes([*prompt, 7, 8, 9])
+    turn = b.router.decide([*prompt, 7, 8, 9, *range(9000, 9020)], now=2.0)
+    assert isinstance(turn, Decision)
+    assert (turn.slot, turn.predicted_cached) == (d.slot, len(prompt) + 3)
+
+
+def test_a_request_waiting_for_a_peers_slot_is_handed_it_when_that_ends() -> None:
+    a, b = Replica("a"), Replica("b")
+    prompt = conversation(1)
+    d = a.router.decide(prompt, now=0.0)
+    assert isinstance(d, Decision) and d.slot is not None
+    a.send(d, prompt)
+    a.deliver(b)
+    mine = b.router.decide(conversation(3), now=0.1)  # the other slot
+    assert isinstance(mine, Decision) and mine.slot is not None
+    waiting = b.router.decide([*prompt, *range(9000, 9020)], now=0.2)
+    assert isinstance(waiting, Decision) and waiting.queued  # for its history's slot
+    a.router.complete(d, output_tokens=[7], reported_cached=0, now=1.0)
+    a.deliver(b, 1.0)
+    assert b.handed == [waiting.request_id]
+
+
+def test_an_aborted_request_leaves_its_slot_unknown_and_a_missed_start_an_end_unread(
+        ) -> None:
+    a, b = Replica("a"), Replica("b")
+    prompt = conversation(1)
+    d = a.router.decide(prompt, now=0.0)
+    assert isinstance(d, Decision) and d.slot is not None
+    a.send(d, prompt)
+    a.deliver(b)
+    a.router.abort(d, now=0.5)
+    assert a.sent[-1] == Event("a", Kind.END, POOL, "x", d.slot, d.request_id)
+    a.deliver(b, 0.5)
+    assert b.router.held("x", d.slot) is None
+    assert b.router.snapshot()["backends"]["x"]["inflight"] == 0  # type: ignore[index]
+    # an end whose start b never had: what it kept of the prompt is unknown here
+    assert not b.view.apply(Event("a", Kind.END, POOL, "x", 1, 99, b"\1\0\0\0" * 4, 10), 1.0)
+
+
+def test_a_silent_peers_requests_end_with_their_prompt_kept() -> None:
+    a, b = Replica("a"), Replica("b")
+    prompt = conversation(1)
+    d = a.router.decide(prompt, now=0.0)
+    assert isinstance(d, Decision) and d.slot is not None
+    a.send(d, prompt)
+    a.deliver(b, 0.0)
+    b.view.expire(PEER_TIMEOUT_S / 2)
+    assert b.view.in_flight == 1 and b.view.peers == ["a"]
+    b.view.expire(PEER_TIMEOUT_S + 1)
+    assert b.view.in_flight == 0 and b.view.peers == []
+    assert b.router.held("x", d.slot) == to_token_bytes(prompt)
+
+
+def test_the_broker_lost_ends_every_peers_request() -> None:
+    a, b = Replica("a"), Replica("b")
+    for seed in (1, 2):
+        d = a.router.decide(conversation(seed), now=0.0)
+        assert isinstance(d, Decision)
+        a.send(d, conversation(seed))
+    a.deliver(b)
+    assert b.view.in_flight == 2
+    b.view.lost(1.0)
+    assert b.view.in_flight == 0
+    assert b.router.snapshot()["backends"]["x"]["inflight"] == 0  # type: ignore[index]
+
+
+def test_a_replica_that_joins_takes_the_others_view() -> None:
+    a, b = Replica("a"), Replica("b")
+    for seed in (1, 2):
+        d = a.router.decide(conversation(seed), now=0.0)
+        assert isinstance(d, Decision)
+        a.router.complete(d, output_tokens=[5], reported_cached=0, now=1.0)
+    snap = a.view.snapshot()
+    assert {e.kind for e in snap} == {Kind.HELD} and len(snap) == 2
+    for e in snap:
+        assert b.view.apply(decode(encode(e)), 2.0)  # type: ignore[arg-type]
+    assert [b.router.held("x", s) for s in (0, 1)] == [a.router.held("x", s) for s in (0, 1)]
+
+
+_STEPS = st.lists(st.tuples(st.sampled_from(["start", "first", "end", "abort", "expire",
+                                             "lost", "mine"]),
+                            st.integers(0, 3), st.integers(1, 4)), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_STEPS, st.permutations(range(40)))
+def test_whatever_order_peers_events_come_in_nothing_stays_busy(
+        steps: list[tuple[str, int, int]], order: list[int]) -> None:
+    """Peers a and c run requests on b's backend; their events reach b shuffled (a
+    broker delivers each peer's in order, but b may miss some), among b's own requests.
+    Once every request is over and every peer gone, b's model has nothing in flight."""
+    b = Replica("b")
+    peers = {"a": Replica("a"), "c": Replica("c")}
+    open_: dict[tuple[str, int], Decision] = {}
+    mine: list[Decision] = []
+    events: list[Event] = []
+    now = 0.0
+    for kind, which, seed in steps:
+        now += 0.1
+        name = "a" if which % 2 else "c"
+        p = peers[name]
+        if kind == "start":
+            d = p.router.decide(conversation(seed), now=now)
+            if isinstance(d, Decision) and d.slot is not None and not d.queued:
+                p.send(d, conversation(seed))
+                open_[name, d.request_id] = d
+        elif kind in ("first", "end", "abort") and open_:
+            key = sorted(open_)[which % len(open_)]
+            d = open_[key] if kind == "first" else open_.pop(key)
+            r = peers[key[0]].router
+            if kind == "first":
+                r.prefilled(d)
+            elif kind == "end":
+                r.complete(d, output_tokens=[seed], now=now)
+            else:
+                r.abort(d, now=now)
+        elif kind == "mine":
+            d = b.router.decide(conversation(seed + 10), now=now)
+            if isinstance(d, Decision):
+                mine.append(d)
+        for q in peers.values():
+            events.extend(q.sent)
+            q.sent.clear()
+        if kind == "expire":
+            b.view.expire(now)
+        elif kind == "lost":
+            b.view.lost(now)
+    for i in order:
+        if i < len(events):
+            b.view.heard(events[i].replica, now)
+            b.view.apply(events[i], now)
+    for d in mine:
+        b.router.complete(d, now=now)
+    b.view.expire(now + PEER_TIMEOUT_S + 1)
+    assert b.view.in_flight == 0
+    assert b.router.snapshot()["inflight"] == 0
