@@ -58,7 +58,7 @@ from proxy.observability.tracing import Tracing
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.delimiters import user_starts
 from proxy.replicas.bus import ReplicaBus
-from proxy.replicas.events import Held
+from proxy.replicas.peers import PeerView, PoolPort, Teller
 from proxy.responses import routes as responses
 from proxy.routing.router import Router
 from proxy.server import handlers, status_page
@@ -224,16 +224,14 @@ async def _replicas(app: web.Application) -> ReplicaBus | None:
     if cfg is None:
         return None
     pools, metrics = app[POOLS], app[METRICS]
-
-    def apply(held: Held) -> bool:
-        pool = next((p for p in pools if p.spec.name == held.pool), None)
-        return pool is not None and pool.router.observe(held.backend, held.slot, held.tokens,
-                                                        now=time.monotonic())
-
-    bus = app[REPLICAS] = ReplicaBus(cfg.nats, cfg.replica, apply,
+    view = PeerView(cfg.replica, {p.spec.name: PoolPort(p.router, p.fw.waits.hand_off)
+                                  for p in pools})
+    bus = app[REPLICAS] = ReplicaBus(cfg.nats, cfg.replica, view,
                                      lambda e: metrics.child(metrics.replica_events, e).inc())
     for pool in pools:
-        pool.fw.on_held = lambda b, s, t, name=pool.spec.name: bus.publish(name, b, s, t)
+        teller = Teller(cfg.replica, pool.spec.name, bus.publish)
+        pool.router.listener = teller
+        pool.fw.on_sent = teller.started
     await bus.start()
     return bus
 

@@ -306,6 +306,8 @@ async def metrics(request: web.Request) -> web.Response:
         app[METRICS].child(app[METRICS].pool_backends, pool.spec.name).set(len(pool.backends))
     if (bus := app.get(REPLICAS)) is not None:
         app[METRICS].replicas_connected.set(1 if bus.connected else 0)
+        app[METRICS].replica_peers.set(len(bus.view.peers))
+        app[METRICS].replica_inflight.set(bus.view.in_flight)
     own = app[METRICS].render()
     session = app[FORWARDER].session
     ready = [b for pool in app[POOLS] for b in pool.backends.values()]
@@ -343,7 +345,8 @@ def status_body(app: web.Application) -> dict[str, object]:
                    "router": p.router.snapshot()} for p in pools],
         "kv_disk": _disk_status(app),
         "replicas": None if (bus := app.get(REPLICAS)) is None else {
-            "id": bus.replica, "nats": bus.url, "connected": bus.connected},
+            "id": bus.replica, "nats": bus.url, "connected": bus.connected,
+            "peers": bus.view.peers, "peers_in_flight": bus.view.in_flight},
     }
 
 
