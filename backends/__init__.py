@@ -6,6 +6,8 @@
     demo_model.py  synthesise the demo GGUF
     process.py     one llama-server process: spawn, wait_ready, stop
     supervisor.py  all configured backends: start, watch, restart, stop
+    agent.py       `kvroute agent`: one host's servers, served to routers elsewhere
+    remote.py      a router's side of an agent: its backends as it reports them
     client.py      typed calls to one server (/health, /props, /slots, ...)
 """
 
