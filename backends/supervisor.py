@@ -409,7 +409,9 @@ class Supervisor(Generic[C]):
         b = self._backends.get(name)
         if b is None:
             b = self._backends[name] = _Backend(report.cfg, agent=report.agent)
-            b.settled.set()
+        elif b.agent != report.agent:  # a configured backend of that name: it stays
+            log.warning("agent.name_taken", backend=name, agent=report.agent)
+            return
         b.cfg, b.url, b.restarts = report.cfg, report.cfg.url or b.url, report.restarts
         info = _remote_info(report) if report.ready else None
         if info is not None and info == b.info:

@@ -274,3 +274,15 @@ def test_keys_stay_out_of_logs_status_metrics_and_errors(
     for where, text in texts.items():
         for key in seen_keys:
             assert key not in text, f"a key in the {where}"
+
+
+def test_agent_without_its_key_says_which_variable_to_set(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump({"agent": {"key_env": "KVROUTE_TEST_UNSET_KEY"},
+                                    "backends": [{"name": "a", "model": "demo"}]}))
+    env = {k: v for k, v in os.environ.items() if k != "KVROUTE_TEST_UNSET_KEY"}
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "agent", "--config", str(path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith("kvroute: agent.key_env: the environment variable "
+                                  "KVROUTE_TEST_UNSET_KEY is not set (fix: export "), done.stderr

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from backends.binary import cache_dir
-from backends.config import AgentLink
+from backends.config import AgentLink, ExternalBackendConfig
 from backends.remote import AgentWatch, BadReport, parse_answer
 from backends.supervisor import BackendInfo, Supervisor
 from proxy.config.load import Config, ProxyConfig, RoutingConfig
@@ -126,3 +126,13 @@ def test_a_backend_the_agent_drops_leaves(supervisor: Supervisor[Config]) -> Non
     w.apply(parse_answer(LINK, answer({"name": "b", "state": "starting", "restarts": 1})))
     assert events[-1] == ("box1/b", None)
     assert supervisor.statuses()[0]["state"] == "starting"
+
+
+def test_a_configured_backend_keeps_its_name(tmp_path: Path) -> None:
+    cfg = Config(proxy=ProxyConfig(port=1), routing=RoutingConfig(),
+                 backends=(ExternalBackendConfig(name="box1/a", url="http://127.0.0.1:9"),),
+                 llama_server=None, cache_dir=cache_dir(), log_dir=tmp_path)
+    sup = Supervisor(cfg)
+    w, events = watch(sup)
+    w.apply(parse_answer(LINK, answer(READY)))
+    assert events == [] and sup.statuses()[0]["agent"] is None
