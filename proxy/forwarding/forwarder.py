@@ -379,7 +379,7 @@ class _Attempt:
         ids = task.result()
         if ids is not None:
             self.decision = self.router.extend(self.decision, ids, self.user_starts(ids))
-            self.whole = True
+            self.tokens, self.whole = ids, True
 
     def placed(self, upstream: Response) -> None:
         # the request is written: the model's bookkeeping runs while the backend works

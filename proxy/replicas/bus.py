@@ -35,6 +35,7 @@ SUBJECT = "kvroute.events"
 _QUEUE = 1024  # events waiting to be sent; past that the oldest are dropped
 _RETRY_S = 2.0  # between connection attempts before the first one succeeds
 ALIVE_S = 1.0
+_PING_S = 2
 
 
 def snapshot_subject(replica: str) -> str:
@@ -50,7 +51,8 @@ class ReplicaBus:
         self.log = structlog.get_logger()
         self.connected = False
         self._nc: Any = None
-        self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(_QUEUE)
+        # encoded by the sender, not on the request's path
+        self._queue: asyncio.Queue[tuple[str, Event]] = asyncio.Queue(_QUEUE)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -64,7 +66,7 @@ class ReplicaBus:
         if self._queue.full():
             self._queue.get_nowait()
             self.counted("dropped")
-        self._queue.put_nowait((subject, encode(event)))
+        self._queue.put_nowait((subject, event))
 
     async def close(self) -> None:
         nc = self._nc
@@ -87,6 +89,9 @@ class ReplicaBus:
                 self._nc = await nats.connect(
                     servers=[self.url], name=f"kvroute {self.replica}", connect_timeout=2,
                     allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=1,
+                    no_echo=True,  # (its own events are not sent back to it to decode)
+                    # a broker frozen or cut off is noticed in seconds, not minutes
+                    ping_interval=_PING_S, max_outstanding_pings=2,
                     disconnected_cb=self._down, reconnected_cb=self._up,
                     error_cb=self._error)
             except Exception as e:  # (NoServersError, OSError, a timeout: not up yet)
@@ -99,12 +104,12 @@ class ReplicaBus:
 
     async def _send(self) -> None:
         while True:
-            subject, data = await self._queue.get()
+            subject, event = await self._queue.get()
             if self._nc is None or not self.connected:
                 self.counted("dropped")  # (no broker: the peers learn from the next one)
                 continue
             try:
-                await self._nc.publish(subject, data)
+                await self._nc.publish(subject, encode(event))
                 self.counted("sent")
             except Exception as e:  # (disconnected meanwhile, its buffer full)
                 self.counted("dropped")
@@ -123,7 +128,7 @@ class ReplicaBus:
             self.counted("invalid")
             return
         if e.replica == self.replica:
-            return  # (its own)
+            return  # (another process under this one's name, or one's own echoed)
         now = time.monotonic()
         if e.kind == Kind.BYE:
             self.view.left(e.replica, now, "said bye")

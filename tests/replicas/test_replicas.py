@@ -5,6 +5,7 @@ broker away: a replica still serves, and says so. Events from peers are validate
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import shutil
 import subprocess
@@ -23,11 +24,13 @@ from backends.process import free_port
 from backends.supervisor import Supervisor
 from proxy.app import create_app
 from proxy.config.load import Config, ReplicasConfig
+from proxy.forwarding.upstream import Upstream
 from proxy.replicas.events import MAX_TOKENS, Event, Kind, decode, encode
 from proxy.server.keys import ROUTER
 
 pytestmark = pytest.mark.timeout(120)
 NATS = shutil.which("nats-server")
+KEEPALIVE_S = Upstream().keepalive_s
 
 
 @pytest.mark.parametrize("event", [
@@ -146,6 +149,27 @@ async def test_a_replica_that_joins_late_is_sent_the_others_view(
 async def _connected(client: TestClient[Any, Any]) -> bool:
     async with client.get("/kvroute/status") as r:
         return bool((await r.json())["replicas"]["connected"])
+
+
+async def test_a_turn_after_a_pause_is_told_with_its_whole_prompt(
+        pool_config: Callable[..., Config]) -> None:
+    """A turn tokenized in two parts (its history's head, then the rest beside the
+    send) whose rest is done before it is sent (the backend's idle connection expired
+    meanwhile: a new one takes longer) is told to the others with all of its prompt."""
+    cfg = pool_config(n=1, slots=1, cache_ram_mib=0)
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with replica(cfg, sup, f"nats://127.0.0.1:{free_port()}", "alone") as c:
+            conv = [{"role": "system", "content": words(600, 965)},
+                    {"role": "user", "content": words(20, 966)}]
+            await turn(c, conv)
+            await asyncio.sleep(KEEPALIVE_S + 0.5)
+            conv.append({"role": "user", "content": words(20, 967)})
+            predicted, reused, _ = await turn(c, conv)
+    finally:
+        await sup.stop()
+    assert predicted == reused > 600
 
 
 async def test_without_its_broker_a_replica_serves_on_its_own_view(
