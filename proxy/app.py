@@ -229,7 +229,7 @@ async def _replicas(app: web.Application) -> ReplicaBus | None:
     bus = app[REPLICAS] = ReplicaBus(cfg.nats, cfg.replica, view,
                                      lambda e: metrics.child(metrics.replica_events, e).inc())
     for pool in pools:
-        teller = Teller(cfg.replica, pool.spec.name, bus.publish)
+        teller = Teller(cfg.replica, pool.spec.name, bus.publish, view.touched)
         pool.router.listener = teller
         pool.fw.on_sent = teller.started
     await bus.start()

@@ -5,7 +5,8 @@
 - ``first``: that request's first token came (its prefill is over);
 - ``end``: it left the slot, holding the first ``keep`` tokens of its prompt then
   ``tokens`` (its answer, typically); nothing kept and no tokens: not known;
-- ``held``: the slot holds ``tokens`` (a snapshot sent to a replica that joins);
+- ``held``: the slot holds ``tokens``, as of wall-clock time ``at`` (a snapshot sent to a
+  replica that joins, which keeps what it knows of a slot since then);
 - ``hello`` (it joined: the others send it their view), ``alive``, ``bye``.
 
 Token ids travel zlib'd as int32 (~2-3 bytes a token). Validated on the way in: nothing a
@@ -53,6 +54,7 @@ class Event:
     request: int = 0  # the sender's id of the request (start, first, end)
     tokens: bytes = b""  # int32 token bytes
     keep: int = 0  # (end) tokens of the request's prompt its slot still holds
+    at: float = 0.0  # (held) when the slot last changed, as far as the sender knows
 
 
 def encode(e: Event) -> bytes:
@@ -61,6 +63,8 @@ def encode(e: Event) -> bytes:
         obj.update(p=e.pool, b=e.backend, s=e.slot, i=e.request)
     if e.keep:
         obj["n"] = e.keep
+    if e.at:
+        obj["w"] = e.at
     if e.tokens:
         obj["t"] = base64.b64encode(zlib.compress(e.tokens, 1)).decode()
     return orjson.dumps(obj)
@@ -81,15 +85,17 @@ def decode(data: bytes) -> Event | None:
     if kind not in _OF_A_SLOT:
         return None if len(obj) != 2 else Event(obj["r"], kind)
     pool, backend, slot, request = obj.get("p"), obj.get("b"), obj.get("s"), obj.get("i")
-    keep, packed = obj.get("n", 0), obj.get("t")
+    keep, packed, at = obj.get("n", 0), obj.get("t"), obj.get("w", 0.0)
     if not (_name(pool) and _name(backend) and _count(slot, 1 << 16)
             and _count(request, _MAX_ID) and _count(keep, MAX_TOKENS + 1)):
         return None
     tokens = b"" if packed is None else _unpack(packed)
     if tokens is None or (kind in _WITH_TOKENS and len(tokens) < 8) \
-            or (kind == Kind.FIRST and (tokens or keep)) or (kind != Kind.END and keep):
+            or (kind == Kind.FIRST and (tokens or keep)) or (kind != Kind.END and keep) \
+            or not isinstance(at, float | int) or isinstance(at, bool) \
+            or not 0 <= at < 1e11 or (kind != Kind.HELD and at):
         return None
-    return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep)
+    return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep, float(at))
 
 
 def _name(v: object) -> bool:

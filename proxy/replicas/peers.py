@@ -10,11 +10,13 @@ keeps its slot busy and loads its backend here until its end comes; the end sett
 what the slot holds. A peer not heard for `PEER_TIMEOUT_S` (gone, or cut off), a
 request whose end never comes, and every peer's requests when the broker is lost, end
 as an interrupted request does: the slot keeps the prompt (the server keeps what it
-prefilled). A replica that joins is sent every idle slot's content (`snapshot`).
+prefilled). A replica that joins is sent every idle slot's content (`snapshot`), with when
+it last changed: what it knows of a slot since then stands.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,12 +36,14 @@ _TOLD_MAX = 4096  # requests in flight remembered per direction (a bound, not a 
 class Teller:
     """This replica's requests in one pool, told to the others through ``send``."""
 
-    def __init__(self, replica: str, pool: str, send: Callable[[Event], None]) -> None:
-        self.replica, self.pool, self.send = replica, pool, send
+    def __init__(self, replica: str, pool: str, send: Callable[[Event], None],
+                 touched: Callable[[str, str, int], None]) -> None:
+        self.replica, self.pool, self.send, self.touched = replica, pool, send, touched
         self._prompts: OrderedDict[int, bytes] = OrderedDict()  # started, not yet ended
 
     def started(self, backend: str, slot: int, request: int, prompt: bytes) -> None:
         """``request`` was sent to ``backend``'s ``slot`` with ``prompt``."""
+        self.touched(self.pool, backend, slot)
         self._prompts[request] = prompt
         if len(self._prompts) > _TOLD_MAX:
             self._prompts.popitem(last=False)
@@ -50,6 +54,7 @@ class Teller:
             self.send(Event(self.replica, Kind.FIRST, self.pool, backend, 0, request))
 
     def freed(self, backend: str, slot: int, request: int, held: bytes | None) -> None:
+        self.touched(self.pool, backend, slot)
         prompt = self._prompts.pop(request, None)
         if prompt is None and held is None:
             return  # (the others never heard of it, and there is nothing to tell)
@@ -78,11 +83,19 @@ class PoolPort:
 
 
 class PeerView:
-    def __init__(self, replica: str, pools: Mapping[str, PoolPort]) -> None:
-        self.replica, self.pools = replica, pools
+    def __init__(self, replica: str, pools: Mapping[str, PoolPort],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.replica, self.pools, self.clock = replica, pools, clock
         self.log = structlog.get_logger()
         self._seen: dict[str, float] = {}  # peer -> when last heard
         self._told: OrderedDict[tuple[str, int], _Told] = OrderedDict()
+        # (pool, backend, slot) -> when its content last changed, as far as this replica
+        # knows (the wall clock: snapshots compare it across hosts)
+        self._changed: dict[tuple[str, str, int], float] = {}
+
+    def touched(self, pool: str, backend: str, slot: int) -> None:
+        """A request here or a peer's started in or left that slot."""
+        self._changed[pool, backend, slot] = self.clock()
 
     @property
     def peers(self) -> list[str]:
@@ -103,8 +116,16 @@ class PeerView:
         port = self.pools.get(e.pool)
         if port is None:
             return False
+        key = e.pool, e.backend, e.slot
         if e.kind == Kind.HELD:
-            return port.router.observe(e.backend, e.slot, e.tokens, now=now)
+            # (a snapshot older than what this replica knows of the slot is not news)
+            if e.at <= self._changed.get(key, 0.0) \
+                    or not port.router.observe(e.backend, e.slot, e.tokens, now=now):
+                return False
+            self._changed[key] = e.at
+            return True
+        if e.kind != Kind.FIRST:
+            self.touched(*key)
         if e.kind == Kind.START:
             if (old := self._told.pop((e.replica, e.request), None)) is not None:
                 self._end(old, now)  # (the peer restarted: its ids begin again)
@@ -143,7 +164,8 @@ class PeerView:
 
     def snapshot(self) -> list[Event]:
         """What every idle slot holds in this model, for a replica that joins."""
-        return [Event(self.replica, Kind.HELD, pool, backend, slot, 0, held)
+        return [Event(self.replica, Kind.HELD, pool, backend, slot, 0, held,
+                      at=self._changed.get((pool, backend, slot), 0.0))
                 for pool, port in self.pools.items() for backend in port.router.backends
                 for slot, held in port.router.held_slots(backend)]
 

@@ -13,11 +13,15 @@ from hypothesis import strategies as st
 
 from proxy.replicas.events import Event, Kind, decode, encode
 from proxy.replicas.peers import PEER_TIMEOUT_S, PeerView, PoolPort, Teller
+from proxy.routing.cache.predict import BackendCapacity
 from proxy.routing.decision import Decision, Handoff
-from proxy.routing.router import BackendCapacity, Router
+from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
 
 POOL = "kvroute-demo"
+
+
+CLOCK = [1e9]  # the replicas' wall clock (it moves when a test says)
 
 
 @dataclass
@@ -29,8 +33,9 @@ class Replica:
 
     def __post_init__(self) -> None:
         self.router.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
-        self.view = PeerView(self.name, {POOL: PoolPort(self.router, self.hand_off)})
-        self.teller = Teller(self.name, POOL, self.sent.append)
+        self.view = PeerView(self.name, {POOL: PoolPort(self.router, self.hand_off)},
+                             clock=lambda: CLOCK[0])
+        self.teller = Teller(self.name, POOL, self.sent.append, self.view.touched)
         self.router.listener = self.teller
 
     def hand_off(self, handoffs: list[Handoff]) -> None:
@@ -150,6 +155,27 @@ def test_a_replica_that_joins_takes_the_others_view() -> None:
     for e in snap:
         assert b.view.apply(decode(encode(e)), 2.0)  # type: ignore[arg-type]
     assert [b.router.held("x", s) for s in (0, 1)] == [a.router.held("x", s) for s in (0, 1)]
+
+
+def test_after_the_broker_returns_the_later_of_two_views_of_a_slot_stands() -> None:
+    """Cut off from each other, a and then b ran a turn of one conversation in slot 0;
+    back, each is sent the other's snapshot: both end with b's (the later) turn."""
+    a, b = Replica("a"), Replica("b")
+    history = conversation(1)
+    for r, extra in ((a, [5]), (b, [5, 6, 7])):
+        CLOCK[0] += 1.0
+        d = r.router.decide([*history, *extra], now=0.0)
+        assert isinstance(d, Decision) and d.slot == 0
+        r.send(d, [*history, *extra])
+        r.router.complete(d, output_tokens=[9], reported_cached=0, now=1.0)
+        r.sent.clear()  # (the broker is away)
+    CLOCK[0] += 1.0
+    snapshots = {r.name: [decode(encode(e)) for e in r.view.snapshot()] for r in (a, b)}
+    for to, frm in ((a, "b"), (b, "a")):
+        for e in snapshots[frm]:
+            to.view.apply(e, 3.0)  # type: ignore[arg-type]
+    assert a.router.held("x", 0) == b.router.held("x", 0) == to_token_bytes(
+        [*history, 5, 6, 7, 9])
 
 
 _STEPS = st.lists(st.tuples(st.sampled_from(["start", "first", "end", "abort", "expire",
