@@ -1,11 +1,13 @@
 """Two kvroute replicas behind a round-robin balancer, sharing their view over NATS,
 against one replica alone and against two that share nothing.
 
-    python bench/bench_replicas.py [--conversations 4] [--turns 5]
+    python bench/bench_replicas.py [--sessions 12] [--turns 5] [--backends 4] [--slots 2]
 
-Fresh llama-servers (demo model, 2 x 2 slots, no RAM tier) for each of three runs; the
-replicas see them as `url:` backends. Conversations (a system prompt of their own, then
-short turns) go out one request at a time, every other request to the other replica.
+Fresh llama-servers (demo model, 4 x 2 slots, no RAM tier unless --cache-ram-mib) for
+each of three runs; the replicas see them as `url:` backends. The agentic workload
+(coding-agent sessions over one shared prefix, title and summary side calls, sessions
+arriving and turns following each other as loadtest plays them, streamed), each request
+to the next replica in turn, as a round-robin balancer in front sends them.
 Printed per run: reused / prompt tokens, and the share of requests predicted within
 max(16, 2%) of the reported reuse. Targets: shared reuse within 3 points of one replica's,
 prediction >= 97%.
@@ -16,15 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import random
+import json
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +32,12 @@ sys.path.insert(0, str(ROOT))
 
 from backends.process import free_port  # noqa: E402
 from backends.supervisor import Supervisor  # noqa: E402
+from loadtest.client import LoadClient  # noqa: E402
 from loadtest.fleet import Cluster, external_config, fresh_servers  # noqa: E402
-from loadtest.workloads import words  # noqa: E402
+from loadtest.workloads import agentic  # noqa: E402
 from proxy.app import create_app  # noqa: E402
 from proxy.config.load import ReplicasConfig, load_config  # noqa: E402
+from proxy.observability.logging import configure_logging  # noqa: E402
 
 
 async def start_replica(cfg_path: Path, nats: str | None, name: str
@@ -54,7 +56,8 @@ async def start_replica(cfg_path: Path, nats: str | None, name: str
 
 async def run(mode: str, args: argparse.Namespace, tmp: Path, nats: str | None
               ) -> tuple[float, float]:
-    cluster = Cluster(backends=2, slots=2, cache_ram_mib=0)
+    cluster = Cluster(backends=args.backends, slots=args.slots,
+                      cache_ram_mib=args.cache_ram_mib)
     async with fresh_servers(cluster, tmp / mode / "servers") as urls:
         cfg = external_config(tmp / mode / "kvroute.yaml", cluster, urls, "prefix")
         n_replicas = 1 if mode == "one replica" else 2
@@ -69,35 +72,44 @@ async def run(mode: str, args: argparse.Namespace, tmp: Path, nats: str | None
 
 
 async def conversations(targets: list[str], args: argparse.Namespace) -> tuple[float, float]:
-    convs: list[list[dict[str, str]]] = [
-        [{"role": "system", "content": words(random.Random(10 + i), 400)}]
-        for i in range(args.conversations)]
-    reused = total = exact = sent = 0
-    async with aiohttp.ClientSession() as http:
-        for t in range(args.turns):
-            for i, conv in enumerate(convs):
-                conv.append({"role": "user",
-                             "content": words(random.Random(1000 * i + t), 25)})
-                target = targets[sent % len(targets)]
-                sent += 1
-                async with http.post(f"{target}/v1/chat/completions", json={
-                        "model": "kvroute-demo", "max_tokens": 4, "messages": conv}) as r:
-                    body: Any = await r.json()
-                    assert r.status == 200, body
-                    predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
-                conv.append({"role": "assistant", "content": "Noted."})
-                got, n = body["timings"]["cache_n"], body["usage"]["prompt_tokens"]
-                reused += got
-                total += n
-                exact += abs(predicted - got) <= max(16, 0.02 * got)
-    return reused / total, exact / sent
+    """The agentic workload (loadtest/workloads.py) sent round-robin over ``targets``:
+    reused / prompt tokens, and the share of requests predicted within max(16, 2%)."""
+    workload = agentic(sessions=args.sessions, turns=args.turns, prefix_tokens=2000,
+                       context_tokens=800, tool_tokens=200, reply_tokens=30, max_tokens=8,
+                       think_s=0.5, session_rate=2.0, seed=args.seed)
+    outcome = await LoadClient(targets, time_limit_s=600,
+                               max_requests=len(workload.requests())).run(workload)
+    done = [r for r in outcome.results if r.ok and r.prompt_tokens and
+            r.cached_tokens is not None and r.predicted_cached is not None]
+    if len(done) < len(workload.requests()):
+        failed = [r for r in outcome.results if r not in done]
+        print(f"  {len(workload.requests()) - len(done)} requests not counted (failed, or "
+              f"no usage / prediction), e.g. {[(r.kind, r.status, r.error) for r in failed][:3]}")
+    if args.dump:
+        with open(args.dump, "a") as f:
+            for r in outcome.results:
+                f.write(json.dumps({**r.to_dict(), "targets": len(targets)}) + "\n")
+    reused = sum(r.cached_tokens or 0 for r in done)
+    exact = sum(abs((r.predicted_cached or 0) - (r.cached_tokens or 0))
+                <= max(16, 0.02 * (r.cached_tokens or 0)) for r in done)
+    return reused / sum(r.prompt_tokens or 0 for r in done), exact / len(done)
 
 
 async def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--cache-ram-mib", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", help="run only this mode (e.g. 'two replicas, shared')")
+    p.add_argument("--dump", help="append every request's result here (JSON lines)")
+    p.add_argument("--log", help="the replicas' log lines go to this file")
+    p.add_argument("--log-level", default="warning")
     args = p.parse_args()
+    log = open(args.log, "a") if args.log else None  # noqa: SIM115 (open while it runs)
+    configure_logging(args.log_level, stream=log)
     binary = shutil.which("nats-server")
     if binary is None:
         print("nats-server not found (apt-get install nats-server)", file=sys.stderr)
@@ -111,14 +123,17 @@ async def main() -> int:
             for mode, nats in (("one replica", None),
                                ("two replicas, shared", f"nats://127.0.0.1:{port}"),
                                ("two replicas, alone", None)):
+                if args.only is not None and mode != args.only:
+                    continue
                 results[mode] = await run(mode, args, Path(d), nats)
                 print(f"{mode:24s} reused {results[mode][0]:.3f}  "
                       f"predicted exactly {results[mode][1]:.1%}", flush=True)
     finally:
         broker.terminate()
         broker.wait(10)
-    one, shared = results["one replica"][0], results["two replicas, shared"][0]
-    print(f"shared - one replica: {100 * (shared - one):+.1f} points of reuse")
+    if args.only is None:
+        one, shared = results["one replica"][0], results["two replicas, shared"][0]
+        print(f"shared - one replica: {100 * (shared - one):+.1f} points of reuse")
     return 0
 
 

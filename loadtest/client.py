@@ -18,7 +18,7 @@ import asyncio
 import ipaddress
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -134,11 +134,15 @@ def _usage(obj: dict[str, Any], res: Result) -> None:
 
 
 class LoadClient:
-    def __init__(self, base_url: str, api_key: str | None = None, *,
+    def __init__(self, base_url: str | Sequence[str], api_key: str | None = None, *,
                  request_timeout_s: float = 300.0, max_requests: int = 1000,
                  time_limit_s: float = 300.0, ignore_eos: bool = True,
                  label: str | None = None, progress: Progress | None = None) -> None:
-        self.base = check_loopback(base_url)
+        # several: requests go to each in turn, as from a round-robin balancer in front
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        self.bases = [check_loopback(u) for u in urls]
+        self.base = self.bases[0]
+        self._sent = 0
         self.api_key = api_key
         self.request_timeout_s = request_timeout_s
         self.max_requests = max_requests
@@ -172,8 +176,10 @@ class LoadClient:
     async def _one(self, session: aiohttp.ClientSession, req: Request, t0: float) -> Result:
         start = time.perf_counter()
         res = Result(req.id, req.session, req.turn, req.kind, start - t0, backend=self.label)
+        base = self.bases[self._sent % len(self.bases)]
+        self._sent += 1
         try:
-            async with session.post(self.base + endpoint(req), json=self._payload(req),
+            async with session.post(base + endpoint(req), json=self._payload(req),
                                     headers=self._headers(req)) as resp:
                 res.status = resp.status
                 h = resp.headers

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from proxy.replicas.events import Event, Kind, decode, encode
-from proxy.replicas.peers import PeerView
+from proxy.replicas.peers import BYE, PeerView
 
 SUBJECT = "kvroute.events"
 _QUEUE = 1024  # events waiting to be sent; past that the oldest are dropped
@@ -50,6 +50,7 @@ class ReplicaBus:
         self.url, self.replica, self.view, self.counted = url, replica, view, counted
         self.log = structlog.get_logger()
         self.connected = False
+        self._closing = False
         self._nc: Any = None
         # encoded by the sender, not on the request's path
         self._queue: asyncio.Queue[tuple[str, Event]] = asyncio.Queue(_QUEUE)
@@ -69,6 +70,7 @@ class ReplicaBus:
         self._queue.put_nowait((subject, event))
 
     async def close(self) -> None:
+        self._closing = True
         nc = self._nc
         if nc is not None and self.connected:
             with contextlib.suppress(Exception):  # (said as it leaves: best effort)
@@ -131,7 +133,7 @@ class ReplicaBus:
             return  # (another process under this one's name, or one's own echoed)
         now = time.monotonic()
         if e.kind == Kind.BYE:
-            self.view.left(e.replica, now, "said bye")
+            self.view.left(e.replica, now, BYE)
             return
         if e.kind == Kind.HELLO:
             self.view.left(e.replica, now, "joined again")  # (its requests' ids restart)
@@ -141,7 +143,12 @@ class ReplicaBus:
             return
         self.view.heard(e.replica, now)
         if e.kind != Kind.ALIVE:
-            self.counted("applied" if self.view.apply(e, now) else "ignored")
+            applied = self.view.apply(e, now)
+            self.counted("applied" if applied else "ignored")
+            self.log.debug("replicas.event", replica=self.replica, peer=e.replica,
+                           kind=e.kind.value, backend=e.backend, slot=e.slot,
+                           request=e.request, tokens=len(e.tokens) // 4, keep=e.keep,
+                           applied=applied)
 
     async def _up(self) -> None:
         self.connected = True
@@ -149,6 +156,9 @@ class ReplicaBus:
         self.publish(Event(self.replica, Kind.HELLO))
 
     async def _down(self) -> None:
+        if self._closing:
+            self.connected = False
+            return
         if self.connected:
             self.view.lost(time.monotonic())
         self.connected = False

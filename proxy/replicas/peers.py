@@ -30,6 +30,7 @@ from proxy.routing.tree.token_bytes import common_len
 
 PEER_TIMEOUT_S = 6.0  # a peer silent this long is gone (it says `alive` every second)
 REQUEST_TIMEOUT_S = 900.0  # a peer's request not ended by then: its end was lost
+BYE = "said bye"
 _TOLD_MAX = 4096  # requests in flight remembered per direction (a bound, not a target)
 
 
@@ -153,6 +154,11 @@ class PeerView:
         if d is None:
             return bool(held) and port.router.observe(e.backend, e.slot, held, now=now)
         assert told is not None
+        if not port.router.observed_in_slot(d):
+            # over while it waited here for the slot: the server ran it first, and the
+            # request this model has there ends after it, leaving its own
+            port.hand_off(port.router.abort(d, now=now))
+            return True
         if held and held.startswith(told.prompt):
             port.hand_off(port.router.complete(d, output_tokens=held[len(told.prompt):],
                                                now=now))
@@ -172,7 +178,9 @@ class PeerView:
     def left(self, peer: str, now: float, why: str) -> None:
         """``peer`` left (said so, or was not heard for long): its requests end."""
         if self._seen.pop(peer, None) is not None:
-            self.log.warning("replicas.peer_gone", peer=peer, why=why)
+            # (one that said so left on purpose: not a fault)
+            (self.log.info if why == BYE else self.log.warning)(
+                "replicas.peer_gone", peer=peer, why=why)
         for key in [k for k in self._told if k[0] == peer]:
             self._end(self._told.pop(key), now)
 

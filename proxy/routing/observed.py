@@ -19,6 +19,7 @@ from proxy.routing.policy import Candidate, Choice
 if TYPE_CHECKING:
     from proxy.routing.backend_state import BackendState
     from proxy.routing.cache.predict import Placement
+    from proxy.routing.queue import Inflight
 
 
 class SlotListener(Protocol):
@@ -33,6 +34,7 @@ class ObservedRequests:
     """Others' requests placed in the model (over the Router's records)."""
 
     _backends: dict[str, BackendState]
+    _inflight: dict[int, Inflight]
     _next_id: int
     # requests placed by `observe_start` (told to no listener)
     _observed: set[int]
@@ -43,26 +45,31 @@ class ObservedRequests:
     _record: Callable[..., Decision]
     complete: Callable[..., list[Handoff]]
 
-    def observe_start(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0
-                      ) -> Decision | None:
-        """Another replica's request is in ``backend``'s ``slot`` now, with ``sequence``
+    def observe_start(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0,
+                      wait: bool = True) -> Decision | None:
+        """Another replica's request was sent to ``backend``'s ``slot``, with ``sequence``
         (int32 token bytes) as its prompt: the model places it there as if routed here;
-        it ends with ``complete`` (or ``abort``) as any. None when the backend is not
-        routed here or the slot is busy in this model (with a request of this
-        replica's: its own answer settles what the slot holds then)."""
+        it ends with ``complete`` (or ``abort``) as any. A slot busy in this model has
+        it next: the server runs it once the request there ends, before any this
+        replica holds for that slot (those are not sent yet). None when the backend is
+        not routed here (or, without ``wait``, the slot is busy)."""
         self._apply_unplaced()
         st = self._backends.get(backend)
         n = len(sequence) // 4
-        if st is None or not 0 <= slot < len(st.cache.slots) or st.cache.slots[slot].busy \
-                or n < 2 or len(sequence) % 4:
+        if st is None or not 0 <= slot < len(st.cache.slots) or n < 2 or len(sequence) % 4:
             return None
         found = self._candidates(sequence, n, False, (backend,))
         if not isinstance(found, tuple):
             return None
         (cand,), _ = found
-        p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n)
-        assert p is not None, "an idle slot"
-        choice = Choice(backend, slot, p, {"why": "another replica's request"})
+        why = {"why": "another replica's request"}
+        if st.cache.slots[slot].busy:
+            if not wait:
+                return None
+            choice = Choice(backend, slot, None, why, cand.predict_queued(n, None)[0])
+        else:
+            p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n)
+            choice = Choice(backend, slot, p, why)
         rid = self._next_id
         self._next_id += 1
         placed, _ = self._place(rid, choice, cand, sequence, n, False, False, None, ())
@@ -74,12 +81,24 @@ class ObservedRequests:
                 ) -> bool:
         """Another replica's request on ``backend``'s ``slot`` ended, leaving ``sequence``
         there: ``observe_start`` and ``complete`` at once (what it displaces goes to RAM
-        as the server's would). False when it is not placed (see ``observe_start``)."""
-        decision = self.observe_start(backend, slot, sequence, now=now)
+        as the server's would). False when the backend is not routed here or the slot
+        is busy in this model (the request there settles what it holds)."""
+        decision = self.observe_start(backend, slot, sequence, now=now, wait=False)
         if decision is None:
             return False
         self.complete(decision, now=now)
         return True
+
+    def observed_in_slot(self, decision: Decision) -> bool:
+        """Has another replica's request (``observe_start``) its slot in this model (it
+        may still wait for it there)?"""
+        f = self._inflight.get(decision.request_id)
+        return f is not None and f.slot is not None
+
+    def _waiters_first(self, targets: dict[int, int]) -> list[tuple[int, int]]:
+        """Requests waiting for a given slot, others' first: they are in the server's
+        queue already; this replica's own are held here until handed the slot."""
+        return sorted(targets.items(), key=lambda t: t[0] not in self._observed)
 
     def _told_prefilled(self, backend: str, rid: int) -> None:
         if self.listener is not None and rid not in self._observed:

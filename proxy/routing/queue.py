@@ -7,6 +7,7 @@ slot when one frees, in the server's own order (see ``Handoff``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.routing.backend_state import BackendState
@@ -44,6 +45,7 @@ class QueuedRequests:
     _inflight: dict[int, Inflight]
     settings: RouterSettings
     _policy: str
+    _waiters_first: Callable[[dict[int, int]], list[tuple[int, int]]]  # (ObservedRequests)
 
     def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
         """A slot freed. A request waiting for that very slot gets it, pinned (the first
@@ -59,7 +61,7 @@ class QueuedRequests:
         hand-off now."""
         out: list[Handoff] = []
         cache = st.cache
-        for rid, slot in list(st.targets.items()):
+        for rid, slot in self._waiters_first(st.targets):
             if not cache.slots[slot].busy:
                 out.append(self._hand(st, backend, rid, slot, now))
         while cache.idle:

@@ -235,3 +235,43 @@ def test_whatever_order_peers_events_come_in_nothing_stays_busy(
     b.view.expire(now + PEER_TIMEOUT_S + 1)
     assert b.view.in_flight == 0
     assert b.router.snapshot()["inflight"] == 0
+
+
+def test_a_peers_request_sent_to_a_busy_slot_runs_next_there_before_ours_held() -> None:
+    """b's request runs in slot s; a's is sent there too (the server queues it), then
+    b holds a turn of its own for s: once b's ends, a's takes s, and b's waiter gets it
+    after a's end."""
+    b = Replica("b")
+    history = conversation(1)
+    assert isinstance(b.router.decide(conversation(2), now=0.0), Decision)  # (the other)
+    mine = b.router.decide(history, now=0.0)
+    assert isinstance(mine, Decision) and mine.slot is not None
+    s = mine.slot
+    waiter = b.router.decide([*history, 5, *range(9000, 9020)], now=0.1)
+    assert isinstance(waiter, Decision) and waiter.queued
+    side = to_token_bytes([*history, 42, 43])
+    assert b.view.apply(Event("a", Kind.START, POOL, "x", s, 7, side), 0.2)
+    handed = b.router.complete(mine, output_tokens=[5], now=1.0)
+    assert [h.request_id for h in handed] == [waiter.request_id + 1]  # a's (rid here)
+    assert b.router.held("x", s) is None  # a's request runs there now
+    assert b.view.apply(Event("a", Kind.END, POOL, "x", s, 7, to_token_bytes([8]),
+                              len(side) // 4), 2.0)
+    assert b.handed == [waiter.request_id]
+    assert b.router.snapshot()["inflight"] == 2  # (the waiter, in the slot now; the other)
+
+
+def test_a_peers_request_over_before_the_one_here_leaves_that_ones_content() -> None:
+    """a's request, queued in b's model behind b's own, ends first: the server ran it
+    first, so the slot ends holding b's."""
+    b = Replica("b")
+    history = conversation(1)
+    mine = b.router.decide(history, now=0.0)
+    assert isinstance(mine, Decision) and mine.slot is not None
+    side = to_token_bytes([*history, 42, 43])
+    assert b.view.apply(Event("a", Kind.START, POOL, "x", mine.slot, 7, side), 0.1)
+    assert b.view.apply(Event("a", Kind.END, POOL, "x", mine.slot, 7, to_token_bytes([8]),
+                              len(side) // 4), 0.5)
+    b.router.complete(mine, output_tokens=[5], now=1.0)
+    assert b.router.held("x", mine.slot) == to_token_bytes([*history, 5])
+    assert b.router.held("x", 1 - mine.slot) is None  # (a's never ran there)
+    assert b.router.snapshot()["inflight"] == 0 and b.view.in_flight == 0
