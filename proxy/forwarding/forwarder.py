@@ -404,6 +404,8 @@ class _Attempt:
             assert self.pending is not None
             await asyncio.wait({self.pending.rest})
             self.take_rest(self.pending.rest)  # (a no-op if its callback ran first)
+        # (revised since it was sent if another replica's request ran there first)
+        self.decision = self.router.place(self.decision)
         d = self.reported()
         if (target.predicted_cached, target.tier) == (d.predicted_cached, d.tier):
             return target

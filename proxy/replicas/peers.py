@@ -156,8 +156,10 @@ class PeerView:
         assert told is not None
         if not port.router.observed_in_slot(d):
             # over while it waited here for the slot: the server ran it first, and the
-            # request this model has there ends after it, leaving its own
+            # request this model has there reuses what it left, then leaves its own
             port.hand_off(port.router.abort(d, now=now))
+            if held:
+                port.router.ran_first(e.backend, e.slot, held)
             return True
         if held and held.startswith(told.prompt):
             port.hand_off(port.router.complete(d, output_tokens=held[len(told.prompt):],

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from proxy.routing.decision import Decision, Handoff
 from proxy.routing.policy import Candidate, Choice
+from proxy.routing.tree.token_bytes import common_len
 
 if TYPE_CHECKING:
     from proxy.routing.backend_state import BackendState
@@ -94,6 +95,16 @@ class ObservedRequests:
         may still wait for it there)?"""
         f = self._inflight.get(decision.request_id)
         return f is not None and f.slot is not None
+
+    def ran_first(self, backend: str, slot: int, held: bytes) -> None:
+        """Another replica's request waiting here for ``slot`` ended first, leaving
+        ``held`` there: the server ran it before the request this model has in the slot,
+        which therefore reuses what it left (the revised prediction is what ``place``
+        returns next)."""
+        for rid, f in self._inflight.items():
+            if f.backend == backend and f.slot == slot and rid not in self._observed:
+                f.replaced = (min(common_len(held, f.prompt, 0), f.n - 1), "slot")
+                return
 
     def _waiters_first(self, targets: dict[int, int]) -> list[tuple[int, int]]:
         """Requests waiting for a given slot, others' first: they are in the server's

@@ -348,7 +348,8 @@ class Router(QueuedRequests, ObservedRequests):
     def place(self, decision: Decision) -> Decision:
         """Apply the slot model update ``decide(defer=True)`` left (if not done yet).
         Returns the decision with the model's reuse: saving the slot's old content to
-        RAM may evict other entries than predicted, and so change what it loads."""
+        RAM may evict other entries than predicted, and so change what it loads; and
+        another replica's request may have run in the slot first (``ran_first``)."""
         self._apply_unplaced()
         f = self._inflight.get(decision.request_id)
         if f is None or f.replaced is None:

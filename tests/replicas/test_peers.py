@@ -262,15 +262,17 @@ def test_a_peers_request_sent_to_a_busy_slot_runs_next_there_before_ours_held() 
 
 def test_a_peers_request_over_before_the_one_here_leaves_that_ones_content() -> None:
     """a's request, queued in b's model behind b's own, ends first: the server ran it
-    first, so the slot ends holding b's."""
+    first, so b's reuses what it left (b's prediction is revised), and the slot ends
+    holding b's."""
     b = Replica("b")
     history = conversation(1)
     mine = b.router.decide(history, now=0.0)
-    assert isinstance(mine, Decision) and mine.slot is not None
-    side = to_token_bytes([*history, 42, 43])
+    assert isinstance(mine, Decision) and mine.slot is not None and mine.predicted_cached == 0
+    side = to_token_bytes([*history[:400], 42, 43])
     assert b.view.apply(Event("a", Kind.START, POOL, "x", mine.slot, 7, side), 0.1)
     assert b.view.apply(Event("a", Kind.END, POOL, "x", mine.slot, 7, to_token_bytes([8]),
                               len(side) // 4), 0.5)
+    assert b.router.place(mine).predicted_cached == 400
     b.router.complete(mine, output_tokens=[5], now=1.0)
     assert b.router.held("x", mine.slot) == to_token_bytes([*history, 5])
     assert b.router.held("x", 1 - mine.slot) is None  # (a's never ran there)
