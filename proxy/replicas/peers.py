@@ -40,23 +40,24 @@ class Teller:
     def __init__(self, replica: str, pool: str, send: Callable[[Event], None],
                  touched: Callable[[str, str, int], None]) -> None:
         self.replica, self.pool, self.send, self.touched = replica, pool, send, touched
-        self._prompts: OrderedDict[int, bytes] = OrderedDict()  # started, not yet ended
+        # started, not yet ended: their slot and prompt
+        self._sent: OrderedDict[int, tuple[int, bytes]] = OrderedDict()
 
     def started(self, backend: str, slot: int, request: int, prompt: bytes) -> None:
         """``request`` was sent to ``backend``'s ``slot`` with ``prompt``."""
         self.touched(self.pool, backend, slot)
-        self._prompts[request] = prompt
-        if len(self._prompts) > _TOLD_MAX:
-            self._prompts.popitem(last=False)
+        self._sent[request] = slot, prompt
+        if len(self._sent) > _TOLD_MAX:
+            self._sent.popitem(last=False)
         self.send(Event(self.replica, Kind.START, self.pool, backend, slot, request, prompt))
 
     def prefilled(self, backend: str, request: int) -> None:
-        if request in self._prompts:
-            self.send(Event(self.replica, Kind.FIRST, self.pool, backend, 0, request))
+        if (sent := self._sent.get(request)) is not None:
+            self.send(Event(self.replica, Kind.FIRST, self.pool, backend, sent[0], request))
 
     def freed(self, backend: str, slot: int, request: int, held: bytes | None) -> None:
         self.touched(self.pool, backend, slot)
-        prompt = self._prompts.pop(request, None)
+        prompt = None if (sent := self._sent.pop(request, None)) is None else sent[1]
         if prompt is None and held is None:
             return  # (the others never heard of it, and there is nothing to tell)
         keep = 0 if prompt is None or held is None else common_len(prompt, held, 0)
@@ -139,6 +140,9 @@ class PeerView:
         if e.kind == Kind.FIRST:
             if told is None or told.decision is None:
                 return False
+            if not port.router.observed_in_slot(told.decision):
+                # (it waits here behind a request that has no token yet: it runs first)
+                port.router.ran_first(e.backend, e.slot, told.prompt)
             port.router.prefilled(told.decision)
             return True
         return self._ended(port, e, self._told.pop((e.replica, e.request), None), now)

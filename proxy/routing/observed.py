@@ -97,12 +97,13 @@ class ObservedRequests:
         return f is not None and f.slot is not None
 
     def ran_first(self, backend: str, slot: int, held: bytes) -> None:
-        """Another replica's request waiting here for ``slot`` ended first, leaving
-        ``held`` there: the server ran it before the request this model has in the slot,
-        which therefore reuses what it left (the revised prediction is what ``place``
-        returns next)."""
+        """Another replica's request waiting here for ``slot`` got its first token (or
+        ended), leaving ``held`` there, while the request this model has in the slot did
+        not: the server runs that one first, and the one here reuses what it leaves
+        (the revised prediction is what ``place`` returns next)."""
         for rid, f in self._inflight.items():
-            if f.backend == backend and f.slot == slot and rid not in self._observed:
+            if f.backend == backend and f.slot == slot and rid not in self._observed \
+                    and not f.prefilled:
                 f.replaced = (min(common_len(held, f.prompt, 0), f.n - 1), "slot")
                 return
 

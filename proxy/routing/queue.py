@@ -36,6 +36,7 @@ class Inflight:
     # ones, until `Router.place` returns them
     replaced: tuple[int, str] | None = None
     user_starts: tuple[int, ...] = ()  # where its prompt's user messages start
+    prefilled: bool = False  # its first token came
 
 
 class QueuedRequests:

@@ -446,7 +446,7 @@ class Router(QueuedRequests, ObservedRequests):
             return
         left = min(f.work, self.settings.request_overhead_tokens)
         st.work -= f.work - left
-        f.work = left
+        f.work, f.prefilled = left, True
         self._told_prefilled(decision.backend, decision.request_id)
 
     def complete(

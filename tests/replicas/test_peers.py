@@ -75,8 +75,8 @@ def test_a_peers_request_is_busy_here_until_its_end_says_what_it_left() -> None:
     a.router.prefilled(d)
     a.router.complete(d, output_tokens=[7, 8, 9], reported_cached=0, now=1.0)
     first, end = a.sent
-    assert (first.kind, end.kind, end.keep, len(end.tokens)) == (
-        Kind.FIRST, Kind.END, len(prompt), 12)  # the end sends only the answer
+    assert (first.kind, first.slot, end.kind, end.keep, len(end.tokens)) == (
+        Kind.FIRST, d.slot, Kind.END, len(prompt), 12)  # the end sends only the answer
     assert a.deliver(b, 1.0) == [True, True]
     assert b.router.held("x", d.slot) == to_token_bytes([*prompt, 7, 8, 9])
     turn = b.router.decide([*prompt, 7, 8, 9, *range(9000, 9020)], now=2.0)
@@ -277,3 +277,20 @@ def test_a_peers_request_over_before_the_one_here_leaves_that_ones_content() -> 
     assert b.router.held("x", mine.slot) == to_token_bytes([*history, 5])
     assert b.router.held("x", 1 - mine.slot) is None  # (a's never ran there)
     assert b.router.snapshot()["inflight"] == 0 and b.view.in_flight == 0
+
+
+def test_a_peers_request_waiting_here_with_a_token_first_runs_first() -> None:
+    """a's request waits in b's model behind b's; a's first token comes while b's has
+    none: the server runs a's first, and b's prediction is what a's prompt leaves. Had
+    b's had its token first, its prediction would stand."""
+    for b_first in (False, True):
+        b = Replica("b")
+        history = conversation(1)
+        mine = b.router.decide(history, now=0.0)
+        assert isinstance(mine, Decision) and mine.slot is not None
+        side = to_token_bytes([*history[:300], 42])
+        assert b.view.apply(Event("a", Kind.START, POOL, "x", mine.slot, 7, side), 0.1)
+        if b_first:
+            b.router.prefilled(mine)
+        assert b.view.apply(Event("a", Kind.FIRST, POOL, "x", mine.slot, 7), 0.2)
+        assert b.router.place(mine).predicted_cached == (0 if b_first else 300)
