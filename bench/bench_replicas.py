@@ -55,7 +55,7 @@ async def start_replica(cfg_path: Path, nats: str | None, name: str
 
 
 async def run(mode: str, args: argparse.Namespace, tmp: Path, nats: str | None
-              ) -> tuple[float, float]:
+              ) -> tuple[float, float, float, float]:
     cluster = Cluster(backends=args.backends, slots=args.slots,
                       cache_ram_mib=args.cache_ram_mib)
     async with fresh_servers(cluster, tmp / mode / "servers") as urls:
@@ -71,9 +71,11 @@ async def run(mode: str, args: argparse.Namespace, tmp: Path, nats: str | None
                 await sup.stop()
 
 
-async def conversations(targets: list[str], args: argparse.Namespace) -> tuple[float, float]:
+async def conversations(targets: list[str], args: argparse.Namespace
+                        ) -> tuple[float, float, float, float]:
     """The agentic workload (loadtest/workloads.py) sent round-robin over ``targets``:
-    reused / prompt tokens, and the share of requests predicted within max(16, 2%)."""
+    reused / prompt tokens, the share of requests predicted within max(16, 2%), and
+    the mean and median TTFT (s)."""
     workload = agentic(sessions=args.sessions, turns=args.turns, prefix_tokens=2000,
                        context_tokens=800, tool_tokens=200, reply_tokens=30, max_tokens=8,
                        think_s=0.5, session_rate=2.0, seed=args.seed)
@@ -92,7 +94,9 @@ async def conversations(targets: list[str], args: argparse.Namespace) -> tuple[f
     reused = sum(r.cached_tokens or 0 for r in done)
     exact = sum(abs((r.predicted_cached or 0) - (r.cached_tokens or 0))
                 <= max(16, 0.02 * (r.cached_tokens or 0)) for r in done)
-    return reused / sum(r.prompt_tokens or 0 for r in done), exact / len(done)
+    ttft = sorted(r.ttft_s or 0.0 for r in done)
+    return (reused / sum(r.prompt_tokens or 0 for r in done), exact / len(done),
+            sum(ttft) / len(ttft), ttft[len(ttft) // 2])
 
 
 async def main() -> int:
@@ -126,8 +130,9 @@ async def main() -> int:
                 if args.only is not None and mode != args.only:
                     continue
                 results[mode] = await run(mode, args, Path(d), nats)
-                print(f"{mode:24s} reused {results[mode][0]:.3f}  "
-                      f"predicted exactly {results[mode][1]:.1%}", flush=True)
+                reuse, exact, mean, median = results[mode]
+                print(f"{mode:24s} reused {reuse:.3f}  predicted exactly {exact:.1%}  "
+                      f"TTFT mean {mean:.2f} s, median {median:.2f} s", flush=True)
     finally:
         broker.terminate()
         broker.wait(10)
