@@ -230,6 +230,7 @@ async def _replicas(app: web.Application) -> ReplicaBus | None:
                                      lambda e: metrics.child(metrics.replica_events, e).inc())
     for pool in pools:
         teller = Teller(cfg.replica, pool.spec.name, bus.publish, view.touched)
+        bus.tellers.append(teller)
         pool.router.listener = teller
         pool.fw.on_sent = teller.started
     await bus.start()

@@ -4,9 +4,10 @@ Every replica publishes, on one subject, what its requests do to the backends' s
 (events.py: a request's start with its prompt, its first token, its end with what its
 slot kept), and applies the others' to its own model (peers.py): a conversation one
 replica routed is found where it is by the next replica its client reaches, and a slot
-busy with another replica's request is busy here too. Each says `alive` every second;
-one that joins (or comes back after losing the broker) says `hello`, and the others
-send it what their slots hold on a subject of its own.
+busy with another replica's request is busy here too. Each says `alive` every second,
+naming its requests in flight (the others end those whose end they missed); one that
+joins (or comes back after losing the broker) says `hello`, and the others send it what
+their slots hold on a subject of its own.
 
 Events are fire and forget. A replica that misses some predicts those slots wrong until
 the backends' own reports, or the next event for the slot, correct it. The broker being
@@ -29,7 +30,7 @@ from typing import Any
 import structlog
 
 from proxy.replicas.events import Event, Kind, decode, encode
-from proxy.replicas.peers import BYE, PeerView
+from proxy.replicas.peers import BYE, PeerView, Teller
 
 SUBJECT = "kvroute.events"
 _QUEUE = 1024  # events waiting to be sent; past that the oldest are dropped
@@ -55,6 +56,7 @@ class ReplicaBus:
         # encoded by the sender, not on the request's path
         self._queue: asyncio.Queue[tuple[str, Event]] = asyncio.Queue(_QUEUE)
         self._tasks: list[asyncio.Task[None]] = []
+        self.tellers: list[Teller] = []  # one per pool: their `alive` goes out each second
 
     async def start(self) -> None:
         """Connect (in the background until the broker answers) and start sending."""
@@ -71,14 +73,14 @@ class ReplicaBus:
 
     async def close(self) -> None:
         self._closing = True
-        nc = self._nc
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        nc = self._nc  # (read once connecting cannot finish any more)
         if nc is not None and self.connected:
             with contextlib.suppress(Exception):  # (said as it leaves: best effort)
                 await nc.publish(SUBJECT, encode(Event(self.replica, Kind.BYE)))
                 await asyncio.wait_for(nc.flush(), 1.0)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         if nc is not None:
             with contextlib.suppress(Exception):
                 await nc.close()
@@ -120,12 +122,23 @@ class ReplicaBus:
     async def _alive(self) -> None:
         while True:
             await asyncio.sleep(ALIVE_S)
-            if self.connected:
-                self.publish(Event(self.replica, Kind.ALIVE))
-            self.view.expire(time.monotonic())
+            try:
+                if self.connected:
+                    for teller in self.tellers:
+                        self.publish(teller.alive())
+                self.view.expire(time.monotonic())
+            except Exception:  # (a fault here must not stop the replica saying so)
+                self.log.exception("replicas.alive_failed")
 
     async def _received(self, msg: Any) -> None:
-        e = decode(msg.data)
+        try:
+            self._apply(msg.data)
+        except Exception:  # (the client's callback: an error there would go unseen)
+            self.counted("invalid")
+            self.log.exception("replicas.event_failed")
+
+    def _apply(self, data: bytes) -> None:
+        e = decode(data)
         if e is None:
             self.counted("invalid")
             return
@@ -135,20 +148,18 @@ class ReplicaBus:
         if e.kind == Kind.BYE:
             self.view.left(e.replica, now, BYE)
             return
+        self.view.heard(e.replica, now)
         if e.kind == Kind.HELLO:
-            self.view.left(e.replica, now, "joined again")  # (its requests' ids restart)
-            self.view.heard(e.replica, now)
             for held in self.view.snapshot():
                 self.publish(held, snapshot_subject(e.replica))
             return
-        self.view.heard(e.replica, now)
-        if e.kind != Kind.ALIVE:
-            applied = self.view.apply(e, now)
+        applied = self.view.apply(e, now)
+        if e.kind != Kind.ALIVE or applied:  # (an `alive` that ended nothing: no news)
             self.counted("applied" if applied else "ignored")
-            self.log.debug("replicas.event", replica=self.replica, peer=e.replica,
-                           kind=e.kind.value, backend=e.backend, slot=e.slot,
-                           request=e.request, tokens=len(e.tokens) // 4, keep=e.keep,
-                           applied=applied)
+        self.log.debug("replicas.event", replica=self.replica, peer=e.replica,
+                       kind=e.kind.value, backend=e.backend, slot=e.slot,
+                       request=e.request, tokens=len(e.tokens) // 4, keep=e.keep,
+                       applied=applied)
 
     async def _up(self) -> None:
         self.connected = True

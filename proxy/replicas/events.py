@@ -7,7 +7,9 @@
   ``tokens`` (its answer, typically); nothing kept and no tokens: not known;
 - ``held``: the slot holds ``tokens``, as of wall-clock time ``at`` (a snapshot sent to a
   replica that joins, which keeps what it knows of a slot since then);
-- ``hello`` (it joined: the others send it their view), ``alive``, ``bye``.
+- ``alive`` (every second, per pool: its requests still in flight there: a peer ends
+  the others, whose end it missed), ``hello`` (it joined: the others send it their
+  view), ``bye``.
 
 Token ids travel zlib'd as int32 (~2-3 bytes a token). Validated on the way in: nothing a
 peer sends can make a replica raise, or hold more than `MAX_TOKENS` of it.
@@ -27,6 +29,7 @@ MAX_TOKENS = 1 << 22  # a slot's context at most (the largest models': ~10^6)
 MAX_EVENT_BYTES = 8 << 20  # what a peer may send in one event
 _MAX_NAME = 256
 _MAX_ID = 1 << 62
+MAX_LIVE = 4096  # requests in flight one replica names in an `alive`
 
 
 class Kind(StrEnum):
@@ -55,10 +58,13 @@ class Event:
     tokens: bytes = b""  # int32 token bytes
     keep: int = 0  # (end) tokens of the request's prompt its slot still holds
     at: float = 0.0  # (held) when the slot last changed, as far as the sender knows
+    live: tuple[int, ...] = ()  # (alive) the sender's requests in flight in the pool
 
 
 def encode(e: Event) -> bytes:
     obj: dict[str, object] = {"r": e.replica, "k": e.kind.value}
+    if e.kind == Kind.ALIVE:
+        obj.update(p=e.pool, l=e.live)
     if e.kind in _OF_A_SLOT:
         obj.update(p=e.pool, b=e.backend, s=e.slot, i=e.request)
     if e.keep:
@@ -82,6 +88,8 @@ def decode(data: bytes) -> Event | None:
             or not isinstance(obj.get("k"), str) or obj["k"] not in _KINDS:
         return None
     kind = Kind(obj["k"])
+    if kind == Kind.ALIVE:
+        return _alive(obj)
     if kind not in _OF_A_SLOT:
         return None if len(obj) != 2 else Event(obj["r"], kind)
     pool, backend, slot, request = obj.get("p"), obj.get("b"), obj.get("s"), obj.get("i")
@@ -96,6 +104,14 @@ def decode(data: bytes) -> Event | None:
             or not 0 <= at < 1e11 or (kind != Kind.HELD and at):
         return None
     return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep, float(at))
+
+
+def _alive(obj: dict[str, object]) -> Event | None:
+    pool, live = obj.get("p"), obj.get("l")
+    if len(obj) != 4 or not _name(pool) or not isinstance(live, list) \
+            or len(live) > MAX_LIVE or not all(_count(i, _MAX_ID) for i in live):
+        return None
+    return Event(obj["r"], Kind.ALIVE, pool, live=tuple(live))  # type: ignore[arg-type]
 
 
 def _name(v: object) -> bool:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from proxy.replicas.events import MAX_TOKENS, Event, Kind
+from proxy.replicas.events import MAX_LIVE, MAX_TOKENS, Event, Kind
 from proxy.routing.decision import Decision, Handoff
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import common_len
@@ -31,7 +31,8 @@ from proxy.routing.tree.token_bytes import common_len
 PEER_TIMEOUT_S = 6.0  # a peer silent this long is gone (it says `alive` every second)
 REQUEST_TIMEOUT_S = 900.0  # a peer's request not ended by then: its end was lost
 BYE = "said bye"
-_TOLD_MAX = 4096  # requests in flight remembered per direction (a bound, not a target)
+_TOLD_MAX = MAX_LIVE  # peers' requests in flight remembered (a bound, not a target)
+_TOLD_BYTES = 256 << 20  # and their prompts' bytes
 
 
 class Teller:
@@ -47,9 +48,14 @@ class Teller:
         """``request`` was sent to ``backend``'s ``slot`` with ``prompt``."""
         self.touched(self.pool, backend, slot)
         self._sent[request] = slot, prompt
-        if len(self._sent) > _TOLD_MAX:
+        if len(self._sent) > MAX_LIVE:
             self._sent.popitem(last=False)
         self.send(Event(self.replica, Kind.START, self.pool, backend, slot, request, prompt))
+
+    def alive(self) -> Event:
+        """Said every second: this replica's requests in flight in the pool."""
+        return Event(self.replica, Kind.ALIVE, self.pool,
+                     live=tuple(self._sent)[-MAX_LIVE:])
 
     def prefilled(self, backend: str, request: int) -> None:
         if (sent := self._sent.get(request)) is not None:
@@ -67,11 +73,13 @@ class Teller:
 
 @dataclass
 class _Told:
-    """A peer's request, as its start said."""
+    """A peer's request, as its start said, placed in this model."""
 
     pool: str
+    backend: str
+    slot: int
     prompt: bytes
-    decision: Decision | None  # placed in this model (None: its slot was busy here)
+    decision: Decision
     at: float
 
 
@@ -84,13 +92,17 @@ class PoolPort:
     hand_off: Callable[[list[Handoff]], None]
 
 
+_Key = tuple[str, str, int]  # (peer, pool, its id of the request)
+
+
 class PeerView:
     def __init__(self, replica: str, pools: Mapping[str, PoolPort],
                  clock: Callable[[], float] = time.time) -> None:
         self.replica, self.pools, self.clock = replica, pools, clock
         self.log = structlog.get_logger()
         self._seen: dict[str, float] = {}  # peer -> when last heard
-        self._told: OrderedDict[tuple[str, int], _Told] = OrderedDict()
+        self._told: OrderedDict[_Key, _Told] = OrderedDict()
+        self._told_bytes = 0
         # (pool, backend, slot) -> when its content last changed, as far as this replica
         # knows (the wall clock: snapshots compare it across hosts)
         self._changed: dict[tuple[str, str, int], float] = {}
@@ -105,8 +117,8 @@ class PeerView:
 
     @property
     def in_flight(self) -> int:
-        """Peers' requests busy in this replica's model."""
-        return sum(t.decision is not None for t in self._told.values())
+        """Peers' requests in this replica's model (in their slot, or waiting for it)."""
+        return len(self._told)
 
     def heard(self, peer: str, now: float) -> None:
         if peer not in self._seen:
@@ -114,9 +126,13 @@ class PeerView:
         self._seen[peer] = now
 
     def apply(self, e: Event, now: float) -> bool:
-        """Apply a peer's slot event; False when it changes nothing here."""
+        """Apply a peer's event; False when it changes nothing here."""
         port = self.pools.get(e.pool)
         if port is None:
+            return False
+        if e.kind == Kind.ALIVE:
+            return self._alive(e, now)
+        if not port.router.routes_slot(e.backend, e.slot):
             return False
         key = e.pool, e.backend, e.slot
         if e.kind == Kind.HELD:
@@ -126,26 +142,28 @@ class PeerView:
                 return False
             self._changed[key] = e.at
             return True
-        if e.kind != Kind.FIRST:
-            self.touched(*key)
+        told_key = e.replica, e.pool, e.request
         if e.kind == Kind.START:
-            if (old := self._told.pop((e.replica, e.request), None)) is not None:
+            if (old := self._pop(told_key)) is not None:
                 self._end(old, now)  # (the peer restarted: its ids begin again)
             d = port.router.observe_start(e.backend, e.slot, e.tokens, now=now)
-            self._told[e.replica, e.request] = _Told(e.pool, e.tokens, d, now)
-            if len(self._told) > _TOLD_MAX:
-                self._end(self._told.popitem(last=False)[1], now)
-            return d is not None
-        told = self._told.get((e.replica, e.request))
-        if e.kind == Kind.FIRST:
-            if told is None or told.decision is None:
+            if d is None:
                 return False
-            if not port.router.observed_in_slot(told.decision):
+            self.touched(*key)
+            self._keep(told_key, _Told(e.pool, e.backend, e.slot, e.tokens, d, now), now)
+            return True
+        if e.kind == Kind.FIRST:
+            told = self._told.get(told_key)
+            state = None if told is None else port.router.observed_state(told.decision)
+            if told is None or state is None:
+                return False
+            if state == "waiting":
                 # (it waits here behind a request that has no token yet: it runs first)
-                port.router.ran_first(e.backend, e.slot, told.prompt)
+                port.router.ran_first(told.backend, told.slot, told.prompt)
             port.router.prefilled(told.decision)
             return True
-        return self._ended(port, e, self._told.pop((e.replica, e.request), None), now)
+        self.touched(*key)
+        return self._ended(port, e, self._pop(told_key), now)
 
     def _ended(self, port: PoolPort, e: Event, told: _Told | None, now: float) -> bool:
         if e.keep and (told is None or e.keep * 4 > len(told.prompt)):
@@ -154,25 +172,49 @@ class PeerView:
             held = None
         else:
             held = (b"" if told is None else told.prompt[:4 * e.keep]) + e.tokens
-        d = None if told is None else told.decision
-        if d is None:
-            return bool(held) and port.router.observe(e.backend, e.slot, held, now=now)
-        assert told is not None
-        if not port.router.observed_in_slot(d):
+        router = port.router
+        state = None if told is None else router.observed_state(told.decision)
+        if told is None or state is None:
+            return bool(held) and router.observe(e.backend, e.slot, held, now=now)
+        if state == "waiting":
             # over while it waited here for the slot: the server ran it first, and the
             # request this model has there reuses what it left, then leaves its own
-            port.hand_off(port.router.abort(d, now=now))
+            port.hand_off(router.abort(told.decision, now=now))
             if held:
-                port.router.ran_first(e.backend, e.slot, held)
+                router.ran_first(told.backend, told.slot, held)
             return True
-        if held and held.startswith(told.prompt):
-            port.hand_off(port.router.complete(d, output_tokens=held[len(told.prompt):],
-                                               now=now))
+        if held and e.slot == told.slot and held.startswith(told.prompt):
+            port.hand_off(router.complete(told.decision, now=now,
+                                          output_tokens=held[len(told.prompt):]))
             return True
-        port.hand_off(port.router.abort(d, now=now))
+        # (it ended elsewhere than it started, or holding what its prompt was not)
+        port.hand_off(router.abort(told.decision, now=now))
         if held:
-            port.router.observe(e.backend, e.slot, held, now=now)
+            router.observe(e.backend, e.slot, held, now=now)
         return True
+
+    def _alive(self, e: Event, now: float) -> bool:
+        """The peer's requests in flight in the pool are ``e.live``: the others it had
+        here are over (their end was lost: the broker dropped it, or the peer removed
+        their backend)."""
+        live = set(e.live)
+        gone = [k for k in self._told if k[0] == e.replica and k[1] == e.pool
+                and k[2] not in live]
+        for key in gone:
+            self._end(self._told.pop(key), now)
+        return bool(gone)
+
+    def _keep(self, key: _Key, told: _Told, now: float) -> None:
+        self._told[key] = told
+        self._told_bytes += len(told.prompt)
+        while len(self._told) > _TOLD_MAX or self._told_bytes > _TOLD_BYTES:
+            self._end(self._pop(next(iter(self._told))), now)  # type: ignore[arg-type]
+
+    def _pop(self, key: _Key) -> _Told | None:
+        told = self._told.pop(key, None)
+        if told is not None:
+            self._told_bytes -= len(told.prompt)
+        return told
 
     def snapshot(self) -> list[Event]:
         """What every idle slot holds in this model, for a replica that joins."""
@@ -188,7 +230,7 @@ class PeerView:
             (self.log.info if why == BYE else self.log.warning)(
                 "replicas.peer_gone", peer=peer, why=why)
         for key in [k for k in self._told if k[0] == peer]:
-            self._end(self._told.pop(key), now)
+            self._end(self._pop(key), now)  # type: ignore[arg-type]
 
     def expire(self, now: float) -> None:
         """Forget peers not heard for long, and requests whose end was lost."""
@@ -196,16 +238,16 @@ class PeerView:
             if now - at > PEER_TIMEOUT_S:
                 self.left(peer, now, "not heard")
         for key in [k for k, t in self._told.items() if now - t.at > REQUEST_TIMEOUT_S]:
-            self._end(self._told.pop(key), now)
+            self._end(self._pop(key), now)  # type: ignore[arg-type]
 
     def lost(self, now: float) -> None:
         """The broker is gone: no peer's end can come; every peer's request ends."""
         for peer in list(self._seen):
             self.left(peer, now, "broker lost")
         while self._told:
-            self._end(self._told.popitem(last=False)[1], now)
+            self._end(self._pop(next(iter(self._told))), now)  # type: ignore[arg-type]
 
     def _end(self, told: _Told, now: float) -> None:
         port = self.pools.get(told.pool)
-        if told.decision is not None and port is not None:
+        if port is not None:
             port.hand_off(port.router.abort(told.decision, now=now, prefilled=True))

@@ -90,11 +90,17 @@ class ObservedRequests:
         self.complete(decision, now=now)
         return True
 
-    def observed_in_slot(self, decision: Decision) -> bool:
-        """Has another replica's request (``observe_start``) its slot in this model (it
-        may still wait for it there)?"""
+    def observed_state(self, decision: Decision) -> str | None:
+        """Where another replica's request (``observe_start``) is in this model: "slot"
+        (it has its slot), "waiting" (for it), or None (gone: its backend was removed)."""
         f = self._inflight.get(decision.request_id)
-        return f is not None and f.slot is not None
+        if f is None or f.backend != decision.backend:
+            return None
+        return "waiting" if f.slot is None else "slot"
+
+    def routes_slot(self, backend: str, slot: int) -> bool:
+        st = self._backends.get(backend)
+        return st is not None and 0 <= slot < len(st.cache.slots)
 
     def ran_first(self, backend: str, slot: int, held: bytes) -> None:
         """Another replica's request waiting here for ``slot`` got its first token (or
@@ -122,10 +128,10 @@ class ObservedRequests:
         if rid in self._observed:
             self._observed.discard(rid)
             return
-        st = self._backends.get(backend)
-        if self.listener is None or slot is None or st is None:
+        if self.listener is None or slot is None:
             return
-        self.listener.freed(backend, slot, rid, st.cache.held(slot))
+        st = self._backends.get(backend)  # (None: removed: what it holds is not known)
+        self.listener.freed(backend, slot, rid, None if st is None else st.cache.held(slot))
 
     def held_slots(self, backend: str) -> list[tuple[int, bytes]]:
         """What each idle slot of ``backend`` holds (told to a replica that joins)."""

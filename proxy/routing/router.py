@@ -110,8 +110,7 @@ class Router(QueuedRequests, ObservedRequests):
             return
         st.cache.clear()
         for rid in [r for r, f in self._inflight.items() if f.backend == name]:
-            del self._inflight[rid]
-            self._observed.discard(rid)
+            self._told_freed(name, self._inflight.pop(rid).slot, rid)
             self.tree.drop((name, PENDING, rid))
 
     def held(self, backend: str, slot: int) -> bytes | None:
@@ -467,10 +466,11 @@ class Router(QueuedRequests, ObservedRequests):
         `BackendCache.saved_idle`)."""
         self._apply_unplaced()
         out = to_token_bytes(output_tokens)  # (before the record goes: this may raise)
-        f = self._inflight.pop(decision.request_id, None)
+        f = self._inflight.get(decision.request_id)
         st = self._backends.get(decision.backend)
-        if f is None or st is None:
+        if f is None or st is None or f.backend != decision.backend:
             return []  # backend was removed meanwhile: nothing to learn
+        del self._inflight[decision.request_id]
         st.release(f.work, now)
         st.learn(self.settings, now - f.started, prompt_ms, prompt_n)
         if st.rate_learned:
@@ -535,10 +535,11 @@ class Router(QueuedRequests, ObservedRequests):
         tokens (its server said so once done with it). Returns the queued requests
         handed a slot as a result (as ``complete``)."""
         self._apply_unplaced()
-        f = self._inflight.pop(decision.request_id, None)
+        f = self._inflight.get(decision.request_id)
         st = self._backends.get(decision.backend)
-        if f is None or st is None:
+        if f is None or st is None or f.backend != decision.backend:
             return []
+        del self._inflight[decision.request_id]
         st.release(f.work, now)
         if f.slot is None:
             self._unqueue(st, decision.backend, decision.request_id)

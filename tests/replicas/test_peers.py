@@ -294,3 +294,72 @@ def test_a_peers_request_waiting_here_with_a_token_first_runs_first() -> None:
             b.router.prefilled(mine)
         assert b.view.apply(Event("a", Kind.FIRST, POOL, "x", mine.slot, 7), 0.2)
         assert b.router.place(mine).predicted_cached == (0 if b_first else 300)
+
+
+def test_a_peers_ids_are_its_own_per_pool() -> None:
+    """A peer's request 0 in one pool and its request 0 in another are two requests:
+    the end of one leaves the other, and this replica's own requests, alone."""
+    routers = {name: Router("prefix") for name in ("p1", "p2")}
+    for r in routers.values():
+        r.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
+    view = PeerView("b", {n: PoolPort(r, lambda h: None) for n, r in routers.items()})
+    mine = routers["p2"].decide(conversation(3), now=0.0)
+    assert isinstance(mine, Decision)
+    for pool in ("p1", "p2"):
+        assert view.apply(Event("a", Kind.START, pool, "x", 1, 0,
+                                to_token_bytes(conversation(1))), 0.1)
+    assert view.apply(Event("a", Kind.END, "p1", "x", 1, 0, to_token_bytes([5]), 600), 0.2)
+    assert view.in_flight == 1
+    assert routers["p2"].snapshot()["inflight"] == 2  # its own and a's other request
+    routers["p2"].complete(mine, output_tokens=[1], now=1.0)
+    assert routers["p2"].held("x", mine.slot) == to_token_bytes([*conversation(3), 1])
+
+
+def test_alive_ends_a_peers_requests_whose_end_was_lost() -> None:
+    a, b = Replica("a"), Replica("b")
+    for seed in (1, 2):
+        d = a.router.decide(conversation(seed), now=0.0)
+        assert isinstance(d, Decision)
+        a.send(d, conversation(seed))
+        if seed == 1:
+            kept = d
+    a.deliver(b)
+    assert b.view.in_flight == 2
+    a.router.abort(kept, now=0.5, prefilled=True)
+    a.sent.clear()  # (its end is lost)
+    alive = decode(encode(a.teller.alive()))
+    assert alive is not None and len(alive.live) == 1
+    assert b.view.apply(alive, 1.0) and b.view.in_flight == 1
+    assert b.router.held("x", kept.slot) == to_token_bytes(conversation(1))
+
+
+def test_an_end_elsewhere_than_its_start_leaves_the_slot_it_names() -> None:
+    b = Replica("b")
+    prompt = to_token_bytes(conversation(1))
+    assert b.view.apply(Event("a", Kind.START, POOL, "x", 0, 3, prompt), 0.0)
+    assert b.view.apply(Event("a", Kind.END, POOL, "x", 1, 3, to_token_bytes([5]),
+                              len(prompt) // 4), 1.0)
+    assert b.router.held("x", 0) is None
+    assert b.router.held("x", 1) == prompt + to_token_bytes([5])
+
+
+def test_what_a_peer_names_that_is_not_routed_here_is_not_kept() -> None:
+    b = Replica("b")
+    big = b"\1\0\0\0" * 100_000
+    for backend, slot in (("y", 0), ("x", 2)):
+        assert not b.view.apply(Event("a", Kind.START, POOL, backend, slot, 1, big), 0.0)
+        assert not b.view.apply(Event("a", Kind.END, POOL, backend, slot, 1, big), 0.0)
+    assert b.view.in_flight == 0 and not b.view._changed
+
+
+def test_a_peers_events_from_before_a_backend_came_back_leave_it_alone() -> None:
+    b = Replica("b")
+    prompt = to_token_bytes(conversation(1))
+    mine = b.router.decide(conversation(1), now=0.0)
+    assert isinstance(mine, Decision) and mine.slot is not None
+    assert b.view.apply(Event("a", Kind.START, POOL, "x", mine.slot, 3, prompt), 0.1)
+    b.router.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))  # (back, empty)
+    fresh = b.router.decide(conversation(2), now=1.0)
+    assert isinstance(fresh, Decision) and fresh.slot is not None
+    b.view.apply(Event("a", Kind.FIRST, POOL, "x", fresh.slot, 3), 1.1)
+    assert b.router.place(fresh).predicted_cached == 0
