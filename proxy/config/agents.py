@@ -10,7 +10,7 @@ import os
 from urllib.parse import urlsplit
 
 from backends.config import AgentLink
-from proxy.config.fields import ConfigError, _Section, _show
+from proxy.config.fields import ConfigError, _Section, _show, unique_names
 
 AGENT_KEY_ENV = "KVROUTE_AGENT_KEY"
 AGENT_PORT = 8090
@@ -51,12 +51,7 @@ def agent_links(raw: object) -> tuple[AgentLink, ...]:
         raise ConfigError(f"agents: expected a list, got {_show(raw)} (fix: e.g. agents: "
                           f"[{{url: http://10.0.0.5:{AGENT_PORT}, key_env: {AGENT_KEY_ENV}}}])")
     links = tuple(_link(item, i) for i, item in enumerate(raw))
-    seen: set[str] = set()
-    for i, link in enumerate(links):
-        if link.name in seen:
-            raise ConfigError(f"agents[{i}].name: duplicate name {link.name!r} (fix: give "
-                              "each agent a name of its own)")
-        seen.add(link.name)
+    unique_names([link.name for link in links], "agents")
     return links
 
 

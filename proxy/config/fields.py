@@ -106,6 +106,17 @@ class _Section:
                 raise ConfigError(_fix_unknown(self.where, str(key), allowed))
 
 
+def unique_names(names: list[str], where: str) -> None:
+    """A ConfigError naming the first of ``names`` (the entries of list ``where``) that
+    another before it has too."""
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            raise ConfigError(f"{where}[{i}].name: duplicate name {name!r} (fix: give each "
+                              f"entry of {where} a name of its own)")
+        seen.add(name)
+
+
 def _show(v: object) -> str:
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -40,6 +40,7 @@ from proxy.config.fields import (  # ConfigError is re-exported: imported from h
     _path,
     _Section,
     _show,
+    unique_names,
 )
 from proxy.config.pools import PoolSpec, derive_pools
 from proxy.config.settings import HealthSettings, ProxySettings
@@ -319,12 +320,7 @@ def _backends(top: _Section, base: Path, demo_params: DemoModelParams,
                           "(fix: e.g. backends: [{name: a, model: demo}])")
     backends = tuple(_backend(b, i, base, demos, allow_missing_demo)
                      for i, b in enumerate(raw_backends))
-    seen: set[str] = set()
-    for i, b in enumerate(backends):
-        if b.name in seen:
-            raise ConfigError(f"backends[{i}].name: duplicate name {b.name!r} "
-                              "(fix: give every backend a unique name)")
-        seen.add(b.name)
+    unique_names([b.name for b in backends], "backends")
     return backends
 
 
