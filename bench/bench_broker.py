@@ -56,8 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.replicas import events  # noqa: E402
-from proxy.replicas.events import decode, encode  # noqa: E402
+from proxy.replicas.events import Event, Kind, decode, encode  # noqa: E402
 
 SUBJECT = "kvroute.events"  # the bus's subject, and the Redis channel here
 SNAPSHOT_SUBJECT = "kvroute.snapshot"
@@ -68,17 +67,13 @@ HOST = "127.0.0.1"
 
 
 def event(phase: str, seq: int, sent_ns: int, tokens: bytes, slot: int = 0) -> bytes:
-    """An event carrying ``tokens`` as the bus sends it: a request's start with its prompt
-    where the codec has kinds (`Event`), else what a slot holds (`Held`). The phase rides in
-    the pool's name and the sequence number and send time in the backend's."""
-    if hasattr(events, "Event"):
-        return encode(events.Event("A", events.Kind.START, phase, f"{seq}:{sent_ns}", slot,
-                                   seq, tokens))
-    return encode(events.Held("A", phase, f"{seq}:{sent_ns}", slot, tokens))
+    """An event carrying ``tokens`` as the bus sends it: a request's start with its
+    prompt. The phase rides in the pool's name and the sequence number and send time in
+    the backend's."""
+    return encode(Event("A", Kind.START, phase, f"{seq}:{sent_ns}", slot, seq, tokens))
 
 
-CODEC = ("Event (kind start: a request's prompt)" if hasattr(events, "Event")
-         else "Held (a slot's tokens)")
+CODEC = "Event (kind start: a request's prompt)"
 
 
 def now_ns() -> int:
