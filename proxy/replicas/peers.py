@@ -35,19 +35,28 @@ _TOLD_MAX = MAX_LIVE  # peers' requests in flight remembered (a bound, not a tar
 _TOLD_BYTES = 256 << 20  # and their prompts' bytes
 
 
+@dataclass
+class _Sent:
+    """One of this replica's requests in flight, as its start told it."""
+
+    backend: str
+    slot: int
+    prompt: bytes
+    prefilled: bool = False
+
+
 class Teller:
     """This replica's requests in one pool, told to the others through ``send``."""
 
     def __init__(self, replica: str, pool: str, send: Callable[[Event], None],
                  touched: Callable[[str, str, int], None]) -> None:
         self.replica, self.pool, self.send, self.touched = replica, pool, send, touched
-        # started, not yet ended: their slot and prompt
-        self._sent: OrderedDict[int, tuple[int, bytes]] = OrderedDict()
+        self._sent: OrderedDict[int, _Sent] = OrderedDict()  # started, not yet ended
 
     def started(self, backend: str, slot: int, request: int, prompt: bytes) -> None:
         """``request`` was sent to ``backend``'s ``slot`` with ``prompt``."""
         self.touched(self.pool, backend, slot)
-        self._sent[request] = slot, prompt
+        self._sent[request] = _Sent(backend, slot, prompt)
         if len(self._sent) > MAX_LIVE:
             self._sent.popitem(last=False)
         self.send(Event(self.replica, Kind.START, self.pool, backend, slot, request, prompt))
@@ -57,13 +66,27 @@ class Teller:
         return Event(self.replica, Kind.ALIVE, self.pool,
                      live=tuple(self._sent)[-MAX_LIVE:])
 
+    def in_flight(self) -> list[Event]:
+        """This replica's requests in flight, told again (their start, and their first
+        token if it came) to a replica that joins or comes back: their ends are read
+        against their starts."""
+        out = []
+        for request, s in self._sent.items():
+            out.append(Event(self.replica, Kind.START, self.pool, s.backend, s.slot,
+                             request, s.prompt))
+            if s.prefilled:
+                out.append(Event(self.replica, Kind.FIRST, self.pool, s.backend, s.slot,
+                                 request))
+        return out
+
     def prefilled(self, backend: str, request: int) -> None:
         if (sent := self._sent.get(request)) is not None:
-            self.send(Event(self.replica, Kind.FIRST, self.pool, backend, sent[0], request))
+            sent.prefilled = True
+            self.send(Event(self.replica, Kind.FIRST, self.pool, backend, sent.slot, request))
 
     def freed(self, backend: str, slot: int, request: int, held: bytes | None) -> None:
         self.touched(self.pool, backend, slot)
-        prompt = None if (sent := self._sent.pop(request, None)) is None else sent[1]
+        prompt = None if (sent := self._sent.pop(request, None)) is None else sent.prompt
         if prompt is None and held is None:
             return  # (the others never heard of it, and there is nothing to tell)
         keep = 0 if prompt is None or held is None else common_len(prompt, held, 0)
@@ -81,6 +104,7 @@ class _Told:
     prompt: bytes
     decision: Decision
     at: float
+    prefilled: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,14 +160,21 @@ class PeerView:
             return False
         key = e.pool, e.backend, e.slot
         if e.kind == Kind.HELD:
-            # (a snapshot older than what this replica knows of the slot is not news)
-            if e.at <= self._changed.get(key, 0.0) \
+            # (a snapshot older than what this replica knows of the slot is not news; one
+            # of a slot untouched since it was restored from disk, at 0, is news to a
+            # replica that knows nothing of that slot)
+            known = self._changed.get(key)
+            if (known is not None and e.at <= known) \
                     or not port.router.observe(e.backend, e.slot, e.tokens, now=now):
                 return False
             self._changed[key] = e.at
             return True
         told_key = e.replica, e.pool, e.request
         if e.kind == Kind.START:
+            old = self._told.get(told_key)
+            if old is not None and (old.backend, old.slot, old.prompt) == (
+                    e.backend, e.slot, e.tokens):
+                return False  # (told again, to a replica that joined or came back)
             if (old := self._pop(told_key)) is not None:
                 self._end(old, now)  # (the peer restarted: its ids begin again)
             d = port.router.observe_start(e.backend, e.slot, e.tokens, now=now)
@@ -155,8 +186,9 @@ class PeerView:
         if e.kind == Kind.FIRST:
             told = self._told.get(told_key)
             state = None if told is None else port.router.observed_state(told.decision)
-            if told is None or state is None:
+            if told is None or state is None or told.prefilled:
                 return False
+            told.prefilled = True
             if state == "waiting":
                 # (it waits here behind a request that has no token yet: it runs first)
                 port.router.ran_first(told.backend, told.slot, told.prompt)

@@ -78,7 +78,8 @@ class Router(QueuedRequests, ObservedRequests):
         # at most one: every call but `decide(defer=True)` itself applies it first
         self._unplaced: _Unplaced | None = None
         self.mispredictions = 0  # completions whose reported reuse differed from ours
-        self.completed = 0
+        self.completed = 0  # this replica's own requests
+        self.completed_for_peers = 0  # other replicas' (see ObservedRequests)
         self._observed: set[int] = set()
         self.listener: SlotListener | None = None  # hears this replica's slots change
 
@@ -441,7 +442,10 @@ class Router(QueuedRequests, ObservedRequests):
         self._apply_unplaced()
         f = self._inflight.get(decision.request_id)
         st = self._backends.get(decision.backend)
-        if f is None or st is None or f.slot is None:
+        # (one of this replica's still waiting here has had no token; another replica's
+        # has: the server ran it before the request this model has in its slot)
+        if f is None or st is None or (f.slot is None
+                                       and decision.request_id not in self._observed):
             return
         left = min(f.work, self.settings.request_overhead_tokens)
         st.work -= f.work - left
@@ -475,7 +479,10 @@ class Router(QueuedRequests, ObservedRequests):
         st.learn(self.settings, now - f.started, prompt_ms, prompt_n)
         if st.rate_learned:
             share_rate(self._backends.values(), self.settings.default_prefill_tps)
-        self.completed += 1
+        if decision.request_id in self._observed:
+            self.completed_for_peers += 1
+        else:
+            self.completed += 1
         if reported_cached is not None and reported_cached != decision.predicted_cached:
             self.mispredictions += 1
         cache = st.cache
@@ -582,6 +589,7 @@ class Router(QueuedRequests, ObservedRequests):
             },
             "inflight": len(self._inflight),
             "completed": self.completed,
+            "completed_for_peers": self.completed_for_peers,
             "mispredictions": self.mispredictions,
             "backends": {name: st.snapshot() for name, st in self._backends.items()},
         }

@@ -363,3 +363,85 @@ def test_a_peers_events_from_before_a_backend_came_back_leave_it_alone() -> None
     assert isinstance(fresh, Decision) and fresh.slot is not None
     b.view.apply(Event("a", Kind.FIRST, POOL, "x", fresh.slot, 3), 1.1)
     assert b.router.place(fresh).predicted_cached == 0
+
+
+def _work(r: Replica) -> int:
+    return r.router.snapshot()["backends"]["x"]["work_tokens"]  # type: ignore[index,return-value]
+
+
+def test_a_replica_that_joins_is_told_the_requests_in_flight_and_reads_their_end() -> None:
+    """b joins while a's request runs (prefilled): a's answer to its hello names it, so
+    b has the slot busy, without its prefill as load, and reads its end (which sends
+    only what the slot kept beyond the prompt). Told twice, it is one request."""
+    a, b = Replica("a"), Replica("b")
+    prompt = conversation(1)
+    d = a.router.decide(prompt, now=0.0)
+    assert isinstance(d, Decision) and d.slot is not None
+    a.send(d, prompt)
+    a.router.prefilled(d)
+    a.sent.clear()  # (b was not there)
+    told = a.teller.in_flight()
+    assert [e.kind for e in told] == [Kind.START, Kind.FIRST]
+    for again in (False, True):
+        for e in told:
+            b.view.heard("a", 0.5)
+            assert b.view.apply(decode(encode(e)), 0.5) is not again  # type: ignore[arg-type]
+    assert b.view.in_flight == 1 and b.router.held("x", d.slot) is None
+    assert _work(b) == b.router.settings.request_overhead_tokens
+    a.router.complete(d, output_tokens=[7, 8], reported_cached=0, now=1.0)
+    assert a.deliver(b, 1.0) == [True]
+    assert b.router.held("x", d.slot) == to_token_bytes([*prompt, 7, 8])
+    assert b.view.in_flight == 0 and _work(b) == 0
+
+
+def test_a_slot_restored_from_disk_is_taken_by_a_joiner_that_knows_nothing_newer() -> None:
+    """A slot untouched since its restore from disk is sent stamped 0: a replica that
+    knows nothing of that slot takes it; one that ran a request there since keeps its
+    own view."""
+    a = Replica("a")
+    restored = to_token_bytes(conversation(1))
+    assert a.router.seed("x", 0, restored)
+    (held,) = a.view.snapshot()
+    assert held.at == 0.0
+    fresh, busy = Replica("b"), Replica("c")
+    mine = busy.router.decide(conversation(2), now=0.0)
+    assert isinstance(mine, Decision) and mine.slot == 0
+    busy.send(mine, conversation(2))
+    busy.router.complete(mine, output_tokens=[5], now=1.0)
+    assert fresh.view.apply(decode(encode(held)), 2.0)  # type: ignore[arg-type]
+    assert fresh.router.held("x", 0) == restored
+    assert not busy.view.apply(decode(encode(held)), 2.0)  # type: ignore[arg-type]
+    assert busy.router.held("x", 0) == to_token_bytes([*conversation(2), 5])
+
+
+def test_a_peers_request_waiting_here_that_got_its_token_is_no_load_once_handed() -> None:
+    """a's request waits in b's model behind b's (no token yet) and gets its first
+    token: its prefill is done (the server ran it first), so it is not b's backend's
+    load, neither while it waits nor once b's ends and it is handed the slot."""
+    b = Replica("b")
+    mine = b.router.decide(conversation(1), now=0.0)
+    assert isinstance(mine, Decision) and mine.slot is not None
+    before = _work(b)
+    overhead = b.router.settings.request_overhead_tokens
+    side = to_token_bytes(conversation(2))
+    assert b.view.apply(Event("a", Kind.START, POOL, "x", mine.slot, 7, side), 0.1)
+    assert _work(b) > before + overhead  # (waiting, its prefill ahead)
+    assert b.view.apply(Event("a", Kind.FIRST, POOL, "x", mine.slot, 7), 0.2)
+    assert _work(b) == before + overhead
+    handed = b.router.complete(mine, output_tokens=[5], now=1.0)
+    assert len(handed) == 1 and _work(b) == overhead
+
+
+def test_only_this_replicas_own_requests_count_as_completed_here() -> None:
+    a, b = Replica("a"), Replica("b")
+    d = a.router.decide(conversation(1), now=0.0)
+    assert isinstance(d, Decision) and d.slot is not None
+    a.send(d, conversation(1))
+    a.router.complete(d, output_tokens=[5], now=1.0)
+    a.deliver(b, 1.0)
+    mine = b.router.decide(conversation(2), now=2.0)
+    assert isinstance(mine, Decision)
+    b.router.complete(mine, output_tokens=[5], now=3.0)
+    snap = b.router.snapshot()
+    assert (snap["completed"], snap["completed_for_peers"]) == (1, 1)
+    assert (a.router.completed, a.router.completed_for_peers) == (1, 0)
