@@ -9,7 +9,8 @@ and the router's predicted reuse.
 
 Bounded: at most ``max_requests`` are sent and nothing runs past ``time_limit_s`` (requests
 still in flight then are cancelled and counted as cut). Only loopback targets are
-accepted: this tool generates load, and must not be pointed at someone else's service.
+accepted, and the hosts loadtest/netns.py made, from a thread inside them: this tool
+generates load, and must not be pointed at someone else's service.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from loadtest import netns
 from loadtest.workloads import Request, Session, Workload
 from proxy.feedback.reports import reported_reuse
 
@@ -68,7 +70,8 @@ class RunOutcome:
 
 
 def check_loopback(url: str) -> str:
-    """The URL without a trailing slash or ``/v1``; ValueError unless it is loopback."""
+    """The URL without a trailing slash or ``/v1``; ValueError unless it is loopback, or
+    a host of loadtest.netns's that the calling thread is inside."""
     parts = urlsplit(url)
     host = parts.hostname or ""
     if parts.scheme not in ("http", "https") or not host:
@@ -77,8 +80,9 @@ def check_loopback(url: str) -> str:
         loop = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loop = host == "localhost"
-    if not loop:
-        raise ValueError(f"{url!r}: refusing a non-loopback target (load tests run locally)")
+    if not loop and not netns.reachable(host):
+        raise ValueError(f"{url!r}: refusing a non-loopback target (load tests run locally, "
+                         "or from inside hosts loadtest.netns made)")
     base = url.rstrip("/")
     return base[:-3] if base.endswith("/v1") else base
 

@@ -1,6 +1,7 @@
 """Replicas on separate hosts: two backend hosts (a llama-server each), a broker host
 (Debian's nats-server), two replica hosts (a `kvroute serve` each, both backends external
-by URL and key) and a client host, each a network namespace on one bridge (netns.py).
+by URL and key) and a client host, each a network namespace on one bridge
+(loadtest/netns.py, loadtest/hosts.py).
 One conversation's turns go to the replicas in turn; each turn is predicted from what
 the other replica's previous turn left, which it learns only through the broker. The
 broker killed: both replicas serve and say they are alone; back: they reconnect and
@@ -10,9 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,16 +19,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from netns import Client, Net, hosts
 from texts import words
 
 from backends.process import ServerSpec
+from loadtest.hosts import (
+    PROXY_PORT,
+    broker_url,
+    nats_binary,
+    ready,
+    spawn_backend,
+    spawn_broker,
+    spawn_replica,
+    tails,
+)
+from loadtest.netns import Client, Net, hosts, unavailable
 
 pytestmark = pytest.mark.timeout(120)
-NATS = shutil.which("nats-server")
 PORT = 8080  # every host its own ports: the same one everywhere
-NATS_PORT = 4222
 BACKENDS = ("b1", "b2")
 REPLICAS = ("r1", "r2")
 _APPLIED = re.compile(r'^kvroute_replica_events_total\{event="applied"\} (\S+)$', re.M)
@@ -52,12 +58,10 @@ class Cluster:
     broker: subprocess.Popen[bytes] | None = None
 
     def start_broker(self) -> None:
-        self.broker = self.net.spawn(
-            "broker", [NATS or "nats-server", "-a", self.net.ip("broker"), "-p", str(NATS_PORT)],
-            log=self.logs / "broker.log")
+        self.broker = spawn_broker(self.net, "broker", self.logs)
 
     def url(self, host: str, path: str) -> str:
-        return f"http://{self.net.ip(host)}:{PORT}{path}"
+        return f"http://{self.net.ip(host)}:{PROXY_PORT}{path}"
 
     def status(self, host: str) -> dict[str, Any]:
         code, _, text = self.client.request("GET", self.url(host, "/kvroute/status"), timeout=5)
@@ -88,54 +92,35 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while not cond():
             if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout} s\n{self.tails()}")
+                raise AssertionError(f"{what}: not within {timeout} s\n{tails(self.logs)}")
             time.sleep(0.1)
-
-    def tails(self) -> str:
-        return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace")
-                                                       .splitlines()[-8:])
-                         for p in sorted(self.logs.glob("*.log")))
-
-
-def _ready(c: Cluster, host: str) -> bool:
-    s = c.status(host)
-    return bool(s) and s["replicas"]["connected"] and all(
-        b["healthy"] and b["routed"] for b in s["backends"])
 
 
 @pytest.fixture(scope="module")
 def cluster(llama_server_bin: Path, demo_model: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if NATS is None:
+    if nats_binary() is None:
         pytest.skip("no nats-server (apt-get install nats-server; `make test` installs it "
                     "where apt is available)")
+    why = unavailable()
+    if why:
+        pytest.skip(why)
     logs = tmp_path_factory.mktemp("hosts")
     with hosts(*BACKENDS, "broker", *REPLICAS, "client") as net, \
             net.client("client") as client:
         c = Cluster(net, client, logs)
         keys = {b: f"key-{b}-{i}" for i, b in enumerate(BACKENDS)}
-        for b in BACKENDS:
-            # as the supervisor starts its own (backends/process.py); the key in the
-            # environment, out of argv
-            spec = ServerSpec(llama_server_bin, demo_model, PORT, slots=2, ctx_per_slot=4096,
-                              cache_ram_mib=0, host=net.ip(b), alias="kvroute-demo")
-            net.spawn(b, spec.argv(), log=logs / f"{b}.log", env={"LLAMA_API_KEY": keys[b]})
+        spec = ServerSpec(llama_server_bin, demo_model, PORT, slots=2, ctx_per_slot=4096,
+                          cache_ram_mib=0, alias="kvroute-demo")
+        urls = {b: spawn_backend(net, b, spec, logs, b, keys[b]) for b in BACKENDS}
         c.start_broker()
         for r in REPLICAS:
-            cfg = logs / f"{r}.yaml"
-            cfg.write_text(yaml.safe_dump({
-                # the backends are external: the demo GGUF gives exact tokens
-                "proxy": {"host": net.ip(r), "port": PORT, "tokenizer": str(demo_model)},
-                "log_dir": str(logs / f"{r}-logs"),
-                "supervision": {"health_interval_s": 0.5},
-                "backends": [{"name": b, "url": f"http://{net.ip(b)}:{PORT}",
-                              "api_key": keys[b], "alias": "kvroute-demo"} for b in BACKENDS],
-                "replicas": {"nats": f"nats://{net.ip('broker')}:{NATS_PORT}", "id": r},
-            }))
-            net.spawn(r, [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg)],
-                      log=logs / f"{r}.log")
+            spawn_replica(net, r, [{"name": b, "url": urls[b], "api_key": keys[b],
+                                    "alias": "kvroute-demo"} for b in BACKENDS],
+                          demo_model, logs, broker_url(net, "broker"))
         for r in REPLICAS:
-            c.until(lambda r=r: _ready(c, r), 60, f"{r} serving both backends, connected")
+            c.until(lambda r=r: ready(c.status(r), shared=True), 60,
+                    f"{r} serving both backends, connected")
         yield c
 
 

@@ -1,20 +1,25 @@
-"""Hosts on this machine for the tests: Linux network namespaces joined by a bridge.
+"""Hosts on this machine for tests and benches: Linux network namespaces on a bridge.
 
-    with hosts("b1", "r1", "client") as net:     # skips the test when it cannot
+    with hosts("b1", "r1", "client") as net:     # RuntimeError when it cannot (unavailable())
         net.ip("b1")                              # 10.77.0.1: each host its own address
         proc = net.spawn("b1", [...], log=path)   # a process on that host (killed at exit)
-        with net.client("client") as c:           # HTTP from inside a host
+        with net.client("client") as c:           # HTTP from inside a host, a child process
             status, headers, body = c.request("GET", "http://10.77.0.1:8080/health")
+        net.run_in("client", make_coroutine)      # asyncio in a thread inside a host
 
 Each host is a namespace with its loopback up and one veth (eth0, 10.77.0.i/24) whose
 other end sits on a bridge in a "switch" namespace of its own: the root namespace gets
-no interface and no address, so nothing a test sends leaves these namespaces. Names
-carry the test process's pid, so parallel runs never share one, and namespaces of this
+no interface and no address, so nothing sent from them leaves them. Names carry the pid
+of the process that made them, so parallel runs never share one, and namespaces of this
 prefix left behind by a killed run (its pid gone) are removed at the next start.
+
+`reachable(address)` tells the load client (loadtest/client.py) that an address is one of
+these hosts and that the calling thread is inside them, where nothing else is reachable.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import json
@@ -25,18 +30,20 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
-
-import pytest
-from procs import gone
+from typing import IO, Any, TypeVar
 
 PREFIX = "kvt"
 SUBNET = "10.77.0"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-")
 _PR_SET_PDEATHSIG = 1
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # (resolved before any fork)
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+_prctl = _libc.prctl  # (resolved before any fork)
+_LIVE: list[Net] = []  # the hosts up in this process
+T = TypeVar("T")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -66,18 +73,26 @@ def _kill_inside(ns: str) -> None:
             os.kill(int(pid), signal.SIGKILL)
 
 
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def reap_stale() -> None:
-    """Remove namespaces of this prefix whose test process is gone."""
+    """Remove namespaces of this prefix whose process is gone."""
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split(" ", 1)[0]
         m = _NAME.match(name)
-        if m and int(m.group(1)) != os.getpid() and gone(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and _gone(int(m.group(1))):
             _kill_inside(name)
             _ip("netns", "del", name, check=False)
 
 
 def _child_setup() -> None:
-    # the kernel kills the child when the test process dies, even by SIGKILL
+    # the kernel kills the child when the thread that started it dies, even by SIGKILL
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
@@ -140,6 +155,36 @@ class Net:
         self.procs.append(p)
         return p
 
+    def run_in(self, host: str, main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """``asyncio.run(main())`` in a thread of its own inside ``host``'s network: every
+        socket it opens is that host's. Its result, or its exception raised here."""
+        out: list[T] = []
+        err: list[BaseException] = []
+
+        def inside() -> None:
+            try:
+                with open(f"/run/netns/{self.ns[host]}") as fh:
+                    if _libc.setns(fh.fileno(), _CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {host}")
+                out.append(asyncio.run(main()))
+            except BaseException as e:  # (handed to the caller)
+                err.append(e)
+
+        # a daemon: a signal that ends the caller ends the process, thread and all
+        t = threading.Thread(target=inside, name=f"netns-{host}", daemon=True)
+        t.start()
+        t.join()
+        if err:
+            raise err[0]
+        return out[0]
+
+    def holds(self, address: str) -> bool:
+        """Is ``address`` one of these hosts', and this thread inside one of them?"""
+        if address not in self.addr.values():
+            return False
+        here = os.stat("/proc/thread-self/ns/net")
+        return any(_same(here, os.stat(f"/run/netns/{ns}")) for ns in self.ns.values())
+
     @contextlib.contextmanager
     def client(self, host: str) -> Iterator[Client]:
         c = Client(self.spawn(host, [sys.executable, "-c", _CLIENT], pipes=True))
@@ -150,19 +195,32 @@ class Net:
             c.proc.wait(10)
 
 
+def _same(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def reachable(address: str) -> bool:
+    """Is ``address`` a host of hosts() up in this process, and the calling thread inside
+    that network (so a connection to it cannot leave the namespaces)?"""
+    return any(net.holds(address) for net in _LIVE)
+
+
 @contextlib.contextmanager
 def hosts(*names: str) -> Iterator[Net]:
-    """Namespaces ``names`` on one bridge, removed (with their processes) at exit; the
-    calling test is skipped, saying why, where namespaces cannot be made."""
+    """Namespaces ``names`` on one bridge, removed (with their processes) at exit, even
+    on an exception; RuntimeError saying why where namespaces cannot be made."""
     why = unavailable()
     if why:
-        pytest.skip(why)
+        raise RuntimeError(why)
     reap_stale()
     net = Net(names)
     try:
         net._up()
+        _LIVE.append(net)
         yield net
     finally:
+        if net in _LIVE:
+            _LIVE.remove(net)
         net._down()
 
 
