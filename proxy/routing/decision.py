@@ -6,7 +6,7 @@ Plain values, shared by the router (proxy/routing/router.py), the pipeline that 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -39,12 +39,21 @@ class Handoff:
     slot right after its final response), removes that race. The model placed it by the
     server's own unpinned pick, so pinning it changes nothing except for an empty slot
     (a pinned request there cannot load from RAM). ``predicted_cached`` is the model's
-    reuse at hand-off."""
+    reuse at hand-off, from ``tier``.
+
+    ``restore``: a file of the disk tier to restore into the slot first (a queued
+    request is placed only now, so only now can the router tell the slot will not hold
+    its prefix while a file does). ``displaced``: what the slot held when handed over
+    (None: empty, or the request's own continuation): the slot's last turn may have
+    ended a moment ago, and the disk tier saves it before the request replaces it."""
 
     request_id: int
     backend: str
     slot: int
     predicted_cached: int
+    tier: str = "slot"
+    restore: str | None = None
+    displaced: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

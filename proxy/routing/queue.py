@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import PENDING, RAM, SLOT
+from proxy.routing.cache.predict import PENDING, RAM, SLOT, Placement
 from proxy.routing.decision import Handoff
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
@@ -47,6 +48,10 @@ class QueuedRequests:
     settings: RouterSettings
     _policy: str
     _waiters_first: Callable[[dict[int, int]], list[tuple[int, int]]]  # (ObservedRequests)
+    _observed: set[int]  # (ObservedRequests)
+    _disk: dict[int, tuple[str, frozenset[str]]]  # (Router)
+    _disk_gain: Callable[[dict[Any, int], Placement, int, str],
+                         tuple[str, bytes, int] | None]  # (Router)
 
     def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
         """A slot freed. A request waiting for that very slot gets it, pinned (the first
@@ -92,14 +97,33 @@ class QueuedRequests:
               now: float) -> Handoff:
         f = self._inflight[rid]
         self._unqueue(st, backend, rid)
-        p = st.cache.start(slot, f.prompt, *self._lcps(st.cache, f.prompt), f.n,
-                           user_starts=f.user_starts)
+        cache = st.cache
+        held = self.tree.match(f.prompt).held
+        slot_lcp, ram_lcp = self._split(cache, held)
+        p = cache.predict(slot, slot_lcp, ram_lcp, f.n)
         assert p is not None, "handed an idle slot"
+        had = cache.held(p.slot)
+        # a peer's request is restored by the replica that routed it, if at all
+        restore = (self._disk_gain(held, p, f.n, backend)
+                   if self._disk and rid not in self._observed else None)
+        if restore is None:
+            p = cache.start(slot, f.prompt, slot_lcp, ram_lcp, f.n, p,
+                            user_starts=f.user_starts)
+        else:
+            cache.restore(p.slot, restore[1])
+            p = cache.start(p.slot, f.prompt, {**slot_lcp, p.slot: restore[2]}, ram_lcp,
+                            f.n, user_starts=f.user_starts)
+            assert p is not None
+            p = p._replace(tier="disk") if p.tier == "slot" else p
+        assert p is not None
         f.slot = p.slot
         st.occupy(p.slot, f.session)
         f.started = max(f.started, now)  # its duration counts from here, not its wait
         st.expect_free(p.slot, now)
-        return Handoff(rid, backend, p.slot, p.reuse)
+        kept = p.reuse if p.tier == "slot" else 0
+        return Handoff(rid, backend, p.slot, p.reuse, p.tier,
+                       restore[0] if restore is not None else None,
+                       had if had is not None and len(had) // 4 > kept else None)
 
     def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
         self.tree.drop((backend, PENDING, rid))
@@ -109,9 +133,15 @@ class QueuedRequests:
             st.queued.remove(rid)
 
     def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
+        return self._split(cache, self.tree.match(q).held)
+
+    @staticmethod
+    def _split(cache: BackendCache, held: dict[Any, int]
+               ) -> tuple[dict[int, int], dict[int, int]]:
+        """What of a prompt ``cache``'s slots and RAM entries hold, from the tree's match."""
         slot_lcp: dict[int, int] = {}
         ram_lcp: dict[int, int] = {}
-        for (b, kind, idx), got in self.tree.match(q).held.items():  # type: ignore[misc]
+        for (b, kind, idx), got in held.items():
             if b == cache.cap.name:
                 if kind == SLOT:
                     slot_lcp[idx] = got

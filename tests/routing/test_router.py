@@ -276,6 +276,8 @@ def test_complete_returns_the_handoff_of_the_oldest_queued_request() -> None:
     assert (q1.reasons["queued"], q2.reasons["queued"]) == (1, 2)
     got = r.complete(first, output_tokens=[7], now=1.0)
     assert got == [Handoff(q1.request_id, "a", 0, q1.predicted_cached)]
+    # (what the slot held goes with it: the request displaces the first one's turn)
+    assert got[0].displaced == array("i", [*SYSTEM, 1, 7]).tobytes()
     assert r.abort(q2) == []  # still waiting: nothing freed
     assert r.complete(q1, now=2.0) == []
     assert r.snapshot()["inflight"] == 0

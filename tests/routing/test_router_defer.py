@@ -166,6 +166,48 @@ def test_a_failed_restore_is_predicted_as_a_prefill() -> None:
         assert r.held("a", 0) == to_token_bytes([*prompt, 1, 2])
 
 
+def test_a_queued_request_is_handed_its_slot_with_the_file_that_holds_its_prefix() -> None:
+    """Every slot busy: a turn whose conversation only the disk tier holds is queued;
+    when a slot frees it is handed the slot with that file to restore first, predicted
+    from disk, and what the slot held (the turn that just ended) goes with it, for the
+    disk tier to save before the restore replaces it."""
+    r = Router("prefix")
+    r.add_backend(BackendCapacity("a", 1, 8192, 0, 8192))
+    history = list(range(100, 1100))
+    r.disk_add(0, "kvroute-0.bin", to_token_bytes(history), frozenset({"a"}))
+    other = list(range(20_000, 20_600))
+    busy = r.decide(other, now=0.0)
+    assert isinstance(busy, Decision) and not busy.queued
+    turn = r.decide([*history, *range(5000, 5040)], now=0.1)
+    assert isinstance(turn, Decision) and turn.queued and turn.restore is None
+    (h,) = r.complete(busy, output_tokens=[7], reported_cached=0, now=1.0)
+    assert (h.request_id, h.slot, h.restore, h.tier) == (turn.request_id, 0,
+                                                         "kvroute-0.bin", "disk")
+    assert h.predicted_cached == len(history)
+    assert h.displaced == to_token_bytes([*other, 7])
+    done = r.complete(replace(turn, slot=h.slot, predicted_cached=h.predicted_cached,
+                              tier=h.tier, restore=h.restore),
+                      output_tokens=[9], reported_cached=len(history), now=2.0)
+    assert done == [] and r.mispredictions == 0
+    assert r.held("a", 0) == to_token_bytes([*history, *range(5000, 5040), 9])
+
+
+def test_a_peers_queued_request_is_not_handed_a_restore() -> None:
+    """The replica that routed a request restores for it, if at all: handed a slot
+    here, a peer's queued request is placed without the file."""
+    r = Router("prefix")
+    r.add_backend(BackendCapacity("a", 1, 8192, 0, 8192))
+    history = list(range(100, 1100))
+    r.disk_add(0, "kvroute-0.bin", to_token_bytes(history), frozenset({"a"}))
+    busy = r.decide(list(range(20_000, 20_600)), now=0.0)
+    assert isinstance(busy, Decision)
+    peer = r.observe_start("a", 0, to_token_bytes([*history, 1]), now=0.1, wait=True)
+    assert peer is not None
+    handed = r.complete(busy, output_tokens=[7], reported_cached=0, now=1.0)
+    assert all(h.restore is None for h in handed)
+    assert r.held("a", 0) is None  # the peer's request runs there, from nothing
+
+
 def test_another_replicas_request_is_placed_as_if_routed_here() -> None:
     """Replica b learns that replica a's request left a conversation in slot 0: b's next
     turn of it is predicted from there; a slot busy with b's own request is left alone."""
