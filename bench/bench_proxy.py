@@ -1,6 +1,6 @@
 """Proxy overhead against a fake backend (a real aiohttp server on a real loopback port).
 
-    python bench/bench_proxy.py [--quick] [--ram-mib N]
+    python bench/bench_proxy.py [--quick] [--ram-mib N] [--replicas]
 
 Three processes: the fake backend, one kvroute proxy (full pipeline: exact tokens with
 the demo model's vocabulary, prefix routing, feedback, metrics, one JSON log line per
@@ -16,6 +16,10 @@ request to a file), and this client. Measured in one run:
 - requests/s through the proxy (64 concurrent clients), and requests per proxy CPU-second
   (what one core would carry: on this 2-core machine the client and the fake backend
   compete with the proxy for CPU).
+
+--replicas measures instead what replicas sharing their view over NATS add: the same
+small request and seen 30k-token turn through kvroute alone and through a replica with a
+peer on a broker, interleaved in one run (bench/proxy_replicas.py).
 """
 
 from __future__ import annotations
@@ -23,9 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,7 +40,16 @@ from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from agent_turn import agent_bodies  # noqa: E402  (bench/, beside this script)
+# (bench/, beside this script)
+from agent_turn import agent_bodies  # noqa: E402
+from latency import (  # noqa: E402
+    added_latency,
+    cpu_seconds,
+    free_port,
+    long_history,
+    turns_after,
+    wait_up,
+)
 
 CHAT_ANSWER = json.dumps({
     "choices": [{"finish_reason": "stop", "index": 0,
@@ -129,12 +140,14 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 
 # ------------------------------------------------------------------------------- proxy
-def run_proxy(port: int, backend_port: int, model: Path, log_path: Path, ram_mib: int) -> None:
+def run_proxy(port: int, backend_port: int, model: Path, log_path: Path, ram_mib: int,
+              nats: str | None = None, replica: str = "r0") -> None:
+    """The proxy; with ``nats``, a replica named ``replica`` sharing its view there."""
     from backends.binary import cache_dir
     from backends.config import ExternalBackendConfig
     from backends.supervisor import Supervisor
     from proxy.app import create_app
-    from proxy.config.load import Config, ProxyConfig, RoutingConfig
+    from proxy.config.load import Config, ProxyConfig, ReplicasConfig, RoutingConfig
     from proxy.config.settings import ProxySettings
     from proxy.observability.logging import configure_logging
 
@@ -147,7 +160,8 @@ def run_proxy(port: int, backend_port: int, model: Path, log_path: Path, ram_mib
                  backends=(ExternalBackendConfig(
                      name="fake", url=f"http://127.0.0.1:{backend_port}",
                      kv_bytes_per_token=8192, cache_ram_mib=ram_mib),),
-                 llama_server=None, cache_dir=cache_dir(), log_dir=log_path.parent)
+                 llama_server=None, cache_dir=cache_dir(), log_dir=log_path.parent,
+                 replicas=ReplicasConfig(nats, replica) if nats else None)
 
     async def main() -> None:
         sup = Supervisor(cfg)
@@ -162,81 +176,6 @@ def run_proxy(port: int, backend_port: int, model: Path, log_path: Path, ram_mib
 
 
 # ------------------------------------------------------------------------------ client
-def words(n: int, rng: random.Random) -> str:
-    vocab = ("apple", "river", "stone", "cloud", "music", "paper", "window", "garden",
-             "silver", "orange", "planet", "forest", "yellow", "rabbit", "engine", "pocket")
-    return " ".join(rng.choice(vocab) for _ in range(n))
-
-
-async def wait_up(session: aiohttp.ClientSession, url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            async with session.get(url + "/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
-
-
-async def added_latency(session: aiohttp.ClientSession, direct: str, proxied: str,
-                        bodies: list[bytes], warmup: int, proxy_pid: int,
-                        bare: str | None = None, block: int = 1,
-                        first_event: bool = False) -> dict[str, float]:
-    """Median direct and proxied latency (ms), interleaved so drift hits both alike (and
-    the bare aiohttp forwarder's, when given), and the proxy's CPU time per proxied
-    request (ms; after the warm-up, and robust to the load other processes put on the
-    machine, unlike the latencies).
-
-    `first_event`: the bodies ask for a stream; the time is to its first event (TTFT).
-
-    `block` = 1 sends each body to every target, in turn: each server sits idle while
-    the others answer, and on this VM a process woken from idle pays for it (the direct
-    request alone doubles in some minutes). `block` > 1 sends the bodies in runs of
-    `block` to one target after the other (each body to one target; the first fifth of
-    each run is not counted): a server in steady use, as a proxy under traffic is."""
-    bases = [b for b in (proxied, direct, bare) if b]
-    times: dict[str, list[float]] = {b: [] for b in bases}
-    hdr = {"Content-Type": "application/json"}
-    cpu0 = cpu_seconds(proxy_pid)
-    skip = block // 5
-    n_proxied = 0
-    for i, body in enumerate(bodies):
-        if i == warmup:
-            cpu0, n_proxied = cpu_seconds(proxy_pid), 0
-        if block == 1:
-            order = bases[i % len(bases):] + bases[:i % len(bases)]
-        else:
-            order = [bases[(i // block) % len(bases)]]
-        n_proxied += proxied in order
-        for base in order:
-            t0 = time.perf_counter()
-            async with session.post(base + "/v1/chat/completions", data=body,
-                                    headers=hdr) as r:
-                assert r.status == 200, await r.text()
-                if first_event:  # a stream: the time to its first event
-                    await r.content.readuntil(b"\n\n")
-                    t1 = time.perf_counter()
-                await r.read()
-            if i >= warmup and i % block >= skip:
-                t_end = t1 if first_event else time.perf_counter()
-                times[base].append((t_end - t0) * 1000)
-    cpu_ms = (cpu_seconds(proxy_pid) - cpu0) * 1000 / max(1, n_proxied)
-    med = {b: statistics.median(t) for b, t in times.items()}
-    out = {"direct": med[direct], "proxied": med[proxied],
-           "added": med[proxied] - med[direct], "cpu": cpu_ms}
-    if bare:
-        out["bare_added"] = med[bare] - med[direct]
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def throughput(url: str, pid: int, seconds: float, concurrency: int) -> tuple[float,
                                                                                    float]:
     body = json.dumps({"messages": [{"role": "user", "content": "hello there"}],
@@ -282,19 +221,12 @@ async def client_main(fake: str, proxy: str, bare: str, proxy_pid: int, quick: b
         st = await added_latency(session, fake, proxy, streamed, 50, proxy_pid, bare,
                                  first_event=True)
 
-        history: list[dict[str, str]] = [{"role": "system", "content": words(300, rng)}]
-        while len(history) < 100:  # ~30k tokens: 99 turns of ~300 words
-            role = "user" if len(history) % 2 else "assistant"
-            history.append({"role": role, "content": words(300, rng)})
+        history = long_history(rng)
         n_long = 30 if quick else 100
-        long_bodies = [json.dumps({"messages": [*history, {"role": "user",
-                                                           "content": words(40, rng)}],
-                                   "max_tokens": 1}).encode() for _ in range(n_long + 1)]
+        long_bodies = turns_after(history, n_long + 1, rng)
         # the first one is the turn that makes the history "seen"
         lg = await added_latency(session, fake, proxy, long_bodies, 1, proxy_pid, bare)
-        long_runs = [json.dumps({"messages": [*history, {"role": "user",
-                                                         "content": words(40, rng)}],
-                                 "max_tokens": 1}).encode() for _ in range(3 * n_long)]
+        long_runs = turns_after(history, 3 * n_long, rng)
         lg_steady = await added_latency(session, fake, proxy, long_runs, 0, proxy_pid,
                                         bare, block=10)
         # A coding agent's turn (bench/agent_turn.py): tool schemas, tool calls and
@@ -329,14 +261,6 @@ async def client_main(fake: str, proxy: str, bare: str, proxy_pid: int, quick: b
             "rps": rps, "rps_per_proxy_cpu_s": per_cpu}
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", choices=["client", "fake", "bare", "proxy"], default="client")
@@ -347,6 +271,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer iterations (CI smoke)")
     ap.add_argument("--ram-mib", type=int, default=1024,
                     help="the fake backend's modelled host-RAM prompt cache (0: none)")
+    ap.add_argument("--replicas", action="store_true",
+                    help="only what replicas sharing their view over NATS add (off vs on)")
+    ap.add_argument("--nats", help="(proxy role) a replica on this broker")
+    ap.add_argument("--replica", default="r0", help="(proxy role) its name")
     args = ap.parse_args()
     if args.role == "fake":
         run_fake(args.port)
@@ -355,14 +283,20 @@ def main() -> int:
         run_bare(args.port, args.backend_port)
         return 0
     if args.role == "proxy":
-        run_proxy(args.port, args.backend_port, args.model, args.log, args.ram_mib)
+        run_proxy(args.port, args.backend_port, args.model, args.log, args.ram_mib,
+                  args.nats, args.replica)
         return 0
 
     from backends.demo_model import DemoModelParams, ensure_demo_model
 
     model = ensure_demo_model(DemoModelParams())
-    fport, pport, bport = free_port(), free_port(), free_port()
     me = [sys.executable, str(Path(__file__).resolve())]
+    if args.replicas:
+        import proxy_replicas  # (bench/, beside this script)
+
+        proxy_replicas.report(proxy_replicas.run(me, model, args.quick, args.ram_mib))
+        return 0
+    fport, pport, bport = free_port(), free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "proxy.log"
         fake = subprocess.Popen([*me, "--role", "fake", "--port", str(fport)])

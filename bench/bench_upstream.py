@@ -26,7 +26,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_proxy import free_port, wait_up, words  # noqa: E402
+from latency import free_port, wait_up, words  # noqa: E402
 
 from proxy.forwarding.upstream import Upstream  # noqa: E402
 
