@@ -6,8 +6,10 @@ slot kept), and applies the others' to its own model (peers.py): a conversation 
 replica routed is found where it is by the next replica its client reaches, and a slot
 busy with another replica's request is busy here too. Each says `alive` every second,
 naming its requests in flight (the others end those whose end they missed); one that
-joins (or comes back after losing the broker) says `hello`, and the others send it what
-their slots hold on a subject of its own.
+joins (or comes back after losing the broker) says `hello` and tells its requests in
+flight again; the others send it theirs and what their slots hold, on a subject of its
+own and a path of their own (a large view and the live events do not crowd each other
+out).
 
 Events are fire and forget. A replica that misses some predicts those slots wrong until
 the backends' own reports, or the next event for the slot, correct it. The broker being
@@ -33,7 +35,10 @@ from proxy.replicas.events import Event, Kind, decode, encode
 from proxy.replicas.peers import BYE, PeerView, Teller
 
 SUBJECT = "kvroute.events"
-_QUEUE = 1024  # events waiting to be sent; past that the oldest are dropped
+LIVE_QUEUE = 1024  # live events waiting to be sent; past that the oldest are dropped
+# replicas waiting for this one's view (its own path: a large view neither drops live
+# events nor is dropped by them); past that the oldest get none
+_SNAPSHOTS = 64
 _RETRY_S = 2.0  # between connection attempts before the first one succeeds
 ALIVE_S = 1.0
 _PING_S = 2
@@ -54,7 +59,8 @@ class ReplicaBus:
         self._closing = False
         self._nc: Any = None
         # encoded by the sender, not on the request's path
-        self._queue: asyncio.Queue[tuple[str, Event]] = asyncio.Queue(_QUEUE)
+        self._queue: asyncio.Queue[tuple[str, Event]] = asyncio.Queue(LIVE_QUEUE)
+        self._joiners: asyncio.Queue[str] = asyncio.Queue(_SNAPSHOTS)  # their subjects
         self._tasks: list[asyncio.Task[None]] = []
         self.tellers: list[Teller] = []  # one per pool: their `alive` goes out each second
 
@@ -62,6 +68,7 @@ class ReplicaBus:
         """Connect (in the background until the broker answers) and start sending."""
         self._tasks = [asyncio.create_task(self._connect(), name="kvroute-replicas"),
                        asyncio.create_task(self._send(), name="kvroute-replicas-send"),
+                       asyncio.create_task(self._send_views(), name="kvroute-replicas-views"),
                        asyncio.create_task(self._alive(), name="kvroute-replicas-alive")]
 
     def publish(self, event: Event, subject: str = SUBJECT) -> None:
@@ -119,6 +126,31 @@ class ReplicaBus:
                 self.counted("dropped")
                 self.log.debug("replicas.publish_failed", error=str(e)[:200])
 
+    async def _send_views(self) -> None:
+        """Answer each replica that said hello with this one's view, made as it goes
+        out (so what it says holds then): the requests in flight here (their ends are
+        read against their starts), then what the idle slots hold."""
+        while True:
+            subject = await self._joiners.get()
+            # NOTE: the starts go out back to back (a publish only buffers): no end of
+            # theirs, sent meanwhile on the live path, overtakes them
+            for i, event in enumerate(self._view()):
+                if self._nc is None or not self.connected:
+                    self.counted("dropped")
+                    continue
+                try:
+                    await self._nc.publish(subject, encode(event))
+                    self.counted("sent")
+                except Exception as e:
+                    self.counted("dropped")
+                    self.log.debug("replicas.publish_failed", error=str(e)[:200])
+                if event.kind == Kind.HELD and i % 16 == 0:
+                    await asyncio.sleep(0)  # (a large view: live events go out meanwhile)
+
+    def _view(self) -> list[Event]:
+        return [e for teller in self.tellers for e in teller.in_flight()] \
+            + self.view.snapshot()
+
     async def _alive(self) -> None:
         while True:
             await asyncio.sleep(ALIVE_S)
@@ -150,8 +182,10 @@ class ReplicaBus:
             return
         self.view.heard(e.replica, now)
         if e.kind == Kind.HELLO:
-            for held in self.view.snapshot():
-                self.publish(held, snapshot_subject(e.replica))
+            if self._joiners.full():
+                self._joiners.get_nowait()
+                self.counted("dropped")
+            self._joiners.put_nowait(snapshot_subject(e.replica))
             return
         applied = self.view.apply(e, now)
         if e.kind != Kind.ALIVE or applied:  # (an `alive` that ended nothing: no news)
@@ -165,6 +199,9 @@ class ReplicaBus:
         self.connected = True
         self.log.info("replicas.connected", url=self.url, replica=self.replica)
         self.publish(Event(self.replica, Kind.HELLO))
+        for teller in self.tellers:  # (those started while the broker was away were lost)
+            for e in teller.in_flight():
+                self.publish(e)
 
     async def _down(self) -> None:
         if self._closing:

@@ -10,8 +10,9 @@ keeps its slot busy and loads its backend here until its end comes; the end sett
 what the slot holds. A peer not heard for `PEER_TIMEOUT_S` (gone, or cut off), a
 request whose end never comes, and every peer's requests when the broker is lost, end
 as an interrupted request does: the slot keeps the prompt (the server keeps what it
-prefilled). A replica that joins is sent every idle slot's content (`snapshot`), with when
-it last changed: what it knows of a slot since then stands.
+prefilled). A replica that joins is sent the requests in flight (`Teller.in_flight`:
+their ends are read against their starts) and every idle slot's content (`snapshot`),
+with when it last changed: what it knows of a slot since then stands.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ broker away: a replica still serves, and says so. Events from peers are validate
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import shutil
 import subprocess
@@ -25,12 +26,19 @@ from backends.supervisor import Supervisor
 from proxy.app import create_app
 from proxy.config.load import Config, ReplicasConfig
 from proxy.forwarding.upstream import Upstream
+from proxy.replicas.bus import LIVE_QUEUE, ReplicaBus
 from proxy.replicas.events import MAX_TOKENS, Event, Kind, decode, encode
+from proxy.replicas.peers import PeerView, PoolPort
+from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.router import Router
+from proxy.routing.tree.token_bytes import to_token_bytes
 from proxy.server.keys import ROUTER
 
 pytestmark = pytest.mark.timeout(120)
 NATS = shutil.which("nats-server")
 KEEPALIVE_S = Upstream().keepalive_s
+NEEDS_NATS = pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get install "
+                                "nats-server; `make test` installs it where apt is available)")
 
 
 @pytest.mark.parametrize("event", [
@@ -77,6 +85,20 @@ async def replica(cfg: Config, sup: Supervisor, url: str, name: str
         yield client
 
 
+@asynccontextmanager
+async def first_replica(cfg: Config
+                        ) -> AsyncIterator[tuple[Supervisor, str, TestClient[Any, Any]]]:
+    """``cfg``'s llama-servers, a broker, and replica r1 connected to it."""
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with broker() as url, replica(cfg, sup, url, "r1") as a:
+            await until(lambda: _connected(a), 20)
+            yield sup, url, a
+    finally:
+        await sup.stop()
+
+
 async def turn(client: TestClient[Any, Any], messages: list[dict[str, str]]
                ) -> tuple[int, int, int]:
     """(predicted, reused, prompt tokens) of one turn; a fixed answer goes in the history."""
@@ -90,8 +112,7 @@ async def turn(client: TestClient[Any, Any], messages: list[dict[str, str]]
     return predicted, t["cache_n"], t["cache_n"] + t["prompt_n"]
 
 
-@pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get install nats-server; "
-                    "`make test` installs it where apt is available)")
+@NEEDS_NATS
 async def test_a_conversation_moves_between_replicas_predicted_exactly(
         pool_config: Callable[..., Config]) -> None:
     cfg = pool_config(n=1, slots=2, cache_ram_mib=0)
@@ -119,31 +140,88 @@ async def test_a_conversation_moves_between_replicas_predicted_exactly(
     assert 'kvroute_replica_events_total{event="applied"} 2.0' in metrics
 
 
-@pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get install nats-server; "
-                    "`make test` installs it where apt is available)")
+@NEEDS_NATS
 async def test_a_replica_that_joins_late_is_sent_the_others_view(
         pool_config: Callable[..., Config]) -> None:
     cfg = pool_config(n=1, slots=2, cache_ram_mib=0)
-    sup = Supervisor(cfg)
-    await sup.start()
-    try:
-        async with broker() as url, replica(cfg, sup, url, "r1") as a:
-            await until(lambda: _connected(a), 20)
-            conv = [{"role": "system", "content": words(300, 970)},
-                    {"role": "user", "content": words(30, 971)}]
-            await turn(a, conv)
-            held = a.server.app[ROUTER].held
-            async with replica(cfg, sup, url, "r2") as b:
-                await until(lambda: any(b.server.app[ROUTER].held("a", s) == held("a", s)
-                                        and held("a", s) for s in (0, 1)), 20)
-                conv.append({"role": "user", "content": words(20, 972)})
-                predicted, reused, _ = await turn(b, conv)
-                async with b.get("/kvroute/status") as r:
-                    status = (await r.json())["replicas"]
-    finally:
-        await sup.stop()
+    async with first_replica(cfg) as (sup, url, a):
+        conv = [{"role": "system", "content": words(300, 970)},
+                {"role": "user", "content": words(30, 971)}]
+        await turn(a, conv)
+        held = a.server.app[ROUTER].held
+        async with replica(cfg, sup, url, "r2") as b:
+            await until(lambda: any(b.server.app[ROUTER].held("a", s) == held("a", s)
+                                    and held("a", s) for s in (0, 1)), 20)
+            conv.append({"role": "user", "content": words(20, 972)})
+            predicted, reused, _ = await turn(b, conv)
+            async with b.get("/kvroute/status") as r:
+                status = (await r.json())["replicas"]
     assert reused > 300 and abs(predicted - reused) <= 1, (predicted, reused)
     assert status["peers"] == ["r1"] and status["peers_in_flight"] == 0
+
+
+@NEEDS_NATS
+async def test_a_replica_that_joins_during_a_request_reads_its_end(
+        pool_config: Callable[..., Config]) -> None:
+    """r2 joins while r1's request streams: r1's answer to its hello names that request,
+    so r2 has its slot busy, and reads its end (relative to its start) when the client
+    leaves: both end with the same view of the slot."""
+    cfg = pool_config(n=1, slots=2, cache_ram_mib=0)
+    body = {"model": "kvroute-demo", "stream": True, "ignore_eos": True, "max_tokens": 6000,
+            "messages": [{"role": "user", "content": words(300, 980)}]}
+    async with first_replica(cfg) as (sup, url, a), \
+            a.post("/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        slot = int(r.headers["X-Kvroute-Slot"])
+        await r.content.readline()  # (its first token)
+        async with replica(cfg, sup, url, "r2") as b:
+            await until(lambda: _in_flight(b), 20)
+            r.close()  # (the client leaves: the request ends)
+            held = a.server.app[ROUTER].held
+            await until(lambda: held("a", slot) is not None, 20)
+            await until(lambda: b.server.app[ROUTER].held("a", slot) == held("a", slot), 20)
+
+
+async def _in_flight(client: TestClient[Any, Any]) -> bool:
+    async with client.get("/kvroute/status") as r:
+        return bool((await r.json())["replicas"]["peers_in_flight"])
+
+
+@NEEDS_NATS
+async def test_a_view_larger_than_the_live_queue_and_live_events_both_go_whole() -> None:
+    """a's view (more idle slots than the live queue holds) goes to a replica that
+    says hello while as many live events as that queue holds go out: nothing is
+    dropped, the joiner takes every slot and gets every live event."""
+    n = LIVE_QUEUE + 100
+    views, counts = {}, {}
+    for name in ("a", "b"):
+        router = Router("prefix")
+        router.add_backend(BackendCapacity("x", n, 64, 0, 8192))
+        views[name] = PeerView(name, {"p": PoolPort(router, lambda h: None)})
+        counts[name] = collections.Counter[str]()
+    a_router = views["a"].pools["p"].router
+    for slot in range(n):
+        assert a_router.seed("x", slot, to_token_bytes([slot + 1, slot + 2]))
+    async with broker() as url:
+        buses = {name: ReplicaBus(url, name, views[name],
+                                      lambda e, c=counts[name]: c.update((e,)))
+                 for name in ("a", "b")}
+        try:
+            await buses["a"].start()
+            await until(lambda: buses["a"].connected, 20)
+            await buses["b"].start()
+            b_router = views["b"].pools["p"].router
+            await until(lambda: all(b_router.held("x", s) == a_router.held("x", s)
+                                    for s in range(n)), 20)
+            buses["a"]._apply(encode(Event("b", Kind.HELLO)))  # (said again: a view more)
+            for i in range(LIVE_QUEUE):
+                buses["a"].publish(Event("a", Kind.FIRST, "p", "x", 0, i))
+            # (b knows every slot and no such request: each one ignored)
+            await until(lambda: counts["b"]["ignored"] == n + LIVE_QUEUE, 20)
+        finally:
+            for bus in buses.values():
+                await bus.close()
+    assert counts["a"]["dropped"] == 0
 
 
 async def _connected(client: TestClient[Any, Any]) -> bool:
