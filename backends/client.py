@@ -114,6 +114,10 @@ class BackendClient:
         except ValueError:
             return BadResponse(self.url, status, text[:500])
 
+    async def get(self, path: str) -> Any | Failure:
+        """``path``'s JSON body (a 200 only)."""
+        return await self._json("GET", path)
+
     async def health(self) -> Health | BackendDown:
         res = await self._request("GET", "/health")
         if isinstance(res, BackendDown):

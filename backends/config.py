@@ -65,6 +65,9 @@ class ExternalBackendConfig:
     # the pool it serves (the model name clients send); None: the first pool
     alias: str | None = None
     aliases: tuple[str, ...] = ()
+    # the directory its --slot-save-path names, as kvroute sees it (the same on this
+    # host, or where a shared file system is mounted here): the disk tier covers it
+    slot_save_path: Path | None = None
 
 
 BackendConfig = ManagedBackendConfig | ExternalBackendConfig

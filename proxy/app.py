@@ -49,7 +49,9 @@ from proxy.errors import (
 from proxy.feedback.reports import Recorder
 from proxy.forwarding.forwarder import Forwarder
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.slot_store import SlotStore, model_identity
+from proxy.forwarding.slot_identity import model_identity
+from proxy.forwarding.slot_store import SlotStore
+from proxy.forwarding.slot_tier import DiskTier
 from proxy.forwarding.upstream import Upstream
 from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
@@ -180,8 +182,8 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics = app[METRICS]
     kv_disk = app[CONFIG].kv_disk
     pools = app[POOLS]
-    store = None if kv_disk is None else SlotStore(
-        kv_disk, session, [p.router for p in pools],
+    disk = None if kv_disk is None else DiskTier(
+        kv_disk, app[CONFIG].backends, session, [p.router for p in pools],
         lambda event: metrics.child(metrics.slot_files, event).inc(),
         router_of=lambda name: None if (p := pools.of_backend(name)) is None else p.router)
     for pool in pools:
@@ -196,7 +198,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         pool.tok.remote = BackendTokens(
             session, lambda p=pool: handlers.pick_ready(p),
             lambda reason: metrics.child(metrics.tokens_from_backend, reason).inc())
-        fw.slot_store = store
+        fw.disk = disk
         fw.tracing = tracing
     app[FORWARDER] = pools.first.fw
     bus = await _replicas(app)
@@ -205,8 +207,8 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     if bus is not None:
         await bus.close()
-    if store is not None:
-        await store.close()
+    if disk is not None:
+        await disk.close()
     for prober in probers:
         prober.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -242,8 +244,6 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
     active = True
     checks: set[asyncio.Task[None]] = set()
 
-    store = app[FORWARDER].slot_store
-
     def on_event(name: str, info: BackendInfo | None) -> None:
         pool = pools.of_backend(name) if info is None else pools.adopt(info)
         if active and pool is None and info is not None:
@@ -254,12 +254,14 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
         if info is None:
             pool.health.backend_down(name)
             return
+        store = app[FORWARDER].slot_store(info.name)
         if store is not None and info.managed:
             # what the process just loaded: only files of that model are restored into it
             cfg = next((b for b in app[CONFIG].managed() if b.name == info.name), None)
             store.backend_ready(info.name, model_identity(cfg) if cfg is not None else None)
-        if store is not None and info.managed and store.has(info.name):
-            background(_restored_up(app, pool, info))  # its saved slots first
+        # (an external server is asked what it runs first)
+        if store is not None and (not info.managed or store.has(info.name)):
+            background(_restored_up(app, pool, info, store))  # its saved slots first
         else:
             pool.health.backend_up(info)
         # is the local template the backend's? (once per backend URL; a server of the
@@ -281,11 +283,13 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
 
 
-async def _restored_up(app: web.Application, pool: Pool, info: BackendInfo) -> None:
-    """A restarted backend: restore its saved slots, then route to it, holding them."""
-    store = app[FORWARDER].slot_store
-    assert store is not None
+async def _restored_up(app: web.Application, pool: Pool, info: BackendInfo,
+                       store: SlotStore) -> None:
+    """A backend (re)started: restore its saved slots, then route to it, holding them. An
+    external server is asked which model it runs first (kvroute did not start it)."""
     try:
+        if not info.managed:
+            await store.external_ready(info)
         restored = await store.restore(info)
     except Exception:
         # the restore is a head start, never a condition: routed with empty slots rather

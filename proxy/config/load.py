@@ -34,6 +34,7 @@ from backends.config import (
 )
 from backends.demo_model import DEMO_KINDS, DemoModelParams, demo_model_path
 from proxy.config.agents import agent_links
+from proxy.config.disk import check_shared, kv_disk, slot_save_path
 from proxy.config.fields import (  # ConfigError is re-exported: imported from here
     ConfigError,
     _knobs,
@@ -163,6 +164,7 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
             ctx=sec.get_int("ctx", 131072, hi=MAX_SLOT_CTX),
             alias=sec.get_str("alias", None, "my-model"),
             aliases=sec.get_str_list("aliases"),
+            slot_save_path=slot_save_path(sec, base),
         )
         sec.finish([f.name for f in fields(ExternalBackendConfig)])
         return ext
@@ -269,7 +271,7 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
     )
     proxy_sec.finish()
 
-    kv_disk = _kv_disk(top._get("kv_disk"), base)
+    disk = kv_disk(top._get("kv_disk"), base)
     demo_params = _demo_params(top._get("demo_model"))
     agents = agent_links(top._get("agents"))
     backends = _backends(top, base, demo_params, allow_missing_demo, optional=bool(agents))
@@ -278,12 +280,13 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
         llama_server=_llama_server(top, base), cache_dir=default_cache_dir(),
         log_dir=_path(base, top.get_str("log_dir", "logs", "logs") or "logs"),
         demo_model=demo_params, supervision=_supervision(top._get("supervision")),
-        kv_disk=kv_disk, source=source, agents=agents,
+        kv_disk=disk, source=source, agents=agents,
         replicas=_replicas(top._get("replicas"), proxy.port),
     )
     top.finish([f.name for f in fields(Config)
                 if f.name not in ("cache_dir", "source")])
     derive_pools(backends)  # (a pool of two GGUFs is refused here, before anything starts)
+    check_shared(backends, disk, replicas=cfg.replicas is not None)
     return cfg
 
 
@@ -322,22 +325,6 @@ def _backends(top: _Section, base: Path, demo_params: DemoModelParams,
                      for i, b in enumerate(raw_backends))
     unique_names([b.name for b in backends], "backends")
     return backends
-
-
-def _kv_disk(raw: object, base: Path) -> KvDiskConfig | None:
-    if raw is None:
-        return None
-    sec = _Section(raw, "kv_disk.")
-    path = sec.get_str("path", None, "/var/lib/kvroute/slots")
-    if not path:
-        raise ConfigError("kv_disk.path: required (fix: a directory of its own, e.g. "
-                          "path: /var/lib/kvroute/slots)")
-    d = KvDiskConfig(Path("."))
-    out = KvDiskConfig(path=_path(base, path), max_gib=sec.get_num("max_gib", d.max_gib),
-                       save_after_idle_s=sec.get_num("save_after_idle_s", d.save_after_idle_s),
-                       min_tokens=sec.get_int("min_tokens", d.min_tokens))
-    sec.finish(["path", "max_gib", "save_after_idle_s", "min_tokens"])
-    return out
 
 
 def _replicas(raw: object, port: int) -> ReplicasConfig | None:

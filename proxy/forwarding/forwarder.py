@@ -31,6 +31,7 @@ from proxy.forwarding.assemble import NATIVE_PATHS, assembler_for, runs_on_when_
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import AS_IS, JSON, Relay, Settle, Target, send, upstream_payload
 from proxy.forwarding.slot_store import SlotStore
+from proxy.forwarding.slot_tier import DiskTier
 from proxy.forwarding.upstream import Response, Upstream
 from proxy.forwarding.waits import BackendLeft, SlotWaits
 from proxy.observability.tracing import Tracing
@@ -109,7 +110,7 @@ class Forwarder:
         self.log_prompts = log_prompts
         self._tokenize_output = tokenize_output
         self.session = session  # for /slots (see `SlotWaits.free_when_idle`)
-        self.slot_store: SlotStore | None = None  # slots saved to disk (kv_disk), if on
+        self.disk: DiskTier | None = None  # slots saved to disk (kv_disk), if on
         self.tracing = Tracing()  # OpenTelemetry spans, if on (proxy.otel)
         # told (backend, slot, request id, prompt) of each request sent to a slot, for
         # the other replicas (proxy/replicas/peers.py `Teller`), if any
@@ -119,6 +120,10 @@ class Forwarder:
         # hybrid models; None when the template is not known here
         self.user_starts: Callable[[bytes], tuple[int, ...]] | None = None
         self.waits = SlotWaits(router, backends, recorder, first_byte_timeout, session)
+
+    def slot_store(self, backend: str) -> SlotStore | None:
+        """The disk tier's store of the directory ``backend`` reads (None: it has none)."""
+        return None if self.disk is None else self.disk.of(backend)
 
     def max_context(self) -> int | None:
         """The largest slot context of any ready backend (tripped ones included)."""
@@ -192,9 +197,9 @@ class Forwarder:
             starts_at_end=outcome.starts_at_end))
         info = self.backends.get(decision.backend)
         slot = outcome.reported_slot if outcome.reported_slot is not None else decision.slot
-        if self.slot_store is not None and info is not None and info.managed \
-                and slot is not None:
-            self.slot_store.note(info, slot)
+        store = self.slot_store(decision.backend)
+        if store is not None and info is not None and slot is not None:
+            store.note(info, slot)
 
     async def _send(self, request: web.Request, path: str, raw: bytes, body: JSON,
                     relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
@@ -341,12 +346,16 @@ class _Attempt:
             held_at = time.perf_counter()
             h = await self.fw.waits.hold(self.decision, self.info)
             self.fw.recorder.slot_waited(self.info.name, time.perf_counter() - held_at)
-            self.decision = dataclasses.replace(self.decision, slot=h.slot,
-                                                predicted_cached=h.predicted_cached)
-        store = self.fw.slot_store
+            self.decision = dataclasses.replace(
+                self.decision, slot=h.slot, predicted_cached=h.predicted_cached,
+                tier=h.tier, restore=h.restore)
+            displaced = h.displaced
+        else:
+            displaced = None
+        store = self.fw.slot_store(self.info.name)
         if store is not None and self.decision.slot is not None:
             keeps = self.decision.predicted_cached if self.decision.tier == "slot" else 0
-            await store.spill(self.info, self.decision.slot, keeps)
+            await store.spill(self.info, self.decision.slot, keeps, displaced)
         # the slot is given the saved conversation first: the request then reuses it (if
         # the server was asked and it failed, the request is a prefill: predicted so; if
         # it was not asked, the file went meanwhile and the model's guess stands)

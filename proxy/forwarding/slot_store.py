@@ -2,65 +2,57 @@
 
 llama-server writes a slot's KV to a file in its `--slot-save-path` and reads it back into
 any slot of any server of the same model and build (`POST /slots/{id}?action=save|
-restore`). A slot that stays idle for `save_after_idle_s` after a turn (the agent is
-thinking, the user reading) is saved; a later save of the same conversation replaces the
-file, another conversation in that slot gets a file of its own. A request about to
-displace a slot's content before it was saved (a busy fleet turns slots over faster than
-that) has it saved first, a spill, when the save is short (`SPILL_MAX_S` at the write rate
-the saves so far measured): it delays that request by as long. The router holds every
-file's tokens in its tree: a request whose prefix a file holds better than the slot it
-is given (the conversation's backend is busy or gone, its slot reused since) has that
-file restored into the slot first (`Decision.restore`). And when a backend comes back
-(the supervisor restarts it, or kvroute itself restarts) each of its slots gets its last
+restore`). A SlotStore holds the files of one such directory (slot_files.py) for the
+backends that read it: kv_disk.path for the managed ones, a directory external servers
+declare (`slot_save_path`) for those (slot_tier.py). A slot that stays idle for
+`save_after_idle_s` after a turn (the agent is thinking, the user reading) is saved; a
+later save of the same conversation replaces the file, another conversation in that slot
+gets a file of its own. A request about to displace a slot's content before it was saved
+(a busy fleet turns slots over faster than that) has it saved first, a spill, when the
+save is short (`SPILL_MAX_S` at the write rate the saves so far measured): it delays that
+request by as long. The router holds every file's tokens in its tree: a request whose
+prefix a file holds better than the slot it is given (the conversation's backend is busy
+or gone, its slot reused since) has that file restored into the slot first
+(`Decision.restore`). And when a backend comes back (the supervisor restarts it, an
+external one answers again, or kvroute itself restarts) each of its slots gets its last
 saved content back before requests are routed there.
 
-What a file holds is recorded beside it (`index.json`: backend, slot, the token ids the
-router knew the slot to hold, and the model that computed it), so a restore is predicted
-exactly. File names are kvroute's own (no client input reaches a path); files are 0600 in
-a 0700 directory; the budget (`max_gib`) drops the oldest saves, and a file no entry names
-(a save that failed or was given up, whatever the server wrote of it) is removed.
-
-The server checks a file's format, layer count and cache types, not which weights made
-it: the KV of a fine-tune or another quantization of the same base loads without a word
-and decodes wrong. So each file carries its model's identity (`model_identity`), and is
-restored only into a backend that runs that model now and reads this directory (managed
-ones; an external server has a directory of its own, if any). A file of another model
-than its backend's is kept, for its own model (a configuration switched back finds it),
-within the budget that ages it out otherwise, and counted `foreign` when that backend
-starts. A file the server refuses (it answered, and said no: another build, a short
-count) is dropped and counted, and the slot starts empty. A server that does not answer
-(down, restarting, hung) says nothing of the file, which is kept for its next start; but
-one that goes away during the same file's restore twice in a row is taken to be brought
-down by it, and the file is dropped. A file whose size is not what the server wrote is
-dropped without being sent: the server aborts on a truncated one (a GGML_ASSERT in
-llama_state_seq_load_file), and every restart would die on it again. Events counted:
-saved, spilled, save_failed, restored, restore_failed, restore_interrupted, foreign,
-index_failed.
+Each file carries its model's identity (slot_identity.py), and is restored only into a
+backend that runs that model now and reads its directory. An external server may have
+been restarted with another model between two health probes: it is asked again before
+each save and restore (a restore into a server of another model is refused and counted
+`foreign`). A file of another model than its backend's is kept, for its own model (a
+configuration switched back finds it), within the budget (`max_gib`, per directory)
+that ages it out otherwise, and counted `foreign` when that backend starts. A file the
+server refuses (it answered, and said no: another build, a short count) is dropped and
+counted, and the slot starts empty. A server that does not answer (down, restarting,
+hung) says nothing of the file, which is kept for its next start; but one that goes away
+during the same file's restore twice in a row is taken to be brought down by it, and the
+file is dropped. A file whose size is not what the server wrote is dropped without being
+sent: the server aborts on a truncated one (a GGML_ASSERT in llama_state_seq_load_file),
+and every restart would die on it again. Events counted: saved, spilled, save_failed,
+restored, restore_failed, restore_interrupted, foreign, index_failed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
-import json
-import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 import structlog
 
 from backends.client import BackendClient, BackendDown
-from backends.config import KvDiskConfig, ManagedBackendConfig
+from backends.config import KvDiskConfig
 from backends.supervisor import BackendInfo
+from proxy.forwarding.slot_files import INDEX, Saved, SlotFiles
+from proxy.forwarding.slot_identity import reported_identity
 from proxy.routing.router import Router
 
-INDEX = "index.json"
-_PREFIX = "kvroute-"
+__all__ = ["INDEX", "RESTORE_BASE_S", "Saved", "SlotStore"]
+
 # A restore reads its file whole into the server's KV, in the server's loop: allow the loop
 # this long to take the task, and the file's size at a hard disk's speed. Past that the
 # server is hung (stopped, a wedged loop), and a request goes on without the restore: the
@@ -76,56 +68,32 @@ SPILL_MAX_S = 0.25
 SPILL_BASE_S = 1.0
 SPILL_SLACK = 4.0
 _WRITE_BPS_FIRST = 200 * (1 << 20)  # until a save measures it: a slow SSD's write rate
-
-
-def model_identity(cfg: ManagedBackendConfig) -> str | None:
-    """What a slot's KV depends on besides its tokens, as a short hash (None: the model
-    file cannot be read). The weights: the GGUF by its resolved path, size and mtime (a
-    file replaced or requantized in place gets another). The command line: a LoRA adapter,
-    RoPE scaling, the cache types change what the KV holds, and `LLAMA_ARG_*` variables
-    are options too. The build is not: the server checks a file's format version itself,
-    and another build computes the same KV from the same weights, up to rounding."""
-    try:
-        path = cfg.model.resolve()
-        st = path.stat()
-    except OSError:
-        return None
-    env = sorted((k, v) for k, v in cfg.env.items() if k.startswith("LLAMA_ARG_"))
-    doc = [str(path), st.st_size, st.st_mtime_ns, list(cfg.extra_args), env]
-    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:16]
-
-
-@dataclass
-class Saved:
-    id: int
-    backend: str  # where it was saved from (restored there after a restart)
-    slot: int
-    tokens: bytes  # int32 token bytes the slot was known to hold when saved
-    saved_at: float
-    model: str  # model_identity of the backend when it was saved
-    size: int = 0  # bytes of the file as the server wrote it
-
-    @property
-    def file(self) -> str:
-        return f"{_PREFIX}{self.id}.bin"
+_IDENTITY_TIMEOUT_S = 5.0  # an external server asked which model it runs
+# The router's entries of every directory are told apart by the directory's number: entry
+# ids are a directory's own (its file names)
+_DIRS = 1 << 8
 
 
 class SlotStore:
-    """The files of one directory, for the routers of every model pool: ``routers``, and
-    ``router_of`` a backend (the one router, given alone)."""
+    """The files of one directory (``cfg.path``), for the routers of every model pool:
+    ``routers``, and ``router_of`` a backend (the one router, given alone); ``number``:
+    the directory's among those of the tier (below 256)."""
 
     def __init__(self, cfg: KvDiskConfig, session: aiohttp.ClientSession,
                  routers: Router | Sequence[Router], counted: Callable[[str], None],
-                 router_of: Callable[[str], Router | None] | None = None) -> None:
-        self.cfg, self.session, self.counted = cfg, session, counted
+                 router_of: Callable[[str], Router | None] | None = None,
+                 number: int = 0) -> None:
+        assert 0 <= number < _DIRS
+        self.cfg, self.session, self.counted, self.number = cfg, session, counted, number
+        self.files = SlotFiles(cfg.path, counted)
         self.routers = [routers] if isinstance(routers, Router) else list(routers)
         only = self.routers[0] if len(self.routers) == 1 else None
         self.router_of = router_of or (lambda _: only)
         self.log = structlog.get_logger()
         self._writing: set[str] = set()  # files a save in flight may be writing
-        self.saved: dict[int, Saved] = self._load()
+        self.saved: dict[int, Saved] = self.files.load()
         self._next = max(self.saved, default=0) + 1
-        # managed backend -> model_identity when it last became ready (see backend_ready)
+        # backend -> the identity of its model when it last became ready (backend_ready)
         self.models: dict[str, str] = {}
         self._offered: dict[int, frozenset[str]] = {}  # entry -> who the router offers it to
         self._strikes: dict[int, int] = {}  # entry -> restores the server went away during
@@ -135,11 +103,12 @@ class SlotStore:
         self._saving: set[tuple[str, int]] = set()  # idle saves past their wait
         self.write_bps = float(_WRITE_BPS_FIRST)  # the servers' save rate, as measured
 
-    def backend_ready(self, name: str, model: str | None) -> None:
-        """Managed backend ``name`` became ready running ``model`` (``model_identity``;
-        None: unknown, and then nothing is saved from it or restored into it). Only then
-        are the files of that model offered to it: no file reaches a backend of another
-        model, or one that does not read this directory."""
+    def backend_ready(self, name: str, model: str | None, count: bool = True) -> None:
+        """Backend ``name``, which reads this directory, became ready running ``model``
+        (slot_identity; None: unknown, and then nothing is saved from it or restored into
+        it); ``count``: its files of another model as ``foreign``. Only then are the
+        files of that model offered to it: no file reaches a backend of another model, or
+        one that does not read this directory."""
         if model is None:
             self.models.pop(name, None)
         else:
@@ -148,7 +117,7 @@ class SlotStore:
             self._cancel_pending(key)  # (a new process: its slots start empty)
             self._unsaved.pop(key, None)
         foreign = sum(e.backend == name and e.model != model for e in self.saved.values())
-        if foreign and model is not None:
+        if foreign and model is not None and count:
             self.log.warning("slot.foreign", backend=name, files=foreign)
             for _ in range(foreign):
                 self.counted("foreign")
@@ -163,9 +132,34 @@ class SlotStore:
         for r in self.routers:
             mine = frozenset(n for n in where if self.router_of(n) is r)
             if mine:
-                r.disk_add(e.id, e.file, e.tokens, mine)
+                r.disk_add(self._key(e.id), e.file, e.tokens, mine)
             else:
-                r.disk_drop(e.id)
+                r.disk_drop(self._key(e.id))
+
+    def _key(self, entry_id: int) -> int:
+        """The router's name for an entry of this directory."""
+        return entry_id * _DIRS + self.number
+
+    async def _model_of(self, info: BackendInfo) -> str | None:
+        """The model ``info`` runs now (None: unknown). An external server is asked: it
+        may have been restarted with another model between two health probes, unseen."""
+        model = self.models.get(info.name)
+        if info.managed or model is None:
+            return model
+        now = await self._reported(info)
+        if now is not None and now != model:  # (no answer: nothing learnt)
+            self.log.warning("slot.model_changed", backend=info.name)
+            self.backend_ready(info.name, now, count=False)
+        return now
+
+    async def external_ready(self, info: BackendInfo) -> None:
+        """External backend ``info``, which reads this directory, answers (again): what
+        it runs is what it reports (kvroute did not start it)."""
+        self.backend_ready(info.name, await self._reported(info))
+
+    async def _reported(self, info: BackendInfo) -> str | None:
+        return await reported_identity(BackendClient(
+            self.session, info.url, info.api_key, timeout=_IDENTITY_TIMEOUT_S))
 
     def _held(self, backend: str, slot: int) -> bytes | None:
         r = self.router_of(backend)
@@ -210,13 +204,18 @@ class SlotStore:
             await self._save(info, slot, tokens,
                              lambda: self._held(info.name, slot) == tokens)
 
-    async def spill(self, info: BackendInfo, slot: int, keeps: int) -> None:
+    async def spill(self, info: BackendInfo, slot: int, keeps: int,
+                    displaced: bytes | None = None) -> None:
         """A request is about to be sent to ``info``'s ``slot``, reusing its first
         ``keeps`` tokens: save what the slot holds first if the request displaces it, it
         was not saved, and the save is short. The slot is the request's meanwhile, so
-        it holds the same when the save is done."""
+        it holds the same when the save is done. ``displaced``: what the slot held when
+        the router handed it to this request, a queued one (the turn before ended a
+        moment ago: `note` found the slot taken already)."""
         key = (info.name, slot)
         tokens = self._unsaved.pop(key, None)
+        if displaced is not None:
+            tokens = displaced
         if tokens is None or len(tokens) // 4 - keeps < self.cfg.min_tokens:
             return
         estimate = len(tokens) // 4 * (info.kv_bytes_per_token or 0) / self.write_bps
@@ -239,8 +238,10 @@ class SlotStore:
         waits for it), none for an idle save."""
         spilled = timeout is not None
         model = self.models.get(info.name)
-        if not info.managed or model is None or len(tokens) // 4 < self.cfg.min_tokens:
+        if model is None or len(tokens) // 4 < self.cfg.min_tokens:
             return
+        if await self._model_of(info) != model:
+            return  # (restarted with another model: its slot does not hold what was noted)
         known = self._latest(info.name, slot, model)
         if known is not None and known.tokens == tokens:
             return  # (nothing new since the last save)
@@ -256,9 +257,9 @@ class SlotStore:
             ok = isinstance(got, int) and got >= len(tokens) // 4 and still_held()
         finally:
             self._writing.discard(entry.file)
-            entry.size = _size(self.cfg.path / entry.file)
+            entry.size = self.files.size(entry.file)
             if not ok:  # the server may have written it, whole or in part: no entry names it
-                self._unlink(entry.file)
+                self.files.unlink(entry.file)
         if not ok or not entry.size:
             self.counted("save_failed")
             if spilled:  # (a disk that stalls: the next spills are skipped, not waited on)
@@ -268,15 +269,14 @@ class SlotStore:
         took = time.monotonic() - began
         if took > 0:  # (the round trip counted in: what a spill waits)
             self.write_bps = 0.7 * self.write_bps + 0.3 * entry.size / took
-        with contextlib.suppress(OSError):
-            (self.cfg.path / entry.file).chmod(0o600)
+        self.files.private(entry.file)
         if known is not None and tokens.startswith(known.tokens):
             self._drop(known.id)  # the same conversation, further on
         self.saved[entry.id] = entry
         self._offer(entry)
         self.counted("spilled" if spilled else "saved")
         self._enforce_budget()
-        self._write()
+        self.files.write(self.saved.values())
         self.log.info("slot.saved", backend=info.name, slot=slot, tokens=len(tokens) // 4,
                       spilled=spilled, ms=round(took * 1000, 1))
 
@@ -294,7 +294,7 @@ class SlotStore:
     async def _restore(self, info: BackendInfo, slot: int, e: Saved) -> bool | None:
         """Restore ``e`` into ``info``'s ``slot``: True; False: refused, ``e`` is
         dropped; None: no answer (the server is down or hung)."""
-        if _size(self.cfg.path / e.file) != e.size:
+        if self.files.size(e.file) != e.size:
             got: object = "the file is not the size the server wrote"
         else:
             timeout = RESTORE_BASE_S + e.size / RESTORE_BYTES_PER_S
@@ -322,22 +322,26 @@ class SlotStore:
         (the server clears it on a refusal; after no answer, what it holds is unknown).
         None: nothing was asked of the server, the slot holds what it held."""
         e = next((e for e in self.saved.values() if e.file == file), None)
-        if e is None or not info.managed or e.model != self.models.get(info.name):
-            # dropped since the decision (budget, a refusal), or not this backend's to read
+        model = None if e is None else await self._model_of(info)
+        if e is None or e.model != model:
+            # dropped since the decision (budget, a refusal), or of another model than the
+            # one the server runs now (an external one restarted with another, unseen)
+            if e is not None and model is not None:
+                self.counted("foreign")
             self.log.info("slot.restore_skipped", backend=info.name, slot=slot, file=file)
             return None
         done = await self._restore(info, slot, e)
         if e.id not in self.saved:
-            self._write()
+            self.files.write(self.saved.values())
         return bool(done)
 
     async def restore(self, info: BackendInfo) -> list[tuple[int, bytes]]:
         """Restore ``info``'s saved slots into it (a new process: its slots are empty);
         the (slot, tokens) that came back. The server gone or hung: the rest wait for
         its next start."""
-        model = self.models.get(info.name)
+        model = await self._model_of(info)
         out: list[tuple[int, bytes]] = []
-        if not info.managed or model is None:
+        if model is None:
             return out
         slots = {e.slot for e in self.saved.values()
                  if e.backend == info.name and e.model == model}
@@ -352,7 +356,7 @@ class SlotStore:
         if out:
             self.log.info("slot.restored", backend=info.name,
                           slots=[(s, len(t) // 4) for s, t in out])
-        self._write()
+        self.files.write(self.saved.values())
         return out
 
     async def close(self) -> None:
@@ -360,82 +364,18 @@ class SlotStore:
             task.cancel()
         await asyncio.gather(*self._pending.values(), return_exceptions=True)
 
-    # ------------------------------------------------------------------ the files
     def _drop(self, entry_id: int) -> None:
         entry = self.saved.pop(entry_id, None)
         self._offered.pop(entry_id, None)
         self._strikes.pop(entry_id, None)
         for r in self.routers:
-            r.disk_drop(entry_id)
+            r.disk_drop(self._key(entry_id))
         if entry is not None:
-            self._unlink(entry.file)
-
-    def _unlink(self, file: str) -> None:
-        with contextlib.suppress(OSError):
-            (self.cfg.path / file).unlink()
+            self.files.unlink(entry.file)
 
     def _enforce_budget(self) -> None:
-        budget = self.cfg.max_gib * (1 << 30)
-        by_age = sorted(self.saved.values(), key=lambda e: e.saved_at)
-        total = sum(_size(self.cfg.path / e.file) for e in by_age)
-        while by_age and total > budget:
-            oldest = by_age.pop(0)
-            total -= _size(self.cfg.path / oldest.file)
-            self._drop(oldest.id)
+        for entry_id in self.files.over_budget(self.saved.values(),
+                                               self.cfg.max_gib * (1 << 30)):
+            self._drop(entry_id)
         # a save given up (cancelled, timed out) may have been written after all
-        self._sweep({e.file for e in self.saved.values()} | self._writing)
-
-    def _sweep(self, named: set[str]) -> None:
-        """Remove the slot files of the directory that are not in ``named``."""
-        with contextlib.suppress(OSError):
-            for f in self.cfg.path.glob(f"{_PREFIX}*.bin"):
-                if f.name not in named:
-                    self._unlink(f.name)
-
-    def _write(self) -> None:
-        doc = [{"id": e.id, "backend": e.backend, "slot": e.slot, "saved_at": e.saved_at,
-                "model": e.model, "size": e.size,
-                "tokens": base64.b64encode(e.tokens).decode()}
-               for e in self.saved.values()]
-        tmp = self.cfg.path / (INDEX + ".tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, self.cfg.path / INDEX)
-        except OSError as err:
-            # a full disk, the directory removed: the files serve this run all the same,
-            # and the next start trusts only the last index written (files no entry of
-            # it names are removed, entries whose file is gone are dropped)
-            self._unlink(tmp.name)
-            self.counted("index_failed")
-            self.log.warning("slot.index_failed", path=str(tmp), error=str(err))
-
-    def _load(self) -> dict[int, Saved]:
-        """The index a previous run left (entries whose file is gone are dropped, files
-        no entry names are deleted). An entry that does not parse is skipped alone; so is
-        one without a model or size (an older kvroute's: what computed its KV is
-        unknown)."""
-        out: dict[int, Saved] = {}
-        try:
-            doc = json.loads((self.cfg.path / INDEX).read_text())
-        except (OSError, ValueError):
-            doc = None  # none yet, or unreadable: start empty
-        for d in doc if isinstance(doc, list) else ():
-            try:
-                e = Saved(int(d["id"]), str(d["backend"]), int(d["slot"]),
-                          base64.b64decode(d["tokens"], validate=True),
-                          float(d["saved_at"]), str(d["model"]), int(d["size"]))
-            except (ValueError, KeyError, TypeError):  # (binascii.Error is a ValueError)
-                continue
-            if (self.cfg.path / e.file).is_file() and len(e.tokens) % 4 == 0:
-                out[e.id] = e
-        self._sweep({e.file for e in out.values()})
-        return out
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
+        self.files.sweep({e.file for e in self.saved.values()} | self._writing)

@@ -354,9 +354,5 @@ def _disk_status(app: web.Application) -> dict[str, object] | None:
     """The disk tier: where, its budget, and the conversations it holds (None: off).
     Sliding-window and hybrid backends save nothing there (see /kvroute/status backends'
     `memory`): the server restores a slot without its checkpoints."""
-    store = app[FORWARDER].slot_store
-    if store is None:
-        return None
-    saved = list(store.saved.values())
-    return {"path": str(store.cfg.path), "max_gib": store.cfg.max_gib, "files": len(saved),
-            "tokens": sum(len(e.tokens) // 4 for e in saved)}
+    disk = app[FORWARDER].disk
+    return None if disk is None else disk.status()

@@ -28,7 +28,7 @@ from proxy.routing.router import Router
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL = "m1"  # a model identity (slot_store.model_identity's format does not matter here)
+MODEL = "m1"  # a model identity (slot_identity's format does not matter here)
 
 
 def ids(start: int, n: int) -> bytes:

@@ -31,7 +31,8 @@ from backends.supervisor import BackendInfo, Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
 from proxy.forwarding.health import capacity
-from proxy.forwarding.slot_store import INDEX, RESTORE_BASE_S, SlotStore, model_identity
+from proxy.forwarding.slot_identity import model_identity
+from proxy.forwarding.slot_store import INDEX, RESTORE_BASE_S, SlotStore
 from proxy.routing.router import Router
 from proxy.server.keys import FORWARDER, METRICS, ROUTER
 
@@ -175,7 +176,7 @@ async def test_a_conversation_moves_by_restore_only_where_it_may(
     stopped = None
     try:
         async with proxy(sup, ProxySettings(health=FAST_HEALTH)) as client:
-            store, m = client.server.app[FORWARDER].slot_store, client.server.app[METRICS]
+            store, m = client.server.app[FORWARDER].slot_store("a"), client.server.app[METRICS]
             assert store is not None
             for seed in range(4):  # a conversation on "a" (the first try, ties go to it)
                 session = [{"role": "system", "content": words(600, 20 + seed)},

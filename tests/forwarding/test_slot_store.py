@@ -187,7 +187,7 @@ async def test_a_backend_down_while_its_slots_are_restored_keeps_its_files(
             assert old is not None and pid is not None
             os.kill(pid, signal.SIGKILL)
             await until(lambda: not routed(client, "a"), 30)
-            store = client.server.app[FORWARDER].slot_store
+            store = client.server.app[FORWARDER].slot_store("a")
             assert store is not None
             assert await store.restore(old) == []  # (nothing listens on its port)
             assert short.is_file() and long.is_file() and store.has("a")

@@ -1,0 +1,68 @@
+"""The disk tier's directories, one SlotStore each: kv_disk.path for the managed backends,
+and each directory external llama-servers declare (`slot_save_path`) for those that
+declare it. External backends that declare the same directory share its files (one
+saved from one is restored into another of the same model); one that declares none has
+no disk tier, nor has a backend an agent runs (the files would be on its host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+
+from backends.config import BackendConfig, ExternalBackendConfig, KvDiskConfig
+from proxy.forwarding.slot_store import SlotStore
+from proxy.routing.router import Router
+
+
+def directories(kv_disk: KvDiskConfig, backends: Sequence[BackendConfig]
+                ) -> dict[Path, list[str]]:
+    """Each directory of the tier and the backends that read it (kv_disk.path first)."""
+    own = kv_disk.path.resolve()
+    out: dict[Path, list[str]] = {own: []}
+    for b in backends:
+        if not isinstance(b, ExternalBackendConfig):
+            out[own].append(b.name)
+        elif b.slot_save_path is not None:
+            out.setdefault(b.slot_save_path.resolve(), []).append(b.name)
+    return out
+
+
+class DiskTier:
+    def __init__(self, kv_disk: KvDiskConfig, backends: Sequence[BackendConfig],
+                 session: aiohttp.ClientSession, routers: Sequence[Router],
+                 counted: Callable[[str], None],
+                 router_of: Callable[[str], Router | None]) -> None:
+        self.cfg = kv_disk
+        self.stores: list[SlotStore] = []
+        self._of: dict[str, SlotStore] = {}
+        for number, (path, names) in enumerate(directories(kv_disk, backends).items()):
+            store = SlotStore(replace(kv_disk, path=path), session, routers, counted,
+                              router_of, number=number)
+            self.stores.append(store)
+            self._of.update(dict.fromkeys(names, store))
+
+    def of(self, backend: str) -> SlotStore | None:
+        """The store of the directory ``backend`` reads (None: it has no disk tier)."""
+        return self._of.get(backend)
+
+    async def close(self) -> None:
+        for store in self.stores:
+            await store.close()
+
+    def status(self) -> dict[str, object]:
+        """Where, the budget (each directory's), and the conversations held."""
+        return {"path": str(self.cfg.path), "max_gib": self.cfg.max_gib,
+                "files": sum(len(s.saved) for s in self.stores),
+                "tokens": sum(_tokens(s) for s in self.stores),
+                "directories": [{"path": str(s.cfg.path), "files": len(s.saved),
+                                 "tokens": _tokens(s), "backends": sorted(
+                                     n for n, t in self._of.items() if t is s)}
+                                for s in self.stores]}
+
+
+def _tokens(store: SlotStore) -> int:
+    return sum(len(e.tokens) // 4 for e in store.saved.values())

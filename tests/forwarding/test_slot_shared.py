@@ -1,0 +1,189 @@
+"""External llama-servers that declare a shared --slot-save-path (`slot_save_path`): real
+servers the test starts itself, which kvroute only reaches by URL. A conversation saved
+from one is restored into another of the same model; never into a server of another
+model, whether it runs that model from the start or was restarted with it unseen between
+two health probes (the restore is refused and counted)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient
+from faults import FAST_HEALTH, until
+from proxy_client import proxy
+from texts import words
+
+from backends.config import ExternalBackendConfig, KvDiskConfig
+from backends.process import LlamaServerProcess, Ready, ServerSpec, free_port
+from backends.supervisor import Supervisor
+from proxy.config.load import Config
+from proxy.config.settings import ProxySettings
+from proxy.forwarding.slot_store import INDEX
+from proxy.server.keys import FORWARDER, METRICS, ROUTER
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def counted(client: TestClient[Any, Any], event: str) -> float:
+    m = client.server.app[METRICS]
+    return float(m.child(m.slot_files, event)._value.get())
+
+
+def other_model(demo_model: Path, tmp_path: Path) -> Path:
+    """The demo weights under another name: a server loads it as silently as a fine-tune
+    of the same shape, and reports another model."""
+    link = tmp_path / "other.gguf"
+    try:
+        os.link(demo_model, link)
+    except OSError:  # (another file system)
+        shutil.copyfile(demo_model, link)
+    return link
+
+
+def kvroute_over(base: Config, servers: dict[str, tuple[str, str | None]], shared: Path,
+                 own: Path, **supervision: float) -> Config:
+    """kvroute with only external backends {name: (url, key)}, all declaring ``shared``;
+    its own kv_disk directory (for managed backends: none here) is ``own``."""
+    return dataclasses.replace(
+        base, backends=tuple(ExternalBackendConfig(name=n, url=u, api_key=k,
+                                                   slot_save_path=shared)
+                             for n, (u, k) in servers.items()),
+        kv_disk=KvDiskConfig(own, save_after_idle_s=0.3, min_tokens=64),
+        supervision=dataclasses.replace(base.supervision, **supervision))
+
+
+def routed(client: TestClient[Any, Any]) -> list[str]:
+    return list(client.server.app[ROUTER].snapshot()["backends"])  # type: ignore[call-overload]
+
+
+async def chat(client: TestClient[Any, Any], messages: list[dict[str, str]]
+               ) -> tuple[dict[str, Any], dict[str, str]]:
+    async with client.post("/v1/chat/completions", json={
+            "model": "kvroute-demo", "max_tokens": 4, "messages": messages}) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        return body, dict(r.headers)
+
+
+@pytest.mark.parametrize("other", ["same model", "another model"])
+async def test_a_conversation_moves_between_external_servers_by_their_shared_directory(
+        pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path,
+        other: str) -> None:
+    """Two servers started with --slot-save-path on one directory; a conversation on one,
+    saved there once idle; that one stops answering (SIGSTOP): the next turn goes to the
+    other, whose slot is first given the conversation from the file if it runs the same
+    model (reused, predicted exactly), and not if it runs another."""
+    shared = tmp_path / "shared"
+    outside_cfg = pool_config(n=2, slots=1, cache_ram_mib=0, names=("x", "y"))
+    if other == "another model":
+        y = dataclasses.replace(outside_cfg.backends[1],
+                                model=other_model(demo_model, tmp_path))
+        outside_cfg = dataclasses.replace(outside_cfg, backends=(outside_cfg.backends[0], y))
+    outside = Supervisor(dataclasses.replace(outside_cfg, kv_disk=KvDiskConfig(shared)))
+    await outside.start()
+    servers = {i.name: (i.url, i.api_key) for i in outside.ready()}
+    sup = Supervisor(kvroute_over(pool_config(n=1), servers, shared, tmp_path / "own"))
+    await sup.start()
+    stopped = None
+    try:
+        settings = ProxySettings(health=FAST_HEALTH, tokenizer=demo_model)
+        async with proxy(sup, settings) as client:
+            await until(lambda: len(routed(client)) == 2, 30)  # (asked what they run first)
+            session = [{"role": "system", "content": words(600, 10)},
+                       {"role": "user", "content": words(40, 11)}]
+            body, headers = await chat(client, session)
+            first, previous = headers["X-Kvroute-Backend"], body["usage"]["prompt_tokens"]
+            session.append({"role": "assistant", "content": "Noted."})
+            store = client.server.app[FORWARDER].slot_store(first)
+            assert store is not None and store.cfg.path == shared.resolve()
+            await until(lambda: counted(client, "saved") >= 1, 30)
+            (saved,) = json.loads((shared / INDEX).read_text())
+            assert saved["backend"] == first and (shared / f"kvroute-{saved['id']}.bin").is_file()
+
+            stopped = outside.pid(first)
+            assert stopped is not None
+            os.kill(stopped, signal.SIGSTOP)
+            await until(lambda: first not in routed(client), 30)
+
+            session.append({"role": "user", "content": words(20, 12)})
+            body, headers = await chat(client, session)
+            assert headers["X-Kvroute-Backend"] != first
+            predicted, reused = int(headers["X-Kvroute-Predicted-Cached"]), \
+                body["timings"]["cache_n"]
+            assert abs(predicted - reused) <= 1, (predicted, reused)
+            if other == "same model":
+                assert headers["X-Kvroute-Tier"] == "disk"
+                assert reused >= 0.9 * previous, (reused, previous)
+                assert counted(client, "restored") == 1
+            else:
+                assert headers["X-Kvroute-Tier"] != "disk"
+                assert [counted(client, e) for e in ("restored", "restore_failed")] == [0, 0]
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        await sup.stop()
+        await outside.stop()
+
+
+async def start_server(binary: str, model: Path, port: int, shared: Path, log: Path
+                       ) -> LlamaServerProcess:
+    """A llama-server on ``port`` saving slots in ``shared``, as an operator starts one."""
+    proc = LlamaServerProcess(ServerSpec(
+        binary=Path(binary), model=model, port=port, slots=1, ctx_per_slot=8192,
+        cache_ram_mib=0, alias="kvroute-demo", slot_save_path=shared), log)
+    proc.spawn()
+    async with aiohttp.ClientSession() as session:
+        ready = await proc.wait_ready(session, 60)
+    assert isinstance(ready, Ready), ready
+    return proc
+
+
+async def test_a_server_restarted_with_another_model_unseen_is_refused_the_file(
+        pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path) -> None:
+    """The operator restarts the server at its URL with another model between two of
+    kvroute's health probes: kvroute still takes it for the server it was, but asks it
+    which model it runs before restoring into it. The file of the first model is refused
+    (counted `foreign`), and kept for that model."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    base = pool_config(n=1)
+    assert base.llama_server is not None
+    port = free_port()
+    cfg = kvroute_over(base, {"x": (f"http://127.0.0.1:{port}", None)}, shared,
+                       tmp_path / "own", health_interval_s=3600)  # (the restart goes unseen)
+    procs = [await start_server(base.llama_server, demo_model, port, shared,
+                                tmp_path / "x.log")]
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with proxy(sup, ProxySettings(tokenizer=demo_model)) as client:
+            await until(lambda: routed(client) == ["x"], 30)
+            await chat(client, [{"role": "system", "content": words(300, 20)},
+                                {"role": "user", "content": words(30, 21)}])
+            store = client.server.app[FORWARDER].slot_store("x")
+            assert store is not None
+            await until(lambda: counted(client, "saved") >= 1, 30)
+            (entry,) = store.saved.values()
+
+            await procs[0].stop()
+            procs.append(await start_server(base.llama_server,
+                                            other_model(demo_model, tmp_path), port,
+                                            shared, tmp_path / "x2.log"))
+            info = sup.get("x")
+            assert info is not None  # (not seen down)
+            assert await store.restore_into(info, 0, entry.file) is None
+            assert counted(client, "foreign") == 1 and counted(client, "restored") == 0
+            assert (shared / entry.file).is_file() and entry.id in store.saved
+    finally:
+        await sup.stop()
+        for proc in procs:
+            await proc.stop()

@@ -1,0 +1,38 @@
+"""Which directory of the disk tier each backend reads (slot_tier.directories)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backends.config import (
+    BackendConfig,
+    ExternalBackendConfig,
+    KvDiskConfig,
+    ManagedBackendConfig,
+)
+from proxy.forwarding.slot_tier import directories
+
+OWN, SHARED, OTHER = Path("/kv/own"), Path("/mnt/shared"), Path("/mnt/other")
+
+
+def ext(name: str, path: Path | None) -> ExternalBackendConfig:
+    return ExternalBackendConfig(name=name, url="http://h:1", slot_save_path=path)
+
+
+def man(name: str) -> ManagedBackendConfig:
+    return ManagedBackendConfig(name=name, model=Path("/m.gguf"))
+
+
+@pytest.mark.parametrize("backends,expected", [
+    ([], {OWN: []}),
+    ([man("a"), ext("x", None)], {OWN: ["a"]}),  # (an external declaring none: no tier)
+    ([ext("x", SHARED), man("a"), ext("y", SHARED)], {OWN: ["a"], SHARED: ["x", "y"]}),
+    ([ext("x", SHARED), ext("y", OTHER)], {OWN: [], SHARED: ["x"], OTHER: ["y"]}),
+    ([man("a"), ext("x", OWN)], {OWN: ["a", "x"]}),  # kvroute's own: one directory
+    ([ext("x", Path("/kv/own/../own"))], {OWN: ["x"]}),
+])
+def test_each_backend_reads_one_directory(backends: list[BackendConfig],
+                                          expected: dict[Path, list[str]]) -> None:
+    assert directories(KvDiskConfig(OWN), backends) == expected
