@@ -98,8 +98,10 @@ class ProxyMetrics:
         self.replica_events = Counter(
             "kvroute_replica_events", "Events between replicas: sent, applied (another's, "
             "to this one's model), ignored (a backend or slot busy here, or nothing to "
-            "change), invalid, dropped "
-            "(no broker, or sent too fast).", ["event"], registry=r)
+            "change), invalid, unreadable (a start "
+            "relative to one this replica missed), dropped "
+            "(no broker, sent too fast, or above the broker's max payload).", ["event"],
+            registry=r)
         self.replicas_connected = Gauge(
             "kvroute_replicas_connected", "1 while the replicas' broker is reachable.",
             registry=r)

@@ -31,6 +31,7 @@ from typing import Any
 
 import structlog
 
+from proxy.replicas.bases import Bases
 from proxy.replicas.events import Event, Kind, decode, encode
 from proxy.replicas.peers import BYE, PeerView, Teller
 
@@ -63,6 +64,7 @@ class ReplicaBus:
         self._joiners: asyncio.Queue[str] = asyncio.Queue(_SNAPSHOTS)  # their subjects
         self._tasks: list[asyncio.Task[None]] = []
         self.tellers: list[Teller] = []  # one per pool: their `alive` goes out each second
+        self.bases = Bases()  # (the starts' prompts, told and read on the live path)
 
     async def start(self) -> None:
         """Connect (in the background until the broker answers) and start sending."""
@@ -120,11 +122,14 @@ class ReplicaBus:
                 self.counted("dropped")  # (no broker: the peers learn from the next one)
                 continue
             try:
-                await self._nc.publish(subject, encode(event))
+                await self._nc.publish(subject, encode(self.bases.shorten(event)))
                 self.counted("sent")
-            except Exception as e:  # (disconnected meanwhile, its buffer full)
+            except Exception as e:  # (disconnected meanwhile, its buffer full, too large)
                 self.counted("dropped")
                 self.log.debug("replicas.publish_failed", error=str(e)[:200])
+                continue
+            if event.kind == Kind.START:
+                self.bases.told(event)
 
     async def _send_views(self) -> None:
         """Answer each replica that said hello with this one's view, made as it goes
@@ -164,24 +169,34 @@ class ReplicaBus:
 
     async def _received(self, msg: Any) -> None:
         try:
-            self._apply(msg.data)
+            self._apply(msg.data, msg.subject == SUBJECT)
         except Exception:  # (the client's callback: an error there would go unseen)
             self.counted("invalid")
             self.log.exception("replicas.event_failed")
 
-    def _apply(self, data: bytes) -> None:
+    def _apply(self, data: bytes, live: bool = True) -> None:
+        """Apply a peer's event; ``live``: sent to every replica (not only this one,
+        joining)."""
         e = decode(data)
         if e is None:
             self.counted("invalid")
             return
         if e.replica == self.replica:
             return  # (another process under this one's name, or one's own echoed)
+        if e.kind == Kind.START and self.view.routes(e):
+            whole = self.bases.whole(e)
+            if whole is None:  # (a start this replica missed, or from before it joined)
+                self.counted("unreadable")
+                return
+            self.bases.told(whole, everyone=live)
+            e = whole
         now = time.monotonic()
         if e.kind == Kind.BYE:
             self.view.left(e.replica, now, BYE)
             return
         self.view.heard(e.replica, now)
         if e.kind == Kind.HELLO:
+            self.bases.unsure()  # (it holds none of them)
             if self._joiners.full():
                 self._joiners.get_nowait()
                 self.counted("dropped")
@@ -197,6 +212,7 @@ class ReplicaBus:
 
     async def _up(self) -> None:
         self.connected = True
+        self.bases.unsure()  # (the peers may have missed some, or be new)
         self.log.info("replicas.connected", url=self.url, replica=self.replica)
         self.publish(Event(self.replica, Kind.HELLO))
         for teller in self.tellers:  # (those started while the broker was away were lost)

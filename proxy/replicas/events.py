@@ -1,7 +1,9 @@
 """What one replica tells the others, one compact event at a time:
 
 - ``start``: a request of its own is now in this slot of this backend (of this pool),
-  with this prompt: the slot is busy, and its prefill loads the backend;
+  with this prompt: the slot is busy, and its prefill loads the backend; on the wire,
+  the prompt may be the first ``keep`` tokens of a sequence an earlier start told that
+  slot to hold (``base``: their digest, see bases.py) then ``tokens``;
 - ``first``: that request's first token came (its prefill is over);
 - ``end``: it left the slot, holding the first ``keep`` tokens of its prompt then
   ``tokens`` (its answer, typically); nothing kept and no tokens: not known;
@@ -30,6 +32,7 @@ MAX_EVENT_BYTES = 8 << 20  # what a peer may send in one event
 _MAX_NAME = 256
 _MAX_ID = 1 << 62
 MAX_LIVE = 4096  # requests in flight one replica names in an `alive`
+DIGEST = 8  # bytes of a start's base digest
 
 
 class Kind(StrEnum):
@@ -56,9 +59,11 @@ class Event:
     slot: int = 0
     request: int = 0  # the sender's id of the request (start, first, end)
     tokens: bytes = b""  # int32 token bytes
-    keep: int = 0  # (end) tokens of the request's prompt its slot still holds
+    keep: int = 0  # (end) tokens of the request's prompt its slot still holds; (start) of
+    # the sequence ``base`` names, that the prompt starts with
     at: float = 0.0  # (held) when the slot last changed, as far as the sender knows
     live: tuple[int, ...] = ()  # (alive) the sender's requests in flight in the pool
+    base: bytes = b""  # (start) the digest of the ``keep`` tokens it starts with
 
 
 def encode(e: Event) -> bytes:
@@ -71,6 +76,8 @@ def encode(e: Event) -> bytes:
         obj["n"] = e.keep
     if e.at:
         obj["w"] = e.at
+    if e.base:
+        obj["h"] = e.base.hex()
     if e.tokens:
         obj["t"] = base64.b64encode(zlib.compress(e.tokens, 1)).decode()
     return orjson.dumps(obj)
@@ -98,12 +105,27 @@ def decode(data: bytes) -> Event | None:
             and _count(request, _MAX_ID) and _count(keep, MAX_TOKENS + 1)):
         return None
     tokens = b"" if packed is None else _unpack(packed)
-    if tokens is None or (kind in _WITH_TOKENS and len(tokens) < 8) \
-            or (kind == Kind.FIRST and (tokens or keep)) or (kind != Kind.END and keep) \
+    base = _digest(obj.get("h"), kind == Kind.START and keep)
+    if tokens is None or base is None \
+            or (kind in _WITH_TOKENS and len(tokens) + 4 * keep < 8) \
+            or (kind == Kind.FIRST and (tokens or keep)) or (kind == Kind.HELD and keep) \
+            or (kind == Kind.START and len(tokens) + 4 * keep > MAX_TOKENS * 4) \
             or not isinstance(at, float | int) or isinstance(at, bool) \
             or not 0 <= at < 1e11 or (kind != Kind.HELD and at):
         return None
-    return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep, float(at))
+    return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep, float(at), base=base)
+
+
+def _digest(v: object, wanted: object) -> bytes | None:
+    """A start's ``base`` digest: there (and DIGEST bytes) exactly when it is wanted."""
+    if v is None:
+        return None if wanted else b""
+    if not wanted or not isinstance(v, str) or len(v) != 2 * DIGEST:
+        return None
+    try:
+        return bytes.fromhex(v)
+    except ValueError:
+        return None
 
 
 def _alive(obj: dict[str, object]) -> Event | None:

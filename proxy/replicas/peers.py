@@ -145,6 +145,11 @@ class PeerView:
         """Peers' requests in this replica's model (in their slot, or waiting for it)."""
         return len(self._told)
 
+    def routes(self, e: Event) -> bool:
+        """Is the slot ``e`` names in this replica's model?"""
+        port = self.pools.get(e.pool)
+        return port is not None and port.router.routes_slot(e.backend, e.slot)
+
     def heard(self, peer: str, now: float) -> None:
         if peer not in self._seen:
             self.log.info("replicas.peer_joined", peer=peer)

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
+import random
 import shutil
+import socket
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import nats
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from faults import until
@@ -26,7 +30,7 @@ from backends.supervisor import Supervisor
 from proxy.app import create_app
 from proxy.config.load import Config, ReplicasConfig
 from proxy.forwarding.upstream import Upstream
-from proxy.replicas.bus import LIVE_QUEUE, ReplicaBus
+from proxy.replicas.bus import LIVE_QUEUE, SUBJECT, ReplicaBus
 from proxy.replicas.events import MAX_TOKENS, Event, Kind, decode, encode
 from proxy.replicas.peers import PeerView, PoolPort
 from proxy.routing.cache.predict import BackendCapacity
@@ -47,10 +51,24 @@ NEEDS_NATS = pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get in
     Event("a", Kind.FIRST, "", "x", 1, 1 << 40),
     Event("a", Kind.END, "", "x", 1, 3, b"\x02\x00\x00\x00", 900),
     Event("a", Kind.END, "", "x", 1, 3),
+    Event("a", Kind.START, "", "x", 1, 3, b"\x02\x00\x00\x00", 900, base=bytes(range(8))),
+    Event("a", Kind.START, "", "x", 1, 3, b"", 2, base=bytes(8)),
     Event("b", Kind.HELLO), Event("b", Kind.ALIVE), Event("b", Kind.BYE),
 ])
 def test_events_read_back_as_sent(event: Event) -> None:
     assert decode(encode(event)) == event
+
+
+@pytest.mark.parametrize("event", [
+    Event("a", Kind.START, "", "x", 1, 3, b"\x02\x00\x00\x00", 900),  # (no digest)
+    Event("a", Kind.START, "", "x", 1, 3, bytes(8), 0, base=bytes(8)),  # (of nothing)
+    Event("a", Kind.START, "", "x", 1, 3, b"", 1, base=bytes(8)),  # (one token)
+    Event("a", Kind.START, "", "x", 1, 3, bytes(8), 9, base=bytes(7)),
+    Event("a", Kind.END, "", "x", 1, 3, bytes(8), 9, base=bytes(8)),
+    Event("a", Kind.START, "", "x", 1, 3, bytes(8), MAX_TOKENS, base=bytes(8)),
+])
+def test_a_start_names_its_base_whole_or_is_not_read(event: Event) -> None:
+    assert decode(encode(event)) is None
 
 
 @settings(max_examples=300, deadline=None)
@@ -71,10 +89,17 @@ async def broker() -> AsyncIterator[str]:
     proc = subprocess.Popen([NATS, "-a", "127.0.0.1", "-p", str(port)],  # type: ignore[list-item]
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        await until(lambda: _listening(port), 10)
         yield f"nats://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+        return True
+    return False
 
 
 @asynccontextmanager
@@ -222,6 +247,51 @@ async def test_a_view_larger_than_the_live_queue_and_live_events_both_go_whole()
             for bus in buses.values():
                 await bus.close()
     assert counts["a"]["dropped"] == 0
+
+
+@NEEDS_NATS
+async def test_a_turn_goes_as_what_it_adds_to_the_last_and_is_read_whole() -> None:
+    """a's next turn in a slot goes out as the tokens it adds to the one before (a tap
+    on the subject sees it), and b reads its whole prompt; after a replica said hello,
+    a's next start goes whole (the joiner holds none of a's)."""
+    rng = random.Random(5)
+    history = [rng.randrange(150_000) for _ in range(600)]
+    prompts = [history, [*history, *range(20)], [*history, *range(30)]]
+    views = {}
+    for name in ("a", "b"):
+        router = Router("prefix")
+        router.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
+        views[name] = PeerView(name, {"p": PoolPort(router, lambda h: None)})
+    sizes: list[int] = []
+    async with broker() as url:
+        tap = await nats.connect(url)
+
+        async def tapped(msg: Any) -> None:
+            if (e := decode(msg.data)) is not None and e.kind == Kind.START:
+                sizes.append(len(msg.data))
+
+        await tap.subscribe(SUBJECT, cb=tapped)
+        buses = {name: ReplicaBus(url, name, views[name], lambda e: None)
+                 for name in ("a", "b")}
+        try:
+            for bus in buses.values():
+                await bus.start()
+            await until(lambda: all(bus.connected for bus in buses.values()), 20)
+            for request, prompt in enumerate(prompts):
+                if request == 2:
+                    buses["a"]._apply(encode(Event("c", Kind.HELLO)))
+                buses["a"].publish(Event("a", Kind.START, "p", "x", 0, request,
+                                         to_token_bytes(prompt)))
+                await until(lambda r=request: len(sizes) > r, 20)
+                await until(lambda r=request: views["b"].in_flight > r, 20)
+                told = views["b"]._told["a", "p", request]
+                assert told.prompt == to_token_bytes(prompt)
+        finally:
+            for bus in buses.values():
+                await bus.close()
+            await tap.close()
+    whole, turn, after_hello = sizes
+    assert turn < whole / 10 and after_hello > whole
 
 
 async def _connected(client: TestClient[Any, Any]) -> bool:

@@ -1,0 +1,75 @@
+"""Starts sent as what their prompt adds to one their slot was told before: read back
+whole by a replica holding that base, unreadable (None) by one that does not, and sent
+whole when the peers may not all hold it (a hello since)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.replicas.bases import MIN_BASE, PER_SLOT, Bases
+from proxy.replicas.events import Event, Kind, decode, encode
+from proxy.routing.tree.token_bytes import to_token_bytes
+
+
+def start(prompt: list[int], slot: int = 0, request: int = 0) -> Event:
+    return Event("a", Kind.START, "p", "x", slot, request, to_token_bytes(prompt))
+
+
+# a conversation's turns: each prompt its history (some turns back) plus new tokens
+_TURNS = st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 9), min_size=1,
+                                                        max_size=40)),
+                  min_size=1, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_TURNS, st.integers(0, 1))
+def test_a_start_reads_back_whole_where_its_slot_was_told_the_same(
+        turns: list[tuple[int, list[int]]], slot: int) -> None:
+    sender, receiver = Bases(), Bases()
+    prompts: list[list[int]] = [list(range(100, 100 + MIN_BASE))]
+    for back, new in turns:
+        prompt = prompts[max(0, len(prompts) - 1 - back)] + new
+        prompts.append(prompt)
+        e = start(prompt, slot)
+        wire = decode(encode(sender.shorten(e)))
+        assert wire is not None and receiver.whole(wire) == e
+        sender.told(e)
+        receiver.told(e)
+
+
+def test_a_turn_goes_as_its_new_tokens_unless_a_hello_came_since() -> None:
+    sender, receiver, joiner = Bases(), Bases(), Bases()
+    history = list(range(500))
+    first = start(history)
+    assert sender.shorten(first) == first  # (nothing told yet)
+    for b in (sender, receiver):
+        b.told(first)
+    turn = start([*history, 7, 8, 9])
+    wire = sender.shorten(turn)
+    assert (wire.keep, wire.tokens) == (len(history), to_token_bytes([7, 8, 9]))
+    assert receiver.whole(wire) == turn
+    assert joiner.whole(wire) is None  # (it missed the first)
+    assert Bases().whole(start([1, 2])) == start([1, 2])  # (whole: nothing to look up)
+    sender.unsure()
+    assert sender.shorten(turn) == turn
+    sender.told(turn)
+    assert sender.shorten(start([*history, 7, 8, 9, 10])).keep == len(history) + 3
+
+
+def test_a_base_read_only_by_a_joiner_is_not_one_its_own_starts_go_against() -> None:
+    joiner = Bases()
+    joiner.told(start(list(range(500))), everyone=False)
+    e = start([*range(500), 1])
+    assert joiner.shorten(e) == e
+    assert joiner.whole(Bases().shorten(e)) == e
+
+
+def test_the_bases_kept_are_bounded_per_slot_and_in_bytes() -> None:
+    b = Bases(max_bytes=4 * 2000)
+    for i in range(PER_SLOT + 2):
+        b.told(start(list(range(1000 * i, 1000 * i + 600)), slot=0))
+    assert b._bytes <= 4 * 2000
+    assert all(len(q) <= PER_SLOT for q in b._slots.values())
+    oldest = start([*range(600), 1], slot=0)
+    assert b.shorten(oldest) == oldest  # (evicted)
