@@ -3,10 +3,11 @@
 A conversation's next turn resends its whole history: most of its prompt is a prompt
 the same slot was told before (its previous turn's, or a side call's). Every replica
 keeps the last few prompts the starts told each slot of its model (its own, as sent,
-and the peers', as read); a start whose prompt begins with one of them goes out as the
-length of that common prefix, its digest, and the rest. The receiver takes the one of its
-own that has that digest; one it does not have (it missed that start, or joined since)
-makes the start unreadable there, as a missed one is.
+and the peers', as read); a start whose prompt begins with one of them (in its slot, or
+in another the start then names: a turn often goes where its history is not) goes out
+as the length of that common prefix, its digest, and the rest. The receiver takes the
+one of that slot's that has that digest; one it does not have (it missed that start, or
+joined since) makes the start unreadable there, as a missed one is.
 
 A prompt this replica holds is a base for its own starts only while every peer is sure
 to have it: anything held before a replica said hello (a joiner, one back after losing
@@ -18,12 +19,14 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
+from itertools import islice
 
 from proxy.replicas.events import DIGEST, Event, Kind
 from proxy.routing.tree.token_bytes import common_len
 
-PER_SLOT = 3  # prompts kept per slot (a turn, its side calls)
+PER_SLOT = 4  # prompts kept per slot (turns, side calls)
 MIN_BASE = 16  # tokens in common below which a start goes whole
+SEARCHED = 64  # slots a start's base is looked for in (the most recently told)
 _BYTES = 256 << 20  # prompts kept, in all
 
 _Slot = tuple[str, str, int]  # (pool, backend, slot)
@@ -76,18 +79,35 @@ class Bases:
         prompt the peers surely hold for that slot (unchanged if none is long enough)."""
         if e.kind != Kind.START:
             return e
-        bases = self._slots.get((e.pool, e.backend, e.slot), ())
-        n = max((common_len(b.prompt, e.tokens, 0) for b in bases if b.epoch == self.epoch),
-                default=0)
+        own = e.pool, e.backend, e.slot
+        n, where = self._longest(e.tokens, own, 0), own  # (its own slot first: no name)
+        for key in islice(reversed(self._slots), SEARCHED):
+            if key != own and key[0] == e.pool \
+                    and (got := self._longest(e.tokens, key, n)) > n:
+                n, where = got, key
         if n < MIN_BASE:
             return e
-        return replace(e, tokens=e.tokens[4 * n:], keep=n, base=digest(e.tokens, n))
+        return replace(e, tokens=e.tokens[4 * n:], keep=n, base=digest(e.tokens, n),
+                       base_from=None if where == own else where[1:])
+
+    def _longest(self, prompt: bytes, key: _Slot, least: int) -> int:
+        """The most tokens ``prompt`` shares with a base of ``key`` the peers surely hold
+        (0 if none shares more than ``least``)."""
+        best = 0
+        for b in self._slots.get(key, ()):
+            # (one memcmp rules out a base that shares no more: most, the system prompt)
+            if b.epoch == self.epoch and (not least or prompt.startswith(
+                    memoryview(b.prompt)[:4 * (least + 1)])):
+                best = max(best, common_len(b.prompt, prompt, 0))
+        return best if best > least else 0
 
     def whole(self, e: Event) -> Event | None:
         """A start as read: its whole prompt (None: its base is none this replica holds)."""
         if e.kind != Kind.START or not e.keep:
             return e
-        for b in self._slots.get((e.pool, e.backend, e.slot), ()):
+        where = e.base_from or (e.backend, e.slot)
+        for b in self._slots.get((e.pool, *where), ()):
             if len(b.prompt) >= 4 * e.keep and digest(b.prompt, e.keep) == e.base:
-                return replace(e, tokens=b.prompt[:4 * e.keep] + e.tokens, keep=0, base=b"")
+                return replace(e, tokens=b.prompt[:4 * e.keep] + e.tokens, keep=0, base=b"",
+                               base_from=None)
         return None

@@ -2,8 +2,9 @@
 
 - ``start``: a request of its own is now in this slot of this backend (of this pool),
   with this prompt: the slot is busy, and its prefill loads the backend; on the wire,
-  the prompt may be the first ``keep`` tokens of a sequence an earlier start told that
-  slot to hold (``base``: their digest, see bases.py) then ``tokens``;
+  the prompt may be the first ``keep`` tokens of a prompt an earlier start told that
+  slot (or the slot ``base_from`` names) to hold (``base``: their digest, see bases.py)
+  then ``tokens``;
 - ``first``: that request's first token came (its prefill is over);
 - ``end``: it left the slot, holding the first ``keep`` tokens of its prompt then
   ``tokens`` (its answer, typically); nothing kept and no tokens: not known;
@@ -64,6 +65,7 @@ class Event:
     at: float = 0.0  # (held) when the slot last changed, as far as the sender knows
     live: tuple[int, ...] = ()  # (alive) the sender's requests in flight in the pool
     base: bytes = b""  # (start) the digest of the ``keep`` tokens it starts with
+    base_from: tuple[str, int] | None = None  # (start) their slot, if another (backend, slot)
 
 
 def encode(e: Event) -> bytes:
@@ -77,7 +79,7 @@ def encode(e: Event) -> bytes:
     if e.at:
         obj["w"] = e.at
     if e.base:
-        obj["h"] = e.base.hex()
+        obj["h"] = [e.base.hex(), *(e.base_from or ())]
     if e.tokens:
         obj["t"] = base64.b64encode(zlib.compress(e.tokens, 1)).decode()
     return orjson.dumps(obj)
@@ -105,7 +107,7 @@ def decode(data: bytes) -> Event | None:
             and _count(request, _MAX_ID) and _count(keep, MAX_TOKENS + 1)):
         return None
     tokens = b"" if packed is None else _unpack(packed)
-    base = _digest(obj.get("h"), kind == Kind.START and keep)
+    base = _base(obj.get("h"), kind == Kind.START and keep)
     if tokens is None or base is None \
             or (kind in _WITH_TOKENS and len(tokens) + 4 * keep < 8) \
             or (kind == Kind.FIRST and (tokens or keep)) or (kind == Kind.HELD and keep) \
@@ -113,19 +115,24 @@ def decode(data: bytes) -> Event | None:
             or not isinstance(at, float | int) or isinstance(at, bool) \
             or not 0 <= at < 1e11 or (kind != Kind.HELD and at):
         return None
-    return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep, float(at), base=base)
+    return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep, float(at),
+                 base=base[0], base_from=base[1])
 
 
-def _digest(v: object, wanted: object) -> bytes | None:
-    """A start's ``base`` digest: there (and DIGEST bytes) exactly when it is wanted."""
+def _base(v: object, wanted: object) -> tuple[bytes, tuple[str, int] | None] | None:
+    """A start's ``base`` digest (DIGEST bytes) and slot: there exactly when wanted."""
     if v is None:
-        return None if wanted else b""
-    if not wanted or not isinstance(v, str) or len(v) != 2 * DIGEST:
+        return None if wanted else (b"", None)
+    if not wanted or not isinstance(v, list) or len(v) not in (1, 3) \
+            or not isinstance(v[0], str) or len(v[0]) != 2 * DIGEST:
+        return None
+    if len(v) == 3 and not (_name(v[1]) and _count(v[2], 1 << 16)):
         return None
     try:
-        return bytes.fromhex(v)
+        digest = bytes.fromhex(v[0])
     except ValueError:
         return None
+    return digest, (v[1], v[2]) if len(v) == 3 else None
 
 
 def _alive(obj: dict[str, object]) -> Event | None:

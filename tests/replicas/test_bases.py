@@ -16,19 +16,20 @@ def start(prompt: list[int], slot: int = 0, request: int = 0) -> Event:
     return Event("a", Kind.START, "p", "x", slot, request, to_token_bytes(prompt))
 
 
-# a conversation's turns: each prompt its history (some turns back) plus new tokens
-_TURNS = st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 9), min_size=1,
-                                                        max_size=40)),
-                  min_size=1, max_size=12)
+# a conversation's turns: each prompt its history (some turns back) plus new tokens,
+# in one of a few slots
+_TURNS = st.lists(st.tuples(st.integers(0, 6), st.lists(st.integers(0, 9), min_size=1,
+                                                        max_size=40), st.integers(0, 3)),
+                  min_size=1, max_size=16)
 
 
-@settings(max_examples=200, deadline=None)
-@given(_TURNS, st.integers(0, 1))
-def test_a_start_reads_back_whole_where_its_slot_was_told_the_same(
-        turns: list[tuple[int, list[int]]], slot: int) -> None:
+@settings(max_examples=300, deadline=None)
+@given(_TURNS)
+def test_a_start_reads_back_whole_where_the_slots_were_told_the_same(
+        turns: list[tuple[int, list[int], int]]) -> None:
     sender, receiver = Bases(), Bases()
     prompts: list[list[int]] = [list(range(100, 100 + MIN_BASE))]
-    for back, new in turns:
+    for back, new, slot in turns:
         prompt = prompts[max(0, len(prompts) - 1 - back)] + new
         prompts.append(prompt)
         e = start(prompt, slot)
@@ -36,6 +37,18 @@ def test_a_start_reads_back_whole_where_its_slot_was_told_the_same(
         assert wire is not None and receiver.whole(wire) == e
         sender.told(e)
         receiver.told(e)
+
+
+def test_a_turn_gone_to_another_slot_goes_against_its_history_there() -> None:
+    sender, receiver = Bases(), Bases()
+    history, other = list(range(500)), list(range(1000, 1400))
+    for b in (sender, receiver):
+        b.told(start(history, slot=0))
+        b.told(start(other, slot=1))
+    turn = start([*history, 7], slot=1)
+    wire = sender.shorten(turn)
+    assert (wire.keep, wire.base_from) == (len(history), ("x", 0))
+    assert receiver.whole(decode(encode(wire))) == turn  # type: ignore[arg-type]
 
 
 def test_a_turn_goes_as_its_new_tokens_unless_a_hello_came_since() -> None:

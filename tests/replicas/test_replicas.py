@@ -53,6 +53,7 @@ NEEDS_NATS = pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get in
     Event("a", Kind.END, "", "x", 1, 3),
     Event("a", Kind.START, "", "x", 1, 3, b"\x02\x00\x00\x00", 900, base=bytes(range(8))),
     Event("a", Kind.START, "", "x", 1, 3, b"", 2, base=bytes(8)),
+    Event("a", Kind.START, "", "x", 1, 3, b"", 2, base=bytes(8), base_from=("y", 0)),
     Event("b", Kind.HELLO), Event("b", Kind.ALIVE), Event("b", Kind.BYE),
 ])
 def test_events_read_back_as_sent(event: Event) -> None:
@@ -66,6 +67,8 @@ def test_events_read_back_as_sent(event: Event) -> None:
     Event("a", Kind.START, "", "x", 1, 3, bytes(8), 9, base=bytes(7)),
     Event("a", Kind.END, "", "x", 1, 3, bytes(8), 9, base=bytes(8)),
     Event("a", Kind.START, "", "x", 1, 3, bytes(8), MAX_TOKENS, base=bytes(8)),
+    Event("a", Kind.START, "", "x", 1, 3, bytes(8), 9, base=bytes(8),
+          base_from=("y", 1 << 16)),
 ])
 def test_a_start_names_its_base_whole_or_is_not_read(event: Event) -> None:
     assert decode(encode(event)) is None
