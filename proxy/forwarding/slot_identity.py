@@ -40,24 +40,34 @@ def model_identity(cfg: ManagedBackendConfig) -> str | None:
     return _digest([str(path), st.st_size, st.st_mtime_ns, list(cfg.extra_args), env])
 
 
-async def reported_identity(client: BackendClient) -> str | None:
-    """An external llama-server's model, as it reports it (None: it did not answer, or
-    said too little to tell its model from another). The GGUF by the absolute path it was
-    started with (`/props`), its type and shape (`/v1/models`' meta: parameters, bytes,
-    vocabulary, width, training context; not the context it runs with), and the LoRA
-    adapters it applies (`/lora-adapters`). What a server does not report (a RoPE scaling
-    option, a file replaced in place by one of the same size) servers that share a
-    directory must have alike: kvroute cannot tell them apart."""
-    props, models, lora = await asyncio.gather(
-        client.props(), client.get("/v1/models"), client.get("/lora-adapters"))
-    if not isinstance(props, Props) or not _absolute(props.model_path) \
-            or not isinstance(lora, list):
+async def reported_model(client: BackendClient) -> str | None:
+    """An external llama-server's model, as it reports it at once however busy it is
+    (`/props` and `/v1/models` are answered by its HTTP threads), as a short hash (None:
+    it did not answer, or said too little to tell its model from another). The GGUF by
+    the absolute path it was started with, its type and shape (`/v1/models`' meta:
+    parameters, bytes, vocabulary, width, training context; not the context it runs
+    with), and the LoRA adapters' scales it applies by default."""
+    props, models = await asyncio.gather(client.props(), client.get("/v1/models"))
+    if not isinstance(props, Props) or not _absolute(props.model_path):
         return None
     meta = _meta(models)
     if meta is None:
         return None
+    settings = props.raw.get("default_generation_settings")
+    params = settings.get("params") if isinstance(settings, dict) else None
+    lora = params.get("lora") if isinstance(params, dict) else None
     return _digest(["reported", props.model_path, str(props.raw.get("model_ftype")), meta,
                     lora])
+
+
+async def reported_identity(client: BackendClient, model: str) -> str | None:
+    """``model`` (reported_model's) with the adapters' files (`/lora-adapters`, answered
+    by the server's loop: after the batch under way, seconds on a long prefill; so asked
+    when the server becomes ready, and when its model changed). What a server does not
+    report (a RoPE scaling option, a file replaced in place by one of the same size)
+    servers that share a directory must have alike: kvroute cannot tell them apart."""
+    lora = await client.get("/lora-adapters")
+    return _digest([model, lora]) if isinstance(lora, list) else None
 
 
 def _absolute(path: str) -> bool:

@@ -48,7 +48,7 @@ from backends.client import BackendClient, BackendDown
 from backends.config import KvDiskConfig
 from backends.supervisor import BackendInfo
 from proxy.forwarding.slot_files import INDEX, Saved, SlotFiles
-from proxy.forwarding.slot_identity import reported_identity
+from proxy.forwarding.slot_identity import reported_identity, reported_model
 from proxy.routing.router import Router
 
 __all__ = ["INDEX", "RESTORE_BASE_S", "Saved", "SlotStore"]
@@ -68,7 +68,10 @@ SPILL_MAX_S = 0.25
 SPILL_BASE_S = 1.0
 SPILL_SLACK = 4.0
 _WRITE_BPS_FIRST = 200 * (1 << 20)  # until a save measures it: a slow SSD's write rate
-_IDENTITY_TIMEOUT_S = 5.0  # an external server asked which model it runs
+# An external server asked which model it runs: at once (its HTTP threads answer), and
+# its adapters after the batch under way (its loop answers: seconds on a long prefill)
+_IDENTITY_TIMEOUT_S = 5.0
+_ADAPTERS_TIMEOUT_S = 30.0
 # The router's entries of every directory are told apart by the directory's number: entry
 # ids are a directory's own (its file names)
 _DIRS = 1 << 8
@@ -95,6 +98,9 @@ class SlotStore:
         self._next = max(self.saved, default=0) + 1
         # backend -> the identity of its model when it last became ready (backend_ready)
         self.models: dict[str, str] = {}
+        # external backend -> reported_model when it last became ready: asked again
+        # before each save and restore
+        self._reported: dict[str, str | None] = {}
         self._offered: dict[int, frozenset[str]] = {}  # entry -> who the router offers it to
         self._strikes: dict[int, int] = {}  # entry -> restores the server went away during
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -146,20 +152,24 @@ class SlotStore:
         model = self.models.get(info.name)
         if info.managed or model is None:
             return model
-        now = await self._reported(info)
-        if now is not None and now != model:  # (no answer: nothing learnt)
-            self.log.warning("slot.model_changed", backend=info.name)
-            self.backend_ready(info.name, now, count=False)
-        return now
+        now = await reported_model(self._client(info))
+        if now is None or now == self._reported.get(info.name):
+            return None if now is None else model  # (no answer: nothing learnt)
+        self.log.warning("slot.model_changed", backend=info.name)
+        await self.external_ready(info, count=False)
+        return self.models.get(info.name)
 
-    async def external_ready(self, info: BackendInfo) -> None:
+    async def external_ready(self, info: BackendInfo, count: bool = True) -> None:
         """External backend ``info``, which reads this directory, answers (again): what
         it runs is what it reports (kvroute did not start it)."""
-        self.backend_ready(info.name, await self._reported(info))
+        model = await reported_model(self._client(info))
+        self._reported[info.name] = model
+        self.backend_ready(info.name, None if model is None else await reported_identity(
+            self._client(info, _ADAPTERS_TIMEOUT_S), model), count)
 
-    async def _reported(self, info: BackendInfo) -> str | None:
-        return await reported_identity(BackendClient(
-            self.session, info.url, info.api_key, timeout=_IDENTITY_TIMEOUT_S))
+    def _client(self, info: BackendInfo, timeout: float = _IDENTITY_TIMEOUT_S
+                ) -> BackendClient:
+        return BackendClient(self.session, info.url, info.api_key, timeout=timeout)
 
     def _held(self, backend: str, slot: int) -> bytes | None:
         r = self.router_of(backend)
