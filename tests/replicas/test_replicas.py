@@ -32,7 +32,7 @@ from proxy.config.load import Config, ReplicasConfig
 from proxy.forwarding.upstream import Upstream
 from proxy.replicas.bus import LIVE_QUEUE, SUBJECT, ReplicaBus
 from proxy.replicas.events import MAX_TOKENS, Event, Kind, decode, encode
-from proxy.replicas.peers import PeerView, PoolPort
+from proxy.replicas.peers import PeerView, PoolPort, Teller
 from proxy.routing.cache.predict import BackendCapacity
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
@@ -215,41 +215,63 @@ async def _in_flight(client: TestClient[Any, Any]) -> bool:
         return bool((await r.json())["replicas"]["peers_in_flight"])
 
 
+@asynccontextmanager
+async def two_buses(url: str, slots: int) -> AsyncIterator[
+        tuple[dict[str, ReplicaBus], dict[str, collections.Counter[str]]]]:
+    """Replicas a, then b, on the broker at ``url``, without the app: each a router over
+    backend x (``slots`` slots) in pool p; and their events, counted."""
+    buses, counts = {}, {}
+    for name in ("a", "b"):
+        router = Router("prefix")
+        router.add_backend(BackendCapacity("x", slots, 8192, 0, 8192))
+        c = counts[name] = collections.Counter[str]()
+        buses[name] = ReplicaBus(url, name, PeerView(name, {"p": PoolPort(
+            router, lambda h: None)}), lambda e, c=c: c.update((e,)))
+    try:
+        for bus in buses.values():
+            await bus.start()
+            await until(lambda bus=bus: bus.connected, 20)
+        yield buses, counts
+    finally:
+        for bus in buses.values():
+            await bus.close()
+
+
+def _router(bus: ReplicaBus) -> Router:
+    return bus.view.pools["p"].router
+
+
 @NEEDS_NATS
 async def test_a_view_larger_than_the_live_queue_and_live_events_both_go_whole() -> None:
     """a's view (more idle slots than the live queue holds) goes to a replica that
     says hello while as many live events as that queue holds go out: nothing is
     dropped, the joiner takes every slot and gets every live event."""
     n = LIVE_QUEUE + 100
-    views, counts = {}, {}
-    for name in ("a", "b"):
-        router = Router("prefix")
-        router.add_backend(BackendCapacity("x", n, 64, 0, 8192))
-        views[name] = PeerView(name, {"p": PoolPort(router, lambda h: None)})
-        counts[name] = collections.Counter[str]()
-    a_router = views["a"].pools["p"].router
-    for slot in range(n):
-        assert a_router.seed("x", slot, to_token_bytes([slot + 1, slot + 2]))
-    async with broker() as url:
-        buses = {name: ReplicaBus(url, name, views[name],
-                                      lambda e, c=counts[name]: c.update((e,)))
-                 for name in ("a", "b")}
-        try:
-            await buses["a"].start()
-            await until(lambda: buses["a"].connected, 20)
-            await buses["b"].start()
-            b_router = views["b"].pools["p"].router
-            await until(lambda: all(b_router.held("x", s) == a_router.held("x", s)
-                                    for s in range(n)), 20)
-            buses["a"]._apply(encode(Event("b", Kind.HELLO)))  # (said again: a view more)
-            for i in range(LIVE_QUEUE):
-                buses["a"].publish(Event("a", Kind.FIRST, "p", "x", 0, i))
-            # (b knows every slot and no such request: each one ignored)
-            await until(lambda: counts["b"]["ignored"] == n + LIVE_QUEUE, 20)
-        finally:
-            for bus in buses.values():
-                await bus.close()
-    assert counts["a"]["dropped"] == 0
+    async with broker() as url, two_buses(url, n) as (buses, counts):
+        a, b = buses["a"], buses["b"]
+        for slot in range(n):
+            assert _router(a).seed("x", slot, to_token_bytes([slot + 1, slot + 2]))
+        a._apply(encode(Event("b", Kind.HELLO)))
+        for i in range(LIVE_QUEUE):
+            a.publish(Event("a", Kind.FIRST, "p", "x", 0, i))
+        # (b knows no such request: each one ignored)
+        await until(lambda: counts["b"]["ignored"] == LIVE_QUEUE, 20)
+        await until(lambda: all(_router(b).held("x", s) == _router(a).held("x", s)
+                                for s in range(n)), 20)
+        assert counts["a"]["dropped"] == 0
+
+
+@NEEDS_NATS
+async def test_a_replica_back_on_the_broker_tells_its_requests_in_flight_again() -> None:
+    """A request a started while cut off from the broker (its start lost): once a is
+    back, b has it in flight."""
+    async with broker() as url, two_buses(url, 2) as (buses, _):
+        a = buses["a"]
+        cut_off = Teller("a", "p", lambda e: None, a.view.touched)
+        a.tellers.append(cut_off)
+        cut_off.started("x", 0, 7, to_token_bytes(list(range(100))))
+        await a._up()
+        await until(lambda: buses["b"].view.in_flight == 1, 20)
 
 
 @NEEDS_NATS
@@ -260,38 +282,26 @@ async def test_a_turn_goes_as_what_it_adds_to_the_last_and_is_read_whole() -> No
     rng = random.Random(5)
     history = [rng.randrange(150_000) for _ in range(600)]
     prompts = [history, [*history, *range(20)], [*history, *range(30)]]
-    views = {}
-    for name in ("a", "b"):
-        router = Router("prefix")
-        router.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
-        views[name] = PeerView(name, {"p": PoolPort(router, lambda h: None)})
     sizes: list[int] = []
-    async with broker() as url:
+
+    async def tapped(msg: Any) -> None:
+        if (e := decode(msg.data)) is not None and e.kind == Kind.START:
+            sizes.append(len(msg.data))
+
+    async with broker() as url, two_buses(url, 2) as (buses, _):
         tap = await nats.connect(url)
-
-        async def tapped(msg: Any) -> None:
-            if (e := decode(msg.data)) is not None and e.kind == Kind.START:
-                sizes.append(len(msg.data))
-
-        await tap.subscribe(SUBJECT, cb=tapped)
-        buses = {name: ReplicaBus(url, name, views[name], lambda e: None)
-                 for name in ("a", "b")}
         try:
-            for bus in buses.values():
-                await bus.start()
-            await until(lambda: all(bus.connected for bus in buses.values()), 20)
+            await tap.subscribe(SUBJECT, cb=tapped)
             for request, prompt in enumerate(prompts):
                 if request == 2:
                     buses["a"]._apply(encode(Event("c", Kind.HELLO)))
                 buses["a"].publish(Event("a", Kind.START, "p", "x", 0, request,
                                          to_token_bytes(prompt)))
                 await until(lambda r=request: len(sizes) > r, 20)
-                await until(lambda r=request: views["b"].in_flight > r, 20)
-                told = views["b"]._told["a", "p", request]
+                await until(lambda r=request: buses["b"].view.in_flight > r, 20)
+                told = buses["b"].view._told["a", "p", request]
                 assert told.prompt == to_token_bytes(prompt)
         finally:
-            for bus in buses.values():
-                await bus.close()
             await tap.close()
     whole, turn, after_hello = sizes
     assert turn < whole / 10 and after_hello > whole
