@@ -7,7 +7,8 @@ and the peers', as read); a start whose prompt begins with one of them (in its s
 in another the start then names: a turn often goes where its history is not) goes out
 as the length of that common prefix, its digest, and the rest. The receiver takes the
 one of that slot's that has that digest; one it does not have (it missed that start, or
-joined since) makes the start unreadable there, as a missed one is.
+joined since) makes the start unreadable there: that replica says hello again (bus.py),
+and the peers send it their requests in flight whole, then their next starts.
 
 A prompt this replica holds is a base for its own starts only while every peer is sure
 to have it: anything held before a replica said hello (a joiner, one back after losing

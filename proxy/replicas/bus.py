@@ -42,6 +42,7 @@ LIVE_QUEUE = 1024  # live events waiting to be sent; past that the oldest are dr
 _SNAPSHOTS = 64
 _RETRY_S = 2.0  # between connection attempts before the first one succeeds
 ALIVE_S = 1.0
+RESYNC_S = 5.0  # at least between two hellos said for unreadable starts
 _PING_S = 2
 
 
@@ -65,6 +66,7 @@ class ReplicaBus:
         self._tasks: list[asyncio.Task[None]] = []
         self.tellers: list[Teller] = []  # one per pool: their `alive` goes out each second
         self.bases = Bases()  # (the starts' prompts, told and read on the live path)
+        self._resynced = -RESYNC_S  # when it last said hello for an unreadable start
 
     async def start(self) -> None:
         """Connect (in the background until the broker answers) and start sending."""
@@ -183,12 +185,13 @@ class ReplicaBus:
             return
         if e.replica == self.replica:
             return  # (another process under this one's name, or one's own echoed)
-        if e.kind == Kind.START and self.view.routes(e):
+        if e.kind == Kind.START:
             whole = self.bases.whole(e)
-            if whole is None:  # (a start this replica missed, or from before it joined)
-                self.counted("unreadable")
+            if whole is None:
+                self._unreadable(e)
                 return
-            self.bases.told(whole, everyone=live)
+            if e.pool in self.view.pools:  # (any slot: another may name it as a base)
+                self.bases.told(whole, everyone=live)
             e = whole
         now = time.monotonic()
         if e.kind == Kind.BYE:
@@ -209,6 +212,19 @@ class ReplicaBus:
                        kind=e.kind.value, backend=e.backend, slot=e.slot,
                        request=e.request, tokens=len(e.tokens) // 4, keep=e.keep,
                        applied=applied)
+
+    def _unreadable(self, e: Event) -> None:
+        """A start relative to a base this replica lacks (it missed an event, or did not
+        keep that slot's): it says hello again, at most every RESYNC_S, and the peers
+        send it their requests in flight, then starts whole (else each next start of
+        that conversation would be unreadable here too)."""
+        if not self.view.routes(e):
+            return
+        self.counted("unreadable")
+        now = time.monotonic()
+        if now - self._resynced >= RESYNC_S:
+            self._resynced = now
+            self.publish(Event(self.replica, Kind.HELLO))
 
     async def _up(self) -> None:
         self.connected = True

@@ -30,6 +30,7 @@ from backends.supervisor import Supervisor
 from proxy.app import create_app
 from proxy.config.load import Config, ReplicasConfig
 from proxy.forwarding.upstream import Upstream
+from proxy.replicas.bases import Bases
 from proxy.replicas.bus import LIVE_QUEUE, SUBJECT, ReplicaBus
 from proxy.replicas.events import MAX_TOKENS, Event, Kind, decode, encode
 from proxy.replicas.peers import PeerView, PoolPort, Teller
@@ -272,6 +273,25 @@ async def test_a_replica_back_on_the_broker_tells_its_requests_in_flight_again()
         cut_off.started("x", 0, 7, to_token_bytes(list(range(100))))
         await a._up()
         await until(lambda: buses["b"].view.in_flight == 1, 20)
+
+
+@NEEDS_NATS
+async def test_a_start_against_a_base_a_replica_lacks_gets_it_the_start_whole() -> None:
+    """b lost what a's first start told slot 0 (a missed event): a's next start there,
+    relative to it, is unreadable at b, which says hello again: a sends it its requests
+    in flight, whole, and b reads the next start."""
+    prompt = to_token_bytes(list(range(500)))
+    async with broker() as url, two_buses(url, 2) as (buses, counts):
+        a, b = buses["a"], buses["b"]
+        teller = Teller("a", "p", a.publish, a.view.touched)
+        a.tellers.append(teller)
+        teller.started("x", 0, 0, prompt)
+        await until(lambda: b.view.in_flight == 1, 20)
+        b.bases = Bases()
+        for request in (1, 2):
+            teller.started("x", 0, request, prompt + to_token_bytes([request]))
+            await until(lambda r=request: b.view.in_flight == r + 1, 20)
+        assert counts["b"]["unreadable"] == 1
 
 
 @NEEDS_NATS
