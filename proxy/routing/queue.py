@@ -1,4 +1,5 @@
-"""The requests the router holds for a slot, and the record of every request in flight.
+"""The requests the router holds for a slot, and the records of every request in flight
+(its own, and the one decision whose slot model update is deferred).
 
 A mixin of :class:`~proxy.routing.router.Router` (as HolderQueries is of the tree): a request
 decided while every slot of its backend is busy is queued in the model, and handed a
@@ -40,6 +41,22 @@ class Inflight:
     prefilled: bool = False  # its first token came
 
 
+@dataclass(frozen=True)
+class Unplaced:
+    """A decision whose slot model update is deferred (``decide(defer=True)``)."""
+
+    request_id: int
+    backend: str
+    pin: int | None  # the slot pinned, or None: the server's pick (predicted)
+    prompt: bytes
+    slot_lcp: dict[int, int]
+    ram_lcp: dict[int, int]
+    n: int
+    predicted: Placement
+    restore: bytes | None = None  # the slot is first given this sequence from disk
+    user_starts: tuple[int, ...] = ()
+
+
 class QueuedRequests:
     """Hand-offs of queued requests (over ``tree`` and ``_inflight``)."""
 
@@ -49,9 +66,9 @@ class QueuedRequests:
     _policy: str
     _waiters_first: Callable[[dict[int, int]], list[tuple[int, int]]]  # (ObservedRequests)
     _observed: set[int]  # (ObservedRequests)
-    _disk: dict[int, tuple[str, frozenset[str]]]  # (Router)
+    _disk: dict[int, tuple[str, frozenset[str]]]  # (DiskEntries)
     _disk_gain: Callable[[dict[Any, int], Placement, int, str],
-                         tuple[str, bytes, int] | None]  # (Router)
+                         tuple[str, bytes, int] | None]  # (DiskEntries)
 
     def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
         """A slot freed. A request waiting for that very slot gets it, pinned (the first

@@ -12,22 +12,28 @@ slot's new content in the tree) to ``place()``, which the proxy calls once the r
 is written to its backend: that bookkeeping then runs while the backend works, not
 before the request leaves. Every other call applies a deferred update first, so no
 decision ever sees the model without it.
+
+Router itself owns membership, ``decide`` and the deferred update; its mixins own the
+rest: how a request ends (outcomes.py), the disk tier (disk.py), the requests held for
+a slot (queue.py) and other replicas' requests (observed.py).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from proxy.routing.backend_state import BackendState, peer_rate, share_rate
+from proxy.routing.backend_state import BackendState, peer_rate
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import DISK, PENDING, RAM, SLOT, BackendCapacity, Placement
+from proxy.routing.cache.predict import PENDING, RAM, SLOT, BackendCapacity, Placement
 from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
+from proxy.routing.disk import DiskEntries, from_disk
 from proxy.routing.observed import ObservedRequests, SlotListener
+from proxy.routing.outcomes import RequestEnds
 from proxy.routing.policy import POLICIES, Baselines, Candidate, Choice, choose_prefix
-from proxy.routing.queue import Inflight, QueuedRequests
+from proxy.routing.queue import Inflight, QueuedRequests, Unplaced
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.token_bytes import common_len, to_token_bytes
@@ -44,23 +50,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class _Unplaced:
-    """A decision whose slot model update is deferred (``decide(defer=True)``)."""
-
-    request_id: int
-    backend: str
-    pin: int | None  # the slot pinned, or None: the server's pick (predicted)
-    prompt: bytes
-    slot_lcp: dict[int, int]
-    ram_lcp: dict[int, int]
-    n: int
-    predicted: Placement
-    restore: bytes | None = None  # the slot is first given this sequence from disk
-    user_starts: tuple[int, ...] = ()
-
-
-class Router(QueuedRequests, ObservedRequests):
+class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
     def __init__(
         self, policy: str = "prefix", *, settings: RouterSettings | None = None, seed: int = 0
     ) -> None:
@@ -73,10 +63,9 @@ class Router(QueuedRequests, ObservedRequests):
         self._inflight: dict[int, Inflight] = {}
         self._baselines = Baselines(seed)
         self._next_id = 0
-        # disk entry -> its file and the backends that may restore it (see disk_add)
-        self._disk: dict[int, tuple[str, frozenset[str]]] = {}
+        self._disk: dict[int, tuple[str, frozenset[str]]] = {}  # (DiskEntries)
         # at most one: every call but `decide(defer=True)` itself applies it first
-        self._unplaced: _Unplaced | None = None
+        self._unplaced: Unplaced | None = None
         self.mispredictions = 0  # completions whose reported reuse differed from ours
         self.completed = 0  # this replica's own requests
         self.completed_for_peers = 0  # other replicas' (see ObservedRequests)
@@ -114,52 +103,10 @@ class Router(QueuedRequests, ObservedRequests):
             self._told_freed(name, self._inflight.pop(rid).slot, rid)
             self.tree.drop((name, PENDING, rid))
 
-    def held(self, backend: str, slot: int) -> bytes | None:
-        """What ``backend``'s idle ``slot`` holds (int32 token bytes; None: busy, empty,
-        or no such backend)."""
-        st = self._backends.get(backend)
-        if st is None or not 0 <= slot < len(st.cache.slots):
-            return None
-        return st.cache.held(slot)
-
-    def seed(self, backend: str, slot: int, sequence: bytes) -> bool:
-        """``backend``'s empty ``slot`` now holds ``sequence`` (restored from disk)."""
-        st = self._backends.get(backend)
-        if st is None or not 0 <= slot < len(st.cache.slots):
-            return False
-        return st.cache.seed(slot, sequence)
-
-    def disk_add(self, entry: int, file: str, sequence: bytes,
-                 backends: frozenset[str]) -> None:
-        """A slot saved to disk as ``file`` holds ``sequence``: each of ``backends`` (those
-        that run the model that computed it and read the directory it is in) may have it
-        restored into one of its slots. Called again for an entry when they change."""
-        self._disk[entry] = (file, backends)
-        self.tree.assign(("", DISK, entry), sequence)
-
-    def disk_drop(self, entry: int) -> None:
-        if self._disk.pop(entry, None) is not None:
-            self.tree.drop(("", DISK, entry))
-
     @property
     def wants_user_starts(self) -> bool:
         """Does a backend checkpoint where user messages start (see ``decide``)?"""
         return any(st.cache.checkpointed for st in self._backends.values())
-
-    def _disk_gain(self, held: dict[Any, int], p: Placement, n: int, backend: str
-                   ) -> tuple[str, bytes, int] | None:
-        """The disk file to restore into the placement's slot first, its sequence and
-        the tokens it shares with the prompt: when it holds enough more than the slot.
-        Never on a checkpointed backend: the server clears a restored slot's
-        checkpoints, so a request diverging from it would reuse nothing."""
-        if self._backends[backend].cache.checkpointed:
-            return None
-        best = max(((got, idx) for (_, kind, idx), got in held.items()
-                    if kind == DISK and backend in self._disk[idx][1]), default=None)
-        if best is None or best[0] - p.reuse < self.settings.disk_min_gain_tokens:
-            return None
-        got, idx = best
-        return self._disk[idx][0], self.tree.tokens_of(("", DISK, idx)), min(got, n - 1)
 
     # --------------------------------------------------------------- decision
     def decide(
@@ -266,16 +213,16 @@ class Router(QueuedRequests, ObservedRequests):
             placed = choice.placement._replace(reuse=got, tier="disk", ram_entry=None,
                                                saved=False, displaced=0, destroyed=0)
             if defer:
-                self._unplaced = _Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
+                self._unplaced = Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
                                            ram_lcp, n, placed, sequence, user_starts)
                 return placed, None
             st.cache.restore(placed.slot, sequence)
-            return _from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
+            return from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
                                              user_starts=user_starts)), None
         beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
                               len(q)) if head else None
         if defer:
-            self._unplaced = _Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
+            self._unplaced = Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
                                        ram_lcp, n, choice.placement, user_starts=user_starts)
             return choice.placement, beyond
         # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
@@ -358,27 +305,6 @@ class Router(QueuedRequests, ObservedRequests):
         decision.reasons.update(reuse=reuse, tier=tier)
         return replace(decision, predicted_cached=reuse, tier=tier)
 
-    def restore_failed(self, decision: Decision) -> Decision:
-        """The disk file chosen for the decision's slot was not restored: the server
-        cleared the slot (or the file was gone), so the request is prefilled from scratch.
-        Returns the decision with that prediction; the model's slot is emptied first."""
-        u = self._unplaced
-        st = self._backends.get(decision.backend)
-        f = self._inflight.get(decision.request_id)
-        if st is None or f is None or decision.restore is None:
-            return decision
-        if u is not None and u.request_id == decision.request_id and u.restore is not None:
-            self._unplaced = replace(u, restore=b"")  # an empty slot: start reuses nothing
-            self._apply_unplaced()  # (which charges the prefill it adds)
-        else:  # applied already: the slot holds the prompt now, as the server's does
-            more = decision.predicted_cached
-            st.work += more
-            f.work += more
-            st.busy_until += more / st.rate
-        f.replaced = None
-        decision.reasons.update(reuse=0, tier="none", restore="failed")
-        return replace(decision, predicted_cached=0, tier="none", restore=None)
-
     def _apply_unplaced(self) -> None:
         u, self._unplaced = self._unplaced, None
         if u is None:
@@ -389,7 +315,7 @@ class Router(QueuedRequests, ObservedRequests):
             return
         if u.restore is not None and u.pin is not None:
             st.cache.restore(u.pin, u.restore)
-            p = _from_disk(st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n,
+            p = from_disk(st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n,
                                           user_starts=u.user_starts))
         else:
             p = st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n, u.predicted,
@@ -433,136 +359,6 @@ class Router(QueuedRequests, ObservedRequests):
         f.user_starts = user_starts
         return replace(decision, prompt_tokens=n, predicted_cached=reuse)
 
-    # --------------------------------------------------------------- feedback
-    def prefilled(self, decision: Decision) -> None:
-        """The request's first token came: its prompt is processed. From here only its
-        decoding loads the backend: its in-flight work (the load bound's measure) drops
-        to ``request_overhead_tokens``, or a backend streaming long answers would look
-        as loaded as one prefilling long prompts."""
-        self._apply_unplaced()
-        f = self._inflight.get(decision.request_id)
-        st = self._backends.get(decision.backend)
-        # (one of this replica's still waiting here has had no token; another replica's
-        # has: the server ran it before the request this model has in its slot)
-        if f is None or st is None or (f.slot is None
-                                       and decision.request_id not in self._observed):
-            return
-        left = min(f.work, self.settings.request_overhead_tokens)
-        st.work -= f.work - left
-        f.work, f.prefilled = left, True
-        self._told_prefilled(decision.backend, decision.request_id)
-
-    def complete(
-        self,
-        decision: Decision,
-        *,
-        output_tokens: Sequence[int] | array | bytes = (),
-        reported_cached: int | None = None,
-        prompt_ms: float | None = None,
-        prompt_n: int | None = None,
-        reported_slot: int | None = None,
-        now: float = 0.0,
-        starts_at_end: int | None = None,
-    ) -> list[Handoff]:
-        """The request finished: its slot is free and holds prompt + output. Returns the
-        queued requests handed a slot as a result (oldest first). ``starts_at_end``:
-        `starts(backend)` when the answer's end reached the proxy (see
-        `BackendCache.saved_idle`)."""
-        self._apply_unplaced()
-        out = to_token_bytes(output_tokens)  # (before the record goes: this may raise)
-        f = self._inflight.get(decision.request_id)
-        st = self._backends.get(decision.backend)
-        if f is None or st is None or f.backend != decision.backend:
-            return []  # backend was removed meanwhile: nothing to learn
-        del self._inflight[decision.request_id]
-        st.release(f.work, now)
-        st.learn(self.settings, now - f.started, prompt_ms, prompt_n)
-        if st.rate_learned:
-            share_rate(self._backends.values(), self.settings.default_prefill_tps)
-        if decision.request_id in self._observed:
-            self.completed_for_peers += 1
-        else:
-            self.completed += 1
-        if reported_cached is not None and reported_cached != decision.predicted_cached:
-            self.mispredictions += 1
-        cache = st.cache
-        slot = f.slot
-        if slot is None:
-            # still queued in our model: place it where the server says (or would)
-            self._unqueue(st, decision.backend, decision.request_id)
-            slot = reported_slot
-            if slot is None or not 0 <= slot < len(cache.slots) or cache.slots[slot].busy:
-                slot = self._server_pick_now(cache, f.prompt)
-            if slot is not None:
-                held = self._lcps(cache, f.prompt)
-                cache.start(slot, f.prompt, *held, f.n, task=False,
-                            user_starts=f.user_starts)
-                st.occupy(slot, f.session)
-        elif reported_slot is not None and reported_slot != slot:
-            # the server chose another slot than modelled: what ours holds is unknown
-            cache.finish(slot, None, 0)
-            slot = reported_slot if 0 <= reported_slot < len(cache.slots) else None
-            if slot is not None and not cache.slots[slot].busy:
-                cache.start(slot, f.prompt, *self._lcps(cache, f.prompt), f.n, task=False,
-                            user_starts=f.user_starts)
-                st.occupy(slot, f.session)
-            elif slot is not None:
-                slot = None  # busy in our model: leave it alone
-        if slot is not None:
-            cache.finish_generated(slot, out)
-            if starts_at_end is not None and cache.starts > starts_at_end:
-                cache.saved_idle(slot)
-        self._told_freed(decision.backend, slot if slot is not None else f.slot,
-                         decision.request_id)
-        return self._drain_queue(st, decision.backend, now)
-
-    def wait_overdue(self, decision: Decision, now: float) -> bool:
-        """Has a request waiting for a busy slot waited well past that slot's expected end
-        (a long generation)? Then the caller gives up (``abort``) and decides again;
-        the slot's expected end moves as far again, so that it is not chosen anew."""
-        self._apply_unplaced()
-        st = self._backends.get(decision.backend)
-        f = self._inflight.get(decision.request_id)
-        if st is None or f is None:
-            return True  # its backend left the model (tripped; maybe back, fresh)
-        slot = st.targets.get(decision.request_id)
-        if slot is None:
-            return False
-        end = st.slot_free_at.get(slot, now)
-        if now <= end + max(self.settings.wait_grace_s, end - f.started):
-            return False
-        st.slot_free_at[slot] = now + (now - f.started)
-        return True
-
-    def abort(self, decision: Decision, *, now: float = 0.0, prefilled: bool = False,
-              held: int | None = None) -> list[Handoff]:
-        """The request failed or was cancelled: free its slot, forget its content, or
-        with ``prefilled`` (it had produced output: the server keeps a cancelled slot's
-        state) keep its prompt there; ``held``: the slot holds that many of the prompt's
-        tokens (its server said so once done with it). Returns the queued requests
-        handed a slot as a result (as ``complete``)."""
-        self._apply_unplaced()
-        f = self._inflight.get(decision.request_id)
-        st = self._backends.get(decision.backend)
-        if f is None or st is None or f.backend != decision.backend:
-            return []
-        del self._inflight[decision.request_id]
-        st.release(f.work, now)
-        if f.slot is None:
-            self._unqueue(st, decision.backend, decision.request_id)
-            self._told_freed(decision.backend, None, decision.request_id)
-            return []
-        if prefilled:
-            # NOTE: an agent's interrupted turn: its next one resends that history
-            st.cache.finish_generated(f.slot, b"")
-        elif held is not None and held > 0:
-            n = min(held, f.n)
-            st.cache.finish(f.slot, f.prompt[:4 * n], n)
-        else:
-            st.cache.finish(f.slot, None, 0)
-        self._told_freed(decision.backend, f.slot, decision.request_id)
-        return self._drain_queue(st, decision.backend, now)
-
     def starts(self, backend: str) -> int:
         """Tasks the model has started on `backend` so far (0 if it is not routed)."""
         st = self._backends.get(backend)
@@ -598,8 +394,3 @@ class Router(QueuedRequests, ObservedRequests):
 def _most_kv(held: dict[Any, int]) -> int:
     """The most tokens of a prompt any holder of KV has (queued prompts are none)."""
     return max((got for (_, kind, _), got in held.items() if kind != PENDING), default=0)
-
-
-def _from_disk(p: Placement | None) -> Placement | None:
-    """A placement in a slot just restored from disk: what it reuses came from disk."""
-    return p._replace(tier="disk") if p is not None and p.tier == "slot" else p
