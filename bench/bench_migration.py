@@ -1,11 +1,13 @@
 """A conversation moved to another backend by a restore from disk, against a cold prefill.
 
-    python bench/bench_migration.py [--tokens 10000]
+    python bench/bench_migration.py [--tokens 10000] [--external]
 
 `kvroute serve` with two managed demo backends (1 slot each, no RAM tier) and the disk
-tier on. A ~10k-token conversation runs on one backend and is saved when its slot goes
-idle; that backend is then stopped (SIGSTOP: the proxy's breaker takes it out), so the
-next turn goes to the other one, whose slot is first given the conversation from disk.
+tier on; with `--external`, two llama-servers the bench starts itself, reached by URL,
+sharing one --slot-save-path that their entries declare (`slot_save_path`). A ~10k-token
+conversation runs on one backend and is saved when its slot goes idle; that backend is
+then stopped (SIGSTOP: the proxy's breaker takes it out), so the next turn goes to the
+other one, whose slot is first given the conversation from disk.
 Printed: that turn's time to first token against a cold prefill of a prompt of the same
 size on the same backend, measured in the same run. Target: <= 0.2x.
 """
@@ -31,12 +33,15 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backends.process import free_port  # noqa: E402
+from backends.binary import find_llama_server  # noqa: E402
+from backends.demo_model import DemoModelParams, demo_model_path  # noqa: E402
+from backends.process import LlamaServerProcess, ServerSpec, free_port  # noqa: E402
 from loadtest.workloads import words  # noqa: E402
 
 
-def config(tmp: Path, port: int, ctx: int) -> Path:
-    cfg = {
+def config(tmp: Path, port: int, ctx: int, external: dict[str, str]) -> Path:
+    """kvroute's config: managed backends a and b, else the ``external`` {name: url}."""
+    cfg: dict[str, Any] = {
         "proxy": {"host": "127.0.0.1", "port": port, "policy": "prefix",
                   "health": {"probe_interval_s": 0.3, "probe_timeout_s": 0.5,
                              "breaker_failures": 2}},
@@ -45,6 +50,10 @@ def config(tmp: Path, port: int, ctx: int) -> Path:
         "backends": [{"name": n, "model": "demo", "slots": 1, "ctx_per_slot": ctx,
                       "threads": 2, "cache_ram_mib": 0} for n in ("a", "b")],
     }
+    if external:
+        cfg["proxy"]["tokenizer"] = str(demo_model_path(DemoModelParams()))
+        cfg["backends"] = [{"name": n, "url": u, "slot_save_path": str(tmp / "shared")}
+                           for n, u in external.items()]
     path = tmp / "kvroute.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -79,18 +88,39 @@ async def until(check: Any, timeout: float) -> None:
         await asyncio.sleep(0.2)
 
 
+def servers(tmp: Path, ctx: int) -> dict[str, LlamaServerProcess]:
+    """Two llama-servers on the demo model, saving slots in ``tmp``/shared, as an
+    operator starts them."""
+    found = find_llama_server()
+    assert found is not None, "run `python -m backends prepare` first"
+    (tmp / "shared").mkdir()
+    out = {}
+    for name in ("x", "y"):
+        out[name] = LlamaServerProcess(ServerSpec(
+            binary=found.path, model=demo_model_path(DemoModelParams()), port=free_port(),
+            slots=1, ctx_per_slot=ctx, threads=2, cache_ram_mib=0,
+            slot_save_path=tmp / "shared"), tmp / f"{name}.log")
+        out[name].spawn()
+    return out
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=10_000, help="the conversation's size")
+    ap.add_argument("--external", action="store_true",
+                    help="external servers sharing a declared --slot-save-path")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         ctx = 1 << (args.tokens + 2048).bit_length()
+        outside = servers(tmp, ctx) if args.external else {}
         proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--config",
-                                 str(config(tmp, port, ctx))], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 str(config(tmp, port, ctx, {n: p.spec.url for n, p in
+                                                             outside.items()}))],
+                                cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
         stopped = None
         try:
             async with aiohttp.ClientSession(
@@ -119,8 +149,9 @@ async def main() -> int:
                         text = await r.text()
                     return 'kvroute_slot_files_total{event="saved"} 1.0' in text
                 await until(saved, 120)
-                pid = next(b["pid"] for b in (await status())["backends"]
-                           if b["name"] == first)
+                pid = outside[first].pid if outside else next(
+                    b["pid"] for b in (await status())["backends"] if b["name"] == first)
+                assert pid is not None
                 os.kill(pid, signal.SIGSTOP)
                 stopped = pid
 
@@ -142,6 +173,8 @@ async def main() -> int:
                 os.kill(stopped, signal.SIGCONT)
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+            for server in outside.values():
+                await server.stop()
     print(f"conversation of ~{args.tokens} tokens moved from {first} to "
           f"{h['X-Kvroute-Backend']} (tier {tier}, reused {reused[0]} of {reused[1]}, "
           f"predicted {h.get('X-Kvroute-Predicted-Cached')})")

@@ -147,21 +147,29 @@ async def start_server(binary: str, model: Path, port: int, shared: Path, log: P
     return proc
 
 
-async def test_a_server_restarted_with_another_model_unseen_is_refused_the_file(
-        pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path) -> None:
-    """The operator restarts the server at its URL with another model between two of
-    kvroute's health probes: kvroute still takes it for the server it was, but asks it
-    which model it runs before restoring into it. The file of the first model is refused
-    (counted `foreign`), and kept for that model."""
+def one_server(pool_config: Callable[..., Config], tmp_path: Path, **supervision: float
+               ) -> tuple[str, int, Path, Config]:
+    """(llama-server, a port, the shared directory, kvroute's config) for one external
+    server "x" on that port, declaring that directory."""
     shared = tmp_path / "shared"
     shared.mkdir()
     base = pool_config(n=1)
     assert base.llama_server is not None
     port = free_port()
     cfg = kvroute_over(base, {"x": (f"http://127.0.0.1:{port}", None)}, shared,
-                       tmp_path / "own", health_interval_s=3600)  # (the restart goes unseen)
-    procs = [await start_server(base.llama_server, demo_model, port, shared,
-                                tmp_path / "x.log")]
+                       tmp_path / "own", **supervision)
+    return base.llama_server, port, shared, cfg
+
+
+async def test_a_server_restarted_with_another_model_unseen_is_refused_the_file(
+        pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path) -> None:
+    """The operator restarts the server at its URL with another model between two of
+    kvroute's health probes: kvroute still takes it for the server it was, but asks it
+    which model it runs before restoring into it. The file of the first model is refused
+    (counted `foreign`), and kept for that model."""
+    binary, port, shared, cfg = one_server(pool_config, tmp_path,
+                                           health_interval_s=3600)  # (the restart: unseen)
+    procs = [await start_server(binary, demo_model, port, shared, tmp_path / "x.log")]
     sup = Supervisor(cfg)
     await sup.start()
     try:
@@ -175,7 +183,7 @@ async def test_a_server_restarted_with_another_model_unseen_is_refused_the_file(
             (entry,) = store.saved.values()
 
             await procs[0].stop()
-            procs.append(await start_server(base.llama_server,
+            procs.append(await start_server(binary,
                                             other_model(demo_model, tmp_path), port,
                                             shared, tmp_path / "x2.log"))
             info = sup.get("x")
@@ -185,5 +193,51 @@ async def test_a_server_restarted_with_another_model_unseen_is_refused_the_file(
             assert (shared / entry.file).is_file() and entry.id in store.saved
     finally:
         await sup.stop()
+        for proc in procs:
+            await proc.stop()
+
+
+async def test_a_restarted_kvroute_gives_an_external_server_its_slots_back(
+        pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path) -> None:
+    """kvroute restarts, the server does not: the index in the shared directory says what
+    the server's slot was saved with, restored into it before it is routed (the next turn
+    reuses its history, predicted exactly). Then the server is restarted with another
+    model, and kvroute too: the file is not restored into it, and counted `foreign`."""
+    binary, port, shared, cfg = one_server(pool_config, tmp_path)
+    session = [{"role": "system", "content": words(300, 30)},
+               {"role": "user", "content": words(30, 31)}]
+    procs = [await start_server(binary, demo_model, port, shared, tmp_path / "x.log")]
+    try:
+        for run in range(3):
+            if run == 2:
+                await procs[-1].stop()
+                procs.append(await start_server(binary,
+                                                other_model(demo_model, tmp_path), port,
+                                                shared, tmp_path / "x2.log"))
+            sup = Supervisor(cfg)
+            await sup.start()
+            try:
+                async with proxy(sup, ProxySettings(tokenizer=demo_model)) as client:
+                    await until(lambda: routed(client) == ["x"], 30)
+                    if run == 0:
+                        body, _ = await chat(client, session)
+                        previous = body["usage"]["prompt_tokens"]
+                        session.append({"role": "assistant", "content": "Noted."})
+                        await until(lambda: counted(client, "saved") >= 1, 30)
+                    elif run == 1:
+                        assert counted(client, "restored") == 1
+                        session.append({"role": "user", "content": words(20, 32)})
+                        body, headers = await chat(client, session)
+                        reused = body["timings"]["cache_n"]
+                        predicted = int(headers["X-Kvroute-Predicted-Cached"])
+                        assert reused >= 0.9 * previous and abs(predicted - reused) <= 1, \
+                            (predicted, reused, previous)
+                    else:
+                        assert counted(client, "restored") == 0
+                        assert counted(client, "foreign") == 1
+                        assert len(list(shared.glob("kvroute-*.bin"))) == 1  # kept
+            finally:
+                await sup.stop()
+    finally:
         for proc in procs:
             await proc.stop()
