@@ -4,9 +4,10 @@ Processes: bench_proxy's fake backend; nats-server on 127.0.0.1; kvroute alone (
 kvroute replica r0 on that broker ("on"); replica r1 on the same broker in front of the
 same fake backend, sent nothing: it hears r0's events and applies them to its view, as
 a peer does; and this client. Each body goes to the fake backend directly, to off and to
-on, in turn (latency.added_latency): small chat requests, and 30k-token turns whose
-history was seen. Printed: the median each proxy adds, on - off, each proxy's CPU per
-request, and the events r0 sent and r1 applied per request (that sharing really ran).
+on, in turn, then in runs to one target (a proxy in steady use; latency.added_latency):
+small chat requests, and 30k-token turns whose history was seen. Printed: the median each
+proxy adds, on - off, each proxy's CPU per request, and the events r0 sent and r1 applied
+per request (that sharing really ran).
 """
 
 from __future__ import annotations
@@ -55,23 +56,28 @@ async def measure(urls: dict[str, str], pids: dict[str, int], quick: bool
             await wait_up(session, u)
         await connected(session, [on, peer])
         before_on, before_peer = await events(session, on), await events(session, peer)
-        n_small = 200 if quick else 1000
+        n_small, n_long = (200, 30) if quick else (1000, 100)
         small = [json.dumps({"messages": [{"role": "user", "content": f"hr {i}"}],
-                             "max_tokens": 1}).encode() for i in range(n_small)]
-        sm = await added_latency(session, fake, on, small, 50, pids["on"], bare=off,
-                                 bare_pid=pids["off"])
-        n_long = 30 if quick else 100
-        # the first turn makes the history seen
-        long = turns_after(long_history(random.Random(0)), n_long + 1, random.Random(1))
-        lg = await added_latency(session, fake, on, long, 1, pids["on"], bare=off,
-                                 bare_pid=pids["off"])
+                             "max_tokens": 1}).encode() for i in range(4 * n_small)]
+        history = long_history(random.Random(0))
+        rng = random.Random(1)
+        # (name, bodies, warm-up, block): each body to every target in turn, then in runs
+        # to one target (a proxy in steady use); the first long turn makes it seen
+        plan = [("small", small[:n_small], 50, 1),
+                ("long", turns_after(history, n_long + 1, rng), 1, 1),
+                ("small_steady", small[n_small:], 150, 50),
+                ("long_steady", turns_after(history, 3 * n_long, rng), 0, 10)]
+        figures = {name: await added_latency(session, fake, on, bodies, warmup, pids["on"],
+                                             bare=off, block=block, bare_pid=pids["off"])
+                   for name, bodies, warmup, block in plan}
         after_on, after_peer = await events(session, on), await events(session, peer)
-    n = len(small) + len(long)
+    n = sum(len(bodies) for _, bodies, _, block in plan if block == 1) + \
+        sum(len(bodies) // 3 for _, bodies, _, block in plan if block > 1)
 
     def per_request(now: dict[str, float], then: dict[str, float], kind: str) -> float:
         return (now.get(kind, 0.0) - then.get(kind, 0.0)) / n
 
-    out = {f"{name}_{k}": v for name, m in (("small", sm), ("long", lg))
+    out = {f"{name}_{k}": v for name, m in figures.items()
            for k, v in (("off_added_ms", m["bare_added"]), ("on_added_ms", m["added"]),
                         ("off_cpu_ms", m["bare_cpu"]), ("on_cpu_ms", m["cpu"]),
                         ("direct_ms", m["direct"]))}
@@ -115,7 +121,8 @@ def run(me: list[str], model: Path, quick: bool, ram_mib: int) -> dict[str, floa
 
 
 def report(res: dict[str, float]) -> None:
-    for kind, what in (("small", "small request "), ("long", "30k-token turn")):
+    for kind, what in (("small", "small request "), ("long", "30k-token turn"),
+                       ("small_steady", "small, steady "), ("long_steady", "30k, steady   ")):
         off, on = res[f"{kind}_off_added_ms"], res[f"{kind}_on_added_ms"]
         c_off, c_on = res[f"{kind}_off_cpu_ms"], res[f"{kind}_on_cpu_ms"]
         print(f"{what}: added median, replicas off {off:.3f} ms, on {on:.3f} ms: on - off "
