@@ -7,7 +7,7 @@ a peer does; and this client. Each body goes to the fake backend directly, to of
 on, in turn, then in runs to one target (a proxy in steady use; latency.added_latency):
 small chat requests, and 30k-token turns whose history was seen. Printed: the median each
 proxy adds, on - off, each proxy's CPU per request, and the events r0 sent and r1 applied
-per request (that sharing really ran).
+per request (that sharing really ran), and the peer's CPU per request (applying them).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from latency import added_latency, free_port, long_history, turns_after, wait_up
+from latency import added_latency, cpu_seconds, free_port, long_history, turns_after, wait_up
 
 _EVENTS = re.compile(r'^kvroute_replica_events_total\{event="(\w+)"\} (\S+)$', re.M)
 
@@ -56,6 +56,7 @@ async def measure(urls: dict[str, str], pids: dict[str, int], quick: bool
             await wait_up(session, u)
         await connected(session, [on, peer])
         before_on, before_peer = await events(session, on), await events(session, peer)
+        peer_cpu0 = cpu_seconds(pids["peer"])
         n_small, n_long = (200, 30) if quick else (1000, 100)
         small = [json.dumps({"messages": [{"role": "user", "content": f"hr {i}"}],
                              "max_tokens": 1}).encode() for i in range(4 * n_small)]
@@ -70,6 +71,7 @@ async def measure(urls: dict[str, str], pids: dict[str, int], quick: bool
         figures = {name: await added_latency(session, fake, on, bodies, warmup, pids["on"],
                                              bare=off, block=block, bare_pid=pids["off"])
                    for name, bodies, warmup, block in plan}
+        peer_cpu = cpu_seconds(pids["peer"]) - peer_cpu0
         after_on, after_peer = await events(session, on), await events(session, peer)
     n = sum(len(bodies) for _, bodies, _, block in plan if block == 1) + \
         sum(len(bodies) // 3 for _, bodies, _, block in plan if block > 1)
@@ -84,6 +86,7 @@ async def measure(urls: dict[str, str], pids: dict[str, int], quick: bool
     out.update(sent_per_request=per_request(after_on, before_on, "sent"),
                peer_applied_per_request=per_request(after_peer, before_peer, "applied"),
                peer_ignored_per_request=per_request(after_peer, before_peer, "ignored"),
+               peer_cpu_ms=peer_cpu * 1000 / n,
                dropped=after_on.get("dropped", 0.0) - before_on.get("dropped", 0.0))
     return out
 
@@ -130,5 +133,6 @@ def report(res: dict[str, float]) -> None:
               f"ms/request ({c_on / c_off:.2f}x); direct {res[f'{kind}_direct_ms']:.3f} ms")
     print(f"sharing ran: r0 sent {res['sent_per_request']:.2f} events a request, the peer "
           f"applied {res['peer_applied_per_request']:.2f} (ignored "
-          f"{res['peer_ignored_per_request']:.2f}); dropped {res['dropped']:.0f}")
+          f"{res['peer_ignored_per_request']:.2f}; its CPU {res['peer_cpu_ms']:.3f} ms a "
+          f"request, on the same 2 cores); dropped {res['dropped']:.0f}")
     print(json.dumps({k: round(v, 4) for k, v in res.items()}))
