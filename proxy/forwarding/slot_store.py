@@ -46,7 +46,7 @@ import structlog
 
 from backends.client import BackendClient, BackendDown
 from backends.config import KvDiskConfig
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.forwarding.slot_files import INDEX, Saved, SlotFiles
 from proxy.forwarding.slot_identity import reported_identity, reported_model
 from proxy.routing.router import Router
@@ -164,6 +164,9 @@ class SlotStore:
         it runs is what it reports (kvroute did not start it)."""
         model = await reported_model(self._client(info))
         self._reported[info.name] = model
+        if model is None:
+            self.log.warning("slot.model_unknown", backend=info.name, fix="start it with "
+                             "-m and the GGUF's absolute path; check its api_key")
         self.backend_ready(info.name, None if model is None else await reported_identity(
             self._client(info, _ADAPTERS_TIMEOUT_S), model), count)
 
