@@ -1,17 +1,16 @@
-"""The routed pipeline: decide -> send with id_slot -> feedback, with retries elsewhere.
+"""A pool's forwarder: routed requests with their retries elsewhere, unrouted calls.
 
 `Forwarder.routed` is what every prefix-routed endpoint calls (chat, completions,
-Anthropic messages); `send()` (proxy/forwarding/send.py) does the one upstream exchange.
+Anthropic messages): it runs one `Attempt` (proxy/forwarding/attempt.py: decide -> send
+with id_slot -> feedback) per backend tried. `Forwarder.passthrough` forwards the rest as
+it is. The Forwarder holds what every attempt shares: the router, the backends, their
+health, the slot waits and the disk tier.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import time
-from array import array
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -19,35 +18,17 @@ from aiohttp import web
 
 from backends.config import LLAMA
 from backends.supervisor import BackendInfo
-from proxy.errors import (
-    BadRequest,
-    NoBackendAvailable,
-    ProxyError,
-    UpstreamError,
-    UpstreamTimeout,
-)
-from proxy.feedback.reports import Outcome, Recorder, held_output
-from proxy.forwarding.assemble import NATIVE_PATHS, assembler_for, runs_on_when_left
+from proxy.errors import BadRequest, UpstreamError, UpstreamTimeout
+from proxy.feedback.reports import Outcome, Recorder
+from proxy.forwarding.attempt import OPENAI_PATHS, Attempt, PendingPrompt, whole_prompt
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.send import AS_IS, JSON, Relay, Settle, Target, send, upstream_payload
+from proxy.forwarding.send import AS_IS, JSON, Relay, Target, send, upstream_payload
 from proxy.forwarding.slot_store import SlotStore
 from proxy.forwarding.slot_tier import DiskTier
-from proxy.forwarding.upstream import Response, Upstream
+from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import BackendLeft, SlotWaits
 from proxy.observability.tracing import Tracing
-from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
 from proxy.routing.router import Router
-from proxy.routing.tree.token_bytes import to_token_bytes
-
-CHAT_PATH = "/v1/chat/completions"
-# The OpenAI API's endpoints: all that a backend of kind openai serves, and those whose
-# streams report usage only when asked (`stream_options.include_usage`).
-OPENAI_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
-
-
-def _wants_usage(body: JSON) -> bool:
-    opts = body.get("stream_options")
-    return isinstance(opts, dict) and opts.get("include_usage") is True
 
 
 def session_hint(request: web.Request, body: JSON) -> str | None:
@@ -66,23 +47,6 @@ def _printable(value: str) -> str:
     if value.isascii():
         return value
     return value.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-@dataclass
-class PendingPrompt:
-    """A prompt routed on its head while its rest is tokenized (Tokenizing.prompt_ids).
-
-    llama.cpp tokenizes ~4 KB/ms here: a coding agent's new tool result would hold the
-    request that long before anything is sent, though nothing in it can be matched (no
-    cache has seen it). So the request is decided on the head, sent at once, and the rest
-    is tokenized while the backend prefills; `Router.extend` records the whole prompt as
-    soon as it is known, at the latest before the answer's headers (which carry the
-    prediction) are written."""
-
-    head: array
-    n_estimate: int            # the whole prompt's tokens, estimated (for the policy)
-    n_bound: int               # ... at most (for the context-length check)
-    rest: asyncio.Task[array | None]  # the whole prompt's ids; None if they failed
 
 
 class Forwarder:
@@ -108,7 +72,7 @@ class Forwarder:
         self.max_attempts = max_attempts
         self.first_byte_timeout = first_byte_timeout
         self.log_prompts = log_prompts
-        self._tokenize_output = tokenize_output
+        self.tokenize_output = tokenize_output
         self.session = session  # for /slots (see `SlotWaits.free_when_idle`)
         self.disk: DiskTier | None = None  # slots saved to disk (kv_disk), if on
         self.tracing = Tracing()  # OpenTelemetry spans, if on (proxy.otel)
@@ -154,7 +118,7 @@ class Forwarder:
         ctx = self.max_context()
         pending = tokens if isinstance(tokens, PendingPrompt) else None
         if pending is not None and ctx is not None and pending.n_bound >= ctx:
-            pending, tokens = None, await _whole(pending)  # may not fit: know it first
+            pending, tokens = None, await whole_prompt(pending)  # may not fit: know it first
         if pending is None and ctx is not None and len(tokens) >= ctx:
             # NOTE: the server needs room for the prompt and one generated token
             raise BadRequest(f"prompt is {len(tokens)} tokens, more than any backend's "
@@ -168,7 +132,7 @@ class Forwarder:
         attempt = 1
         while True:
             try:
-                return await _Attempt(self, request, endpoint, path, raw, body, tokens,
+                return await Attempt(self, request, endpoint, path, raw, body, tokens,
                                       pending, relay, hint, started).run()
             except (UpstreamError, UpstreamTimeout, BackendLeft) as e:
                 # nothing reached the client: the backend is out (breaker), try another
@@ -177,58 +141,11 @@ class Forwarder:
                 attempt += 1
                 self.recorder.retried(endpoint, e)
                 if pending is not None:  # the next try is decided on the whole prompt
-                    pending, tokens = None, await _whole(pending)
+                    pending, tokens = None, await whole_prompt(pending)
 
     async def close(self) -> None:
         """Stop watching slots to free (the app is closing)."""
         await self.waits.close()
-
-    def _complete(self, decision: Decision, outcome: Outcome, *, check: bool = True) -> None:
-        """Feed a whole answer back; `check`: compare its reuse with the prediction."""
-        output = held_output(outcome, self._tokenize_output)
-        self.recorder.log.debug("feedback", request_id=decision.request_id,
-                                slot=decision.slot, output_tokens=len(output),
-                                reported_slot=outcome.reported_slot)
-        self.waits.hand_off(self.router.complete(
-            decision, output_tokens=output,
-            reported_cached=outcome.reported_cached if check else None,
-            prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
-            reported_slot=outcome.reported_slot, now=time.monotonic(),
-            starts_at_end=outcome.starts_at_end))
-        info = self.backends.get(decision.backend)
-        slot = outcome.reported_slot if outcome.reported_slot is not None else decision.slot
-        store = self.slot_store(decision.backend)
-        if store is not None and info is not None and slot is not None:
-            store.note(info, slot)
-
-    async def _send(self, request: web.Request, path: str, raw: bytes, body: JSON,
-                    relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
-                    extra: JSON, settle: Settle | None,
-                    sent: Callable[[Response], None] | None) -> web.StreamResponse:
-        llama = info.kind == LLAMA
-        if decision.slot is not None and llama:
-            extra["id_slot"] = decision.slot
-        if not llama:
-            extra["model"] = info.model  # (it may know only its own name: see _named)
-        strip_usage = False
-        if body.get("stream") is True and path in OPENAI_PATHS and not _wants_usage(body):
-            extra["stream_options"] = {"include_usage": True}
-            strip_usage = True
-        assemble = None if body.get("stream") is True else assembler_for(path, body)
-        if assemble is not None:
-            # streamed upstream so that a client that leaves stops it (proxy/forwarding/assemble.py)
-            extra["stream"] = True
-            if path in OPENAI_PATHS:
-                extra["stream_options"] = {"include_usage": True}
-        if path in NATIVE_PATHS and "return_tokens" not in body and llama:
-            extra["return_tokens"] = True  # exact generated ids: the slot holds these
-        payload = upstream_payload(raw, body, extra)
-        target = Target(info, decision.slot if llama else None, decision.predicted_cached,
-                        decision.tier)
-        return await send(self.upstream, request, target, path, payload, outcome,
-                          relay=relay, strip_usage=strip_usage, health=self.health,
-                          first_byte_timeout=self.first_byte_timeout, assemble=assemble,
-                          settle=settle, sent=sent)
 
     async def passthrough(self, request: web.Request, path: str, info: BackendInfo,
                           raw: bytes, *, relay: Relay = AS_IS,
@@ -253,222 +170,6 @@ class Forwarder:
         raise AssertionError("unreachable")
 
 
-class _Attempt:
-    """One routed request on one backend, in named steps: `decide` (on the head while
-    the rest of a pending prompt is tokenized), `claim` the backend, then `exchange`
-    (held for a slot if queued, sent pinned, the prediction `settle`d once the whole
-    prompt is known) and `feedback`. The slot claim `decide` makes is released however it
-    ends: `complete` on a normal answer, `abort` on errors, cancellation, disconnects."""
-
-    def __init__(self, fw: Forwarder, request: web.Request, endpoint: str, path: str,
-                 raw: bytes, body: JSON, tokens: Sequence[int] | PendingPrompt,
-                 pending: PendingPrompt | None, relay: Relay, hint: str | None,
-                 started: float) -> None:
-        self.fw, self.router = fw, fw.router
-        self.request, self.endpoint, self.path, self.raw, self.body = (
-            request, endpoint, path, raw, body)
-        self.tokens, self.pending, self.relay, self.hint = tokens, pending, relay, hint
-        self.started = started
-        self.whole = pending is None  # the model has the whole prompt
-        # `cache_prompt: false`: the server reuses nothing (and caches the prompt as
-        # usual: the model's state stays right); the prediction shown is 0
-        self.no_reuse = body.get("cache_prompt") is False
-        self.detached: asyncio.Future[web.StreamResponse] | None = None
-        self.among = fw.serving(path)
-
-    async def run(self) -> web.StreamResponse:
-        self.decision = await self.decide()
-        if self.pending is not None:
-            self.pending.rest.add_done_callback(self.take_rest)
-        self.info = self.claim()
-        # NOTE: reads `decision` when called: `take_rest` may have replaced it
-        self.outcome = Outcome(started=self.started,
-                               on_first_token=lambda: self.router.prefilled(self.decision))
-        self.fw.recorder.begin(self.info.name)
-        self.span = None
-        try:
-            self.span = self.fw.tracing.begin(self.request.headers, self.endpoint)
-            return await self.exchange()
-        except (UpstreamError, UpstreamTimeout) as e:
-            self.outcome.status = 0
-            if self.fw.health is not None:
-                self.fw.health.failed(self.info.name, e.message)
-            raise
-        except asyncio.CancelledError:
-            self.outcome.cancelled = True  # the client left (an interrupt), not a failure
-            raise
-        finally:
-            self.finish()
-
-    def user_starts(self, ids: Sequence[int] | array) -> tuple[int, ...]:
-        """Where the server finds user messages in this prompt (none unless a backend
-        checkpoints there and this is a chat prompt)."""
-        find = self.fw.user_starts
-        if find is None or self.path != CHAT_PATH or not self.router.wants_user_starts:
-            return ()
-        return find(to_token_bytes(ids))
-
-    async def decide(self) -> Decision:
-        # NOTE: defer: the slot model's update runs once the request is written (`placed`)
-        pending = self.pending
-        if pending is None:
-            tokens: Sequence[int] = self.tokens  # type: ignore[assignment]
-            got = self.router.decide(tokens, session=self.hint, now=time.monotonic(),
-                                     defer=True, user_starts=self.user_starts(tokens),
-                                     among=self.among)
-        else:
-            got = self.router.decide(pending.head, session=self.hint, now=time.monotonic(),
-                                     n_prompt=pending.n_estimate, defer=True,
-                                     user_starts=self.user_starts(pending.head),
-                                     among=self.among)
-            if isinstance(got, NeedWholePrompt):  # not moved off its history on the head
-                self.tokens = whole = await _whole(pending)
-                self.pending, self.whole = None, True
-                got = self.router.decide(whole, session=self.hint, now=time.monotonic(),
-                                         defer=True, user_starts=self.user_starts(whole),
-                                         among=self.among)
-        if isinstance(got, NoBackend):
-            raise _no_backend_error(got)
-        assert not isinstance(got, NeedWholePrompt), "only ever for a head"
-        return got
-
-    def claim(self) -> BackendInfo:
-        info = self.fw.backends.get(self.decision.backend)
-        if info is None:  # removed between the event and now
-            self.fw.waits.hand_off(self.router.abort(self.decision, now=time.monotonic()))
-            raise NoBackendAvailable("backend went away", retry_after=1)
-        return info
-
-    async def exchange(self) -> web.StreamResponse:
-        if self.decision.queued:
-            # NOTE: placed with the whole prompt if tokenized by then (take_rest): the
-            # slot it waits for may hold more than the head (a summary with its turn)
-            held_at = time.perf_counter()
-            h = await self.fw.waits.hold(self.decision, self.info)
-            self.fw.recorder.slot_waited(self.info.name, time.perf_counter() - held_at)
-            self.decision = dataclasses.replace(
-                self.decision, slot=h.slot, predicted_cached=h.predicted_cached,
-                tier=h.tier, restore=h.restore)
-            displaced = h.displaced
-        else:
-            displaced = None
-        store = self.fw.slot_store(self.info.name)
-        if store is not None and self.decision.slot is not None:
-            keeps = self.decision.predicted_cached if self.decision.tier == "slot" else 0
-            await store.spill(self.info, self.decision.slot, keeps, displaced)
-        # the slot is given the saved conversation first: the request then reuses it (if
-        # the server was asked and it failed, the request is a prefill: predicted so; if
-        # it was not asked, the file went meanwhile and the model's guess stands)
-        if self.decision.restore is not None and self.decision.slot is not None \
-                and store is not None and await store.restore_into(
-                    self.info, self.decision.slot, self.decision.restore) is False:
-            self.decision = self.router.restore_failed(self.decision)
-        sending = self.fw._send(self.request, self.path, self.raw, self.body, self.relay,
-                                self.info, self.decision, self.outcome, {}, self.settle,
-                                self.placed)
-        if not runs_on_when_left(self.path, self.body):
-            return await sending
-        # The backend would not notice this client leave (proxy/forwarding/assemble.py):
-        # the exchange then goes on without it, and the model frees the slot when the
-        # backend really does (bounded by first_byte_timeout), not when the client left
-        task = asyncio.ensure_future(sending)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if not task.done():
-                self.detached = task
-            raise
-
-    def take_rest(self, task: asyncio.Task[array | None]) -> None:
-        # NOTE: as soon as the rest is tokenized, not when the answer comes: requests
-        # decided meanwhile see all this one's slot will hold (a summary sent with its
-        # turn reuses the turn's tool result there)
-        if self.whole or task.cancelled() or task.exception() is not None:
-            return
-        ids = task.result()
-        if ids is not None:
-            self.decision = self.router.extend(self.decision, ids, self.user_starts(ids))
-            self.tokens, self.whole = ids, True
-
-    def placed(self, upstream: Response) -> None:
-        # the request is written: the model's bookkeeping runs while the backend works
-        self.decision = self.router.place(self.decision)
-        upstream.on_data = self.mark  # (the answer's parts arrive after this)
-        tell, d = self.fw.on_sent, self.decision
-        if tell is not None and self.whole and d.slot is not None:
-            # the other replicas learn the prompt's place now, not only once the answer
-            # is over: a client's next turn may reach one of them as soon as it has it
-            tell(d.backend, d.slot, d.request_id,
-                 to_token_bytes(self.tokens))  # type: ignore[arg-type]
-
-    def mark(self) -> None:
-        # NOTE: as the bytes come, not when they are read: another answer read first
-        # may hand a queued request a slot meanwhile (see BackendCache.saved_idle)
-        self.outcome.starts_at_end = self.router.starts(self.decision.backend)
-
-    async def settle(self, target: Target) -> Target:
-        # the answer is coming: the model takes the whole prompt before the headers
-        # (with the prediction) are written and before any feedback
-        if not self.whole:
-            assert self.pending is not None
-            await asyncio.wait({self.pending.rest})
-            self.take_rest(self.pending.rest)  # (a no-op if its callback ran first)
-        # (revised since it was sent if another replica's request ran there first)
-        self.decision = self.router.place(self.decision)
-        d = self.reported()
-        if (target.predicted_cached, target.tier) == (d.predicted_cached, d.tier):
-            return target
-        return dataclasses.replace(target, predicted_cached=d.predicted_cached, tier=d.tier)
-
-    def reported(self) -> Decision:
-        d = self.decision
-        return dataclasses.replace(d, predicted_cached=0, tier="none") if self.no_reuse else d
-
-    def feedback(self) -> None:
-        # NOTE: decided by the outcome, not by how the handler ends: a client that
-        # closes its connection as soon as it has the stream's last event cancels it
-        # in its final write, after the backend finished; an abort there would forget
-        # what the slot now holds (its next turn then predicted 0).
-        outcome, decision, whole = self.outcome, self.decision, self.whole
-        if outcome.complete and 0 < outcome.status < 400 and whole:
-            self.fw._complete(decision, outcome, check=not self.no_reuse)
-        elif whole and outcome.cancelled and outcome.status == 200 \
-                and outcome.first_token_at is None and decision.slot is not None \
-                and self.info.kind == LLAMA:
-            # the client left during the prefill, which llama-server goes on with
-            # (it notices only when it writes the first token): the slot is busy until
-            # then, and holds what was prefilled
-            self.fw.waits.free_when_idle(decision, self.info)
-        else:
-            # a client that leaves once output flows (an interrupted agent turn)
-            # leaves its prompt in the slot
-            prefilled = whole and outcome.first_token_at is not None
-            self.fw.waits.hand_off(self.router.abort(decision, now=time.monotonic(),
-                                                prefilled=prefilled))
-
-    def feedback_when_done(self, task: asyncio.Future[web.StreamResponse]) -> None:
-        if not task.cancelled():
-            task.exception()  # retrieved: a failure there is only the abort below
-        try:
-            self.feedback()
-        finally:
-            self.fw.recorder.backend_done(self.info.name)
-
-    def finish(self) -> None:
-        try:
-            if self.detached is None:
-                self.feedback()
-            else:
-                self.detached.add_done_callback(self.feedback_when_done)
-        finally:  # (the gauge, the log line and the span, whatever the feedback did)
-            try:
-                self.fw.recorder.end(self.endpoint, self.reported(), self.outcome,
-                                     self.started, stream=self.body.get("stream") is True,
-                                     backend_busy=self.detached is not None)
-            finally:
-                self.fw.tracing.end(self.span, self.reported(), self.outcome)
-
-
 def _named(raw: bytes, info: BackendInfo) -> bytes:
     """The body for ``info``: a server of the OpenAI API (vLLM, SGLang) answers 404 to a
     `model` it does not serve, and a pool takes any of its aliases (and, alone, any
@@ -480,19 +181,3 @@ def _named(raw: bytes, info: BackendInfo) -> bytes:
     except orjson.JSONDecodeError:
         return raw
     return upstream_payload(raw, body, {"model": info.model}) if isinstance(body, dict) else raw
-
-
-async def _whole(pending: PendingPrompt) -> array:
-    ids = await pending.rest
-    if ids is None:
-        raise BadRequest("prompt text is not valid Unicode")
-    return ids
-
-
-def _no_backend_error(nb: NoBackend) -> ProxyError:
-    # NOTE: prompts too long for every *ready* backend are mostly rejected before
-    # `decide` (max_context counts tripped backends too, which may come back).
-    if nb.kind in ("too_long", "empty"):
-        return BadRequest(nb.reason, code="context_length_exceeded"
-                          if nb.kind == "too_long" else "invalid_request_error")
-    return NoBackendAvailable(nb.reason, retry_after=1)

@@ -20,7 +20,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from backends.config import LLAMA, ManagedBackendConfig
 from proxy.errors import BadRequest, NoBackendAvailable, NotFound, PayloadTooLarge, RequestTimeout
-from proxy.forwarding.forwarder import PendingPrompt
+from proxy.forwarding.attempt import PendingPrompt
 from proxy.forwarding.send import AS_IS, JSON, Relay
 from proxy.observability.metrics import CONTENT_TYPE
 from proxy.prompt.chat_request import PromptError
