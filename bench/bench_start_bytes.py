@@ -25,7 +25,8 @@ from proxy.prompt.builder import PromptBuilder  # noqa: E402
 from proxy.replicas.bases import Bases  # noqa: E402
 from proxy.replicas.events import Event, Kind, encode  # noqa: E402
 from proxy.routing.cache.predict import BackendCapacity  # noqa: E402
-from proxy.routing.router import Decision, Router  # noqa: E402
+from proxy.routing.decision import Decision  # noqa: E402
+from proxy.routing.router import Router  # noqa: E402
 
 ANSWER = 8  # tokens each answer leaves (the workload's max_tokens)
 
