@@ -5,7 +5,10 @@
     version.py     which llama.cpp a server and the tokenizer come from
     demo_model.py  synthesise the demo GGUF
     process.py     one llama-server process: spawn, wait_ready, stop
-    supervisor.py  all configured backends: start, watch, restart, stop
+    supervisor.py  all configured backends, as one pool: start, stop, states, subscribers
+    managed.py     a managed llama-server's lifecycle: start, watch, restart
+    external.py    external servers probed, and backends an agent runs, as it reports them
+    info.py        a ready backend as the proxy needs it, and one backend's runtime record
     agent.py       `kvroute agent`: one host's servers, served to routers elsewhere
     remote.py      a router's side of an agent: its backends as it reports them
     client.py      typed calls to one server (/health, /props, /slots, ...)

@@ -28,7 +28,8 @@ import structlog
 from aiohttp import web
 
 from backends.config import AgentConfig
-from backends.supervisor import BackendInfo, Supervisor
+from backends.info import BackendInfo
+from backends.supervisor import Supervisor
 
 log = structlog.get_logger(__name__)
 

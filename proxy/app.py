@@ -30,7 +30,8 @@ import aiohttp
 from aiohttp import web
 
 from backends.config import LLAMA
-from backends.supervisor import BackendInfo, Supervisor
+from backends.info import BackendInfo
+from backends.supervisor import Supervisor
 from backends.version import tokenizer_version
 from proxy.anthropic import routes as anthropic
 from proxy.config.load import Config

@@ -19,7 +19,8 @@ from texts import words
 
 from backends.binary import cache_dir
 from backends.config import ExternalBackendConfig, SupervisionConfig
-from backends.supervisor import BackendInfo, Supervisor
+from backends.info import BackendInfo
+from backends.supervisor import Supervisor
 from proxy.config.load import Config, ProxyConfig, RoutingConfig
 from proxy.config.settings import HealthSettings, ProxySettings
 from proxy.server.keys import ROUTER

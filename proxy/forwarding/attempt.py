@@ -19,7 +19,7 @@ from typing import Protocol
 from aiohttp import web
 
 from backends.config import LLAMA
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.errors import (
     BadRequest,
     NoBackendAvailable,

@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 
 from backends.config import LLAMA
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.errors import BadRequest, UpstreamError, UpstreamTimeout
 from proxy.feedback.reports import Outcome, Recorder
 from proxy.forwarding.attempt import OPENAI_PATHS, Attempt, PendingPrompt, whole_prompt

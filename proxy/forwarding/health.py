@@ -48,7 +48,7 @@ import aiohttp
 
 from backends.client import BackendClient, BackendDown, BadResponse, Health
 from backends.config import LLAMA
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.config.settings import HealthSettings
 from proxy.forwarding.upstream import Response
 from proxy.observability.metrics import ProxyMetrics

@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.errors import (
     RESPONSE_STARTED,
     ErrorFormat,

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import aiohttp
 
 from backends.client import BackendClient
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.errors import NoBackendAvailable
 from proxy.feedback.reports import Recorder
 from proxy.routing.decision import Decision, Handoff

@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from backends.client import BackendClient
 from backends.config import LLAMA
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 
 # A scrape waits for the slowest backend: one busy in a long prefill still answers
 # /metrics from its HTTP thread, so this only cuts off a hung one.

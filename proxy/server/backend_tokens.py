@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 
 from backends.client import BackendClient, BackendDown, BadResponse, Tokens
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.errors import BadRequest, NoBackendAvailable, ProxyError
 from proxy.observability.logging import get_logger
 from proxy.prompt.builder import PromptBuilder

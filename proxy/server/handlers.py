@@ -50,7 +50,7 @@ from proxy.server.pools import Pool
 from proxy.server.validate import check_fields, check_forwarded, check_messages
 
 if TYPE_CHECKING:
-    from backends.supervisor import BackendInfo
+    from backends.info import BackendInfo
 
 # llama-server paths forwarded as they are to any healthy backend.
 PASSTHROUGH_POST = ("/tokenize", "/detokenize", "/apply-template", "/v1/embeddings",

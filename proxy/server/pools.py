@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.config.pools import PoolSpec
 from proxy.errors import NotFound
 from proxy.forwarding.forwarder import Forwarder

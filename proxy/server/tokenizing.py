@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.errors import BadRequest, NoBackendAvailable, ProxyError
 from proxy.forwarding.attempt import PendingPrompt
 from proxy.observability.logging import get_logger

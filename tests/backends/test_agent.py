@@ -33,8 +33,9 @@ from backends.config import (
     ManagedBackendConfig,
     SupervisionConfig,
 )
+from backends.info import BackendInfo
 from backends.process import free_port
-from backends.supervisor import BackendInfo, Supervisor
+from backends.supervisor import Supervisor
 from proxy.config.load import Config, ProxyConfig, RoutingConfig
 from proxy.server.keys import POOLS
 

@@ -12,8 +12,9 @@ import pytest
 
 from backends.binary import cache_dir
 from backends.config import AgentLink, ExternalBackendConfig
+from backends.info import BackendInfo
 from backends.remote import AgentWatch, BadReport, parse_answer
-from backends.supervisor import BackendInfo, Supervisor
+from backends.supervisor import Supervisor
 from proxy.config.load import Config, ProxyConfig, RoutingConfig
 
 LINK = AgentLink(name="box1", url="http://127.0.0.1:9", key="agent-key-" + "x" * 16)

@@ -19,8 +19,9 @@ from procs import gone
 
 from backends.client import BackendClient, BackendDown, Health, Props
 from backends.config import ExternalBackendConfig
+from backends.info import BackendInfo
 from backends.process import free_port
-from backends.supervisor import BackendInfo, Supervisor
+from backends.supervisor import Supervisor
 from proxy.config.load import Config, RoutingConfig
 
 PoolFactory = Callable[..., Awaitable[Supervisor]]  # the backend_pool fixture (conftest.py)

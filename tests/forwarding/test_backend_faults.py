@@ -31,7 +31,7 @@ from faults import (
 from proxy_client import proxy
 from texts import words
 
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.config.settings import HealthSettings, ProxySettings
 from proxy.forwarding.health import BackendHealth
 from proxy.server.keys import HEALTH, METRICS, ROUTER

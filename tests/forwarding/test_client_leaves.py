@@ -18,7 +18,7 @@ from faults import busy_slots, chat_body, fake_behind_proxy, until
 from proxy_client import proxy
 from texts import words
 
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.server.keys import ROUTER
 
 pytestmark = pytest.mark.timeout(240)

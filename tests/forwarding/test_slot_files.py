@@ -21,7 +21,7 @@ from aiohttp import web
 from faults import until
 
 from backends.config import KvDiskConfig
-from backends.supervisor import BackendInfo
+from backends.info import BackendInfo
 from proxy.forwarding.health import capacity
 from proxy.forwarding.slot_store import INDEX, SlotStore
 from proxy.routing.router import Router

@@ -27,7 +27,8 @@ from texts import words
 
 from backends.client import BackendClient, Tokens
 from backends.config import ExternalBackendConfig, KvDiskConfig, ManagedBackendConfig
-from backends.supervisor import BackendInfo, Supervisor
+from backends.info import BackendInfo
+from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
 from proxy.forwarding.health import capacity

@@ -32,7 +32,8 @@ from backends.demo_model import (
     ensure_demo_model,
     write_model,
 )
-from backends.supervisor import BackendInfo, Supervisor
+from backends.info import BackendInfo
+from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.infill import InfillShape, fim_missing, infill_ids
