@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from backends.binary import find_llama_server  # noqa: E402
 from backends.demo_model import DemoModelParams, demo_model_path  # noqa: E402
+from backends.info import BackendInfo  # noqa: E402
 from backends.process import LlamaServerProcess, ServerSpec, free_port  # noqa: E402
-from backends.supervisor import BackendInfo  # noqa: E402
 from loadtest.workloads import words  # noqa: E402
 from proxy.prompt.builder import PromptBuilder  # noqa: E402
 from proxy.server.backend_tokens import BackendTokens  # noqa: E402

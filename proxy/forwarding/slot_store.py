@@ -47,11 +47,11 @@ import structlog
 from backends.client import BackendClient, BackendDown
 from backends.config import KvDiskConfig
 from backends.info import BackendInfo
-from proxy.forwarding.slot_files import INDEX, Saved, SlotFiles
+from proxy.forwarding.slot_files import Saved, SlotFiles
 from proxy.forwarding.slot_identity import reported_identity, reported_model
 from proxy.routing.router import Router
 
-__all__ = ["INDEX", "RESTORE_BASE_S", "Saved", "SlotStore"]
+__all__ = ["RESTORE_BASE_S", "Saved", "SlotStore"]
 
 # A restore reads its file whole into the server's KV, in the server's loop: allow the loop
 # this long to take the task, and the file's size at a hard disk's speed. Past that the

@@ -23,7 +23,8 @@ from faults import until
 from backends.config import KvDiskConfig
 from backends.info import BackendInfo
 from proxy.forwarding.health import capacity
-from proxy.forwarding.slot_store import INDEX, SlotStore
+from proxy.forwarding.slot_files import INDEX
+from proxy.forwarding.slot_store import SlotStore
 from proxy.routing.router import Router
 
 pytestmark = pytest.mark.timeout(60)

@@ -32,8 +32,9 @@ from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
 from proxy.forwarding.health import capacity
+from proxy.forwarding.slot_files import INDEX
 from proxy.forwarding.slot_identity import model_identity
-from proxy.forwarding.slot_store import INDEX, RESTORE_BASE_S, SlotStore
+from proxy.forwarding.slot_store import RESTORE_BASE_S, SlotStore
 from proxy.routing.router import Router
 from proxy.server.keys import FORWARDER, METRICS, ROUTER
 
