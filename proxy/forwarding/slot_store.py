@@ -10,12 +10,15 @@ later save of the same conversation replaces the file, another conversation in t
 gets a file of its own. A request about to displace a slot's content before it was saved
 (a busy fleet turns slots over faster than that) has it saved first, a spill, when the
 save is short (`SPILL_MAX_S` at the write rate the saves so far measured): it delays that
-request by as long. The router holds every file's tokens in its tree: a request whose
-prefix a file holds better than the slot it is given (the conversation's backend is busy
-or gone, its slot reused since) has that file restored into the slot first
-(`Decision.restore`). And when a backend comes back (the supervisor restarts it, an
-external one answers again, or kvroute itself restarts) each of its slots gets its last
-saved content back before requests are routed there.
+request by as long. A request that waited for a slot is told what the slot held when the
+router handed it over (`Handoff.displaced`): on a fleet where requests queue, a slot
+goes from one turn to the next with no idle moment, so this is the one chance to save
+it. The router holds every file's tokens in its tree: a request whose prefix a file
+holds better than the slot it is given (the conversation's backend is busy or gone, its
+slot reused since) has that file restored into the slot first (`Decision.restore`, or
+`Handoff.restore` for one that waited). And when a backend comes back (the supervisor
+restarts it, an external one answers again, or kvroute itself restarts) each of its
+slots gets its last saved content back before requests are routed there.
 
 Each file carries its model's identity (slot_identity.py), and is restored only into a
 backend that runs that model now and reads its directory. An external server may have
