@@ -95,8 +95,3 @@ class DiskEntries:
         f.replaced = None
         decision.reasons.update(reuse=0, tier="none", restore="failed")
         return replace(decision, predicted_cached=0, tier="none", restore=None)
-
-
-def from_disk(p: Placement | None) -> Placement | None:
-    """A placement in a slot just restored from disk: what it reuses came from disk."""
-    return p._replace(tier="disk") if p is not None and p.tier == "slot" else p

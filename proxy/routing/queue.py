@@ -14,7 +14,7 @@ from typing import Any
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import PENDING, RAM, SLOT, Placement
+from proxy.routing.cache.predict import PENDING, RAM, SLOT, Placement, from_disk
 from proxy.routing.decision import Handoff
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
@@ -128,10 +128,10 @@ class QueuedRequests:
                             user_starts=f.user_starts)
         else:
             cache.restore(p.slot, restore[1])
-            p = cache.start(p.slot, f.prompt, {**slot_lcp, p.slot: restore[2]}, ram_lcp,
-                            f.n, user_starts=f.user_starts)
-            assert p is not None
-            p = p._replace(tier="disk") if p.tier == "slot" else p
+            p = from_disk(cache.start(p.slot, f.prompt, {**slot_lcp, p.slot: restore[2]},
+                                      ram_lcp, f.n, user_starts=f.user_starts))
+            if had is not None and restore[1].startswith(had):
+                had = None  # (the file holds it already: an earlier point of its conversation)
         assert p is not None
         f.slot = p.slot
         st.occupy(p.slot, f.session)

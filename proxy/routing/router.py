@@ -27,9 +27,16 @@ from typing import Any
 
 from proxy.routing.backend_state import BackendState, peer_rate
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import PENDING, RAM, SLOT, BackendCapacity, Placement
+from proxy.routing.cache.predict import (
+    PENDING,
+    RAM,
+    SLOT,
+    BackendCapacity,
+    Placement,
+    from_disk,
+)
 from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
-from proxy.routing.disk import DiskEntries, from_disk
+from proxy.routing.disk import DiskEntries
 from proxy.routing.observed import ObservedRequests, SlotListener
 from proxy.routing.outcomes import RequestEnds
 from proxy.routing.policy import POLICIES, Baselines, Candidate, Choice, choose_prefix

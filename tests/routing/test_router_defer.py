@@ -192,6 +192,22 @@ def test_a_queued_request_is_handed_its_slot_with_the_file_that_holds_its_prefix
     assert r.held("a", 0) == to_token_bytes([*history, *range(5000, 5040), 9])
 
 
+def test_a_hand_off_whose_file_holds_the_slot_already_spills_nothing() -> None:
+    """The slot holds an earlier point of the conversation the restored file holds: it
+    is on disk already, so the hand-off does not ask for it to be saved again."""
+    r = Router("prefix")
+    r.add_backend(BackendCapacity("a", 1, 8192, 0, 8192))
+    history = list(range(100, 1100))
+    r.disk_add(0, "kvroute-0.bin", to_token_bytes(history), frozenset({"a"}))
+    early = r.decide(history[:500], now=0.0)
+    assert isinstance(early, Decision) and not early.queued
+    turn = r.decide([*history, *range(5000, 5040)], now=0.1)
+    assert isinstance(turn, Decision) and turn.queued
+    (h,) = r.complete(early, output_tokens=[], reported_cached=0, now=1.0)
+    assert (h.restore, h.tier, h.predicted_cached) == ("kvroute-0.bin", "disk", 1000)
+    assert h.displaced is None
+
+
 def test_a_peers_queued_request_is_not_handed_a_restore() -> None:
     """The replica that routed a request restores for it, if at all: handed a slot
     here, a peer's queued request is placed without the file."""

@@ -101,6 +101,10 @@ class Placement(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slow
     destroyed: int = 0  # tokens of the previous content lost for good (held nowhere else)
 
 
+def from_disk(p: Placement | None) -> Placement | None:
+    """A placement in a slot just restored from disk: what it reuses came from disk."""
+    return p._replace(tier="disk") if p is not None and p.tier == "slot" else p
+
 class CachePrediction:
     """Predictions over a backend's slots and RAM tier (state owned by BackendCache)."""
 
