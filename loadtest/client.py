@@ -26,7 +26,6 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from loadtest import netns
 from loadtest.workloads import Request, Session, Workload
 from proxy.feedback.reports import reported_reuse
 
@@ -80,9 +79,13 @@ def check_loopback(url: str) -> str:
         loop = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loop = host == "localhost"
-    if not loop and not netns.reachable(host):
-        raise ValueError(f"{url!r}: refusing a non-loopback target (load tests run locally, "
-                         "or from inside hosts loadtest.netns made)")
+    if not loop:
+        # (imported here: it loads libc through ctypes, Linux only, and the load client
+        # runs elsewhere against 127.0.0.1)
+        from loadtest import netns
+        if not netns.reachable(host):
+            raise ValueError(f"{url!r}: refusing a non-loopback target (load tests run "
+                             "locally, or from inside hosts loadtest.netns made)")
     base = url.rstrip("/")
     return base[:-3] if base.endswith("/v1") else base
 
