@@ -3,12 +3,14 @@
 A conversation's next turn resends its whole history: most of its prompt is a prompt
 the same slot was told before (its previous turn's, or a side call's). Every replica
 keeps the last few prompts the starts told each slot of its model (its own, as sent,
-and the peers', as read); a start whose prompt begins with one of them (in its slot, or
-in another the start then names: a turn often goes where its history is not) goes out
-as the length of that common prefix, its digest, and the rest. The receiver takes the
-one of that slot's that has that digest; one it does not have (it missed that start, or
-joined since) makes the start unreadable there: that replica says hello again (bus.py),
-and the peers send it their requests in flight whole, then their next starts.
+and the peers', as read: only slots its router for that pool routes; the bound counts
+each base's and each slot's records, not only their prompts); a start whose prompt
+begins with one of them (in its slot, or in another the start then names: a turn often
+goes where its history is not) goes out as the length of that common prefix, its
+digest, and the rest. The receiver takes the one of that slot's that has that digest;
+one it does not have (it missed that start, or joined since) makes the start unreadable
+there: that replica says hello again (bus.py), and the peers send it their requests in
+flight whole, then their next starts.
 
 A prompt this replica holds is a base for its own starts only while every peer is sure
 to have it: anything held before a replica said hello (a joiner, one back after losing
@@ -28,7 +30,11 @@ from proxy.routing.tree.token_bytes import common_len
 PER_SLOT = 4  # prompts kept per slot (turns, side calls)
 MIN_BASE = 16  # tokens in common below which a start goes whole
 SEARCHED = 64  # slots a start's base is looked for in (the most recently told)
-_BYTES = 256 << 20  # prompts kept, in all
+_BYTES = 256 << 20  # memory kept, in all: the prompts, and OVERHEAD per base and per slot
+# what a base or a slot costs beyond its prompt's bytes (its entry, deque, record and
+# names): a flood of tiny starts is bounded by this, not by its few prompt bytes
+OVERHEAD = 1 << 10
+MAX_SLOTS = 1 << 16  # slots kept
 
 _Slot = tuple[str, str, int]  # (pool, backend, slot)
 
@@ -37,6 +43,10 @@ _Slot = tuple[str, str, int]  # (pool, backend, slot)
 class _Base:
     prompt: bytes
     epoch: int  # `Bases.epoch` when it was told
+
+
+def _cost(b: _Base) -> int:
+    return len(b.prompt) + OVERHEAD
 
 
 def digest(prompt: bytes, n: int) -> bytes:
@@ -59,21 +69,25 @@ class Bases:
 
     def told(self, e: Event, everyone: bool = True) -> None:
         """``e`` (a whole start) went out, or was read: its slot was told its prompt;
-        ``everyone``: every peer was (not only this replica, joining)."""
+        ``everyone``: every peer was (not only this replica, joining). The caller keeps
+        only slots its replica routes (a peer cannot make it hold others)."""
         key = e.pool, e.backend, e.slot
-        bases = self._slots.pop(key, None) or deque()
+        bases = self._slots.pop(key, None)
+        if bases is None:
+            bases = deque()
+            self._bytes += OVERHEAD
         self._slots[key] = bases
         base = _Base(e.tokens, self.epoch if everyone else -1)
         if bases and bases[-1].prompt == e.tokens:
             bases[-1] = base
             return
         bases.append(base)
-        self._bytes += len(e.tokens)
+        self._bytes += _cost(base)
         if len(bases) > PER_SLOT:
-            self._bytes -= len(bases.popleft().prompt)
-        while self._bytes > self.max_bytes:
+            self._bytes -= _cost(bases.popleft())
+        while self._bytes > self.max_bytes or len(self._slots) > MAX_SLOTS:
             _, oldest = self._slots.popitem(last=False)
-            self._bytes -= sum(len(b.prompt) for b in oldest)
+            self._bytes -= OVERHEAD + sum(_cost(b) for b in oldest)
 
     def shorten(self, e: Event) -> Event:
         """``e`` as sent: a whole start as what it adds to the longest prefix of its

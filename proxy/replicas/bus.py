@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -190,7 +191,7 @@ class ReplicaBus:
             if whole is None:
                 self._unreadable(e)
                 return
-            if e.pool in self.view.pools:  # (any slot: another may name it as a base)
+            if self.view.routes(e):  # (any routed slot: another may name it as a base)
                 self.bases.told(whole, everyone=live)
             e = whole
         now = time.monotonic()
@@ -217,8 +218,10 @@ class ReplicaBus:
         """A start relative to a base this replica lacks (it missed an event, or did not
         keep that slot's): it says hello again, at most every RESYNC_S, and the peers
         send it their requests in flight, then starts whole (else each next start of
-        that conversation would be unreadable here too)."""
-        if not self.view.routes(e):
+        that conversation would be unreadable here too). One whose base is in a slot
+        not routed here (whose bases are not kept) cannot be read after a hello either."""
+        if not self.view.routes(e) or (e.base_from is not None and not self.view.routes(
+                replace(e, backend=e.base_from[0], slot=e.base_from[1]))):
             return
         self.counted("unreadable")
         now = time.monotonic()

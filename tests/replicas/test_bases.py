@@ -7,8 +7,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.replicas.bases import MIN_BASE, PER_SLOT, Bases
+from proxy.replicas.bases import MIN_BASE, OVERHEAD, PER_SLOT, Bases
+from proxy.replicas.bus import ReplicaBus
 from proxy.replicas.events import Event, Kind, decode, encode
+from proxy.replicas.peers import PeerView, PoolPort
+from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
 
 
@@ -86,3 +90,28 @@ def test_the_bases_kept_are_bounded_per_slot_and_in_bytes() -> None:
     assert all(len(q) <= PER_SLOT for q in b._slots.values())
     oldest = start([*range(600), 1], slot=0)
     assert b.shorten(oldest) == oldest  # (evicted)
+
+
+def test_a_flood_of_tiny_starts_keeps_no_more_slots_than_their_overhead_allows() -> None:
+    """Each slot's record costs far more than a tiny prompt's bytes: the bound counts it."""
+    max_bytes = 64 * OVERHEAD
+    b = Bases(max_bytes=max_bytes)
+    for slot in range(1000):
+        b.told(start([1, 2], slot=slot))
+    assert 0 < len(b._slots) <= max_bytes // (2 * OVERHEAD)
+
+
+def test_a_peers_starts_to_slots_not_routed_here_are_not_kept() -> None:
+    """A peer naming backends (or slots) this replica's router for the pool does not
+    have leaves nothing behind; the slots it routes keep their bases."""
+    router = Router("prefix")
+    slots = 2
+    router.add_backend(BackendCapacity("x", slots, 8192, 0, 8192))
+    bus = ReplicaBus("nats://127.0.0.1:1", "a", PeerView("a", {"p": PoolPort(
+        router, lambda h: None)}), lambda e: None)
+    for i in range(1000):
+        for backend, slot in ((f"made-up{i}", 0), ("x", slots + i)):
+            bus._apply(encode(Event("b", Kind.START, "p", backend, slot, i, bytes(8))))
+        bus._apply(encode(Event("b", Kind.START, "other", "x", 0, i, bytes(8))))
+    bus._apply(encode(Event("b", Kind.START, "p", "x", 1, 0, bytes(8))))
+    assert list(bus.bases._slots) == [("p", "x", 1)]
