@@ -9,12 +9,13 @@ begins with one of them (in its slot, or in another the start then names: a turn
 goes where its history is not) goes out as the length of that common prefix, its
 digest, and the rest. The receiver takes the one of that slot's that has that digest;
 one it does not have (it missed that start, or joined since) makes the start unreadable
-there: that replica says hello again (bus.py), and the peers send it their requests in
+there: that replica asks to resync (bus.py), and the peers send it their requests in
 flight whole, then their next starts.
 
 A prompt this replica holds is a base for its own starts only while every peer is sure
-to have it: anything held before a replica said hello (a joiner, one back after losing
-the broker, this one reconnecting) is not, and the next start of each slot goes whole.
+to have it: anything held before a replica said hello or asked to resync (a joiner, one
+back after losing the broker, this one reconnecting, one that missed a start) is not,
+and the next start of each slot goes whole.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class Bases:
         self._bytes = 0
 
     def unsure(self) -> None:
-        """A replica said hello (or this one reconnected): what is held so far may not
-        be every peer's."""
+        """A replica said hello or asked to resync (or this one reconnected): what is
+        held so far may not be every peer's."""
         self.epoch += 1
 
     def told(self, e: Event, everyone: bool = True) -> None:

@@ -43,7 +43,7 @@ LIVE_QUEUE = 1024  # live events waiting to be sent; past that the oldest are dr
 _SNAPSHOTS = 64
 _RETRY_S = 2.0  # between connection attempts before the first one succeeds
 ALIVE_S = 1.0
-RESYNC_S = 5.0  # at least between two hellos said for unreadable starts
+RESYNC_S = 5.0  # at least between two resyncs asked for unreadable starts
 _PING_S = 2
 
 
@@ -63,11 +63,13 @@ class ReplicaBus:
         self._nc: Any = None
         # encoded by the sender, not on the request's path
         self._queue: asyncio.Queue[tuple[str, Event]] = asyncio.Queue(LIVE_QUEUE)
-        self._joiners: asyncio.Queue[str] = asyncio.Queue(_SNAPSHOTS)  # their subjects
+        # their subjects, and whether they want the whole view (else the requests in
+        # flight only)
+        self._joiners: asyncio.Queue[tuple[str, bool]] = asyncio.Queue(_SNAPSHOTS)
         self._tasks: list[asyncio.Task[None]] = []
         self.tellers: list[Teller] = []  # one per pool: their `alive` goes out each second
         self.bases = Bases()  # (the starts' prompts, told and read on the live path)
-        self._resynced = -RESYNC_S  # when it last said hello for an unreadable start
+        self._resynced = -RESYNC_S  # when it last asked to resync (an unreadable start)
 
     async def start(self) -> None:
         """Connect (in the background until the broker answers) and start sending."""
@@ -135,14 +137,15 @@ class ReplicaBus:
                 self.bases.told(event)
 
     async def _send_views(self) -> None:
-        """Answer each replica that said hello with this one's view, made as it goes
+        """Answer each replica that said hello (or resync) with this one's view, made as it goes
         out (so what it says holds then): the requests in flight here (their ends are
-        read against their starts), then what the idle slots hold."""
+        read against their starts), then what the idle slots hold; one that asked to
+        resync, with the requests in flight only (what the slots hold, it has)."""
         while True:
-            subject = await self._joiners.get()
+            subject, whole = await self._joiners.get()
             # NOTE: the starts go out back to back (a publish only buffers): no end of
             # theirs, sent meanwhile on the live path, overtakes them
-            for i, event in enumerate(self._view()):
+            for i, event in enumerate(self._view(whole)):
                 if self._nc is None or not self.connected:
                     self.counted("dropped")
                     continue
@@ -155,9 +158,9 @@ class ReplicaBus:
                 if event.kind == Kind.HELD and i % 16 == 0:
                     await asyncio.sleep(0)  # (a large view: live events go out meanwhile)
 
-    def _view(self) -> list[Event]:
-        return [e for teller in self.tellers for e in teller.in_flight()] \
-            + self.view.snapshot()
+    def _view(self, whole: bool) -> list[Event]:
+        in_flight = [e for teller in self.tellers for e in teller.in_flight()]
+        return in_flight + self.view.snapshot() if whole else in_flight
 
     async def _alive(self) -> None:
         while True:
@@ -199,12 +202,12 @@ class ReplicaBus:
             self.view.left(e.replica, now, BYE)
             return
         self.view.heard(e.replica, now)
-        if e.kind == Kind.HELLO:
-            self.bases.unsure()  # (it holds none of them)
+        if e.kind in (Kind.HELLO, Kind.RESYNC):
+            self.bases.unsure()  # (it holds none of them, or not all)
             if self._joiners.full():
                 self._joiners.get_nowait()
                 self.counted("dropped")
-            self._joiners.put_nowait(snapshot_subject(e.replica))
+            self._joiners.put_nowait((snapshot_subject(e.replica), e.kind == Kind.HELLO))
             return
         applied = self.view.apply(e, now)
         if e.kind != Kind.ALIVE or applied:  # (an `alive` that ended nothing: no news)
@@ -216,10 +219,10 @@ class ReplicaBus:
 
     def _unreadable(self, e: Event) -> None:
         """A start relative to a base this replica lacks (it missed an event, or did not
-        keep that slot's): it says hello again, at most every RESYNC_S, and the peers
+        keep that slot's): it asks to resync, at most every RESYNC_S, and the peers
         send it their requests in flight, then starts whole (else each next start of
         that conversation would be unreadable here too). One whose base is in a slot
-        not routed here (whose bases are not kept) cannot be read after a hello either."""
+        not routed here (whose bases are not kept) cannot be read after a resync either."""
         if not self.view.routes(e) or (e.base_from is not None and not self.view.routes(
                 replace(e, backend=e.base_from[0], slot=e.base_from[1]))):
             return
@@ -227,7 +230,7 @@ class ReplicaBus:
         now = time.monotonic()
         if now - self._resynced >= RESYNC_S:
             self._resynced = now
-            self.publish(Event(self.replica, Kind.HELLO))
+            self.publish(Event(self.replica, Kind.RESYNC))
 
     async def _up(self) -> None:
         self.connected = True

@@ -12,7 +12,8 @@
   replica that joins, which keeps what it knows of a slot since then);
 - ``alive`` (every second, per pool: its requests still in flight there: a peer ends
   the others, whose end it missed), ``hello`` (it joined: the others send it their
-  view), ``bye``.
+  view), ``resync`` (a start it read was relative to a base it lacks: the others send
+  it their requests in flight, and their next starts whole), ``bye``.
 
 Token ids travel zlib'd as int32 (~2-3 bytes a token). Validated on the way in: nothing a
 peer sends can make a replica raise, or hold more than `MAX_TOKENS` of it.
@@ -42,6 +43,7 @@ class Kind(StrEnum):
     END = "end"
     HELD = "held"
     HELLO = "hello"
+    RESYNC = "resync"
     ALIVE = "alive"
     BYE = "bye"
 

@@ -31,7 +31,7 @@ from proxy.app import create_app
 from proxy.config.load import Config, ReplicasConfig
 from proxy.forwarding.upstream import Upstream
 from proxy.replicas.bases import Bases
-from proxy.replicas.bus import LIVE_QUEUE, SUBJECT, ReplicaBus
+from proxy.replicas.bus import LIVE_QUEUE, SUBJECT, ReplicaBus, snapshot_subject
 from proxy.replicas.events import MAX_TOKENS, Event, Kind, decode, encode
 from proxy.replicas.peers import PeerView, PoolPort, Teller
 from proxy.routing.cache.predict import BackendCapacity
@@ -55,7 +55,8 @@ NEEDS_NATS = pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get in
     Event("a", Kind.START, "", "x", 1, 3, b"\x02\x00\x00\x00", 900, base=bytes(range(8))),
     Event("a", Kind.START, "", "x", 1, 3, b"", 2, base=bytes(8)),
     Event("a", Kind.START, "", "x", 1, 3, b"", 2, base=bytes(8), base_from=("y", 0)),
-    Event("b", Kind.HELLO), Event("b", Kind.ALIVE), Event("b", Kind.BYE),
+    Event("b", Kind.HELLO), Event("b", Kind.RESYNC), Event("b", Kind.ALIVE),
+    Event("b", Kind.BYE),
 ])
 def test_events_read_back_as_sent(event: Event) -> None:
     assert decode(encode(event)) == event
@@ -292,6 +293,34 @@ async def test_a_start_against_a_base_a_replica_lacks_gets_it_the_start_whole() 
             teller.started("x", 0, request, prompt + to_token_bytes([request]))
             await until(lambda r=request: b.view.in_flight == r + 1, 20)
         assert counts["b"]["unreadable"] == 1
+
+
+@NEEDS_NATS
+async def test_a_resync_is_answered_with_the_requests_in_flight_a_hello_with_all() -> None:
+    """A replica asking to resync (it missed a base) has what the slots hold: a sends
+    it its requests in flight only; a hello gets those and every idle slot's content."""
+    async with broker() as url, two_buses(url, 2) as (buses, _):
+        a = buses["a"]
+        teller = Teller("a", "p", lambda e: None, a.view.touched)
+        a.tellers.append(teller)
+        teller.started("x", 0, 7, to_token_bytes(list(range(100))))
+        assert _router(a).seed("x", 1, to_token_bytes([1, 2, 3]))
+        got: list[Kind | None] = []
+
+        async def tapped(msg: Any) -> None:
+            got.append(None if (e := decode(msg.data)) is None else e.kind)
+
+        tap = await nats.connect(url)
+        try:
+            sub = await tap.subscribe(snapshot_subject("c"), cb=tapped)
+            await tap.flush()
+            a._apply(encode(Event("c", Kind.RESYNC)))
+            a._apply(encode(Event("c", Kind.HELLO)))
+            await until(lambda: Kind.HELD in got, 20)
+            assert got == [Kind.START, Kind.START, Kind.HELD]
+            await sub.unsubscribe()
+        finally:
+            await tap.close()
 
 
 @NEEDS_NATS
