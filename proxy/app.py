@@ -287,21 +287,24 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _restored_up(app: web.Application, pool: Pool, info: BackendInfo,
                        store: SlotStore) -> None:
     """A backend (re)started: restore its saved slots, then route to it, holding them. An
-    external server is asked which model it runs first (kvroute did not start it)."""
+    external server is routed at once (it may be busy, and slow to say what it runs):
+    what it runs and its slots that are still empty follow (SlotStore.external_up)."""
+    if not info.managed:
+        pool.health.backend_up(info)
     try:
         if not info.managed:
-            await store.external_ready(info)
+            await store.external_up(info)
+            return
         restored = await store.restore(info)
     except Exception:
         # the restore is a head start, never a condition: routed with empty slots rather
         # than not at all (what did come back is then unknown: mispredicted, not wrong)
         get_logger().warning("slot.restore_crashed", backend=info.name, exc_info=True)
         restored = []
-    if info not in app[SUPERVISOR].ready():  # it went down again meanwhile
-        return
-    pool.health.backend_up(info)
-    for slot, tokens in restored:
-        pool.router.seed(info.name, slot, tokens)
+    if info.managed and info in app[SUPERVISOR].ready():  # (not down again meanwhile)
+        pool.health.backend_up(info)
+        for slot, tokens in restored:
+            pool.router.seed(info.name, slot, tokens)
 
 
 @web.middleware

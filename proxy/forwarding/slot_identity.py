@@ -16,7 +16,7 @@ import hashlib
 import json
 from pathlib import PurePosixPath, PureWindowsPath
 
-from backends.client import BackendClient, Props
+from backends.client import BackendClient, BackendDown, BadResponse, Failure, Props
 from backends.config import ManagedBackendConfig
 
 
@@ -60,14 +60,20 @@ async def reported_model(client: BackendClient) -> str | None:
                     lora])
 
 
-async def reported_identity(client: BackendClient, model: str) -> str | None:
+async def reported_identity(client: BackendClient, model: str) -> str | Failure:
     """``model`` (reported_model's) with the adapters' files (`/lora-adapters`, answered
     by the server's loop: after the batch under way, seconds on a long prefill; so asked
-    when the server becomes ready, and when its model changed). What a server does not
+    when the server becomes ready, and when its model changed); the failure when the
+    server does not say (no answer in time; a 404 from a server older than the endpoint:
+    its adapters are unknown, and so is what its KV holds). What a server does not
     report (a RoPE scaling option, a file replaced in place by one of the same size)
     servers that share a directory must have alike: kvroute cannot tell them apart."""
     lora = await client.get("/lora-adapters")
-    return _digest([model, lora]) if isinstance(lora, list) else None
+    if isinstance(lora, BackendDown | BadResponse):
+        return lora
+    if not isinstance(lora, list):
+        return BadResponse(client.url, 200, str(lora)[:500])
+    return _digest([model, lora])
 
 
 def _absolute(path: str) -> bool:

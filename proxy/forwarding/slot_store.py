@@ -2,9 +2,10 @@
 
 llama-server writes a slot's KV to a file in its `--slot-save-path` and reads it back into
 any slot of any server of the same model and build (`POST /slots/{id}?action=save|
-restore`). A SlotStore holds the files of one such directory (slot_files.py) for the
-backends that read it: kv_disk.path for the managed ones, a directory external servers
-declare (`slot_save_path`) for those (slot_tier.py). A slot that stays idle for
+restore`). A SlotStore holds the files of one such directory (slot_files.py; its
+restores are slot_restore.py) for the backends that read it: kv_disk.path for the
+managed ones, a directory external servers declare (`slot_save_path`) for those
+(slot_tier.py). A slot that stays idle for
 `save_after_idle_s` after a turn (the agent is thinking, the user reading) is saved; a
 later save of the same conversation replaces the file, another conversation in that slot
 gets a file of its own. A request about to displace a slot's content before it was saved
@@ -47,21 +48,16 @@ from collections.abc import Callable, Sequence
 import aiohttp
 import structlog
 
-from backends.client import BackendClient, BackendDown
+from backends.client import BackendClient
 from backends.config import KvDiskConfig
 from backends.info import BackendInfo
 from proxy.forwarding.slot_files import Saved, SlotFiles
 from proxy.forwarding.slot_identity import reported_identity, reported_model
+from proxy.forwarding.slot_restore import Restoring
 from proxy.routing.router import Router
 
-__all__ = ["RESTORE_BASE_S", "Saved", "SlotStore"]
+__all__ = ["SlotStore"]
 
-# A restore reads its file whole into the server's KV, in the server's loop: allow the loop
-# this long to take the task, and the file's size at a hard disk's speed. Past that the
-# server is hung (stopped, a wedged loop), and a request goes on without the restore: the
-# server takes its tasks in order, so the restore, if it ever runs, still comes first.
-RESTORE_BASE_S = 5.0
-RESTORE_BYTES_PER_S = 100 * (1 << 20)
 _SAVE_TIMEOUT_S = 120.0  # off the request path: a large slot on a slow disk
 # A spill is on the request path: a save this short (a few percent of a cold prefill of
 # the same tokens on any hardware kvroute serves) is paid once to spare a prefill later.
@@ -75,12 +71,15 @@ _WRITE_BPS_FIRST = 200 * (1 << 20)  # until a save measures it: a slow SSD's wri
 # its adapters after the batch under way (its loop answers: seconds on a long prefill)
 _IDENTITY_TIMEOUT_S = 5.0
 _ADAPTERS_TIMEOUT_S = 30.0
+_IDENTITY_RETRY_S = 300.0  # an external server that did not say: asked again this seldom
+# An external server, routed at once, has its identity and slots restored within this
+EXTERNAL_UP_LIMIT_S = 120.0
 # The router's entries of every directory are told apart by the directory's number: entry
 # ids are a directory's own (its file names)
 _DIRS = 1 << 8
 
 
-class SlotStore:
+class SlotStore(Restoring):
     """The files of one directory (``cfg.path``), for the routers of every model pool:
     ``routers``, and ``router_of`` a backend (the one router, given alone); ``number``:
     the directory's among those of the tier (below 256)."""
@@ -104,6 +103,7 @@ class SlotStore:
         # external backend -> reported_model when it last became ready: asked again
         # before each save and restore
         self._reported: dict[str, str | None] = {}
+        self._asked: dict[str, float] = {}  # external backend -> when it was last asked
         self._offered: dict[int, frozenset[str]] = {}  # entry -> who the router offers it to
         self._strikes: dict[int, int] = {}  # entry -> restores the server went away during
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -151,10 +151,17 @@ class SlotStore:
 
     async def _model_of(self, info: BackendInfo) -> str | None:
         """The model ``info`` runs now (None: unknown). An external server is asked: it
-        may have been restarted with another model between two health probes, unseen."""
+        may have been restarted with another model between two health probes, unseen;
+        one whose model is unknown (it did not say when it became ready) is asked again,
+        once in `_IDENTITY_RETRY_S`."""
         model = self.models.get(info.name)
-        if info.managed or model is None:
+        if info.managed:
             return model
+        if model is None:
+            if time.monotonic() - self._asked.get(info.name, 0.0) < _IDENTITY_RETRY_S:
+                return None
+            await self.external_ready(info, count=False)
+            return self.models.get(info.name)
         now = await reported_model(self._client(info))
         if now is None or now == self._reported.get(info.name):
             return None if now is None else model  # (no answer: nothing learnt)
@@ -165,13 +172,27 @@ class SlotStore:
     async def external_ready(self, info: BackendInfo, count: bool = True) -> None:
         """External backend ``info``, which reads this directory, answers (again): what
         it runs is what it reports (kvroute did not start it)."""
+        self._asked[info.name] = time.monotonic()
         model = await reported_model(self._client(info))
         self._reported[info.name] = model
-        if model is None:
-            self.log.warning("slot.model_unknown", backend=info.name, fix="start it with "
-                             "-m and the GGUF's absolute path; check its api_key")
-        self.backend_ready(info.name, None if model is None else await reported_identity(
-            self._client(info, _ADAPTERS_TIMEOUT_S), model), count)
+        got = None if model is None else await reported_identity(
+            self._client(info, _ADAPTERS_TIMEOUT_S), model)
+        if not isinstance(got, str):
+            self.log.warning("slot.model_unknown", backend=info.name,
+                             reason="/props, /v1/models: no model" if got is None
+                             else str(got), fix="start it with -m and the GGUF's "
+                             "absolute path; check its api_key; a llama-server that "
+                             "answers /lora-adapters")
+        self.backend_ready(info.name, got if isinstance(got, str) else None, count)
+
+    async def external_up(self, info: BackendInfo) -> None:
+        """External backend ``info``, routed already, answers (again): learn what it runs,
+        and restore its saved slots that are idle and empty on the server and in the
+        router, within `EXTERNAL_UP_LIMIT_S` (a busy server answers between batches)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(EXTERNAL_UP_LIMIT_S):
+                await self.external_ready(info)
+                await self.restore(info, routed=True)
 
     def _client(self, info: BackendInfo, timeout: float = _IDENTITY_TIMEOUT_S
                 ) -> BackendClient:
@@ -254,6 +275,8 @@ class SlotStore:
         waits for it), none for an idle save."""
         spilled = timeout is not None
         model = self.models.get(info.name)
+        if model is None and not spilled:
+            await self._model_of(info)  # (unknown: asked again, off the request path)
         if model is None or len(tokens) // 4 < self.cfg.min_tokens:
             return
         if await self._model_of(info) != model:
@@ -263,8 +286,7 @@ class SlotStore:
             return  # (nothing new since the last save)
         entry = Saved(self._next, info.name, slot, tokens, time.time(), model)
         self._next += 1
-        client = BackendClient(self.session, info.url, info.api_key,
-                               timeout=_SAVE_TIMEOUT_S if timeout is None else timeout)
+        client = self._client(info, _SAVE_TIMEOUT_S if timeout is None else timeout)
         ok = False
         self._writing.add(entry.file)
         began = time.monotonic()
@@ -295,85 +317,6 @@ class SlotStore:
         self.files.write(self.saved.values())
         self.log.info("slot.saved", backend=info.name, slot=slot, tokens=len(tokens) // 4,
                       spilled=spilled, ms=round(took * 1000, 1))
-
-    # --------------------------------------------------------------- restoring
-    def has(self, backend: str) -> bool:
-        """Are there files to restore into ``backend`` (of the model it runs)?"""
-        model = self.models.get(backend)
-        return any(e.backend == backend and e.model == model for e in self.saved.values())
-
-    def _latest(self, backend: str, slot: int, model: str) -> Saved | None:
-        mine = [e for e in self.saved.values()
-                if (e.backend, e.slot, e.model) == (backend, slot, model)]
-        return max(mine, key=lambda e: e.saved_at, default=None)
-
-    async def _restore(self, info: BackendInfo, slot: int, e: Saved) -> bool | None:
-        """Restore ``e`` into ``info``'s ``slot``: True; False: refused, ``e`` is
-        dropped; None: no answer (the server is down or hung)."""
-        if self.files.size(e.file) != e.size:
-            got: object = "the file is not the size the server wrote"
-        else:
-            timeout = RESTORE_BASE_S + e.size / RESTORE_BYTES_PER_S
-            client = BackendClient(self.session, info.url, info.api_key, timeout=timeout)
-            got = await client.slot_file(slot, "restore", e.file)
-            if isinstance(got, int) and got >= len(e.tokens) // 4:
-                self._strikes.pop(e.id, None)
-                self.counted("restored")
-                return True
-        self.log.warning("slot.restore_failed", backend=info.name, slot=slot, file=e.file,
-                         error=str(got))
-        down = isinstance(got, BackendDown)
-        strikes = self._strikes.get(e.id, 0) + 1
-        if down and strikes < 2:
-            self._strikes[e.id] = strikes  # once says nothing of the file
-            self.counted("restore_interrupted")
-            return None
-        self.counted("restore_failed")
-        self._drop(e.id)  # else chosen again (and, if it brings the server down, again)
-        return None if down else False
-
-    async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool | None:
-        """Restore ``file`` into ``info``'s ``slot`` (a request is about to be sent there,
-        predicted to reuse it): True. False: it failed, and the slot may hold nothing now
-        (the server clears it on a refusal; after no answer, what it holds is unknown).
-        None: nothing was asked of the server, the slot holds what it held."""
-        e = next((e for e in self.saved.values() if e.file == file), None)
-        model = None if e is None else await self._model_of(info)
-        if e is None or e.model != model:
-            # dropped since the decision (budget, a refusal), or of another model than the
-            # one the server runs now (an external one restarted with another, unseen)
-            if e is not None and model is not None:
-                self.counted("foreign")
-            self.log.info("slot.restore_skipped", backend=info.name, slot=slot, file=file)
-            return None
-        done = await self._restore(info, slot, e)
-        if e.id not in self.saved:
-            self.files.write(self.saved.values())
-        return bool(done)
-
-    async def restore(self, info: BackendInfo) -> list[tuple[int, bytes]]:
-        """Restore ``info``'s saved slots into it (a new process: its slots are empty);
-        the (slot, tokens) that came back. The server gone or hung: the rest wait for
-        its next start."""
-        model = await self._model_of(info)
-        out: list[tuple[int, bytes]] = []
-        if model is None:
-            return out
-        slots = {e.slot for e in self.saved.values()
-                 if e.backend == info.name and e.model == model}
-        for slot in sorted(s for s in slots if s < info.n_slots):
-            entry = self._latest(info.name, slot, model)
-            assert entry is not None
-            done = await self._restore(info, slot, entry)
-            if done is None:
-                break
-            if done:
-                out.append((slot, entry.tokens))
-        if out:
-            self.log.info("slot.restored", backend=info.name,
-                          slots=[(s, len(t) // 4) for s, t in out])
-        self.files.write(self.saved.values())
-        return out
 
     async def close(self) -> None:
         for task in list(self._pending.values()):

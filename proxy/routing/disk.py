@@ -41,6 +41,14 @@ class DiskEntries:
             return None
         return st.cache.held(slot)
 
+    def vacant(self, backend: str, slot: int) -> bool:
+        """Is ``backend``'s ``slot`` idle and empty (nothing routed there, or seeded)?"""
+        st = self._backends.get(backend)
+        if st is None or not 0 <= slot < len(st.cache.slots):
+            return False
+        s = st.cache.slots[slot]
+        return not s.busy and not s.n_tokens
+
     def seed(self, backend: str, slot: int, sequence: bytes) -> bool:
         """``backend``'s empty ``slot`` now holds ``sequence`` (restored from disk)."""
         st = self._backends.get(backend)

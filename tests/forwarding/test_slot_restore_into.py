@@ -34,7 +34,8 @@ from proxy.config.settings import ProxySettings
 from proxy.forwarding.health import capacity
 from proxy.forwarding.slot_files import INDEX
 from proxy.forwarding.slot_identity import model_identity
-from proxy.forwarding.slot_store import RESTORE_BASE_S, SlotStore
+from proxy.forwarding.slot_restore import RESTORE_BASE_S
+from proxy.forwarding.slot_store import SlotStore
 from proxy.routing.router import Router
 from proxy.server.keys import FORWARDER, METRICS, ROUTER
 

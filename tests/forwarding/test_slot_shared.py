@@ -199,10 +199,11 @@ async def test_a_server_restarted_with_another_model_unseen_is_refused_the_file(
 
 async def test_a_restarted_kvroute_gives_an_external_server_its_slots_back(
         pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path) -> None:
-    """kvroute restarts, the server does not: the index in the shared directory says what
-    the server's slot was saved with, restored into it before it is routed (the next turn
-    reuses its history, predicted exactly). Then the server is restarted with another
-    model, and kvroute too: the file is not restored into it, and counted `foreign`."""
+    """kvroute restarts, the server does not: its slot, in use, is not overwritten at
+    kvroute's start; the index in the shared directory says what the slot was saved
+    with, restored with the next turn (which reuses its history, predicted exactly).
+    Then the server is restarted with another model, and kvroute too: the file is not
+    restored into it, and counted `foreign`."""
     binary, port, shared, cfg = one_server(pool_config, tmp_path)
     session = [{"role": "system", "content": words(300, 30)},
                {"role": "user", "content": words(30, 31)}]
@@ -225,16 +226,23 @@ async def test_a_restarted_kvroute_gives_an_external_server_its_slots_back(
                         session.append({"role": "assistant", "content": "Noted."})
                         await until(lambda: counted(client, "saved") >= 1, 30)
                     elif run == 1:
-                        assert counted(client, "restored") == 1
+                        store = client.server.app[FORWARDER].slot_store("x")
+                        info = sup.get("x")
+                        assert store is not None and info is not None
+                        await until(lambda s=store: "x" in s.models, 30)
+                        # its slot holds the conversation still: not overwritten
+                        assert await store.restore(info, routed=True) == []
                         session.append({"role": "user", "content": words(20, 32)})
                         body, headers = await chat(client, session)
+                        # (restored with the request: the router did not know it held it)
+                        assert counted(client, "restored") == 1
                         reused = body["timings"]["cache_n"]
                         predicted = int(headers["X-Kvroute-Predicted-Cached"])
                         assert reused >= 0.9 * previous and abs(predicted - reused) <= 1, \
                             (predicted, reused, previous)
                     else:
+                        await until(lambda: counted(client, "foreign") == 1, 30)
                         assert counted(client, "restored") == 0
-                        assert counted(client, "foreign") == 1
                         assert len(list(shared.glob("kvroute-*.bin"))) == 1  # kept
             finally:
                 await sup.stop()

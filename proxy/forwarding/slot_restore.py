@@ -1,0 +1,138 @@
+"""The disk tier's restores: a saved slot's file read back into a slot of a backend of
+the same model, for a request about to use that slot (`restore_into`), and into a backend
+that (re)started, before it is routed (`restore`). A mixin of SlotStore (slot_store.py),
+whose state it reads: what each side owns is told there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from backends.client import BackendClient, BackendDown
+from backends.info import BackendInfo
+from proxy.forwarding.slot_files import Saved, SlotFiles
+from proxy.routing.router import Router
+
+# A restore reads its file whole into the server's KV, in the server's loop: allow the loop
+# this long to take the task, and the file's size at a hard disk's speed. Past that the
+# server is hung (stopped, a wedged loop), and a request goes on without the restore: the
+# server takes its tasks in order, so the restore, if it ever runs, still comes first.
+RESTORE_BASE_S = 5.0
+RESTORE_BYTES_PER_S = 100 * (1 << 20)
+
+
+class Restoring:
+    """SlotStore's restores (see slot_store.py for the state below)."""
+
+    saved: dict[int, Saved]
+    files: SlotFiles
+    models: dict[str, str]
+    counted: Callable[[str], None]
+    log: Any
+    _strikes: dict[int, int]
+    _model_of: Callable[[BackendInfo], Awaitable[str | None]]  # (SlotStore)
+    _client: Callable[[BackendInfo, float], BackendClient]  # (SlotStore)
+    _drop: Callable[[int], None]  # (SlotStore)
+    router_of: Callable[[str], Router | None]
+
+    def has(self, backend: str) -> bool:
+        """Are there files to restore into ``backend`` (of the model it runs)?"""
+        model = self.models.get(backend)
+        return any(e.backend == backend and e.model == model for e in self.saved.values())
+
+    def _latest(self, backend: str, slot: int, model: str) -> Saved | None:
+        mine = [e for e in self.saved.values()
+                if (e.backend, e.slot, e.model) == (backend, slot, model)]
+        return max(mine, key=lambda e: e.saved_at, default=None)
+
+    async def _restore(self, info: BackendInfo, slot: int, e: Saved) -> bool | None:
+        """Restore ``e`` into ``info``'s ``slot``: True; False: refused, ``e`` is
+        dropped; None: no answer (the server is down or hung)."""
+        if self.files.size(e.file) != e.size:
+            got: object = "the file is not the size the server wrote"
+        else:
+            timeout = RESTORE_BASE_S + e.size / RESTORE_BYTES_PER_S
+            got = await self._client(info, timeout).slot_file(slot, "restore", e.file)
+            if isinstance(got, int) and got >= len(e.tokens) // 4:
+                self._strikes.pop(e.id, None)
+                self.counted("restored")
+                return True
+        self.log.warning("slot.restore_failed", backend=info.name, slot=slot, file=e.file,
+                         error=str(got))
+        down = isinstance(got, BackendDown)
+        strikes = self._strikes.get(e.id, 0) + 1
+        if down and strikes < 2:
+            self._strikes[e.id] = strikes  # once says nothing of the file
+            self.counted("restore_interrupted")
+            return None
+        self.counted("restore_failed")
+        self._drop(e.id)  # else chosen again (and, if it brings the server down, again)
+        return None if down else False
+
+    async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool | None:
+        """Restore ``file`` into ``info``'s ``slot`` (a request is about to be sent there,
+        predicted to reuse it): True. False: it failed, and the slot may hold nothing now
+        (the server clears it on a refusal; after no answer, what it holds is unknown).
+        None: nothing was asked of the server, the slot holds what it held."""
+        e = next((e for e in self.saved.values() if e.file == file), None)
+        model = None if e is None else await self._model_of(info)
+        if e is None or e.model != model:
+            # dropped since the decision (budget, a refusal), or of another model than the
+            # one the server runs now (an external one restarted with another, unseen)
+            if e is not None and model is not None:
+                self.counted("foreign")
+            self.log.info("slot.restore_skipped", backend=info.name, slot=slot, file=file)
+            return None
+        done = await self._restore(info, slot, e)
+        if e.id not in self.saved:
+            self.files.write(self.saved.values())
+        return bool(done)
+
+    async def restore(self, info: BackendInfo, routed: bool = False
+                      ) -> list[tuple[int, bytes]]:
+        """Restore ``info``'s saved slots into it, the model it runs known (a new
+        process: its slots are empty); the (slot, tokens) that came back. The server
+        gone or hung: the rest wait for its next start. ``routed``: an external server,
+        routed already, that may not be a new process at all (kvroute restarted, a
+        health probe missed): only a slot idle and empty both on the server and in the
+        router gets its file (one in use holds what is newer, and a busy one would have
+        the server defer the restore past its request), and the router is told of each
+        as it comes back."""
+        model = self.models.get(info.name)
+        out: list[tuple[int, bytes]] = []
+        if model is None:
+            return out
+        slots = {e.slot for e in self.saved.values()
+                 if e.backend == info.name and e.model == model}
+        for slot in sorted(s for s in slots if s < info.n_slots):
+            entry = self._latest(info.name, slot, model)
+            assert entry is not None
+            if routed and not await self._vacant(info, slot):
+                continue
+            done = await self._restore(info, slot, entry)
+            if done is None:
+                break
+            if done:
+                out.append((slot, entry.tokens))
+                if routed and (r := self.router_of(info.name)) is not None:
+                    r.seed(info.name, slot, entry.tokens)  # (refused: a request took it)
+        if out:
+            self.log.info("slot.restored", backend=info.name,
+                          slots=[(s, len(t) // 4) for s, t in out])
+        self.files.write(self.saved.values())
+        return out
+
+    async def _vacant(self, info: BackendInfo, slot: int) -> bool:
+        """Is ``info``'s ``slot`` idle and empty, on the server (`/slots`: a slot that
+        never ran a task reports no prompt) and in the router (nothing routed there)?
+        Asked just before its restore is sent: a request the router gives that slot
+        from then on reaches the server after the restore, which it then runs first,
+        and the request is predicted a prefill (a restore is not known until done)."""
+        r = self.router_of(info.name)
+        if r is None or not r.vacant(info.name, slot):
+            return False
+        got = await self._client(info, RESTORE_BASE_S).slots()
+        state = next((s for s in got if s.id == slot), None) \
+            if isinstance(got, list) else None
+        return state is not None and not state.is_processing and not state.n_prompt_tokens
