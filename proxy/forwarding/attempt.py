@@ -190,12 +190,11 @@ class Attempt:
         if store is not None and self.decision.slot is not None:
             keeps = self.decision.predicted_cached if self.decision.tier == "slot" else 0
             await store.spill(self.info, self.decision.slot, keeps, displaced)
-        # the slot is given the saved conversation first: the request then reuses it (if
-        # the server was asked and it failed, the request is a prefill: predicted so; if
-        # it was not asked, the file went meanwhile and the model's guess stands)
+        # the slot is given the saved conversation first: the request then reuses it (not
+        # restored: the request is predicted a prefill, never more than it reuses)
         if self.decision.restore is not None and self.decision.slot is not None \
-                and store is not None and await store.restore_into(
-                    self.info, self.decision.slot, self.decision.restore) is False:
+                and store is not None and not await store.restore_into(
+                    self.info, self.decision.slot, self.decision.restore):
             self.decision = self.router.restore_failed(self.decision)
         sending = self._send(self.request, self.path, self.raw, self.body, self.relay,
                                 self.info, self.decision, self.outcome, {}, self.settle,

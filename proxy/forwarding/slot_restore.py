@@ -70,11 +70,13 @@ class Restoring:
         self._drop(e.id)  # else chosen again (and, if it brings the server down, again)
         return None if down else False
 
-    async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool | None:
+    async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool:
         """Restore ``file`` into ``info``'s ``slot`` (a request is about to be sent there,
-        predicted to reuse it): True. False: it failed, and the slot may hold nothing now
-        (the server clears it on a refusal; after no answer, what it holds is unknown).
-        None: nothing was asked of the server, the slot holds what it held."""
+        predicted to reuse it): True. False: not restored, and the request is a prefill
+        as far as anyone knows (the server clears the slot on a refusal; after no answer
+        what it holds is unknown; a file gone meanwhile or of another model was not
+        sent, and the slot holds what it held: reused, if at all, beyond prediction).
+        """
         e = next((e for e in self.saved.values() if e.file == file), None)
         model = None if e is None else await self._model_of(info)
         if e is None or e.model != model:
@@ -83,7 +85,7 @@ class Restoring:
             if e is not None and model is not None:
                 self.counted("foreign")
             self.log.info("slot.restore_skipped", backend=info.name, slot=slot, file=file)
-            return None
+            return False
         done = await self._restore(info, slot, e)
         if e.id not in self.saved:
             self.files.write(self.saved.values())

@@ -188,7 +188,7 @@ async def test_a_server_restarted_with_another_model_unseen_is_refused_the_file(
                                             shared, tmp_path / "x2.log"))
             info = sup.get("x")
             assert info is not None  # (not seen down)
-            assert await store.restore_into(info, 0, entry.file) is None
+            assert await store.restore_into(info, 0, entry.file) is False
             assert counted(client, "foreign") == 1 and counted(client, "restored") == 0
             assert (shared / entry.file).is_file() and entry.id in store.saved
     finally:
