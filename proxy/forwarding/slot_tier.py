@@ -20,15 +20,30 @@ from proxy.routing.router import Router
 
 def directories(kv_disk: KvDiskConfig, backends: Sequence[BackendConfig]
                 ) -> dict[Path, list[str]]:
-    """Each directory of the tier and the backends that read it (kv_disk.path first)."""
+    """Each directory of the tier and the backends that read it (kv_disk.path first). One
+    directory reached by two paths (a bind mount, a symbolic link) is one: two stores
+    of it would each remove the other's files as strays."""
     own = kv_disk.path.resolve()
     out: dict[Path, list[str]] = {own: []}
+    seen: dict[tuple[int, int] | Path, Path] = {_same(own): own}
     for b in backends:
         if not isinstance(b, ExternalBackendConfig):
             out[own].append(b.name)
         elif b.slot_save_path is not None:
-            out.setdefault(b.slot_save_path.resolve(), []).append(b.name)
+            path = b.slot_save_path.resolve()
+            path = seen.setdefault(_same(path), path)
+            out.setdefault(path, []).append(b.name)
     return out
+
+
+def _same(path: Path) -> tuple[int, int] | Path:
+    """What tells a directory from another whatever the path to it (a missing one, as
+    kv_disk.path may be before its first save: its path)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return path
+    return (st.st_dev, st.st_ino)
 
 
 class DiskTier:

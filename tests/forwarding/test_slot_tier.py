@@ -12,7 +12,7 @@ from backends.config import (
     KvDiskConfig,
     ManagedBackendConfig,
 )
-from proxy.forwarding.slot_tier import directories
+from proxy.forwarding.slot_tier import _same, directories
 
 OWN, SHARED, OTHER = Path("/kv/own"), Path("/mnt/shared"), Path("/mnt/other")
 
@@ -36,3 +36,12 @@ def man(name: str) -> ManagedBackendConfig:
 def test_each_backend_reads_one_directory(backends: list[BackendConfig],
                                           expected: dict[Path, list[str]]) -> None:
     assert directories(KvDiskConfig(OWN), backends) == expected
+
+
+def test_a_directory_is_told_by_what_it_is_not_its_path(tmp_path: Path) -> None:
+    """A bind mount gives one directory two paths that resolve() keeps apart: the
+    directory's device and inode tell it (a missing one: its path)."""
+    (tmp_path / "d").mkdir()
+    assert _same(tmp_path / "d") == _same(tmp_path / "d" / ".." / "d")
+    assert _same(tmp_path / "d") != _same(tmp_path)
+    assert _same(tmp_path / "gone") == tmp_path / "gone"
