@@ -48,11 +48,22 @@ def slot_save_path(sec: _Section, base: Path) -> Path | None:
     return path
 
 
+# The directories of the disk tier, kv_disk.path's and those declared, are numbered: the
+# router tells their files apart by the number (proxy/forwarding/slot_store.py)
+MAX_DIRECTORIES = 256
+
+
 def check_shared(backends: Sequence[BackendConfig], disk: KvDiskConfig | None,
                  replicas: bool) -> None:
     """What a declared `slot_save_path` needs: the disk tier on (its budget and timings
     apply to the directory), a llama-server, and one kvroute alone (each replica would
-    remove the others' files as its own strays)."""
+    remove the others' files as its own strays); and at most ``MAX_DIRECTORIES`` in all."""
+    declared = {b.slot_save_path for b in backends
+                if isinstance(b, ExternalBackendConfig) and b.slot_save_path is not None}
+    if len(declared) + 1 > MAX_DIRECTORIES:
+        raise ConfigError(f"backends: {len(declared)} directories declared as "
+                          f"slot_save_path, at most {MAX_DIRECTORIES - 1} (fix: share "
+                          "directories between the servers of one host)")
     for i, b in enumerate(backends):
         if not isinstance(b, ExternalBackendConfig) or b.slot_save_path is None:
             continue

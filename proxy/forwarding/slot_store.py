@@ -51,6 +51,7 @@ import structlog
 from backends.client import BackendClient
 from backends.config import KvDiskConfig
 from backends.info import BackendInfo
+from proxy.config.disk import MAX_DIRECTORIES
 from proxy.forwarding.slot_files import Saved, SlotFiles
 from proxy.forwarding.slot_identity import reported_identity, reported_model
 from proxy.forwarding.slot_restore import Restoring
@@ -76,13 +77,13 @@ _IDENTITY_RETRY_S = 300.0  # an external server that did not say: asked again th
 EXTERNAL_UP_LIMIT_S = 120.0
 # The router's entries of every directory are told apart by the directory's number: entry
 # ids are a directory's own (its file names)
-_DIRS = 1 << 8
+_DIRS = MAX_DIRECTORIES
 
 
 class SlotStore(Restoring):
     """The files of one directory (``cfg.path``), for the routers of every model pool:
     ``routers``, and ``router_of`` a backend (the one router, given alone); ``number``:
-    the directory's among those of the tier (below 256)."""
+    the directory's among those of the tier (below ``MAX_DIRECTORIES``)."""
 
     def __init__(self, cfg: KvDiskConfig, session: aiohttp.ClientSession,
                  routers: Router | Sequence[Router], counted: Callable[[str], None],

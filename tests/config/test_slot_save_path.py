@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from backends.config import ExternalBackendConfig
+from proxy.config.disk import MAX_DIRECTORIES
 from proxy.config.fields import ConfigError
 from proxy.config.load import load_config
 
@@ -64,3 +65,21 @@ def test_a_directory_kvroute_cannot_write_to_is_refused(tmp_path: Path) -> None:
     shared.mkdir(mode=0o500)
     with pytest.raises(ConfigError, match="kvroute cannot read and write in"):
         load(tmp_path, {"slot_save_path": "shared"}, kv_disk=DISK)
+
+
+def test_directories_past_what_the_tier_numbers_are_refused(tmp_path: Path) -> None:
+    """kv_disk.path and every declared directory get a number below MAX_DIRECTORIES."""
+    def config(n: int) -> Path:
+        backends = []
+        for i in range(n):
+            (tmp_path / f"d{i}").mkdir(exist_ok=True)
+            backends.append({"name": f"x{i}", "url": f"http://127.0.0.1:{10 + i}",
+                             "slot_save_path": f"d{i}"})
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump({"backends": backends, "kv_disk": DISK}))
+        return path
+
+    assert len(load_config(config(MAX_DIRECTORIES - 1), check_port=False).backends) \
+        == MAX_DIRECTORIES - 1
+    with pytest.raises(ConfigError, match=f"at most {MAX_DIRECTORIES - 1}"):
+        load_config(config(MAX_DIRECTORIES), check_port=False)
