@@ -62,7 +62,9 @@ class ReplicaBus:
         self._closing = False
         self._nc: Any = None
         # encoded by the sender, not on the request's path
-        self._queue: asyncio.Queue[tuple[str, Event]] = asyncio.Queue(LIVE_QUEUE)
+        self._queue: asyncio.Queue[Event] = asyncio.Queue(LIVE_QUEUE)
+        # held by each live publish, and by a view's requests in flight as they go out
+        self._publishing = asyncio.Lock()
         # their subjects, and whether they want the whole view (else the requests in
         # flight only)
         self._joiners: asyncio.Queue[tuple[str, bool]] = asyncio.Queue(_SNAPSHOTS)
@@ -78,12 +80,12 @@ class ReplicaBus:
                        asyncio.create_task(self._send_views(), name="kvroute-replicas-views"),
                        asyncio.create_task(self._alive(), name="kvroute-replicas-alive")]
 
-    def publish(self, event: Event, subject: str = SUBJECT) -> None:
+    def publish(self, event: Event) -> None:
         """Send ``event`` (in order, in the background)."""
         if self._queue.full():
             self._queue.get_nowait()
             self.counted("dropped")
-        self._queue.put_nowait((subject, event))
+        self._queue.put_nowait(event)
 
     async def close(self) -> None:
         self._closing = True
@@ -122,45 +124,50 @@ class ReplicaBus:
 
     async def _send(self) -> None:
         while True:
-            subject, event = await self._queue.get()
-            if self._nc is None or not self.connected:
-                self.counted("dropped")  # (no broker: the peers learn from the next one)
-                continue
-            try:
-                await self._nc.publish(subject, encode(self.bases.shorten(event)))
-                self.counted("sent")
-            except Exception as e:  # (disconnected meanwhile, its buffer full, too large)
-                self.counted("dropped")
-                self.log.debug("replicas.publish_failed", error=str(e)[:200])
-                continue
-            if event.kind == Kind.START:
-                self.bases.told(event)
+            event = await self._queue.get()
+            async with self._publishing:
+                sent = await self._publish(SUBJECT, event, shorten=True)
+            if sent and event.kind == Kind.START:
+                try:
+                    self.bases.told(event)
+                except Exception:  # (a fault here must not stop the live events)
+                    self.log.exception("replicas.told_failed")
 
     async def _send_views(self) -> None:
-        """Answer each replica that said hello (or resync) with this one's view, made as it goes
+        """Answer each replica that said hello with this one's view, made as it goes
         out (so what it says holds then): the requests in flight here (their ends are
         read against their starts), then what the idle slots hold; one that asked to
         resync, with the requests in flight only (what the slots hold, it has)."""
         while True:
             subject, whole = await self._joiners.get()
-            # NOTE: the starts go out back to back (a publish only buffers): no end of
-            # theirs, sent meanwhile on the live path, overtakes them
-            for i, event in enumerate(self._view(whole)):
-                if self._nc is None or not self.connected:
-                    self.counted("dropped")
-                    continue
-                try:
-                    await self._nc.publish(subject, encode(event))
-                    self.counted("sent")
-                except Exception as e:
-                    self.counted("dropped")
-                    self.log.debug("replicas.publish_failed", error=str(e)[:200])
-                if event.kind == Kind.HELD and i % 16 == 0:
-                    await asyncio.sleep(0)  # (a large view: live events go out meanwhile)
+            try:
+                # (held throughout: an end or first sent meanwhile on the live path would
+                # overtake its start, as a publish awaits a flush past the client's limit)
+                async with self._publishing:
+                    for event in [e for t in self.tellers for e in t.in_flight()]:
+                        await self._publish(subject, event)
+                for i, event in enumerate(self.view.snapshot() if whole else ()):
+                    await self._publish(subject, event)
+                    if i % 16 == 0:
+                        await asyncio.sleep(0)  # (a large view: live events go out meanwhile)
+            except Exception:  # (a fault here must not stop the next views)
+                self.log.exception("replicas.view_failed")
 
-    def _view(self, whole: bool) -> list[Event]:
-        in_flight = [e for teller in self.tellers for e in teller.in_flight()]
-        return in_flight + self.view.snapshot() if whole else in_flight
+    async def _publish(self, subject: str, event: Event, shorten: bool = False) -> bool:
+        """Send ``event`` on ``subject`` (``shorten``: a start as what it adds to a base,
+        bases.py); False if it could not go."""
+        if self._nc is None or not self.connected:
+            self.counted("dropped")  # (no broker: the peers learn from the next one)
+            return False
+        try:
+            await self._nc.publish(
+                subject, encode(self.bases.shorten(event) if shorten else event))
+        except Exception as e:  # (disconnected meanwhile, its buffer full, too large)
+            self.counted("dropped")
+            self.log.debug("replicas.publish_failed", error=str(e)[:200])
+            return False
+        self.counted("sent")
+        return True
 
     async def _alive(self) -> None:
         while True:

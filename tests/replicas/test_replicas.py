@@ -296,6 +296,32 @@ async def test_a_start_against_a_base_a_replica_lacks_gets_it_the_start_whole() 
 
 
 @NEEDS_NATS
+async def test_a_views_starts_are_not_overtaken_by_their_ends_on_the_live_path() -> None:
+    """a's view for b holds more starts than the client buffers before it flushes (a
+    publish then waits); their requests end meanwhile: b reads each end after its
+    start (none ignored)."""
+    rng = random.Random(3)
+    n = 200  # of 8000 tokens (a slot's context): ~27 kB each, 2 MB buffered after ~80
+    async with broker() as url, two_buses(url, 2) as (buses, counts):
+        a, b = buses["a"], buses["b"]
+        cut_off = Teller("a", "p", lambda e: None, a.view.touched)
+        a.tellers.append(cut_off)
+        for request in range(n):
+            cut_off.started("x", request % 2, request, to_token_bytes(
+                [rng.randrange(150_000) for _ in range(8000)]))
+        cut_off.send = a.publish
+        ignored, applied = counts["b"]["ignored"], counts["b"]["applied"]
+        a._apply(encode(Event("b", Kind.HELLO)))
+        await asyncio.sleep(0)  # (the view starts going out)
+        for request in range(n):
+            cut_off.freed("x", request % 2, request, None)
+        await until(lambda: counts["b"]["applied"] + counts["b"]["ignored"]
+                    >= applied + ignored + 2 * n, 30)
+        assert counts["b"]["ignored"] == ignored
+        assert b.view.in_flight == 0
+
+
+@NEEDS_NATS
 async def test_a_resync_is_answered_with_the_requests_in_flight_a_hello_with_all() -> None:
     """A replica asking to resync (it missed a base) has what the slots hold: a sends
     it its requests in flight only; a hello gets those and every idle slot's content."""
@@ -341,6 +367,7 @@ async def test_a_turn_goes_as_what_it_adds_to_the_last_and_is_read_whole() -> No
         tap = await nats.connect(url)
         try:
             await tap.subscribe(SUBJECT, cb=tapped)
+            await tap.flush()  # (subscribed before a's first start goes out)
             for request, prompt in enumerate(prompts):
                 if request == 2:
                     buses["a"]._apply(encode(Event("c", Kind.HELLO)))
