@@ -68,19 +68,21 @@ class Bases:
         held so far may not be every peer's."""
         self.epoch += 1
 
-    def told(self, e: Event, everyone: bool = True) -> None:
+    def told(self, e: Event, everyone: bool = True, epoch: int | None = None) -> None:
         """``e`` (a whole start) went out, or was read: its slot was told its prompt;
-        ``everyone``: every peer was (not only this replica, joining). The caller keeps
-        only slots its replica routes (a peer cannot make it hold others)."""
+        ``everyone``: every peer was (not only this replica, joining), as of ``epoch``
+        (the current one if None; a start sent: the one it was made in). The caller
+        keeps only slots its replica routes (a peer cannot make it hold others)."""
         key = e.pool, e.backend, e.slot
         bases = self._slots.pop(key, None)
         if bases is None:
             bases = deque()
             self._bytes += OVERHEAD
         self._slots[key] = bases
-        base = _Base(e.tokens, self.epoch if everyone else -1)
+        base = _Base(e.tokens, -1 if not everyone else self.epoch if epoch is None else epoch)
         if bases and bases[-1].prompt == e.tokens:
-            bases[-1] = base
+            # (told again, maybe to a joiner only: every peer that held it still does)
+            bases[-1] = max(bases[-1], base, key=lambda b: b.epoch)
             return
         bases.append(base)
         self._bytes += _cost(base)

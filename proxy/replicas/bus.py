@@ -126,10 +126,13 @@ class ReplicaBus:
         while True:
             event = await self._queue.get()
             async with self._publishing:
+                # (shortened in this epoch: a hello read while it goes out is one whose
+                # replica may not get it)
+                epoch = self.bases.epoch
                 sent = await self._publish(SUBJECT, event, shorten=True)
             if sent and event.kind == Kind.START:
                 try:
-                    self.bases.told(event)
+                    self.bases.told(event, epoch=epoch)
                 except Exception:  # (a fault here must not stop the live events)
                     self.log.exception("replicas.told_failed")
 

@@ -82,6 +82,26 @@ def test_a_base_read_only_by_a_joiner_is_not_one_its_own_starts_go_against() -> 
     assert joiner.whole(Bases().shorten(e)) == e
 
 
+def test_a_start_told_again_to_a_joiner_only_stays_a_base_every_peer_holds() -> None:
+    """A request in flight, sent again whole to a replica that joined, repeats the
+    prompt every peer already holds: it stays a base for this one's own starts."""
+    b = Bases()
+    b.told(start(list(range(500))))
+    b.told(start(list(range(500))), everyone=False)
+    assert b.shorten(start([*range(500), 1])).keep == 500
+
+
+def test_a_start_sent_before_a_hello_is_no_base_after_it() -> None:
+    """A start made before a hello was read, told once it has gone out: the joiner may
+    not have it."""
+    b = Bases()
+    made_in = b.epoch
+    b.unsure()
+    b.told(start(list(range(500))), epoch=made_in)
+    e = start([*range(500), 1])
+    assert b.shorten(e) == e
+
+
 def test_the_bases_kept_are_bounded_per_slot_and_in_bytes() -> None:
     b = Bases(max_bytes=4 * 2000)
     for i in range(PER_SLOT + 2):
