@@ -9,7 +9,8 @@ naming its requests in flight (the others end those whose end they missed); one 
 joins (or comes back after losing the broker) says `hello` and tells its requests in
 flight again; the others send it theirs and what their slots hold, on a subject of its
 own and a path of their own (a large view and the live events do not crowd each other
-out).
+out). One that reads a start relative to a base it lacks asks to `resync`: the others
+send it their requests in flight only.
 
 Events are fire and forget. A replica that misses some predicts those slots wrong until
 the backends' own reports, or the next event for the slot, correct it. The broker being
