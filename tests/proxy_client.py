@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from backends.supervisor import Supervisor
 from proxy.app import create_app
 from proxy.config.settings import ProxySettings
+from proxy.server.keys import METRICS
 
 
 @asynccontextmanager
@@ -20,3 +21,9 @@ async def proxy(sup: Supervisor, settings: ProxySettings | None = None
     server = TestServer(create_app(sup.config, sup, settings), handler_cancellation=True)
     async with TestClient(server) as client:
         yield client
+
+
+def slot_files_counted(client: TestClient[Any, Any], event: str) -> float:
+    """The app's `kvroute_slot_files_total{event}` (the disk tier's saves, restores...)."""
+    m = client.server.app[METRICS]
+    return float(m.child(m.slot_files, event)._value.get())

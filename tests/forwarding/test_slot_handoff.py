@@ -15,12 +15,13 @@ import pytest
 from aiohttp.test_utils import TestClient
 from faults import until
 from proxy_client import proxy
+from proxy_client import slot_files_counted as counted
 from texts import words
 
 from backends.config import KvDiskConfig
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
-from proxy.server.keys import METRICS, ROUTER
+from proxy.server.keys import ROUTER
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,11 +35,6 @@ async def chat(client: TestClient[Any, Any], messages: list[dict[str, str]],
         assert r.status == 200, body
         return (int(r.headers["X-Kvroute-Predicted-Cached"]), body["timings"]["cache_n"],
                 r.headers["X-Kvroute-Tier"])
-
-
-def counted(client: TestClient[Any, Any], event: str) -> float:
-    m = client.server.app[METRICS]
-    return float(m.child(m.slot_files, event)._value.get())
 
 
 async def test_a_queued_turn_is_restored_into_the_slot_it_is_handed(

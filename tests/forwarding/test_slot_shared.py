@@ -20,6 +20,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 from faults import FAST_HEALTH, until
 from proxy_client import proxy
+from proxy_client import slot_files_counted as counted
 from texts import words
 
 from backends.config import ExternalBackendConfig, KvDiskConfig
@@ -28,14 +29,9 @@ from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
 from proxy.forwarding.slot_files import INDEX
-from proxy.server.keys import FORWARDER, METRICS, ROUTER
+from proxy.server.keys import FORWARDER, ROUTER
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def counted(client: TestClient[Any, Any], event: str) -> float:
-    m = client.server.app[METRICS]
-    return float(m.child(m.slot_files, event)._value.get())
 
 
 def other_model(demo_model: Path, tmp_path: Path) -> Path:

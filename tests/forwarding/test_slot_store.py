@@ -22,6 +22,7 @@ import structlog
 from aiohttp.test_utils import TestClient
 from faults import FAST_HEALTH, until
 from proxy_client import proxy
+from proxy_client import slot_files_counted as counted
 from texts import words
 
 from backends.config import KvDiskConfig
@@ -30,7 +31,7 @@ from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
 from proxy.forwarding.slot_files import INDEX
 from proxy.observability.logging import configure_logging
-from proxy.server.keys import FORWARDER, METRICS, ROUTER
+from proxy.server.keys import FORWARDER, ROUTER
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -47,11 +48,6 @@ async def turn(client: TestClient[Any, Any], messages: list[dict[str, str]]
     t = body["timings"]
     messages.append({"role": "assistant", "content": "Noted."})
     return predicted, t["cache_n"], t["cache_n"] + t["prompt_n"]
-
-
-def counted(client: TestClient[Any, Any], event: str) -> float:
-    m = client.server.app[METRICS]
-    return float(m.child(m.slot_files, event)._value.get())
 
 
 async def test_a_killed_backend_comes_back_with_its_conversations(
