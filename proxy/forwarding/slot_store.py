@@ -60,9 +60,13 @@ from proxy.routing.router import Router
 __all__ = ["SlotStore"]
 
 _SAVE_TIMEOUT_S = 120.0  # off the request path: a large slot on a slow disk
-# A spill is on the request path: a save this short (a few percent of a cold prefill of
-# the same tokens on any hardware kvroute serves) is paid once to spare a prefill later.
+# A spill is on the request path, paid once to spare a prefill later: taken when it is
+# this short (a few percent of a cold prefill of the same tokens on any hardware kvroute
+# serves), or when it is at most SPILL_SHARE of the prefill it spares at the backend's
+# learned rate (a long agent conversation: seconds of prefill against a fraction of one
+# to save it, even at the cautious first guess of the write rate below).
 SPILL_MAX_S = 0.25
+SPILL_SHARE = 0.05
 # How long a spill may take before the request goes on without it: its estimate several
 # times over, and a round trip.
 SPILL_BASE_S = 1.0
@@ -256,8 +260,11 @@ class SlotStore(Restoring):
             tokens = displaced
         if tokens is None or len(tokens) // 4 - keeps < self.cfg.min_tokens:
             return
-        estimate = len(tokens) // 4 * (info.kv_bytes_per_token or 0) / self.write_bps
-        if estimate > SPILL_MAX_S:
+        router = self.router_of(info.name)
+        estimate = spill_estimate(len(tokens) // 4, len(tokens) // 4 - keeps,
+                                  info.kv_bytes_per_token or 0, self.write_bps,
+                                  router.prefill_rate(info.name) if router else None)
+        if estimate is None:
             return  # lost: the request would wait too long (the idle save wakes too late)
         pending = self._pending.get(key)
         if pending is not None and key in self._saving:
@@ -339,3 +346,13 @@ class SlotStore(Restoring):
             self._drop(entry_id)
         # a save given up (cancelled, timed out) may have been written after all
         self.files.sweep({e.file for e in self.saved.values()} | self._writing)
+
+
+def spill_estimate(held: int, spared: int, kv_bytes_per_token: int, write_bps: float,
+                   prefill_tps: float | None) -> float | None:
+    """How long saving a slot of ``held`` tokens takes, if it pays to wait for it: it
+    spares a prefill of ``spared`` tokens (None: it does not pay)."""
+    took = held * kv_bytes_per_token / write_bps
+    if took <= SPILL_MAX_S or (prefill_tps and took <= SPILL_SHARE * spared / prefill_tps):
+        return took
+    return None
