@@ -1,25 +1,25 @@
 """The disk tier: slots saved to files, restored into a backend of the same model.
 
-llama-server writes a slot's KV to a file in its `--slot-save-path` and reads it back into
-any slot of any server of the same model and build (`POST /slots/{id}?action=save|
-restore`). A SlotStore holds the files of one such directory (slot_files.py; its
-restores are slot_restore.py) for the backends that read it: kv_disk.path for the
-managed ones, a directory external servers declare (`slot_save_path`) for those
-(slot_tier.py). A slot that stays idle for
-`save_after_idle_s` after a turn (the agent is thinking, the user reading) is saved; a
-later save of the same conversation replaces the file, another conversation in that slot
-gets a file of its own. A request about to displace a slot's content before it was saved
-(a busy fleet turns slots over faster than that) has it saved first, a spill, when the
-save is short (`SPILL_MAX_S` at the write rate the saves so far measured): it delays that
-request by as long. A request that waited for a slot is told what the slot held when the
-router handed it over (`Handoff.displaced`): on a fleet where requests queue, a slot
-goes from one turn to the next with no idle moment, so this is the one chance to save
-it. The router holds every file's tokens in its tree: a request whose prefix a file
-holds better than the slot it is given (the conversation's backend is busy or gone, its
-slot reused since) has that file restored into the slot first (`Decision.restore`, or
+llama-server writes a slot's KV to a file in its `--slot-save-path` and reads it back
+into any slot of any server of the same model and build (`POST /slots/{id}?action=save|
+restore`). A SlotStore holds the files of one such directory (slot_files.py; its restores
+are slot_restore.py) for the backends that read it: kv_disk.path for the managed ones, a
+directory external servers declare (`slot_save_path`) for those (slot_tier.py). A slot
+that stays idle for `save_after_idle_s` after a turn (the agent is thinking, the user
+reading) is saved; a later save of the same conversation replaces the file, another
+conversation in that slot gets a file of its own. A request about to displace a slot's
+content before it was saved (a busy fleet turns slots over faster than that) has it saved
+first, a spill, when the save is short, outright or next to the prefill it spares
+(`spill_estimate`, at the write rate the saves so far measured): it delays that request
+by as long. A request that waited for a slot is told what the slot held when the router
+handed it over (`Handoff.displaced`): on a fleet where requests queue, a slot goes from
+one turn to the next with no idle moment, so this is the one chance to save it. The
+router holds every file's tokens in its tree: a request whose prefix a file holds better
+than the slot it is given (the conversation's backend is busy or gone, its slot reused
+since) has that file restored into the slot first (`Decision.restore`, or
 `Handoff.restore` for one that waited). And when a backend comes back (the supervisor
-restarts it, an external one answers again, or kvroute itself restarts) each of its
-slots gets its last saved content back before requests are routed there.
+restarts it, an external one answers again, or kvroute itself restarts) each of its slots
+gets its last saved content back before requests are routed there.
 
 Each file carries its model's identity (slot_identity.py), and is restored only into a
 backend that runs that model now and reads its directory. An external server may have
