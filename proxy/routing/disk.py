@@ -30,6 +30,7 @@ class DiskEntries:
     _inflight: dict[int, Inflight]
     # disk entry -> its file and the backends that may restore it (see disk_add)
     _disk: dict[int, tuple[str, frozenset[str]]]
+    _spilling: set[str]  # backends whose displaced slots the disk tier saves
     _unplaced: Unplaced | None  # (Router)
     _apply_unplaced: Callable[[], None]  # (Router)
 
@@ -55,6 +56,12 @@ class DiskEntries:
         if st is None or not 0 <= slot < len(st.cache.slots):
             return False
         return st.cache.seed(slot, sequence)
+
+    def disk_spills(self, backend: str) -> None:
+        """The disk tier saves what ``backend``'s slots hold before a queued request
+        replaces it: a hand-off there carries the slot's content (``Handoff.displaced``).
+        Without a disk tier nothing would read that copy of up to a slot's tokens."""
+        self._spilling.add(backend)
 
     def disk_add(self, entry: int, file: str, sequence: bytes,
                  backends: frozenset[str]) -> None:

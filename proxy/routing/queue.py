@@ -67,6 +67,7 @@ class QueuedRequests:
     _waiters_first: Callable[[dict[int, int]], list[tuple[int, int]]]  # (ObservedRequests)
     _observed: set[int]  # (ObservedRequests)
     _disk: dict[int, tuple[str, frozenset[str]]]  # (DiskEntries)
+    _spilling: set[str]  # (DiskEntries)
     _disk_gain: Callable[[dict[Any, int], Placement, int, str],
                          tuple[str, bytes, int] | None]  # (DiskEntries)
 
@@ -119,7 +120,7 @@ class QueuedRequests:
         slot_lcp, ram_lcp = self._split(cache, held)
         p = cache.predict(slot, slot_lcp, ram_lcp, f.n)
         assert p is not None, "handed an idle slot"
-        had = cache.held(p.slot)
+        had = cache.held(p.slot) if backend in self._spilling else None
         # a peer's request is restored by the replica that routed it, if at all
         restore = (self._disk_gain(held, p, f.n, backend)
                    if self._disk and rid not in self._observed else None)

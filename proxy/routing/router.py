@@ -71,6 +71,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         self._baselines = Baselines(seed)
         self._next_id = 0
         self._disk: dict[int, tuple[str, frozenset[str]]] = {}  # (DiskEntries)
+        self._spilling: set[str] = set()  # (DiskEntries)
         # at most one: every call but `decide(defer=True)` itself applies it first
         self._unplaced: Unplaced | None = None
         self.mispredictions = 0  # completions whose reported reuse differed from ours

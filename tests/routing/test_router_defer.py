@@ -175,6 +175,7 @@ def test_a_queued_request_is_handed_its_slot_with_the_file_that_holds_its_prefix
     r.add_backend(BackendCapacity("a", 1, 8192, 0, 8192))
     history = list(range(100, 1100))
     r.disk_add(0, "kvroute-0.bin", to_token_bytes(history), frozenset({"a"}))
+    r.disk_spills("a")
     other = list(range(20_000, 20_600))
     busy = r.decide(other, now=0.0)
     assert isinstance(busy, Decision) and not busy.queued
@@ -199,6 +200,7 @@ def test_a_hand_off_whose_file_holds_the_slot_already_spills_nothing() -> None:
     r.add_backend(BackendCapacity("a", 1, 8192, 0, 8192))
     history = list(range(100, 1100))
     r.disk_add(0, "kvroute-0.bin", to_token_bytes(history), frozenset({"a"}))
+    r.disk_spills("a")
     early = r.decide(history[:500], now=0.0)
     assert isinstance(early, Decision) and not early.queued
     turn = r.decide([*history, *range(5000, 5040)], now=0.1)
@@ -206,6 +208,22 @@ def test_a_hand_off_whose_file_holds_the_slot_already_spills_nothing() -> None:
     (h,) = r.complete(early, output_tokens=[], reported_cached=0, now=1.0)
     assert (h.restore, h.tier, h.predicted_cached) == ("kvroute-0.bin", "disk", 1000)
     assert h.displaced is None
+
+
+def test_a_hand_off_carries_the_slot_only_where_a_disk_tier_spills() -> None:
+    """A backend without a disk tier (no ``disk_spills``): its hand-offs carry nothing
+    of what the slot held; one whose tier spills gets it."""
+    for spills in (False, True):
+        r = Router("prefix")
+        r.add_backend(BackendCapacity("a", 1, 8192, 0, 8192))
+        if spills:
+            r.disk_spills("a")
+        other = list(range(20_000, 20_600))
+        busy = r.decide(other, now=0.0)
+        queued = r.decide(list(range(100, 1100)), now=0.1)
+        assert isinstance(busy, Decision) and isinstance(queued, Decision) and queued.queued
+        (h,) = r.complete(busy, output_tokens=[7], reported_cached=0, now=1.0)
+        assert h.displaced == (to_token_bytes([*other, 7]) if spills else None)
 
 
 def test_a_peers_queued_request_is_not_handed_a_restore() -> None:
