@@ -9,14 +9,9 @@ from pathlib import Path
 
 from backends.config import AgentConfig, AgentSettings, ManagedBackendConfig
 from proxy.config.agents import AGENT_KEY_ENV, AGENT_PORT, agent_key
+from proxy.config.backend_list import backend_list, demo_params, llama_server, supervision
 from proxy.config.fields import ConfigError, _path, _Section, _show
-from proxy.config.load import (
-    _backends,
-    _demo_params,
-    _llama_server,
-    _read_yaml,
-    _supervision,
-)
+from proxy.config.load import _read_yaml
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -51,8 +46,8 @@ def parse_agent_config(data: object, base: Path, *, allow_missing_demo: bool = F
     (an agent starts what it serves), with the keys of config.yaml that they use."""
     top = _Section(data, "")
     settings = agent_settings(top._get("agent"))
-    demo_params = _demo_params(top._get("demo_model"))
-    backends = _backends(top, base, demo_params, allow_missing_demo)
+    demo = demo_params(top._get("demo_model"))
+    backends = backend_list(top, base, demo, allow_missing_demo)
     for i, b in enumerate(backends):
         if not isinstance(b, ManagedBackendConfig):
             raise ConfigError(f"backends[{i}]: an agent runs its backends: give 'model', not "
@@ -60,9 +55,9 @@ def parse_agent_config(data: object, base: Path, *, allow_missing_demo: bool = F
     cfg = AgentConfig(
         agent=settings, backends=tuple(b for b in backends
                                        if isinstance(b, ManagedBackendConfig)),
-        llama_server=_llama_server(top, base),
+        llama_server=llama_server(top, base),
         log_dir=_path(base, top.get_str("log_dir", "logs", "logs") or "logs"),
-        demo_model=demo_params, supervision=_supervision(top._get("supervision")),
+        demo_model=demo, supervision=supervision(top._get("supervision")),
         source=source)
     top.finish(["agent", "backends", "llama_server", "log_dir", "demo_model", "supervision"])
     return cfg

@@ -20,38 +20,29 @@ from typing import Any
 import yaml
 
 from backends.binary import cache_dir as default_cache_dir
-from backends.client import MAX_SLOT_CTX, MAX_SLOTS
 from backends.config import (
-    BACKEND_KINDS,
-    EXTERNAL_KV_BYTES,
-    LLAMA,
     AgentLink,
     BackendConfig,
-    ExternalBackendConfig,
     KvDiskConfig,
     ManagedBackendConfig,
     SupervisionConfig,
 )
-from backends.demo_model import DEMO_KINDS, DemoModelParams, demo_model_path
+from backends.demo_model import DemoModelParams
 from proxy.config.agents import agent_links
-from proxy.config.disk import check_shared, kv_disk, slot_save_path
+from proxy.config.backend_list import backend_list, demo_params, llama_server, supervision
+from proxy.config.disk import check_shared, kv_disk
 from proxy.config.fields import (  # ConfigError is re-exported: imported from here
     ConfigError,
     _knobs,
     _path,
     _Section,
     _show,
-    unique_names,
 )
 from proxy.config.pools import PoolSpec, derive_pools
 from proxy.config.settings import HealthSettings, ProxySettings
 from proxy.observability.tracing import OTEL_MISSING, OTEL_MODULES
 from proxy.routing.policy import POLICIES
 from proxy.routing.settings import RouterSettings
-
-DEMO = "demo"  # `model: demo` = the synthesised demo model
-# `model: demo-swa` (sliding-window attention) and `demo-hybrid` (recurrent layers) too
-DEMO_NAMES = tuple(DEMO_KINDS)
 
 
 @dataclass(frozen=True)
@@ -121,92 +112,11 @@ class Config:
 DEFAULT_PATH = Path(__file__).with_name("default.yaml")
 
 
-def _demo_params(raw: object) -> DemoModelParams:
-    sec = _Section(raw, "demo_model.")
-    d = DemoModelParams()
-    kwargs = {f.name: sec.get_int(f.name, getattr(d, f.name), lo=0 if f.name == "seed" else 1)
-              for f in fields(DemoModelParams)}
-    sec.finish([f.name for f in fields(DemoModelParams)])
-    try:
-        return DemoModelParams(**kwargs)
-    except ValueError as e:
-        raise ConfigError(f"{e} (fix: adjust the demo_model sizes)") from None
-
-
-def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
-             allow_missing_demo: bool) -> BackendConfig:
-    where = f"backends[{i}]."
-    sec = _Section(raw, where)
-    name = sec.get_str("name", f"backend{i}", "gpu0")
-    assert name is not None
-    if sec.has("url") == sec.has("model"):
-        raise ConfigError(
-            f"backends[{i}]: give exactly one of 'model' (a managed llama-server kvroute "
-            "starts) or 'url' (an external server) (fix: e.g. model: demo)"
-        )
-    if sec.has("url"):
-        url = sec.get_str("url", None, "http://127.0.0.1:8081")
-        assert url is not None
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"{where}url: expected an http(s) URL, got {_show(url)} "
-                              "(fix: e.g. url: http://127.0.0.1:8081)")
-        key = sec.get_str("api_key", None, "sk-backend")
-        if key is not None and not (key.isascii() and key.isprintable()):  # a header value
-            raise ConfigError(f"{where}api_key: holds a control character, line break or "
-                              "non-ASCII character (fix: the key alone, on one line)")
-        ext = ExternalBackendConfig(
-            name=name, url=url.rstrip("/"), api_key=key,
-            kv_bytes_per_token=(sec.get_int("kv_bytes_per_token", EXTERNAL_KV_BYTES)
-                                if sec.has("kv_bytes_per_token") else None),
-            cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
-            kind=_kind(sec, where),
-            sequences=sec.get_int("sequences", 32, hi=MAX_SLOTS),
-            ctx=sec.get_int("ctx", 131072, hi=MAX_SLOT_CTX),
-            alias=sec.get_str("alias", None, "my-model"),
-            aliases=sec.get_str_list("aliases"),
-            slot_save_path=slot_save_path(sec, base),
-        )
-        sec.finish([f.name for f in fields(ExternalBackendConfig)])
-        return ext
-    model_raw = sec.get_str("model", None, "demo")
-    assert model_raw is not None
-    is_demo = model_raw in demos
-    model = demos[model_raw] if is_demo else _path(base, model_raw)
-    if not model.is_file() and not (is_demo and allow_missing_demo):
-        fix = ("run `python -m backends prepare` (or `make run`) to build it" if is_demo
-               else "give the path of an existing .gguf file, or `model: demo` "
-               f"(or {', '.join(DEMO_NAMES[1:])})")
-        raise ConfigError(f"{where}model: file not found: {model} (fix: {fix})")
-    d = ManagedBackendConfig(name=name, model=model)
-    b = ManagedBackendConfig(
-        name=name, model=model, is_demo=is_demo,
-        slots=sec.get_int("slots", d.slots),
-        ctx_per_slot=sec.get_int("ctx_per_slot", d.ctx_per_slot, lo=256),
-        threads=sec.get_int("threads", d.threads),
-        cache_ram_mib=sec.get_int("cache_ram_mib", d.cache_ram_mib, lo=0),
-        alias=sec.get_str("alias", f"kvroute-{model_raw}" if is_demo else None, "my-model"),
-        aliases=sec.get_str_list("aliases"),
-        extra_args=sec.get_str_list("extra_args"),
-        env=sec.get_str_map("env"),
-    )
-    sec.finish([f.name for f in fields(ManagedBackendConfig) if f.name != "is_demo"])
-    return b
-
-
 # proxy: keys that are not ProxySettings knobs, or not plain scalars
 _HEALTH_ZERO_OFF = frozenset({"stall_timeout_s"})
 _PROXY_OWN = ("host", "port", "policy", "api_keys", "health", "tokenizer")
 # Client API keys may come from the environment, so they need not sit in a file.
 API_KEYS_ENV = "KVROUTE_API_KEYS"
-
-
-def _kind(sec: _Section, where: str) -> str:
-    kind = sec.get_str("kind", LLAMA, "openai")
-    if kind not in BACKEND_KINDS:
-        raise ConfigError(f"{where}kind: expected one of {', '.join(BACKEND_KINDS)}, got "
-                          f"{kind!r} (fix: kind: openai for a server of the OpenAI API only)")
-    assert kind is not None
-    return kind
 
 
 def _proxy_settings(sec: _Section, base: Path) -> ProxySettings:
@@ -272,14 +182,14 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
     proxy_sec.finish()
 
     disk = kv_disk(top._get("kv_disk"), base)
-    demo_params = _demo_params(top._get("demo_model"))
+    demo = demo_params(top._get("demo_model"))
     agents = agent_links(top._get("agents"))
-    backends = _backends(top, base, demo_params, allow_missing_demo, optional=bool(agents))
+    backends = backend_list(top, base, demo, allow_missing_demo, optional=bool(agents))
     cfg = Config(
         proxy=proxy, routing=_routing(top._get("routing")), backends=backends,
-        llama_server=_llama_server(top, base), cache_dir=default_cache_dir(),
+        llama_server=llama_server(top, base), cache_dir=default_cache_dir(),
         log_dir=_path(base, top.get_str("log_dir", "logs", "logs") or "logs"),
-        demo_model=demo_params, supervision=_supervision(top._get("supervision")),
+        demo_model=demo, supervision=supervision(top._get("supervision")),
         kv_disk=disk, source=source, agents=agents,
         replicas=_replicas(top._get("replicas"), proxy.port),
     )
@@ -288,43 +198,6 @@ def parse_config(data: object, base: Path, *, allow_missing_demo: bool = False,
     derive_pools(backends)  # (a pool of two GGUFs is refused here, before anything starts)
     check_shared(backends, disk, replicas=cfg.replicas is not None)
     return cfg
-
-
-def _supervision(raw: object) -> SupervisionConfig:
-    sec = _Section(raw, "supervision.")
-    d = SupervisionConfig()
-    out = SupervisionConfig(**{f.name: sec.get_num(f.name, getattr(d, f.name))
-                               for f in fields(SupervisionConfig)})
-    sec.finish([f.name for f in fields(SupervisionConfig)])
-    return out
-
-
-def _llama_server(top: _Section, base: Path) -> str | None:
-    llama_server = top.get_str("llama_server", None, "/usr/local/bin/llama-server")
-    if llama_server is None:
-        return None
-    binary = _path(base, llama_server)
-    if not binary.is_file():
-        raise ConfigError(f"llama_server: file not found: {binary} (fix: correct the "
-                          "path, or remove the key to use PATH or build one)")
-    return str(binary)
-
-
-def _backends(top: _Section, base: Path, demo_params: DemoModelParams,
-              allow_missing_demo: bool, optional: bool = False) -> tuple[BackendConfig, ...]:
-    """`backends:`, each named once (none at all: only with ``optional``, a router whose
-    agents run them)."""
-    demos = {k: demo_model_path(demo_params, kind=k) for k in DEMO_NAMES}
-    raw_backends = top._get("backends")
-    if optional and raw_backends in (None, []):
-        return ()
-    if not isinstance(raw_backends, list) or not raw_backends:
-        raise ConfigError(f"backends: expected a non-empty list, got {_show(raw_backends)} "
-                          "(fix: e.g. backends: [{name: a, model: demo}])")
-    backends = tuple(_backend(b, i, base, demos, allow_missing_demo)
-                     for i, b in enumerate(raw_backends))
-    unique_names([b.name for b in backends], "backends")
-    return backends
 
 
 def _replicas(raw: object, port: int) -> ReplicasConfig | None:

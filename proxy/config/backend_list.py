@@ -1,0 +1,145 @@
+"""config.yaml's backends and what runs them: `backends:` (managed llama-servers and
+external servers), `demo_model:`, `llama_server:` and `supervision:`. An agent's file
+(agent_file.py) has the same sections, read by the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+
+from backends.client import MAX_SLOT_CTX, MAX_SLOTS
+from backends.config import (
+    BACKEND_KINDS,
+    EXTERNAL_KV_BYTES,
+    LLAMA,
+    BackendConfig,
+    ExternalBackendConfig,
+    ManagedBackendConfig,
+    SupervisionConfig,
+)
+from backends.demo_model import DEMO_KINDS, DemoModelParams, demo_model_path
+from proxy.config.disk import slot_save_path
+from proxy.config.fields import ConfigError, _path, _Section, _show, unique_names
+
+# `model: demo`, `demo-swa` (sliding-window attention), `demo-hybrid` (recurrent layers)
+DEMO_NAMES = tuple(DEMO_KINDS)
+
+
+def demo_params(raw: object) -> DemoModelParams:
+    sec = _Section(raw, "demo_model.")
+    d = DemoModelParams()
+    kwargs = {f.name: sec.get_int(f.name, getattr(d, f.name), lo=0 if f.name == "seed" else 1)
+              for f in fields(DemoModelParams)}
+    sec.finish([f.name for f in fields(DemoModelParams)])
+    try:
+        return DemoModelParams(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{e} (fix: adjust the demo_model sizes)") from None
+
+
+def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
+             allow_missing_demo: bool) -> BackendConfig:
+    where = f"backends[{i}]."
+    sec = _Section(raw, where)
+    name = sec.get_str("name", f"backend{i}", "gpu0")
+    assert name is not None
+    if sec.has("url") == sec.has("model"):
+        raise ConfigError(
+            f"backends[{i}]: give exactly one of 'model' (a managed llama-server kvroute "
+            "starts) or 'url' (an external server) (fix: e.g. model: demo)"
+        )
+    if sec.has("url"):
+        url = sec.get_str("url", None, "http://127.0.0.1:8081")
+        assert url is not None
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}url: expected an http(s) URL, got {_show(url)} "
+                              "(fix: e.g. url: http://127.0.0.1:8081)")
+        key = sec.get_str("api_key", None, "sk-backend")
+        if key is not None and not (key.isascii() and key.isprintable()):  # a header value
+            raise ConfigError(f"{where}api_key: holds a control character, line break or "
+                              "non-ASCII character (fix: the key alone, on one line)")
+        ext = ExternalBackendConfig(
+            name=name, url=url.rstrip("/"), api_key=key,
+            kv_bytes_per_token=(sec.get_int("kv_bytes_per_token", EXTERNAL_KV_BYTES)
+                                if sec.has("kv_bytes_per_token") else None),
+            cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
+            kind=_kind(sec, where),
+            sequences=sec.get_int("sequences", 32, hi=MAX_SLOTS),
+            ctx=sec.get_int("ctx", 131072, hi=MAX_SLOT_CTX),
+            alias=sec.get_str("alias", None, "my-model"),
+            aliases=sec.get_str_list("aliases"),
+            slot_save_path=slot_save_path(sec, base),
+        )
+        sec.finish([f.name for f in fields(ExternalBackendConfig)])
+        return ext
+    model_raw = sec.get_str("model", None, "demo")
+    assert model_raw is not None
+    is_demo = model_raw in demos
+    model = demos[model_raw] if is_demo else _path(base, model_raw)
+    if not model.is_file() and not (is_demo and allow_missing_demo):
+        fix = ("run `python -m backends prepare` (or `make run`) to build it" if is_demo
+               else "give the path of an existing .gguf file, or `model: demo` "
+               f"(or {', '.join(DEMO_NAMES[1:])})")
+        raise ConfigError(f"{where}model: file not found: {model} (fix: {fix})")
+    d = ManagedBackendConfig(name=name, model=model)
+    b = ManagedBackendConfig(
+        name=name, model=model, is_demo=is_demo,
+        slots=sec.get_int("slots", d.slots),
+        ctx_per_slot=sec.get_int("ctx_per_slot", d.ctx_per_slot, lo=256),
+        threads=sec.get_int("threads", d.threads),
+        cache_ram_mib=sec.get_int("cache_ram_mib", d.cache_ram_mib, lo=0),
+        alias=sec.get_str("alias", f"kvroute-{model_raw}" if is_demo else None, "my-model"),
+        aliases=sec.get_str_list("aliases"),
+        extra_args=sec.get_str_list("extra_args"),
+        env=sec.get_str_map("env"),
+    )
+    sec.finish([f.name for f in fields(ManagedBackendConfig) if f.name != "is_demo"])
+    return b
+
+
+def _kind(sec: _Section, where: str) -> str:
+    kind = sec.get_str("kind", LLAMA, "openai")
+    if kind not in BACKEND_KINDS:
+        raise ConfigError(f"{where}kind: expected one of {', '.join(BACKEND_KINDS)}, got "
+                          f"{kind!r} (fix: kind: openai for a server of the OpenAI API only)")
+    assert kind is not None
+    return kind
+
+
+def supervision(raw: object) -> SupervisionConfig:
+    sec = _Section(raw, "supervision.")
+    d = SupervisionConfig()
+    out = SupervisionConfig(**{f.name: sec.get_num(f.name, getattr(d, f.name))
+                               for f in fields(SupervisionConfig)})
+    sec.finish([f.name for f in fields(SupervisionConfig)])
+    return out
+
+
+def llama_server(top: _Section, base: Path) -> str | None:
+    llama_server = top.get_str("llama_server", None, "/usr/local/bin/llama-server")
+    if llama_server is None:
+        return None
+    binary = _path(base, llama_server)
+    if not binary.is_file():
+        raise ConfigError(f"llama_server: file not found: {binary} (fix: correct the "
+                          "path, or remove the key to use PATH or build one)")
+    return str(binary)
+
+
+def backend_list(top: _Section, base: Path, params: DemoModelParams,
+              allow_missing_demo: bool, optional: bool = False) -> tuple[BackendConfig, ...]:
+    """`backends:`, each named once (none at all: only with ``optional``, a router whose
+    agents run them)."""
+    demos = {k: demo_model_path(params, kind=k) for k in DEMO_NAMES}
+    raw_backends = top._get("backends")
+    if optional and raw_backends in (None, []):
+        return ()
+    if not isinstance(raw_backends, list) or not raw_backends:
+        raise ConfigError(f"backends: expected a non-empty list, got {_show(raw_backends)} "
+                          "(fix: e.g. backends: [{name: a, model: demo}])")
+    backends = tuple(_backend(b, i, base, demos, allow_missing_demo)
+                     for i, b in enumerate(raw_backends))
+    unique_names([b.name for b in backends], "backends")
+    return backends
