@@ -99,8 +99,9 @@ class ProxyMetrics:
             "kvroute_replica_events", "Events between replicas: sent, applied (another's, "
             "to this one's model), ignored (a backend or slot busy here, or nothing to "
             "change), invalid, unreadable (a start "
-            "relative to one this replica missed), dropped "
-            "(no broker, sent too fast, or above the broker's max payload).", ["event"],
+            "relative to one this replica missed), incomplete (a large "
+            "one sent in parts lost one), dropped (no broker, sent too fast, or too "
+            "large for a peer to read).", ["event"],
             registry=r)
         self.replicas_connected = Gauge(
             "kvroute_replicas_connected", "1 while the replicas' broker is reachable.",

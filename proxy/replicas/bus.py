@@ -10,7 +10,8 @@ joins (or comes back after losing the broker) says `hello` and tells its request
 flight again; the others send it theirs and what their slots hold, on a subject of its
 own and a path of their own (a large view and the live events do not crowd each other
 out). One that reads a start relative to a base it lacks asks to `resync`: the others
-send it their requests in flight only.
+send it their requests in flight only. An event larger than the broker takes in one
+message goes in parts (parts.py).
 
 Events are fire and forget. A replica that misses some predicts those slots wrong until
 the backends' own reports, or the next event for the slot, correct it. The broker being
@@ -35,6 +36,7 @@ import structlog
 
 from proxy.replicas.bases import Bases
 from proxy.replicas.events import Event, Kind, decode, encode
+from proxy.replicas.parts import Assembler, is_part, split
 from proxy.replicas.peers import BYE, PeerView, Teller
 
 SUBJECT = "kvroute.events"
@@ -73,6 +75,7 @@ class ReplicaBus:
         self.tellers: list[Teller] = []  # one per pool: their `alive` goes out each second
         self.bases = Bases()  # (the starts' prompts, told and read on the live path)
         self._resynced = -RESYNC_S  # when it last asked to resync (an unreadable start)
+        self._parts = Assembler(counted)  # peers' events larger than the broker's limit
 
     async def start(self) -> None:
         """Connect (in the background until the broker answers) and start sending."""
@@ -163,10 +166,15 @@ class ReplicaBus:
         if self._nc is None or not self.connected:
             self.counted("dropped")  # (no broker: the peers learn from the next one)
             return False
+        parts = split(encode(self.bases.shorten(event) if shorten else event),
+                      self._nc.max_payload)
+        if not parts:
+            self.counted("dropped")  # (larger than a peer reads)
+            return False
         try:
-            await self._nc.publish(
-                subject, encode(self.bases.shorten(event) if shorten else event))
-        except Exception as e:  # (disconnected meanwhile, its buffer full, too large)
+            for part in parts:
+                await self._nc.publish(subject, part)
+        except Exception as e:  # (disconnected meanwhile, its buffer full)
             self.counted("dropped")
             self.log.debug("replicas.publish_failed", error=str(e)[:200])
             return False
@@ -181,12 +189,17 @@ class ReplicaBus:
                     for teller in self.tellers:
                         self.publish(teller.alive())
                 self.view.expire(time.monotonic())
+                self._parts.expire(time.monotonic())
             except Exception:  # (a fault here must not stop the replica saying so)
                 self.log.exception("replicas.alive_failed")
 
     async def _received(self, msg: Any) -> None:
         try:
-            self._apply(msg.data, msg.subject == SUBJECT)
+            data = msg.data
+            if is_part(data) and (data := self._parts.add(
+                    msg.subject, data, time.monotonic())) is None:
+                return  # (more to come, or lost)
+            self._apply(data, msg.subject == SUBJECT)
         except Exception:  # (the client's callback: an error there would go unseen)
             self.counted("invalid")
             self.log.exception("replicas.event_failed")

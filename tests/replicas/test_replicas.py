@@ -13,6 +13,7 @@ import random
 import shutil
 import socket
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -89,16 +90,20 @@ def test_whatever_a_peer_sends_is_an_event_or_nothing(data: bytes) -> None:
 
 
 @asynccontextmanager
-async def broker() -> AsyncIterator[str]:
+async def broker(max_payload: int | None = None) -> AsyncIterator[str]:
     port = free_port()
-    proc = subprocess.Popen([NATS, "-a", "127.0.0.1", "-p", str(port)],  # type: ignore[list-item]
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        await until(lambda: _listening(port), 10)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with tempfile.NamedTemporaryFile("w", suffix=".conf") as conf:
+        conf.write("" if max_payload is None else f"max_payload: {max_payload}\n")
+        conf.flush()
+        proc = subprocess.Popen(
+            [NATS, "-c", conf.name, "-a", "127.0.0.1", "-p", str(port)],  # type: ignore[list-item]
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            await until(lambda: _listening(port), 10)
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
 
 def _listening(port: int) -> bool:
@@ -261,6 +266,28 @@ async def test_a_view_larger_than_the_live_queue_and_live_events_both_go_whole()
         await until(lambda: all(_router(b).held("x", s) == _router(a).held("x", s)
                                 for s in range(n)), 20)
         assert counts["a"]["dropped"] == 0
+
+
+@NEEDS_NATS
+async def test_events_larger_than_the_brokers_limit_arrive_whole() -> None:
+    """On a broker that takes 4 kB a message: a start of 5,000 tokens (~17 kB) on the live
+    subject, and a slot of as many in the view a replica that says hello is sent, are
+    read whole; nothing is dropped, none held in parts after."""
+    rng = random.Random(7)
+    prompt, held = (to_token_bytes([rng.randrange(150_000) for _ in range(5000)])
+                    for _ in range(2))
+    async with broker(max_payload=4096) as url, two_buses(url, 2) as (buses, counts):
+        a, b = buses["a"], buses["b"]
+        assert a._nc.max_payload == 4096 and len(encode(Event(
+            "a", Kind.HELD, "p", "x", 1, 0, held))) > 4 * 4096
+        a.publish(Event("a", Kind.START, "p", "x", 0, 1, prompt))
+        await until(lambda: b.view.in_flight == 1, 20)
+        assert b.view._told["a", "p", 1].prompt == prompt
+        assert _router(a).seed("x", 1, held)
+        a._apply(encode(Event("b", Kind.HELLO)))
+        await until(lambda: _router(b).held("x", 1) == held, 20)
+        assert counts["a"]["dropped"] == 0 and b._parts.held == 0
+        assert not counts["b"]["invalid"] and not counts["b"]["incomplete"]
 
 
 @NEEDS_NATS
