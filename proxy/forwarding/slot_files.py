@@ -1,10 +1,11 @@
 """One directory of the disk tier: its slot files and the index beside them.
 
 File names are kvroute's own (``kvroute-<id>.bin``: no client input reaches a path), and
-so is the index (``index.json``): what each file holds (backend, slot, the token ids the
-router knew the slot to hold, the model that computed it, its size as the server wrote
-it). Nothing else of the directory is touched: a directory an operator's llama-server
-also uses keeps the operator's own files.
+so is the index (``kvroute-index.json``): what each file holds (backend, slot, the token
+ids the router knew the slot to hold, the model that computed it, its size as the server
+wrote it). Every name kvroute writes starts with ``kvroute``, and nothing else of the
+directory is read or touched: a directory an operator's llama-server also uses keeps
+the operator's own files, an ``index.json`` of theirs too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-INDEX = "index.json"
+INDEX = "kvroute-index.json"
 PREFIX = "kvroute-"
 
 

@@ -199,8 +199,13 @@ async def test_a_restarted_kvroute_gives_an_external_server_its_slots_back(
     kvroute's start; the index in the shared directory says what the slot was saved
     with, restored with the next turn (which reuses its history, predicted exactly).
     Then the server is restarted with another model, and kvroute too: the file is not
-    restored into it, and counted `foreign`."""
+    restored into it, and counted `foreign`. The operator's own files in the directory
+    (an `index.json` of theirs) are neither read nor touched."""
     binary, port, shared, cfg = one_server(pool_config, tmp_path)
+    # the operator's own files there, named as a tool of theirs might name them
+    operators = {"index.json": '{"theirs": true}', "index.json.tmp": "x", "a.bin": "kv"}
+    for name, text in operators.items():
+        (shared / name).write_text(text)
     session = [{"role": "system", "content": words(300, 30)},
                {"role": "user", "content": words(30, 31)}]
     procs = [await start_server(binary, demo_model, port, shared, tmp_path / "x.log")]
@@ -242,6 +247,9 @@ async def test_a_restarted_kvroute_gives_an_external_server_its_slots_back(
                         assert len(list(shared.glob("kvroute-*.bin"))) == 1  # kept
             finally:
                 await sup.stop()
+            assert {n: (shared / n).read_text() for n in operators} == operators
+            assert all(p.name.startswith("kvroute") for p in shared.iterdir()
+                       if p.name not in operators), sorted(os.listdir(shared))
     finally:
         for proc in procs:
             await proc.stop()
