@@ -96,6 +96,7 @@ class SlotStore(Restoring):
         assert 0 <= number < _DIRS
         self.cfg, self.session, self.counted, self.number = cfg, session, counted, number
         self.files = SlotFiles(cfg.path, counted)
+        self.files.claim()  # (before the index is read: another kvroute's may be written)
         self.routers = [routers] if isinstance(routers, Router) else list(routers)
         only = self.routers[0] if len(self.routers) == 1 else None
         self.router_of = router_of or (lambda _: only)
@@ -212,7 +213,7 @@ class SlotStore(Restoring):
         """A turn ended in ``info``'s ``slot``: save it once it has stayed idle. Not on a
         sliding-window or hybrid model: the server restores a slot without its context
         checkpoints, so only a continuation could use it (docs/checkpoints.md)."""
-        if info.memory.name != "dense":
+        if not _saves(info):
             return
         key = (info.name, slot)
         self._cancel_pending(key)
@@ -256,6 +257,8 @@ class SlotStore(Restoring):
         moment ago: `note` found the slot taken already)."""
         key = (info.name, slot)
         tokens = self._unsaved.pop(key, None)
+        if not _saves(info):
+            return  # (as in `note`: a hand-off carries what any slot held)
         if displaced is not None:
             tokens = displaced
         if tokens is None or len(tokens) // 4 - keeps < self.cfg.min_tokens:
@@ -330,6 +333,7 @@ class SlotStore(Restoring):
         for task in list(self._pending.values()):
             task.cancel()
         await asyncio.gather(*self._pending.values(), return_exceptions=True)
+        self.files.release()
 
     def _drop(self, entry_id: int) -> None:
         entry = self.saved.pop(entry_id, None)
@@ -346,6 +350,11 @@ class SlotStore(Restoring):
             self._drop(entry_id)
         # a save given up (cancelled, timed out) may have been written after all
         self.files.sweep({e.file for e in self.saved.values()} | self._writing)
+
+
+def _saves(info: BackendInfo) -> bool:
+    """Are ``info``'s slots saved (see `SlotStore.note`)?"""
+    return info.memory.name == "dense"
 
 
 def spill_estimate(held: int, spared: int, kv_bytes_per_token: int, write_bps: float,

@@ -18,7 +18,8 @@ from proxy_client import proxy
 from proxy_client import slot_files_counted as counted
 from texts import words
 
-from backends.config import KvDiskConfig
+from backends.config import KvDiskConfig, ManagedBackendConfig
+from backends.demo_model import ensure_demo_model
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.server.keys import ROUTER
@@ -67,5 +68,32 @@ async def test_a_queued_turn_is_restored_into_the_slot_it_is_handed(
             predicted, reused, tier = await chat(client, other)
             assert tier == "disk" and reused > 900, (tier, reused)
             assert abs(predicted - reused) <= 1, (predicted, reused)
+    finally:
+        await sup.stop()
+
+
+async def test_a_sliding_window_slot_is_not_spilled_at_a_hand_off(
+        pool_config: Callable[..., Config], tmp_path: Path) -> None:
+    """A slot of a sliding-window model is not saved (the server restores it without its
+    checkpoints: only a continuation could use it), so a queued request handed it does
+    not wait for a save of what it held either."""
+    cfg = pool_config(n=1, slots=1, cache_ram_mib=0)
+    backend = cfg.backends[0]
+    assert isinstance(backend, ManagedBackendConfig)
+    swa = dataclasses.replace(backend, model=ensure_demo_model(kind="demo-swa"),
+                              alias="kvroute-demo")
+    disk = KvDiskConfig(tmp_path / "slots", save_after_idle_s=0.3, min_tokens=64)
+    sup = Supervisor(dataclasses.replace(cfg, backends=(swa,), kv_disk=disk))
+    await sup.start()
+    try:
+        async with proxy(sup) as client:
+            other = [{"role": "system", "content": words(900, 34)},
+                     {"role": "user", "content": words(30, 35)}]
+            router = client.server.app[ROUTER]
+            busy = asyncio.create_task(chat(client, other, max_tokens=32))
+            await until(lambda: router.snapshot()["inflight"] == 1, 30)
+            await chat(client, [{"role": "user", "content": words(200, 37)}])  # queued
+            await busy
+            assert counted(client, "spilled") == counted(client, "save_failed") == 0
     finally:
         await sup.stop()
