@@ -180,9 +180,11 @@ class SlotStore(Restoring):
         it runs is what it reports (kvroute did not start it)."""
         self._asked[info.name] = time.monotonic()
         model = await reported_model(self._client(info))
-        self._reported[info.name] = model
         got = None if model is None else await reported_identity(
             self._client(info, _ADAPTERS_TIMEOUT_S), model)
+        # (with its identity, not before: an ask cut short between the two, its request
+        # gone, would leave `_model_of` taking the new report for the old model)
+        self._reported[info.name] = model
         if not isinstance(got, str):
             self.log.warning("slot.model_unknown", backend=info.name,
                              reason="/props, /v1/models: no model" if got is None
