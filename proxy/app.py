@@ -34,6 +34,7 @@ from backends.info import BackendInfo
 from backends.supervisor import Supervisor
 from backends.version import tokenizer_version
 from proxy.anthropic import routes as anthropic
+from proxy.config.fields import ConfigError
 from proxy.config.load import Config
 from proxy.config.pools import PoolSpec
 from proxy.config.settings import ProxySettings
@@ -183,10 +184,16 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics = app[METRICS]
     kv_disk = app[CONFIG].kv_disk
     pools = app[POOLS]
-    disk = None if kv_disk is None else DiskTier(
-        kv_disk, app[CONFIG].backends, session, [p.router for p in pools],
-        lambda event: metrics.child(metrics.slot_files, event).inc(),
-        router_of=lambda name: None if (p := pools.of_backend(name)) is None else p.router)
+    try:
+        disk = None if kv_disk is None else DiskTier(
+            kv_disk, app[CONFIG].backends, session, [p.router for p in pools],
+            lambda event: metrics.child(metrics.slot_files, event).inc(),
+            router_of=lambda name: None if (p := pools.of_backend(name)) is None
+            else p.router)
+    except ConfigError:  # (a directory another kvroute holds: this one does not start)
+        await session.close()
+        await upstream.close()
+        raise
     for pool in pools:
         pool.forwarder = fw = Forwarder(
             upstream, pool.router, pool.backends, recorder, pool.tok.output_tokens,

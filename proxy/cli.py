@@ -92,7 +92,11 @@ async def _serve(cfg: Config) -> int:
         # cancels the upstream request and frees the backend slot (not at the next write).
         runner = web.AppRunner(create_app(cfg, supervisor), handler_cancellation=True,
                                access_log=None)
-        await runner.setup()
+        try:
+            await runner.setup()
+        except ConfigError as e:  # (a disk tier directory another kvroute holds)
+            print(f"kvroute: {e}", file=sys.stderr)
+            return 2
         try:
             await web.TCPSite(runner, cfg.proxy.host, cfg.proxy.port).start()
         except OSError as e:  # taken since load_config checked it

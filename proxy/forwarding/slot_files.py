@@ -6,12 +6,24 @@ ids the router knew the slot to hold, the model that computed it, its size as th
 wrote it). Every name kvroute writes starts with ``kvroute``, and nothing else of the
 directory is read or touched: a directory an operator's llama-server also uses keeps
 the operator's own files, an ``index.json`` of theirs too.
+
+One kvroute process owns a directory: it takes an exclusive lock on ``kvroute.lock``
+there (flock; the kernel lets it go when the process ends, even by SIGKILL) before
+reading the index, and holds it until it closes the store. Two kvroutes declaring one
+shared directory would each write the index without the other's entries and remove the
+other's files as strays (over budget, or written by no save of its own): the second is
+refused at start, naming the directory. Using the directory read-only in the second
+instead would not hold either: the owner drops and replaces files (budget, a newer
+save of a conversation) at any moment, so a reader's index goes stale under it and a
+restore it sends can load a file the owner is replacing; and the servers of the second
+would save nothing, which is the tier's whole point for them.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -20,7 +32,10 @@ from pathlib import Path
 
 import structlog
 
+from proxy.config.fields import ConfigError
+
 INDEX = "kvroute-index.json"
+LOCK = "kvroute.lock"
 PREFIX = "kvroute-"
 
 
@@ -45,6 +60,37 @@ class SlotFiles:
     def __init__(self, path: Path, counted: Callable[[str], None]) -> None:
         self.path, self.counted = path, counted
         self.log = structlog.get_logger()
+        self._lock: int | None = None
+
+    def claim(self) -> None:
+        """Take the directory for this process (see the module's docstring): a
+        ConfigError naming it if another kvroute holds it, or it cannot be locked."""
+        lock = self.path / LOCK
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            raise ConfigError(f"disk tier: cannot create {lock}: {err.strerror} (fix: "
+                              "give the user kvroute runs as write access to "
+                              f"{self.path})") from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if isinstance(err, BlockingIOError):
+                raise ConfigError(
+                    f"disk tier: {self.path} is in use by another kvroute (it holds "
+                    f"{lock}) (fix: one kvroute per directory: give this one its own "
+                    "kv_disk.path, or stop the other; servers that share a "
+                    "slot_save_path are declared in one kvroute's config)") from err
+            raise ConfigError(f"disk tier: cannot lock {lock}: {err.strerror} (fix: a "
+                              "file system with locks, e.g. NFS with its lock "
+                              "service)") from err
+        self._lock = fd
+
+    def release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def size(self, file: str) -> int:
         try:

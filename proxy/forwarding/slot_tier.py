@@ -2,7 +2,9 @@
 and each directory external llama-servers declare (`slot_save_path`) for those that
 declare it. External backends that declare the same directory share its files (one
 saved from one is restored into another of the same model); one that declares none has
-no disk tier, nor has a backend an agent runs (the files would be on its host).
+no disk tier, nor has a backend an agent runs (the files would be on its host). Each
+directory is this kvroute's alone while it runs (slot_files.py: its lock): a second
+kvroute declaring one of them is refused at start.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import aiohttp
 
 from backends.config import BackendConfig, ExternalBackendConfig, KvDiskConfig
+from proxy.config.fields import ConfigError
 from proxy.forwarding.slot_store import SlotStore
 from proxy.routing.router import Router
 
@@ -55,8 +58,13 @@ class DiskTier:
         self.stores: list[SlotStore] = []
         self._of: dict[str, SlotStore] = {}
         for number, (path, names) in enumerate(directories(kv_disk, backends).items()):
-            store = SlotStore(replace(kv_disk, path=path), session, routers, counted,
-                              router_of, number=number)
+            try:
+                store = SlotStore(replace(kv_disk, path=path), session, routers, counted,
+                                  router_of, number=number)
+            except ConfigError:  # (another kvroute's: let go of those taken already)
+                for taken in self.stores:
+                    taken.files.release()
+                raise
             self.stores.append(store)
             self._of.update(dict.fromkeys(names, store))
         for name in self._of:

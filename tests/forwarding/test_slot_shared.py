@@ -6,17 +6,20 @@ two health probes (the restore is refused and counted)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
 import shutil
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from aiohttp.test_utils import TestClient
 from faults import FAST_HEALTH, until
 from proxy_client import proxy
@@ -253,3 +256,51 @@ async def test_a_restarted_kvroute_gives_an_external_server_its_slots_back(
     finally:
         for proc in procs:
             await proc.stop()
+
+
+async def test_a_second_kvroute_declaring_the_same_directory_is_refused(
+        pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path) -> None:
+    """A kvroute serves a server declaring the shared directory, and has saved its slot
+    there. A second `kvroute serve` (a process of its own) declares the same directory
+    for the same server: it does not start, and says which directory another kvroute
+    holds; the first's files and index are as they were. Once the first stops, the
+    directory is free for the next."""
+    binary, port, shared, cfg = one_server(pool_config, tmp_path)
+    proc = await start_server(binary, demo_model, port, shared, tmp_path / "x.log")
+    second = tmp_path / "second.yaml"
+    second.write_text(yaml.safe_dump({
+        "proxy": {"host": "127.0.0.1", "port": free_port()},
+        "log_dir": str(tmp_path / "logs2"), "kv_disk": {"path": str(tmp_path / "own2")},
+        "backends": [{"name": "x", "url": f"http://127.0.0.1:{port}",
+                      "slot_save_path": str(shared)}]}))
+    try:
+        for run in range(2):
+            sup = Supervisor(cfg)
+            await sup.start()
+            try:
+                async with proxy(sup, ProxySettings(tokenizer=demo_model)) as client:
+                    await until(lambda: routed(client) == ["x"], 30)
+                    if run == 1:
+                        break  # (the directory was free again)
+                    await chat(client, [{"role": "system", "content": words(300, 40)},
+                                        {"role": "user", "content": words(30, 41)}])
+                    await until(lambda: counted(client, "saved") >= 1, 30)
+                    before = {p.name: p.read_bytes() for p in shared.iterdir()}
+                    serve = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "proxy.cli", "serve", "--config", str(second),
+                        cwd=Path(__file__).resolve().parents[2],
+                        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+                    try:
+                        _, err = await asyncio.wait_for(serve.communicate(), 60)
+                    finally:
+                        if serve.returncode is None:
+                            serve.kill()
+                            await serve.wait()
+                    assert serve.returncode == 2, err.decode()[-2000:]
+                    assert f"disk tier: {shared.resolve()} is in use by another kvroute" \
+                        in err.decode(), err.decode()[-2000:]
+                    assert {p.name: p.read_bytes() for p in shared.iterdir()} == before
+            finally:
+                await sup.stop()
+    finally:
+        await proc.stop()

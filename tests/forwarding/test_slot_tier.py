@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from backends.config import (
@@ -12,7 +13,10 @@ from backends.config import (
     KvDiskConfig,
     ManagedBackendConfig,
 )
-from proxy.forwarding.slot_tier import _same, directories
+from proxy.config.fields import ConfigError
+from proxy.forwarding.slot_store import SlotStore
+from proxy.forwarding.slot_tier import DiskTier, _same, directories
+from proxy.routing.router import Router
 
 OWN, SHARED, OTHER = Path("/kv/own"), Path("/mnt/shared"), Path("/mnt/other")
 
@@ -45,3 +49,25 @@ def test_a_directory_is_told_by_what_it_is_not_its_path(tmp_path: Path) -> None:
     assert _same(tmp_path / "d") == _same(tmp_path / "d" / ".." / "d")
     assert _same(tmp_path / "d") != _same(tmp_path)
     assert _same(tmp_path / "gone") == tmp_path / "gone"
+
+
+
+async def test_a_directory_is_one_kvroute_tiers_alone(tmp_path: Path) -> None:
+    """Another tier (another kvroute) holds a directory a tier would read: that tier is
+    refused, naming the directory, and lets go of the directories it took before it;
+    the holder's close frees the directory."""
+    own, shared, elsewhere = (tmp_path / n for n in ("own", "shared", "elsewhere"))
+    for d in (own, shared, elsewhere):
+        d.mkdir()
+    async with aiohttp.ClientSession() as session:
+        def tier(path: Path) -> DiskTier:
+            return DiskTier(KvDiskConfig(path), [ext("x", shared)], session, [Router()],
+                            lambda _: None, lambda _: None)
+
+        first = tier(elsewhere)
+        with pytest.raises(ConfigError) as refused:
+            tier(own)
+        assert f"{shared} is in use by another kvroute" in str(refused.value)
+        await SlotStore(KvDiskConfig(own), session, Router(), lambda _: None).close()
+        await first.close()
+        await tier(own).close()
