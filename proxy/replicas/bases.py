@@ -10,7 +10,9 @@ goes where its history is not) goes out as the length of that common prefix, its
 digest, and the rest. The receiver takes the one of that slot's that has that digest;
 one it does not have (it missed that start, or joined since) makes the start unreadable
 there: that replica asks to resync (bus.py), and the peers send it their requests in
-flight whole, then their next starts.
+flight whole, then their next starts. A request's end makes what its slot then holds
+(its prompt, then its answer) a base in its start's stead: the next turn, which begins
+with both, sends neither again.
 
 A prompt this replica holds is a base for its own starts only while every peer is sure
 to have it: anything held before a replica said hello or asked to resync (a joiner, one
@@ -25,7 +27,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 from itertools import islice
 
-from proxy.replicas.events import DIGEST, Event, Kind
+from proxy.replicas.events import DIGEST, MAX_TOKENS, Event, Kind
 from proxy.routing.tree.token_bytes import common_len
 
 PER_SLOT = 4  # prompts kept per slot (turns, side calls)
@@ -44,6 +46,7 @@ _Slot = tuple[str, str, int]  # (pool, backend, slot)
 class _Base:
     prompt: bytes
     epoch: int  # `Bases.epoch` when it was told
+    request: tuple[str, int] | None = None  # (its replica, its id): a start's, until it ends
 
 
 def _cost(b: _Base) -> int:
@@ -74,16 +77,42 @@ class Bases:
         (the current one if None; a start sent: the one it was made in). The caller
         keeps only slots its replica routes (a peer cannot make it hold others)."""
         key = e.pool, e.backend, e.slot
+        base = _Base(e.tokens, self._epoch(everyone, epoch), (e.replica, e.request))
+        bases = self._slots.get(key)
+        if bases and bases[-1].prompt == e.tokens:
+            # (told again, maybe to a joiner only: every peer that held it still does)
+            bases[-1] = max(bases[-1], base, key=lambda b: b.epoch)
+            self._slots.move_to_end(key)
+            return
+        self._add(key, base)
+
+    def ended(self, e: Event, everyone: bool = True, epoch: int | None = None) -> None:
+        """``e`` (an end) went out, or was read (as ``told``): its slot holds the first
+        ``keep`` tokens of its start's prompt, then ``tokens``, a base in that start's
+        stead (as sure as the start was: both are needed to make it)."""
+        key = e.pool, e.backend, e.slot
+        bases = self._slots.get(key) or deque()
+        i = next((i for i, b in enumerate(bases) if b.request == (e.replica, e.request)), -1)
+        if i < 0 or not e.tokens or 4 * e.keep > len(bases[i].prompt) \
+                or 4 * e.keep + len(e.tokens) > 4 * MAX_TOKENS:
+            return
+        start = bases[i]
+        held = _Base(start.prompt[:4 * e.keep] + e.tokens,
+                     min(start.epoch, self._epoch(everyone, epoch)))
+        if held.prompt.startswith(start.prompt):  # (it holds the whole prompt: one base)
+            del bases[i]
+            self._bytes -= _cost(start)
+        self._add(key, held)
+
+    def _epoch(self, everyone: bool, epoch: int | None) -> int:
+        return -1 if not everyone else self.epoch if epoch is None else epoch
+
+    def _add(self, key: _Slot, base: _Base) -> None:
         bases = self._slots.pop(key, None)
         if bases is None:
             bases = deque()
             self._bytes += OVERHEAD
         self._slots[key] = bases
-        base = _Base(e.tokens, -1 if not everyone else self.epoch if epoch is None else epoch)
-        if bases and bases[-1].prompt == e.tokens:
-            # (told again, maybe to a joiner only: every peer that held it still does)
-            bases[-1] = max(bases[-1], base, key=lambda b: b.epoch)
-            return
         bases.append(base)
         self._bytes += _cost(base)
         if len(bases) > PER_SLOT:

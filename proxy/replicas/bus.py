@@ -134,9 +134,10 @@ class ReplicaBus:
                 # replica may not get it)
                 epoch = self.bases.epoch
                 sent = await self._publish(SUBJECT, event, shorten=True)
-            if sent and event.kind == Kind.START:
+            if sent and event.kind in (Kind.START, Kind.END):
                 try:
-                    self.bases.told(event, epoch=epoch)
+                    (self.bases.told if event.kind == Kind.START else self.bases.ended)(
+                        event, epoch=epoch)
                 except Exception:  # (a fault here must not stop the live events)
                     self.log.exception("replicas.told_failed")
 
@@ -221,6 +222,8 @@ class ReplicaBus:
             if self.view.routes(e):  # (any routed slot: another may name it as a base)
                 self.bases.told(whole, everyone=live)
             e = whole
+        elif e.kind == Kind.END and self.view.routes(e):
+            self.bases.ended(e, everyone=live)
         now = time.monotonic()
         if e.kind == Kind.BYE:
             self.view.left(e.replica, now, BYE)

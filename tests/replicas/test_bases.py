@@ -4,6 +4,7 @@ whole when the peers may not all hold it (a hello since)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,27 +21,74 @@ def start(prompt: list[int], slot: int = 0, request: int = 0) -> Event:
     return Event("a", Kind.START, "p", "x", slot, request, to_token_bytes(prompt))
 
 
+def end(answer: list[int], keep: int, slot: int = 0, request: int = 0) -> Event:
+    return Event("a", Kind.END, "p", "x", slot, request, to_token_bytes(answer), keep)
+
+
 # a conversation's turns: each prompt its history (some turns back) plus new tokens,
-# in one of a few slots
-_TURNS = st.lists(st.tuples(st.integers(0, 6), st.lists(st.integers(0, 9), min_size=1,
-                                                        max_size=40), st.integers(0, 3)),
-                  min_size=1, max_size=16)
+# in one of a few slots; an answer, and how many of its prompt's tokens its slot kept
+_TURNS = st.lists(st.tuples(
+    st.integers(0, 6), st.lists(st.integers(0, 9), min_size=1, max_size=40),
+    st.integers(0, 3), st.lists(st.integers(0, 9), max_size=40), st.integers(0, 60)),
+    min_size=1, max_size=16)
 
 
 @settings(max_examples=300, deadline=None)
 @given(_TURNS)
 def test_a_start_reads_back_whole_where_the_slots_were_told_the_same(
-        turns: list[tuple[int, list[int], int]]) -> None:
+        turns: list[tuple[int, list[int], int, list[int], int]]) -> None:
     sender, receiver = Bases(), Bases()
     prompts: list[list[int]] = [list(range(100, 100 + MIN_BASE))]
-    for back, new, slot in turns:
+    for request, (back, new, slot, answer, kept) in enumerate(turns):
         prompt = prompts[max(0, len(prompts) - 1 - back)] + new
-        prompts.append(prompt)
-        e = start(prompt, slot)
+        e = start(prompt, slot, request)
         wire = decode(encode(sender.shorten(e)))
         assert wire is not None and receiver.whole(wire) == e
-        sender.told(e)
-        receiver.told(e)
+        keep = min(kept, len(prompt))
+        prompts += [prompt, prompt[:keep] + answer]
+        for b in (sender, receiver):
+            b.told(e)
+            b.ended(end(answer, keep, slot, request))
+
+
+def test_a_turn_after_an_answer_goes_as_what_it_adds_to_both() -> None:
+    """The slot holds the prompt, then the answer: the next turn, beginning with both,
+    sends neither; a replica that missed the end cannot read it."""
+    sender, receiver, missed = Bases(), Bases(), Bases()
+    prompt, answer = list(range(500)), list(range(1000, 1300))
+    for b in (sender, receiver, missed):
+        b.told(start(prompt))
+    for b in (sender, receiver):
+        b.ended(end(answer, len(prompt)))
+    turn = start([*prompt, *answer, 7], request=1)
+    wire = sender.shorten(turn)
+    assert (wire.keep, wire.tokens) == (len(prompt) + len(answer), to_token_bytes([7]))
+    assert receiver.whole(wire) == turn and missed.whole(wire) is None
+    assert len(sender._slots["p", "x", 0]) == 1  # (in the start's stead)
+
+
+@pytest.mark.parametrize("ended, keep, base", [
+    (end(list(range(900, 950)), 300), 300, 350),  # (kept part of its prompt: both stay)
+    (end(list(range(900, 950)), 500, request=9), 500, 500),  # (another request's end)
+    (end([], 500), 500, 500),  # (nothing kept beyond the prompt)
+    (end(list(range(900, 950)), 501), 500, 500),  # (more than its prompt)
+])
+def test_an_end_is_a_base_only_as_what_its_start_told(ended: Event, keep: int,
+                                                       base: int) -> None:
+    b = Bases()
+    b.told(start(list(range(500))))
+    b.ended(ended)
+    assert b.shorten(start([*range(keep), *range(900, 950), 1])).keep == base
+
+
+def test_an_end_after_a_hello_is_no_base() -> None:
+    """A joiner since the start may not hold it: what its end makes is no base either."""
+    b = Bases()
+    b.told(start(list(range(500))))
+    b.unsure()
+    b.ended(end(list(range(900, 950)), 500))
+    e = start([*range(500), *range(900, 950), 1])
+    assert b.shorten(e) == e
 
 
 def test_a_turn_gone_to_another_slot_goes_against_its_history_there() -> None:

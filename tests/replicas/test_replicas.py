@@ -379,11 +379,13 @@ async def test_a_resync_is_answered_with_the_requests_in_flight_a_hello_with_all
 @NEEDS_NATS
 async def test_a_turn_goes_as_what_it_adds_to_the_last_and_is_read_whole() -> None:
     """a's next turn in a slot goes out as the tokens it adds to the one before (a tap
-    on the subject sees it), and b reads its whole prompt; after a replica said hello,
-    a's next start goes whole (the joiner holds none of a's)."""
+    on the subject sees it), or to what the slot held after its end (the prompt, then
+    the answer), and b reads its whole prompt; after a replica said hello, a's next
+    start goes whole (the joiner holds none of a's)."""
     rng = random.Random(5)
-    history = [rng.randrange(150_000) for _ in range(600)]
-    prompts = [history, [*history, *range(20)], [*history, *range(30)]]
+    history, answer = ([rng.randrange(150_000) for _ in range(n)] for n in (600, 300))
+    asked = [*history, *range(20)]
+    prompts = [history, asked, [*asked, *answer, *range(30)], [*history, *range(40)]]
     sizes: list[int] = []
 
     async def tapped(msg: Any) -> None:
@@ -391,23 +393,25 @@ async def test_a_turn_goes_as_what_it_adds_to_the_last_and_is_read_whole() -> No
             sizes.append(len(msg.data))
 
     async with broker() as url, two_buses(url, 2) as (buses, _):
+        a, b = buses["a"], buses["b"]
         tap = await nats.connect(url)
         try:
             await tap.subscribe(SUBJECT, cb=tapped)
             await tap.flush()  # (subscribed before a's first start goes out)
             for request, prompt in enumerate(prompts):
-                if request == 2:
-                    buses["a"]._apply(encode(Event("c", Kind.HELLO)))
-                buses["a"].publish(Event("a", Kind.START, "p", "x", 0, request,
-                                         to_token_bytes(prompt)))
+                if request == 2:  # (its slot holds the turn before, then its answer)
+                    a.publish(Event("a", Kind.END, "p", "x", 0, 1, to_token_bytes(answer),
+                                    len(asked)))
+                if request == 3:
+                    a._apply(encode(Event("c", Kind.HELLO)))
+                a.publish(Event("a", Kind.START, "p", "x", 0, request, to_token_bytes(prompt)))
                 await until(lambda r=request: len(sizes) > r, 20)
-                await until(lambda r=request: buses["b"].view.in_flight > r, 20)
-                told = buses["b"].view._told["a", "p", request]
-                assert told.prompt == to_token_bytes(prompt)
+                await until(lambda r=request: ("a", "p", r) in b.view._told, 20)
+                assert b.view._told["a", "p", request].prompt == to_token_bytes(prompt)
         finally:
             await tap.close()
-    whole, turn, after_hello = sizes
-    assert turn < whole / 10 and after_hello > whole
+    whole, turn, after_answer, after_hello = sizes
+    assert turn < whole / 10 and after_answer < whole / 10 and after_hello > whole
 
 
 async def _connected(client: TestClient[Any, Any]) -> bool:
