@@ -174,6 +174,27 @@ class Attempt:
         return info
 
     async def exchange(self) -> web.StreamResponse:
+        await self._take_slot()
+        sending = self._send(self.request, self.path, self.raw, self.body, self.relay,
+                                self.info, self.decision, self.outcome, {}, self.settle,
+                                self.placed)
+        if not runs_on_when_left(self.path, self.body):
+            return await sending
+        # The backend would not notice this client leave (proxy/forwarding/assemble.py):
+        # the exchange then goes on without it, and the model frees the slot when the
+        # backend really does (bounded by first_byte_timeout), not when the client left
+        task = asyncio.ensure_future(sending)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                self.detached = task
+            raise
+
+    async def _take_slot(self) -> None:
+        """Wait for the slot of a queued decision, then have the disk tier save what the
+        slot holds (a spill) and restore the decision's file into it. Its own method so
+        what the slot held (up to a slot's tokens) is not kept through the response."""
         if self.decision.queued:
             # NOTE: placed with the whole prompt if tokenized by then (take_rest): the
             # slot it waits for may hold more than the head (a summary with its turn)
@@ -196,21 +217,6 @@ class Attempt:
                 and store is not None and not await store.restore_into(
                     self.info, self.decision.slot, self.decision.restore):
             self.decision = self.router.restore_failed(self.decision)
-        sending = self._send(self.request, self.path, self.raw, self.body, self.relay,
-                                self.info, self.decision, self.outcome, {}, self.settle,
-                                self.placed)
-        if not runs_on_when_left(self.path, self.body):
-            return await sending
-        # The backend would not notice this client leave (proxy/forwarding/assemble.py):
-        # the exchange then goes on without it, and the model frees the slot when the
-        # backend really does (bounded by first_byte_timeout), not when the client left
-        task = asyncio.ensure_future(sending)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if not task.done():
-                self.detached = task
-            raise
 
     async def _send(self, request: web.Request, path: str, raw: bytes, body: JSON,
                     relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
