@@ -110,6 +110,8 @@ class SlotStore(Restoring):
         # before each save and restore
         self._reported: dict[str, str | None] = {}
         self._asked: dict[str, float] = {}  # external backend -> when it was last asked
+        self._asking: dict[str, asyncio.Task[None]] = {}  # external backend -> its ask
+        self.identity_retry_s = _IDENTITY_RETRY_S
         self._offered: dict[int, frozenset[str]] = {}  # entry -> who the router offers it to
         self._strikes: dict[int, int] = {}  # entry -> restores the server went away during
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -118,18 +120,21 @@ class SlotStore(Restoring):
         self._saving: set[tuple[str, int]] = set()  # idle saves past their wait
         self.write_bps = float(_WRITE_BPS_FIRST)  # the servers' save rate, as measured
 
-    def backend_ready(self, name: str, model: str | None, count: bool = True) -> None:
+    def backend_ready(self, name: str, model: str | None, count: bool = True,
+                      fresh: bool = True) -> None:
         """Backend ``name``, which reads this directory, became ready running ``model``
         (slot_identity; None: unknown, and then nothing is saved from it or restored into
-        it); ``count``: its files of another model as ``foreign``. Only then are the
-        files of that model offered to it: no file reaches a backend of another model, or
-        one that does not read this directory."""
+        it); ``count``: its files of another model as ``foreign``; ``fresh``: a new
+        process, whose slots start empty (its saves not made yet are dropped; not so for
+        an external server whose model is learnt while it is routed: its turns since
+        are saved). Only then are the files of that model offered to it: no file
+        reaches a backend of another model, or one that does not read this directory."""
         if model is None:
             self.models.pop(name, None)
         else:
             self.models[name] = model
-        for key in [k for k in (*self._pending, *self._unsaved) if k[0] == name]:
-            self._cancel_pending(key)  # (a new process: its slots start empty)
+        for key in [k for k in (*self._pending, *self._unsaved) if k[0] == name and fresh]:
+            self._cancel_pending(key)
             self._unsaved.pop(key, None)
         foreign = sum(e.backend == name and e.model != model for e in self.saved.values())
         if foreign and model is not None and count:
@@ -159,12 +164,13 @@ class SlotStore(Restoring):
         """The model ``info`` runs now (None: unknown). An external server is asked: it
         may have been restarted with another model between two health probes, unseen;
         one whose model is unknown (it did not say when it became ready) is asked again,
-        once in `_IDENTITY_RETRY_S`."""
+        once in ``identity_retry_s``, and one being asked is waited for."""
         model = self.models.get(info.name)
         if info.managed:
             return model
         if model is None:
-            if time.monotonic() - self._asked.get(info.name, 0.0) < _IDENTITY_RETRY_S:
+            if info.name not in self._asking and time.monotonic() - self._asked.get(
+                    info.name, 0.0) < self.identity_retry_s:
                 return None
             await self.external_ready(info, count=False)
             return self.models.get(info.name)
@@ -177,8 +183,21 @@ class SlotStore(Restoring):
 
     async def external_ready(self, info: BackendInfo, count: bool = True) -> None:
         """External backend ``info``, which reads this directory, answers (again): what
-        it runs is what it reports (kvroute did not start it)."""
+        it runs is what it reports (kvroute did not start it). One ask at a time: a
+        caller that comes while one is under way waits for that one (a turn's save in
+        the seconds its /lora-adapters waits for the server's loop), and one that goes
+        away leaves it to finish (within its clients' timeouts)."""
+        asking = self._asking.get(info.name)
+        if asking is None:
+            asking = self._asking[info.name] = asyncio.ensure_future(self._ask(info, count))
+            asking.add_done_callback(
+                lambda t: self._asking.pop(info.name) if self._asking.get(info.name) is t
+                else None)
+        await asyncio.shield(asking)
+
+    async def _ask(self, info: BackendInfo, count: bool) -> None:
         self._asked[info.name] = time.monotonic()
+        known = self.models.get(info.name)
         model = await reported_model(self._client(info))
         got = None if model is None else await reported_identity(
             self._client(info, _ADAPTERS_TIMEOUT_S), model)
@@ -191,7 +210,9 @@ class SlotStore(Restoring):
                              else str(got), fix="start it with -m and the GGUF's "
                              "absolute path; check its api_key; a llama-server that "
                              "answers /lora-adapters")
-        self.backend_ready(info.name, got if isinstance(got, str) else None, count)
+        identity = got if isinstance(got, str) else None
+        self.backend_ready(info.name, identity, count,
+                           fresh=known is not None and identity != known)
 
     async def external_up(self, info: BackendInfo) -> None:
         """External backend ``info``, routed already, answers (again): learn what it runs,
@@ -289,7 +310,7 @@ class SlotStore(Restoring):
         spilled = timeout is not None
         model = self.models.get(info.name)
         if model is None and not spilled:
-            await self._model_of(info)  # (unknown: asked again, off the request path)
+            model = await self._model_of(info)  # (unknown: asked, off the request path)
         if model is None or len(tokens) // 4 < self.cfg.min_tokens:
             return
         if await self._model_of(info) != model:
@@ -332,9 +353,10 @@ class SlotStore(Restoring):
                       spilled=spilled, ms=round(took * 1000, 1))
 
     async def close(self) -> None:
-        for task in list(self._pending.values()):
+        tasks = [*self._pending.values(), *self._asking.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._pending.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.files.release()
 
     def _drop(self, entry_id: int) -> None:

@@ -1,0 +1,143 @@
+"""An external server's identity (slot_identity) while it is not known: the turns routed
+to it while it is being asked are saved once it says.
+
+The server is a real llama-server, reached through a front (a real aiohttp server) that
+passes everything through except, when told: `/lora-adapters` waits.
+Only the front can have the server fail or stall those at a chosen moment."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from faults import FAST_HEALTH, until
+from proxy_client import proxy
+from proxy_client import slot_files_counted as counted
+from test_slot_shared import chat, kvroute_over, routed, start_server
+from texts import words
+
+from backends.process import free_port
+from backends.supervisor import Supervisor
+from proxy.config.load import Config
+from proxy.config.settings import ProxySettings
+from proxy.server.keys import FORWARDER
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Front:
+    """What reaches the server behind it: each path's requests (``asked``);
+    `/v1/models` answers 503 while ``models_down`` (the identity's ask alone uses it
+    here: the supervisor's probe and kvroute's prober do not); `/lora-adapters` waits
+    for ``adapters``."""
+
+    def __init__(self, real: str, session: aiohttp.ClientSession) -> None:
+        self.real, self.session = real, session
+        self.asked: Counter[str] = Counter()
+        self.models_down = False
+        self.adapters = asyncio.Event()
+        self.adapters.set()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.asked[request.path] += 1
+        if request.path == "/v1/models" and self.models_down:
+            return web.json_response({"error": {"message": "loading"}}, status=503)
+        if request.path == "/lora-adapters":
+            await self.adapters.wait()
+        async with self.session.request(
+                request.method, self.real + request.path_qs, data=await request.read(),
+                headers={k: v for k, v in request.headers.items()
+                         if k in ("Authorization", "Content-Type")}) as r:
+            return web.Response(body=await r.read(), status=r.status,
+                                content_type=r.content_type)
+
+
+@asynccontextmanager
+async def front_of(real: str) -> AsyncIterator[tuple[Front, str]]:
+    async with aiohttp.ClientSession() as session:
+        front = Front(real, session)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", front.handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            yield front, f"http://127.0.0.1:{port}"
+        finally:
+            await runner.cleanup()
+
+
+@asynccontextmanager
+async def fronted(pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path,
+                  save_after_idle_s: float | None = None
+                  ) -> AsyncIterator[tuple[Front, Supervisor, Path]]:
+    """A llama-server saving slots in a shared directory, its front, and kvroute's
+    Supervisor for it (external "x" at the front, declaring that directory; not
+    started)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    base = pool_config(n=1)
+    assert base.llama_server is not None
+    port = free_port()
+    proc = await start_server(base.llama_server, demo_model, port, shared,
+                              tmp_path / "x.log")
+    try:
+        async with front_of(f"http://127.0.0.1:{port}") as (front, url):
+            cfg = kvroute_over(base, {"x": (url, None)}, shared, tmp_path / "own")
+            if save_after_idle_s is not None:
+                assert cfg.kv_disk is not None
+                cfg = dataclasses.replace(cfg, kv_disk=dataclasses.replace(
+                    cfg.kv_disk, save_after_idle_s=save_after_idle_s))
+            yield front, Supervisor(cfg), shared
+    finally:
+        await proc.stop()
+
+
+def turn(n: int) -> list[dict[str, str]]:
+    """A conversation's first ``n`` user turns (each answered "Noted.")."""
+    out = [{"role": "system", "content": words(300, 50)}]
+    for i in range(n):
+        out += [{"role": "user", "content": words(30, 51 + i)},
+                {"role": "assistant", "content": "Noted."}]
+    return out[:-1]
+
+
+@pytest.mark.parametrize("identity_comes", ["before the save is due", "while it is due"])
+async def test_turns_routed_while_the_identity_is_asked_are_saved(
+        pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path,
+        identity_comes: str) -> None:
+    """The server is routed at once, its identity asked in the background: its
+    `/lora-adapters` waits (the server's loop is busy). A turn ends meanwhile. Whether the
+    identity comes before that turn's save is due or while the save is waiting for it,
+    the turn is saved, once."""
+    due = 3.0 if identity_comes == "before the save is due" else None
+    async with fronted(pool_config, demo_model, tmp_path, due) as (front, sup, shared):
+        front.adapters.clear()
+        await sup.start()
+        try:
+            async with proxy(sup, ProxySettings(health=FAST_HEALTH,
+                                                tokenizer=demo_model)) as client:
+                await until(lambda: routed(client) == ["x"] and front.asked["/lora-adapters"],
+                            30)
+                await chat(client, turn(1))
+                store = client.server.app[FORWARDER].slot_store("x")
+                assert store is not None and "x" not in store.models
+                if due is None:  # (the save is due, and waits for the identity)
+                    await asyncio.sleep(3 * store.cfg.save_after_idle_s)
+                front.adapters.set()
+                await until(lambda: "x" in store.models, 30)
+                await until(lambda: counted(client, "saved") >= 1, 30)
+                assert counted(client, "saved") == 1
+                assert len(list(shared.glob("kvroute-*.bin"))) == 1
+        finally:
+            front.adapters.set()
+            await sup.stop()
+
