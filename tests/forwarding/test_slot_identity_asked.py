@@ -1,14 +1,18 @@
-"""An external server's identity (slot_identity) while it is not known: the turns routed
+"""An external server's identity (slot_identity) while it is not known: a server that does
+not say which model it runs (`slot.model_unknown`) is asked again, and the turns routed
 to it while it is being asked are saved once it says.
 
 The server is a real llama-server, reached through a front (a real aiohttp server) that
-passes everything through except, when told: `/lora-adapters` waits.
+passes everything through except, when told: `/v1/models` fails, or `/lora-adapters`
+waits.
 Only the front can have the server fail or stall those at a chosen moment."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
+import json
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import structlog
 from aiohttp import web
 from faults import FAST_HEALTH, until
 from proxy_client import proxy
@@ -27,6 +32,7 @@ from backends.process import free_port
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
+from proxy.observability.logging import configure_logging
 from proxy.server.keys import FORWARDER
 
 pytestmark = pytest.mark.timeout(240)
@@ -141,3 +147,44 @@ async def test_turns_routed_while_the_identity_is_asked_are_saved(
             front.adapters.set()
             await sup.stop()
 
+
+async def test_a_server_that_does_not_say_its_model_is_asked_again(
+        pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path) -> None:
+    """The server's `/v1/models` fails when it becomes ready: `slot.model_unknown` is logged
+    with the reason and the fix, it is routed, and its turns are not saved (what computed
+    them is unknown); asked again (at the next save once `identity_retry_s` passed) while
+    it still fails, still nothing. Once it answers, the next turn's save learns the model
+    and is made."""
+    out = io.StringIO()
+    saved_logging = structlog.get_config()
+    configure_logging("info", stream=out)
+    try:
+        async with fronted(pool_config, demo_model, tmp_path) as (front, sup, shared):
+            front.models_down = True
+            await sup.start()
+            try:
+                async with proxy(sup, ProxySettings(health=FAST_HEALTH,
+                                                    tokenizer=demo_model)) as client:
+                    await until(lambda: '"slot.model_unknown"' in out.getvalue(), 30)
+                    (line,) = [json.loads(x) for x in out.getvalue().splitlines()
+                               if '"slot.model_unknown"' in x]
+                    assert line["backend"] == "x" and "/v1/models" in line["reason"] \
+                        and "absolute path" in line["fix"], line
+                    assert routed(client) == ["x"]
+                    store = client.server.app[FORWARDER].slot_store("x")
+                    assert store is not None
+                    store.identity_retry_s = 0.0  # (every save asks)
+                    asked = front.asked["/v1/models"]
+                    await chat(client, turn(1))
+                    await until(lambda: front.asked["/v1/models"] > asked, 30)
+                    front.models_down = False
+                    await chat(client, turn(2))
+                    await until(lambda: counted(client, "saved") >= 1, 30)
+                    assert "x" in store.models
+                    # (the first turn's save was never made: no file replaced by this one)
+                    assert counted(client, "saved") == 1 and len(store.saved) == 1
+                    assert len(list(shared.glob("kvroute-*.bin"))) == 1
+            finally:
+                await sup.stop()
+    finally:
+        structlog.configure(**saved_logging)
