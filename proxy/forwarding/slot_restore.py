@@ -128,13 +128,16 @@ class Restoring:
     async def _vacant(self, info: BackendInfo, slot: int) -> bool:
         """Is ``info``'s ``slot`` idle and empty, on the server (`/slots`: a slot that
         never ran a task reports no prompt) and in the router (nothing routed there)?
-        Asked just before its restore is sent: a request the router gives that slot
-        from then on reaches the server after the restore, which it then runs first,
-        and the request is predicted a prefill (a restore is not known until done)."""
-        r = self.router_of(info.name)
-        if r is None or not r.vacant(info.name, slot):
-            return False
+        The router is asked last, just before the restore is sent (`/slots` waits for
+        the batch under way): a request it gave that slot meanwhile would reach the
+        server first and be overwritten by the restore, its next turn predicted to
+        reuse what the slot no longer holds. One it gives the slot from then on
+        reaches the server after the restore, which it then runs first, and is
+        predicted a prefill (a restore is not known until done)."""
         got = await self._client(info, RESTORE_BASE_S).slots()
         state = next((s for s in got if s.id == slot), None) \
             if isinstance(got, list) else None
-        return state is not None and not state.is_processing and not state.n_prompt_tokens
+        if state is None or state.is_processing or state.n_prompt_tokens:
+            return False
+        r = self.router_of(info.name)
+        return r is not None and r.vacant(info.name, slot)

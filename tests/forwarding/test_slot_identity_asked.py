@@ -1,11 +1,12 @@
-"""An external server's identity (slot_identity) while it is not known: a server that does
-not say which model it runs (`slot.model_unknown`) is asked again, and the turns routed
-to it while it is being asked are saved once it says.
+"""An external server routed before kvroute knows it: a server that does not say which
+model it runs (`slot.model_unknown`) is asked again; the turns routed to it while it is
+being asked are saved once it says; and a slot given a request while kvroute asks
+whether it is empty, to restore its file, is not restored over that request.
 
 The server is a real llama-server, reached through a front (a real aiohttp server) that
-passes everything through except, when told: `/v1/models` fails, or `/lora-adapters`
-waits.
-Only the front can have the server fail or stall those at a chosen moment."""
+passes everything through except, when told: `/v1/models` fails, `/lora-adapters`
+waits, or `/slots`' answer is held. Only the front can have the server fail or stall
+those at a chosen moment."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import dataclasses
 import io
 import json
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -32,24 +33,27 @@ from backends.process import free_port
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
+from proxy.forwarding.slot_files import INDEX
 from proxy.observability.logging import configure_logging
 from proxy.server.keys import FORWARDER
 
 pytestmark = pytest.mark.timeout(240)
+Restart = Callable[[], Awaitable[None]]
 
 
 class Front:
     """What reaches the server behind it: each path's requests (``asked``);
     `/v1/models` answers 503 while ``models_down`` (the identity's ask alone uses it
     here: the supervisor's probe and kvroute's prober do not); `/lora-adapters` waits
-    for ``adapters``."""
+    for ``adapters``; `/slots`' answer, read at once, is held until ``slots``."""
 
     def __init__(self, real: str, session: aiohttp.ClientSession) -> None:
         self.real, self.session = real, session
         self.asked: Counter[str] = Counter()
         self.models_down = False
-        self.adapters = asyncio.Event()
+        self.adapters, self.slots = asyncio.Event(), asyncio.Event()
         self.adapters.set()
+        self.slots.set()
 
     async def handle(self, request: web.Request) -> web.Response:
         self.asked[request.path] += 1
@@ -61,8 +65,10 @@ class Front:
                 request.method, self.real + request.path_qs, data=await request.read(),
                 headers={k: v for k, v in request.headers.items()
                          if k in ("Authorization", "Content-Type")}) as r:
-            return web.Response(body=await r.read(), status=r.status,
-                                content_type=r.content_type)
+            body = await r.read()
+        if request.path == "/slots":
+            await self.slots.wait()
+        return web.Response(body=body, status=r.status, content_type=r.content_type)
 
 
 @asynccontextmanager
@@ -84,17 +90,23 @@ async def front_of(real: str) -> AsyncIterator[tuple[Front, str]]:
 @asynccontextmanager
 async def fronted(pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path,
                   save_after_idle_s: float | None = None
-                  ) -> AsyncIterator[tuple[Front, Supervisor, Path]]:
-    """A llama-server saving slots in a shared directory, its front, and kvroute's
+                  ) -> AsyncIterator[tuple[Front, Supervisor, Path, Restart]]:
+    """A llama-server saving slots in a shared directory, its front, kvroute's
     Supervisor for it (external "x" at the front, declaring that directory; not
-    started)."""
+    started), and what restarts the server at its port (its slots empty)."""
     shared = tmp_path / "shared"
     shared.mkdir()
     base = pool_config(n=1)
-    assert base.llama_server is not None
+    binary = base.llama_server
+    assert binary is not None
     port = free_port()
-    proc = await start_server(base.llama_server, demo_model, port, shared,
-                              tmp_path / "x.log")
+    procs = [await start_server(binary, demo_model, port, shared, tmp_path / "x.log")]
+
+    async def restart() -> None:
+        await procs[-1].stop()
+        procs.append(await start_server(binary, demo_model, port, shared,
+                                        tmp_path / f"x{len(procs)}.log"))
+
     try:
         async with front_of(f"http://127.0.0.1:{port}") as (front, url):
             cfg = kvroute_over(base, {"x": (url, None)}, shared, tmp_path / "own")
@@ -102,16 +114,17 @@ async def fronted(pool_config: Callable[..., Config], demo_model: Path, tmp_path
                 assert cfg.kv_disk is not None
                 cfg = dataclasses.replace(cfg, kv_disk=dataclasses.replace(
                     cfg.kv_disk, save_after_idle_s=save_after_idle_s))
-            yield front, Supervisor(cfg), shared
+            yield front, Supervisor(cfg), shared, restart
     finally:
-        await proc.stop()
+        for proc in procs:
+            await proc.stop()
 
 
-def turn(n: int) -> list[dict[str, str]]:
+def turn(n: int, seed: int = 50) -> list[dict[str, str]]:
     """A conversation's first ``n`` user turns (each answered "Noted.")."""
-    out = [{"role": "system", "content": words(300, 50)}]
+    out = [{"role": "system", "content": words(300, seed)}]
     for i in range(n):
-        out += [{"role": "user", "content": words(30, 51 + i)},
+        out += [{"role": "user", "content": words(30, seed + 1 + i)},
                 {"role": "assistant", "content": "Noted."}]
     return out[:-1]
 
@@ -125,7 +138,7 @@ async def test_turns_routed_while_the_identity_is_asked_are_saved(
     identity comes before that turn's save is due or while the save is waiting for it,
     the turn is saved, once."""
     due = 3.0 if identity_comes == "before the save is due" else None
-    async with fronted(pool_config, demo_model, tmp_path, due) as (front, sup, shared):
+    async with fronted(pool_config, demo_model, tmp_path, due) as (front, sup, shared, _):
         front.adapters.clear()
         await sup.start()
         try:
@@ -159,7 +172,7 @@ async def test_a_server_that_does_not_say_its_model_is_asked_again(
     saved_logging = structlog.get_config()
     configure_logging("info", stream=out)
     try:
-        async with fronted(pool_config, demo_model, tmp_path) as (front, sup, shared):
+        async with fronted(pool_config, demo_model, tmp_path) as (front, sup, shared, _):
             front.models_down = True
             await sup.start()
             try:
@@ -188,3 +201,44 @@ async def test_a_server_that_does_not_say_its_model_is_asked_again(
                 await sup.stop()
     finally:
         structlog.configure(**saved_logging)
+
+
+
+async def test_a_slot_routed_while_its_emptiness_is_asked_is_not_restored_over(
+        pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path) -> None:
+    """kvroute has saved a conversation's slot; the server and kvroute restart. kvroute
+    asks the server whether the slot is still empty before restoring the file into
+    it, and the answer takes a while (the server's loop answers `/slots`): meanwhile
+    another conversation is routed to that slot and answered. The file is not restored
+    over it: that conversation's next turn reuses what it was predicted to."""
+    async with fronted(pool_config, demo_model, tmp_path) as (front, sup, shared, restart):
+        for run in range(2):
+            if run == 1:
+                await restart()
+                sup = Supervisor(sup.config)
+                front.slots.clear()
+            asked = front.asked["/slots"]
+            await sup.start()
+            try:
+                async with proxy(sup, ProxySettings(health=FAST_HEALTH,
+                                                    tokenizer=demo_model)) as client:
+                    await until(lambda: routed(client) == ["x"], 30)
+                    if run == 0:
+                        await chat(client, turn(1))
+                        await until(lambda: counted(client, "saved") >= 1, 30)
+                        continue
+                    await until(lambda a=asked: front.asked["/slots"] > a, 30)
+                    await chat(client, turn(1, seed=60))
+                    index = shared / INDEX  # (written when the restores are done)
+                    written = index.stat()
+                    front.slots.set()
+                    await until(lambda i=index, w=written: i.stat() != w, 30)
+                    body, headers = await chat(client, turn(2, seed=60))
+                    predicted = int(headers["X-Kvroute-Predicted-Cached"])
+                    reused = body["timings"]["cache_n"]
+                    assert predicted > 0 and abs(predicted - reused) <= 1, \
+                        (predicted, reused)
+                    assert counted(client, "restored") == 0
+            finally:
+                front.slots.set()
+                await sup.stop()
