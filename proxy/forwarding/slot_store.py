@@ -313,11 +313,11 @@ class SlotStore(Restoring):
             model = await self._model_of(info)  # (unknown: asked, off the request path)
         if model is None or len(tokens) // 4 < self.cfg.min_tokens:
             return
-        if await self._model_of(info) != model:
-            return  # (restarted with another model: its slot does not hold what was noted)
         known = self._latest(info.name, slot, model)
         if known is not None and known.tokens == tokens:
-            return  # (nothing new since the last save)
+            return  # (nothing new since the last save: no need to ask the server either)
+        if await self._model_of(info) != model:
+            return  # (restarted with another model: its slot does not hold what was noted)
         entry = Saved(self._next, info.name, slot, tokens, time.time(), model)
         self._next += 1
         client = self._client(info, _SAVE_TIMEOUT_S if timeout is None else timeout)
