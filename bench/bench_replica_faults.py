@@ -62,6 +62,7 @@ from loadtest.client import LoadClient, Result  # noqa: E402
 from loadtest.fleet import Cluster, external_config, fresh_servers  # noqa: E402
 from loadtest.workloads import Workload, agentic  # noqa: E402
 from proxy.replicas.events import Event, Kind, decode, encode  # noqa: E402
+from proxy.replicas.parts import is_part  # noqa: E402
 
 RUNS = ("one", "shared", "alone", "kill", "outage")
 _EVENTS = re.compile(r'^kvroute_replica_events_total\{event="(\w+)"\} (\S+)$', re.M)
@@ -226,7 +227,8 @@ class Tap:
 
         async def on_msg(msg: Any) -> None:
             e = decode(msg.data)
-            kind = "invalid" if e is None else e.kind.value
+            # (a part of an event larger than the broker's max payload: parts.py)
+            kind = "part" if is_part(msg.data) else "invalid" if e is None else e.kind.value
             self.msgs[kind] += 1
             self.bytes[kind] += len(msg.data)
 
