@@ -375,11 +375,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+_CONFIG_HELP = "config file (default: ./config.yaml, else the built-in one)"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvroute", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="start the backends and the proxy")
-    s.add_argument("--config", type=Path, help="config file (default: ./config.yaml)")
+    s = sub.add_parser("serve", help="start the backends and the proxy",
+                       description="Exit status 2: the config is invalid, llama-server or the "
+                       "demo model cannot be had, or the port or a disk tier directory "
+                       "(kvroute.lock) is taken.")
+    s.add_argument("--config", type=Path, help=_CONFIG_HELP)
     s.add_argument("--host", help="proxy host (overrides proxy.host)")
     s.add_argument("--port", type=int, help="proxy port (overrides proxy.port)")
     s.add_argument("--policy", help="prefix | round_robin | least_loaded | random")
@@ -387,12 +393,16 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--log-prompts", action="store_true",
                    help="also log request bodies (prompts) at debug level; never API keys")
     s.set_defaults(func=cmd_serve)
-    a = sub.add_parser("agent", help="run this host's backends for routers elsewhere")
-    a.add_argument("--config", type=Path, required=True, help="the agent's file (agent.yaml)")
+    a = sub.add_parser("agent", help="run this host's backends for routers elsewhere",
+                       description="Exit status 2: the file is invalid, llama-server or the "
+                       "demo model cannot be had, or the port is taken.")
+    a.add_argument("--config", type=Path, required=True,
+                   help="the agent's file (e.g. docs/examples/agent.yaml)")
     a.add_argument("--log-level", default="info", help="debug | info | warning | error")
     a.set_defaults(func=cmd_agent)
-    d = sub.add_parser("doctor", help="check the installation, config and backends")
-    d.add_argument("--config", type=Path, help="config file (default: ./config.yaml)")
+    d = sub.add_parser("doctor", help="check the installation, config and backends",
+                       description="Exit status 1: something is broken (BAD lines).")
+    d.add_argument("--config", type=Path, help=_CONFIG_HELP)
     d.add_argument("--json", action="store_true", help="stable JSON output for scripts")
     d.set_defaults(func=cmd_doctor)
     args = ap.parse_args(argv)
