@@ -3,7 +3,10 @@
     binary.py      find or build llama-server; the artifact cache
     gpu.py         its build variants (cpu, cuda, vulkan): cmake flags, toolchains
     version.py     which llama.cpp a server and the tokenizer come from
-    demo_model.py  synthesise the demo GGUF
+    demo_model.py  synthesise the demo GGUF (demo_swa.py, demo_hybrid.py: the other
+                   demo architectures; demo_gguf.py: what their writers share)
+    memory.py      a model's memory kind and KV bytes per token, from its GGUF and flags
+    config.py      what the supervisor is told of each backend and the fleet (FleetSpec)
     process.py     one llama-server process: spawn, wait_ready, stop
     supervisor.py  all configured backends, as one pool: start, stop, states, subscribers
     managed.py     a managed llama-server's lifecycle: start, watch, restart
