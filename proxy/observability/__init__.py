@@ -1,1 +1,2 @@
-"""Structured logs (one line per routing decision) and Prometheus metrics."""
+"""Structured logs (one line per routing decision), Prometheus metrics, the recent
+decisions the status page shows (recent.py) and OpenTelemetry spans (tracing.py)."""
