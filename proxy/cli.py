@@ -382,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvroute", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="start the backends and the proxy",
-                       description="Exit status 2: the config is invalid, llama-server or the "
-                       "demo model cannot be had, or the port or a disk tier directory "
-                       "(kvroute.lock) is taken.")
+                       description="Exit status 2: the config is invalid, llama-server "
+                       "cannot be had, or the port or a disk tier directory (kvroute.lock) "
+                       "is taken.")
     s.add_argument("--config", type=Path, help=_CONFIG_HELP)
     s.add_argument("--host", help="proxy host (overrides proxy.host)")
     s.add_argument("--port", type=int, help="proxy port (overrides proxy.port)")
@@ -394,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also log request bodies (prompts) at debug level; never API keys")
     s.set_defaults(func=cmd_serve)
     a = sub.add_parser("agent", help="run this host's backends for routers elsewhere",
-                       description="Exit status 2: the file is invalid, llama-server or the "
-                       "demo model cannot be had, or the port is taken.")
+                       description="Exit status 2: the file is invalid, llama-server "
+                       "cannot be had, or the port is taken.")
     a.add_argument("--config", type=Path, required=True,
                    help="the agent's file (e.g. docs/examples/agent.yaml)")
     a.add_argument("--log-level", default="info", help="debug | info | warning | error")
