@@ -55,7 +55,7 @@ class ProxyConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """Knobs passed through to `proxy.routing.policy.RouterSettings(**settings)`."""
+    """Knobs passed through to `proxy.routing.settings.RouterSettings(**settings)`."""
 
     settings: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -160,7 +160,7 @@ def _routing(raw: object) -> RoutingConfig:
         RouterSettings(**settings)
     except ValueError as e:  # a value out of range: the message names the knob
         raise ConfigError(f"routing.{e} (fix: see the comments on RouterSettings in "
-                          "proxy/routing/policy.py)") from None
+                          "proxy/routing/settings.py)") from None
     return RoutingConfig(settings)
 
 

@@ -33,10 +33,12 @@ TIMEOUT_S = 10.0  # a message not added to for this long lost a part
 def split(data: bytes, max_payload: int) -> list[bytes]:
     """``data`` as the messages that carry it (itself when it fits; none when it is
     larger than a peer reads, or the broker's limit too small to split it)."""
+    if len(data) > MAX_EVENT_BYTES:
+        return []
     if len(data) <= max_payload:
         return [data]
     share = max_payload - HEADER
-    if share < MIN_SHARE or len(data) > MAX_EVENT_BYTES:
+    if share < MIN_SHARE:
         return []
     ident, n = os.urandom(8), -(-len(data) // share)
     return [_HEADER.pack(MAGIC, ident, i, n) + data[i * share:(i + 1) * share]

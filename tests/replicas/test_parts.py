@@ -49,6 +49,7 @@ def test_a_larger_one_goes_in_parts_within_the_limit_and_is_read_whole() -> None
 
 @pytest.mark.parametrize("size, limit", [
     (MAX_EVENT_BYTES + 1, 1 << 20),  # (larger than a peer reads)
+    (MAX_EVENT_BYTES + 1, MAX_EVENT_BYTES + 2),  # (so even where the broker takes it)
     (10_000, HEADER + MIN_SHARE - 1),  # (the broker's limit leaves too little to split)
 ])
 def test_what_cannot_go_in_parts_goes_not_at_all(size: int, limit: int) -> None:
