@@ -24,8 +24,9 @@ def kv_disk(raw: object, base: Path) -> KvDiskConfig | None:
                           "path: /var/lib/kvroute/slots)")
     d = KvDiskConfig(Path("."))
     out = KvDiskConfig(path=_path(base, path), max_gib=sec.get_num("max_gib", d.max_gib),
-                       save_after_idle_s=sec.get_num("save_after_idle_s", d.save_after_idle_s),
-                       min_tokens=sec.get_int("min_tokens", d.min_tokens))
+                       save_after_idle_s=sec.get_num("save_after_idle_s", d.save_after_idle_s,
+                                                     zero=True),
+                       min_tokens=sec.get_int("min_tokens", d.min_tokens, lo=0))
     sec.finish(["path", "max_gib", "save_after_idle_s", "min_tokens"])
     return out
 

@@ -55,13 +55,16 @@ class _Section:
             )
         return v
 
-    def get_num(self, key: str, default: float) -> float:
+    def get_num(self, key: str, default: float, zero: bool = False) -> float:
+        """A positive number (or 0 too, with ``zero``)."""
         v = self._get(key)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (
+                v >= 0 if zero else v > 0):
+            what = "a number >= 0" if zero else "a positive number"
             raise ConfigError(
-                f"{self.where}{key}: expected a positive number, got {_show(v)} "
+                f"{self.where}{key}: expected {what}, got {_show(v)} "
                 f"(fix: e.g. {key}: {default})"
             )
         return float(v)

@@ -244,6 +244,12 @@ def test_kv_disk(tmp_path: Path, demo_model: Path) -> None:
     cfg = load(tmp_path, {"backends": [managed()],
                           "kv_disk": {"path": "slots", "max_gib": 2, "min_tokens": 512}})
     assert cfg.kv_disk == KvDiskConfig(tmp_path / "slots", max_gib=2.0, min_tokens=512)
+    # 0: saved as soon as idle, whatever its size
+    cfg = load(tmp_path, {"backends": [managed()], "kv_disk": {
+        "path": "slots", "save_after_idle_s": 0, "min_tokens": 0}})
+    assert cfg.kv_disk == KvDiskConfig(tmp_path / "slots", save_after_idle_s=0.0, min_tokens=0)
+    assert "kv_disk.save_after_idle_s: expected a number >= 0, got -1" in error_of(
+        tmp_path, {"backends": [managed()], "kv_disk": {"path": "s", "save_after_idle_s": -1}})
     assert "kv_disk.path: required" in error_of(
         tmp_path, {"backends": [managed()], "kv_disk": {"max_gib": 2}})
     assert "kv_disk.max_gb: unknown key (fix: did you mean 'max_gib'?)" in error_of(
