@@ -130,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = load_config(_default_config_path(args.config), allow_missing_demo=True,
                           overrides=overrides)
         _prepare_artifacts(cfg)
-    except (ConfigError, RuntimeError) as e:  # BinaryError is a RuntimeError
+    except (ConfigError, RuntimeError, OSError) as e:  # BinaryError is a RuntimeError
         print(f"kvroute: {e}", file=sys.stderr)
         return 2
     if args.log_prompts:
@@ -149,7 +149,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     try:
         cfg = load_agent_config(args.config, allow_missing_demo=True)
         _prepare_artifacts(cfg)
-    except (ConfigError, RuntimeError) as e:  # BinaryError is a RuntimeError
+    except (ConfigError, RuntimeError, OSError) as e:  # BinaryError is a RuntimeError
         print(f"kvroute: {e}", file=sys.stderr)
         return 2
     return asyncio.run(_agent(cfg))
@@ -383,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="start the backends and the proxy",
                        description="Exit status 2: the config is invalid, llama-server "
-                       "cannot be had, or the port or a disk tier directory (kvroute.lock) "
-                       "is taken.")
+                       "or the demo model cannot be had, or the port or a disk tier "
+                       "directory (kvroute.lock) is taken.")
     s.add_argument("--config", type=Path, help=_CONFIG_HELP)
     s.add_argument("--host", help="proxy host (overrides proxy.host)")
     s.add_argument("--port", type=int, help="proxy port (overrides proxy.port)")
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=cmd_serve)
     a = sub.add_parser("agent", help="run this host's backends for routers elsewhere",
                        description="Exit status 2: the file is invalid, llama-server "
-                       "cannot be had, or the port is taken.")
+                       "or the demo model cannot be had, or the port is taken.")
     a.add_argument("--config", type=Path, required=True,
                    help="the agent's file (e.g. docs/examples/agent.yaml)")
     a.add_argument("--log-level", default="info", help="debug | info | warning | error")

@@ -168,6 +168,19 @@ def test_serve_rejects_bad_config(tmp_path: Path, llama_server_bin: Path) -> Non
     assert r.returncode == 2 and "bogus: unknown key" in r.stderr
 
 
+def test_serve_says_why_it_cannot_build_the_demo_model(tmp_path: Path,
+                                                      llama_server_bin: Path) -> None:
+    """The artifact cache is not a directory (here: under a file): one line naming it
+    and exit 2, as for a config error, not a traceback."""
+    config, _ = write_config(tmp_path, llama_server_bin)
+    (tmp_path / "a-file").write_text("")
+    env = {**os.environ, "KVROUTE_CACHE": str(tmp_path / "a-file" / "cache")}
+    r = subprocess.run([*KVROUTE, "serve", "--config", str(config)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "a-file" in r.stderr
+
+
 def test_doctor_names_each_pools_tokenizer(tmp_path: Path, llama_server_bin: Path,
                                            demo_model: Path) -> None:
     """Three pools: the demo model's, a coder model's, a server of the OpenAI API's (down:
