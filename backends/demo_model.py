@@ -86,9 +86,12 @@ class DemoModelParams:
         return self.n_layer * self.n_head_kv * self.head_dim * 2 * 2
 
     def tag(self) -> str:
+        """What tells the files of two sets of sizes apart (the default context
+        unnamed, so the files built before it was named keep their names)."""
+        ctx = "" if self.n_ctx_train == DemoModelParams.n_ctx_train else f"-C{self.n_ctx_train}"
         return (
             f"L{self.n_layer}-E{self.n_embd}-H{self.n_head}-KV{self.n_head_kv}"
-            f"-F{self.n_ff}-s{self.seed}"
+            f"-F{self.n_ff}{ctx}-s{self.seed}"
         )
 
 

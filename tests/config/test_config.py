@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from backends.config import (
     ManagedBackendConfig,
     SupervisionConfig,
 )
-from backends.demo_model import DemoModelParams
+from backends.demo_model import DemoModelParams, demo_model_path
 from proxy.config.fields import ConfigError
 from proxy.config.load import load_config
 from proxy.config.settings import ProxySettings
@@ -254,3 +255,15 @@ def test_kv_disk(tmp_path: Path, demo_model: Path) -> None:
         tmp_path, {"backends": [managed()], "kv_disk": {"max_gib": 2}})
     assert "kv_disk.max_gb: unknown key (fix: did you mean 'max_gib'?)" in error_of(
         tmp_path, {"backends": [managed()], "kv_disk": {"path": "s", "max_gb": 2}})
+
+
+def test_each_set_of_demo_sizes_has_its_own_file() -> None:
+    """A size changed in demo_model: builds another file (config.yaml says so), the
+    trained context included; the defaults keep the name they have."""
+    base = DemoModelParams()
+    others = [replace(base, n_layer=4), replace(base, n_embd=256), replace(base, n_head=4),
+              replace(base, n_head_kv=2), replace(base, n_ff=1024),
+              replace(base, n_ctx_train=4096), replace(base, seed=1)]
+    paths = {demo_model_path(p) for p in [base, *others]}
+    assert len(paths) == 1 + len(others)
+    assert "-C" not in demo_model_path(base).name
