@@ -52,7 +52,7 @@ from proxy.feedback.reports import Recorder
 from proxy.forwarding.forwarder import Forwarder
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.slot_identity import model_identity
-from proxy.forwarding.slot_store import SlotStore
+from proxy.forwarding.slot_store import SlotStore, saves
 from proxy.forwarding.slot_tier import DiskTier
 from proxy.forwarding.upstream import Upstream
 from proxy.observability.logging import get_logger
@@ -263,6 +263,8 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
             pool.health.backend_down(name)
             return
         store = app[FORWARDER].slot_store(info.name)
+        # (what a hand-off there carries for a spill: only where the tier saves slots)
+        pool.router.disk_spills(info.name, store is not None and saves(info))
         if store is not None and info.managed:
             # what the process just loaded: only files of that model are restored into it
             cfg = next((b for b in app[CONFIG].managed() if b.name == info.name), None)

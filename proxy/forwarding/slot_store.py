@@ -236,7 +236,7 @@ class SlotStore(Restoring):
         """A turn ended in ``info``'s ``slot``: save it once it has stayed idle. Not on a
         sliding-window or hybrid model: the server restores a slot without its context
         checkpoints, so only a continuation could use it (docs/checkpoints.md)."""
-        if not _saves(info):
+        if not saves(info):
             return
         key = (info.name, slot)
         self._cancel_pending(key)
@@ -280,7 +280,7 @@ class SlotStore(Restoring):
         moment ago: `note` found the slot taken already)."""
         key = (info.name, slot)
         tokens = self._unsaved.pop(key, None)
-        if not _saves(info):
+        if not saves(info):
             return  # (as in `note`: a hand-off carries what any slot held)
         if displaced is not None:
             tokens = displaced
@@ -376,7 +376,7 @@ class SlotStore(Restoring):
         self.files.sweep({e.file for e in self.saved.values()} | self._writing)
 
 
-def _saves(info: BackendInfo) -> bool:
+def saves(info: BackendInfo) -> bool:
     """Are ``info``'s slots saved (see `SlotStore.note`)?"""
     return info.memory.name == "dense"
 

@@ -67,9 +67,6 @@ class DiskTier:
                 raise
             self.stores.append(store)
             self._of.update(dict.fromkeys(names, store))
-        for name in self._of:
-            if (router := router_of(name)) is not None:
-                router.disk_spills(name)
 
     def of(self, backend: str) -> SlotStore | None:
         """The store of the directory ``backend`` reads (None: it has no disk tier)."""

@@ -57,11 +57,15 @@ class DiskEntries:
             return False
         return st.cache.seed(slot, sequence)
 
-    def disk_spills(self, backend: str) -> None:
-        """The disk tier saves what ``backend``'s slots hold before a queued request
-        replaces it: a hand-off there carries the slot's content (``Handoff.displaced``).
-        Without a disk tier nothing would read that copy of up to a slot's tokens."""
-        self._spilling.add(backend)
+    def disk_spills(self, backend: str, spills: bool = True) -> None:
+        """Does the disk tier save what ``backend``'s slots hold before a queued request
+        replaces it? Then a hand-off there carries the slot's content
+        (``Handoff.displaced``); elsewhere nothing would read that copy of up to a slot's
+        tokens."""
+        if spills:
+            self._spilling.add(backend)
+        else:
+            self._spilling.discard(backend)
 
     def disk_add(self, entry: int, file: str, sequence: bytes,
                  backends: frozenset[str]) -> None:

@@ -216,8 +216,8 @@ def test_a_hand_off_carries_the_slot_only_where_a_disk_tier_spills() -> None:
     for spills in (False, True):
         r = Router("prefix")
         r.add_backend(BackendCapacity("a", 1, 8192, 0, 8192))
-        if spills:
-            r.disk_spills("a")
+        r.disk_spills("a")
+        r.disk_spills("a", spills)  # (told again when the backend comes back another)
         other = list(range(20_000, 20_600))
         busy = r.decide(other, now=0.0)
         queued = r.decide(list(range(100, 1100)), now=0.1)
