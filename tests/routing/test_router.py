@@ -269,6 +269,7 @@ def test_handoff_placement_matches_prediction_in_simulation() -> None:
 def test_complete_returns_the_handoff_of_the_oldest_queued_request() -> None:
     r = Router()
     r.add_backend(cap("a", slots=1, ctx=8192))
+    r.disk_spills("a")
     first = decide(r, [*SYSTEM, 1])
     q1 = decide(r, [*SYSTEM, 2])
     q2 = decide(r, [*SYSTEM, 3])
@@ -276,7 +277,8 @@ def test_complete_returns_the_handoff_of_the_oldest_queued_request() -> None:
     assert (q1.reasons["queued"], q2.reasons["queued"]) == (1, 2)
     got = r.complete(first, output_tokens=[7], now=1.0)
     assert got == [Handoff(q1.request_id, "a", 0, q1.predicted_cached)]
-    # (what the slot held goes with it: the request displaces the first one's turn)
+    # (what the slot held goes with it, for the disk tier to spill: the request
+    # displaces the first one's turn)
     assert got[0].displaced == array("i", [*SYSTEM, 1, 7]).tobytes()
     assert r.abort(q2) == []  # still waiting: nothing freed
     assert r.complete(q1, now=2.0) == []
