@@ -27,8 +27,9 @@ def end(answer: list[int], keep: int, slot: int = 0, request: int = 0) -> Event:
 
 # a conversation's turns: each prompt its history (some turns back) plus new tokens,
 # in one of a few slots; an answer, and how many of its prompt's tokens its slot kept
+# (at least two new tokens: a history of none, an end that kept nothing, is no start)
 _TURNS = st.lists(st.tuples(
-    st.integers(0, 6), st.lists(st.integers(0, 9), min_size=1, max_size=40),
+    st.integers(0, 6), st.lists(st.integers(0, 9), min_size=2, max_size=40),
     st.integers(0, 3), st.lists(st.integers(0, 9), max_size=40), st.integers(0, 60)),
     min_size=1, max_size=16)
 
