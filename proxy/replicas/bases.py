@@ -92,7 +92,10 @@ class Bases:
         stead (as sure as the start was: both are needed to make it)."""
         key = e.pool, e.backend, e.slot
         bases = self._slots.get(key) or deque()
-        i = next((i for i, b in enumerate(bases) if b.request == (e.replica, e.request)), -1)
+        # (its newest start of that id: a peer back from a restart numbers its requests
+        # anew, and one its previous run left unended may still be here)
+        i = next((i for i in reversed(range(len(bases)))
+                  if bases[i].request == (e.replica, e.request)), -1)
         if i < 0 or not e.tokens or 4 * e.keep > len(bases[i].prompt) \
                 or 4 * e.keep + len(e.tokens) > 4 * MAX_TOKENS:
             return

@@ -92,6 +92,21 @@ def test_an_end_after_a_hello_is_no_base() -> None:
     assert b.shorten(e) == e
 
 
+def test_an_end_goes_with_its_newest_start_of_that_id() -> None:
+    """A peer back from a restart numbers its requests from 0 again: the end of its new
+    request 0 makes the same base here as there, whatever its previous run's request 0
+    left unended in the slot."""
+    sender, receiver = Bases(), Bases()
+    receiver.told(start(list(range(500))))  # (the previous run's: its end never came)
+    prompt, answer = list(range(2000, 2500)), list(range(900, 950))
+    for b in (sender, receiver):
+        b.told(start(prompt))
+        b.ended(end(answer, len(prompt)))
+    turn = start([*prompt, *answer, 7], request=1)
+    wire = sender.shorten(turn)
+    assert wire.keep == len(prompt) + len(answer) and receiver.whole(wire) == turn
+
+
 def test_a_turn_gone_to_another_slot_goes_against_its_history_there() -> None:
     sender, receiver = Bases(), Bases()
     history, other = list(range(500)), list(range(1000, 1400))
