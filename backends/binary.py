@@ -29,14 +29,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends import vendor_patch
+from backends.cpu import kernel_features
 from backends.gpu import (
     GPU_ENV,
     GPUS,
     binary_path,
     build_dir,
     cmake_configure_command,
+    cmake_flags,
     find_toolchain,
     missing_toolchain,
+    recipe_stamp,
     requested_gpu,
     version_stamp,
     vulkan_headers_problem,
@@ -118,10 +122,26 @@ def binary_version(path: Path) -> str:
     return ""
 
 
+def _native_cpu() -> str:
+    # ggml compiles with -march=native: the binary holds this CPU's kernels, AMX included
+    return "cpu=" + ",".join(kernel_features())
+
+
+def build_recipe(gpu: str) -> str:
+    """What ``gpu``'s build is made of beyond the pinned source: its cmake flags, the CPU
+    features its native kernels use, and the patches. A cached binary of another recipe
+    (another CPU, a changed patch) is rebuilt, incrementally where the CPU is the same."""
+    flags = cmake_flags(gpu, None, os.environ.get("CUDAARCHS"))
+    return " ".join([*flags, _native_cpu(), f"patches={vendor_patch.digest()}"])
+
+
 def _cached(gpu: str) -> LlamaServerBinary | None:
     cache = cache_dir()
     path = binary_path(cache, gpu)
     if not (path.is_file() and os.access(path, os.X_OK)):
+        return None
+    recipe = recipe_stamp(cache, gpu)
+    if not recipe.is_file() or recipe.read_text() != build_recipe(gpu):
         return None
     stamp = version_stamp(cache, gpu)
     version = stamp.read_text().strip() if stamp.is_file() else binary_version(path)
@@ -227,21 +247,29 @@ def _configure(build: Path, gpu: str, progress: Progress, log: Path) -> None:
     if headers:
         raise BinaryError(f"a vulkan build of llama-server (GPU=vulkan): {headers}")
     source = llama_cpp_source(progress) / "vendor" / "llama.cpp"
+    try:
+        vendor_patch.apply_all(source, progress)
+    except vendor_patch.PatchError as e:
+        raise BinaryError(str(e)) from e
     cmd = cmake_configure_command(source, build, gpu, compiler, os.environ.get("CUDAARCHS"))
     # cmake leaves a cache and even Makefiles behind when configuring fails: only this
     # stamp, written after it succeeds, says the tree is usable
     stamp = build / ".kvroute-configured"
-    if stamp.is_file() and stamp.read_text() == " ".join(cmd):
+    configured = " ".join([*cmd, _native_cpu()])
+    if stamp.is_file() and stamp.read_text() == configured:
         progress(f"==> building llama-server ({gpu}) in {build} (incremental)")
         return
-    stamp.unlink(missing_ok=True)
+    if stamp.is_file():
+        # another CPU (or flags): -march=native objects are stale though no file changed
+        progress(f"==> {build} was built for another CPU or other flags: building anew")
+        shutil.rmtree(build)
     progress(f"==> building llama-server ({gpu}) from {source} "
              "(about 4 min on 2 cores for cpu, longer with a GPU backend)")
     try:
         _run_streamed(cmd, progress, log)
     except BinaryError as e:
         raise BinaryError(f"{e}; {_GPU_HINTS[gpu]}" if gpu in _GPU_HINTS else str(e)) from e
-    stamp.write_text(" ".join(cmd))
+    stamp.write_text(configured)
 
 
 def build_llama_server(progress: Progress = _print, jobs: int | None = None,
@@ -269,6 +297,7 @@ def build_llama_server(progress: Progress = _print, jobs: int | None = None,
     os.replace(tmp, dest)  # atomic: a concurrent reader never sees half a binary
     version = binary_version(dest)
     version_stamp(cache, gpu).write_text(version + "\n")
+    recipe_stamp(cache, gpu).write_text(build_recipe(gpu))
     return LlamaServerBinary(dest, version, "built")
 
 

@@ -66,6 +66,11 @@ def version_stamp(cache: Path, gpu: str) -> Path:
     return cache / f"llama-server{_suffix(gpu)}.version"
 
 
+def recipe_stamp(cache: Path, gpu: str) -> Path:
+    """What the cached binary was built from (binary.build_recipe)."""
+    return cache / f"llama-server{_suffix(gpu)}.recipe"
+
+
 def cmake_configure_command(source: Path, build: Path, gpu: str,
                             compiler: str | None = None,
                             cuda_archs: str | None = None) -> list[str]:
@@ -73,7 +78,13 @@ def cmake_configure_command(source: Path, build: Path, gpu: str,
     toolchain program (nvcc for cuda, glslc for vulkan), named so cmake uses the one
     kvroute checked; ``cuda_archs`` ($CUDAARCHS, e.g. "86;89") the GPU generations to
     build for, else ggml builds for the GPUs present (and fails where there are none)."""
-    cmd = ["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS]
+    return ["cmake", "-S", str(source), "-B", str(build), *cmake_flags(gpu, compiler, cuda_archs)]
+
+
+def cmake_flags(gpu: str, compiler: str | None = None,
+                cuda_archs: str | None = None) -> list[str]:
+    """The cmake flags of ``gpu``'s variant (see cmake_configure_command)."""
+    cmd = list(CMAKE_FLAGS)
     if gpu == "cuda":
         cmd.append("-DGGML_CUDA=ON")
         if compiler:

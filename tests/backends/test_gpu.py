@@ -14,6 +14,7 @@ import pytest
 
 from backends.binary import (
     BinaryError,
+    build_recipe,
     ensure_llama_server,
     find_llama_server,
     gpu_variant,
@@ -27,6 +28,7 @@ from backends.gpu import (
     cmake_configure_command,
     find_toolchain,
     missing_toolchain,
+    recipe_stamp,
     version_stamp,
     vulkan_headers_problem,
 )
@@ -168,11 +170,34 @@ def test_a_cached_variant_is_found_and_leaves_the_others_alone(bare_machine: Pat
     cuda = _executable(binary_path(bare_machine, "cuda"))
     version_stamp(bare_machine, "cuda").write_text("version: 0.5.0-dev (build 1, commit "
                                                    "0c1e570)\n")
+    recipe_stamp(bare_machine, "cuda").write_text(build_recipe("cuda"))
     found = find_llama_server(gpu="cuda")
     assert found is not None and (found.path, found.source) == (cuda, "cache")
     assert found.version.endswith("commit 0c1e570)")
     assert find_llama_server(gpu="cpu") is None  # the CPU build is another file
     assert ensure_llama_server(gpu="cuda").path == cuda  # cached: nothing is built
+
+
+@pytest.mark.parametrize("recipe", [
+    None,  # built before recipes were recorded
+    "cpu=sse4_2,avx,avx2,avx512f,amx_tile,amx_int8",  # on another CPU: SIGILL here
+    "patches=0",  # before a fix to the vendored tree
+])
+def test_a_cached_binary_of_another_recipe_is_rebuilt(bare_machine: Path,
+                                                      recipe: str | None) -> None:
+    _executable(binary_path(bare_machine, "cpu"))
+    stamp = recipe_stamp(bare_machine, "cpu")
+    stamp.write_text(build_recipe("cpu"))
+    assert find_llama_server(gpu="cpu") is not None
+    if recipe is None:
+        stamp.unlink()
+    else:
+        mine = dict(part.split("=", 1) for part in build_recipe("cpu").split()
+                    if part.startswith(("cpu=", "patches=")))
+        key, value = recipe.split("=", 1)
+        assert mine[key] != value
+        stamp.write_text(build_recipe("cpu").replace(f"{key}={mine[key]}", recipe))
+    assert find_llama_server(gpu="cpu") is None
 
 
 def _vulkan_header(root: Path, version: int, extensions: str) -> Path:
