@@ -5,8 +5,9 @@
 #            llama-cpp-python sdist (so server and tokenizer agree), and the demo model;
 #   runtime: the slim Python image with that venv, llama-server and the demo model,
 #            running `kvroute serve` as an unprivileged user.
-# ggml builds for the CPU it is built on (-march=native, as `make run`): build the image
-# on the machine that runs it, or one with the same CPU features.
+# The image runs on any x86-64 CPU: llama-server is the portable build (every ggml CPU
+# variant, the best loaded at start; KVROUTE_PORTABLE) and libllama, which the proxy
+# tokenizes with, is built without -march=native.
 #
 #   docker build -t kvroute .                      # about 10 min on 2 cores
 #   docker run --init -p 127.0.0.1:8080:8080 kvroute
@@ -19,7 +20,8 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    KVROUTE_CACHE=/opt/kvroute/cache
+    KVROUTE_CACHE=/opt/kvroute/cache \
+    KVROUTE_PORTABLE=1
 WORKDIR /src
 COPY pyproject.toml README.md config.yaml ./
 COPY proxy ./proxy
@@ -27,7 +29,7 @@ COPY backends ./backends
 COPY loadtest ./loadtest
 # no extras: neither matplotlib nor the dev tools
 RUN python -m venv /opt/kvroute/venv \
- && /opt/kvroute/venv/bin/pip install .
+ && CMAKE_ARGS="-DGGML_NATIVE=OFF" /opt/kvroute/venv/bin/pip install .
 RUN /opt/kvroute/venv/bin/python -m backends prepare --config config.yaml
 
 FROM ${PYTHON_IMAGE} AS runtime
@@ -40,13 +42,13 @@ RUN apt-get update \
  && install -d -o kvroute -g kvroute -m 0750 /var/lib/kvroute /var/cache/kvroute
 COPY --from=build /opt/kvroute/venv /opt/kvroute/venv
 # on PATH, which kvroute searches before its cache: outside the cache volume, so a new
-# image's llama-server is the one that runs
-COPY --from=build /opt/kvroute/cache/bin/llama-server /usr/local/bin/llama-server
+# image's llama-server is the one that runs; its CPU variants lie beside it
+COPY --from=build /opt/kvroute/cache/bin-portable /opt/kvroute/llama-server
 # a fresh cache volume starts with the demo model
 COPY --from=build --chown=kvroute:kvroute /opt/kvroute/cache/models /var/cache/kvroute/models
 # the default; docker-compose.yml mounts deploy/config.yaml (or yours) over it
 COPY deploy/config.yaml /etc/kvroute/config.yaml
-ENV PATH=/opt/kvroute/venv/bin:$PATH \
+ENV PATH=/opt/kvroute/venv/bin:/opt/kvroute/llama-server:$PATH \
     KVROUTE_CACHE=/var/cache/kvroute \
     PYTHONUNBUFFERED=1
 USER kvroute

@@ -15,6 +15,12 @@ GPU ?=
 ifneq ($(GPU),)
 export KVROUTE_GPU := $(GPU)
 endif
+# PORTABLE=1: llama-server for any x86-64 CPU (every ggml CPU variant, the best loaded at
+# start; the container image's), cached beside the native build. Empty: for this CPU.
+PORTABLE ?=
+ifneq ($(PORTABLE),)
+export KVROUTE_PORTABLE := 1
+endif
 # CONFIG=path/to/config.yaml: what `make run` serves (default: ./config.yaml)
 CONFIG ?=
 CONFIG_ARG := $(if $(CONFIG),--config $(CONFIG))

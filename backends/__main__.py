@@ -1,9 +1,10 @@
-"""`python -m backends prepare [--config PATH] [--gpu cpu|cuda|vulkan] [--all-demos]
-[--json]`: obtain llama-server and the demo models. Idempotent; seconds when all are
-cached. Progress goes to stderr, the result (paths, version) to stdout.
+"""`python -m backends prepare [--config PATH] [--gpu cpu|cuda|vulkan] [--portable]
+[--all-demos] [--json]`: obtain llama-server and the demo models. Idempotent; seconds
+when all are cached. Progress goes to stderr, the result (paths, version) to stdout.
 
 --gpu (default: $KVROUTE_GPU, else cpu) picks the variant built when no llama-server is
-configured or on PATH; each variant is cached on its own (backends/gpu.py).
+configured or on PATH; --portable (or $KVROUTE_PORTABLE=1) builds it for any CPU instead
+of this one. Each is cached on its own (backends/gpu.py).
 
 The plain demo model is always built (tests and the loadtest use it); `demo-swa`,
 `demo-hybrid` and `demo-coder` only when the config's backends use them, or with
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ from backends.binary import (
     llama_cpp_python_version,
 )
 from backends.demo_model import DEMO, DEMO_KINDS, DemoModelParams, demo_kinds_for, ensure_demo_model
-from backends.gpu import GPUS
+from backends.gpu import GPUS, PORTABLE_ENV
 
 
 def prepare(config_path: Path | None, all_demos: bool = False,
@@ -75,8 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", choices=GPUS, default=None,
                    help="build llama-server for this GPU backend (default: $KVROUTE_GPU, "
                         "else cpu); used only when none is configured or on PATH")
+    p.add_argument("--portable", action="store_true",
+                   help="build for any CPU: every CPU variant, the best loaded at start "
+                        f"(as ${PORTABLE_ENV}=1); default: for this CPU only")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
+    if args.portable:
+        os.environ[PORTABLE_ENV] = "1"
 
     config_path = args.config
     if config_path is None and Path("config.yaml").is_file():

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends import vendor_patch
-from backends.cpu import kernel_features
+from backends.cpu import PORTABLE, kernel_features
 from backends.gpu import (
     GPU_ENV,
     GPUS,
@@ -40,6 +40,7 @@ from backends.gpu import (
     cmake_flags,
     find_toolchain,
     missing_toolchain,
+    portable,
     recipe_stamp,
     requested_gpu,
     version_stamp,
@@ -123,8 +124,8 @@ def binary_version(path: Path) -> str:
 
 
 def _native_cpu() -> str:
-    # ggml compiles with -march=native: the binary holds this CPU's kernels, AMX included
-    return "cpu=" + ",".join(kernel_features())
+    # a native build compiles with -march=native: it holds this CPU's kernels, AMX included
+    return "cpu=" + (PORTABLE if portable() else ",".join(kernel_features()))
 
 
 def build_recipe(gpu: str) -> str:
@@ -292,9 +293,13 @@ def build_llama_server(progress: Progress = _print, jobs: int | None = None,
     )
     dest = binary_path(cache, gpu)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(".tmp")
-    shutil.copy2(build / "bin" / "llama-server", tmp)
-    os.replace(tmp, dest)  # atomic: a concurrent reader never sees half a binary
+    # a portable binary's libraries first: its directory is what it loads them from
+    libs = sorted((build / "bin").glob("*.so*")) if portable() else []
+    for src in [*libs, build / "bin" / "llama-server"]:
+        tmp = dest.parent / f".{src.name}.tmp"
+        shutil.copy2(src, tmp, follow_symlinks=True)
+        # atomic: a concurrent reader never sees half a binary
+        os.replace(tmp, dest if src.name == "llama-server" else dest.parent / src.name)
     version = binary_version(dest)
     version_stamp(cache, gpu).write_text(version + "\n")
     recipe_stamp(cache, gpu).write_text(build_recipe(gpu))

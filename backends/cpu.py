@@ -20,6 +20,8 @@ KERNEL_FLAGS = (
 )
 
 CPUINFO = Path("/proc/cpuinfo")
+# a recipe's cpu= for a build of every CPU variant, loaded at run time (GGML_BACKEND_DL)
+PORTABLE = "portable"
 
 
 def parse_flags(cpuinfo: str) -> frozenset[str]:
@@ -43,3 +45,19 @@ def kernel_features(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The kernel-selecting features this CPU has, in KERNEL_FLAGS order."""
     flags = cpu_flags() if flags is None else flags
     return tuple(f for f in KERNEL_FLAGS if f in flags)
+
+
+def build_report(recipe: str | None) -> dict[str, object]:
+    """This CPU's kernel features and the build in use, from its recipe (binary.py's
+    build_recipe; None: a llama-server kvroute did not build, on PATH or configured)."""
+    here = kernel_features()
+    cpu = next((p[4:] for p in (recipe or "").split() if p.startswith("cpu=")), None)
+    if cpu is None:
+        build, built_for = "unknown (not built by kvroute)", None
+    elif cpu == PORTABLE:
+        build, built_for = "portable (every CPU variant; the best one loads)", None
+    else:
+        build, built_for = "native (-march=native)", [f for f in cpu.split(",") if f]
+    return {"features": list(here), "amx": "amx_int8" in here, "build": build,
+            "built_for": built_for,
+            "matches": None if built_for is None else built_for == list(here)}

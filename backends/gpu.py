@@ -17,6 +17,7 @@ from pathlib import Path
 
 GPUS = ("cpu", "cuda", "vulkan")
 GPU_ENV = "KVROUTE_GPU"
+PORTABLE_ENV = "KVROUTE_PORTABLE"
 
 CMAKE_FLAGS = (
     "-DLLAMA_BUILD_SERVER=ON",
@@ -29,6 +30,17 @@ CMAKE_FLAGS = (
     # variant still loads the driver's and toolkit's shared libraries, as any GPU program)
     "-DBUILD_SHARED_LIBS=OFF",
     "-DCMAKE_BUILD_TYPE=Release",
+)
+# A portable build: every CPU variant of ggml as a library, the best for the CPU at hand
+# loaded at start (docs/build.md of the tree, "GGML_CPU_ALL_VARIANTS"). Libraries need
+# shared builds; $ORIGIN lets the binary find them wherever its directory is copied.
+PORTABLE_FLAGS = (
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_BACKEND_DL=ON",
+    "-DGGML_CPU_ALL_VARIANTS=ON",
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
 )
 # where the CUDA toolkit installs when it is not on PATH (CMake's FindCUDAToolkit looks
 # there too)
@@ -49,9 +61,16 @@ def requested_gpu(value: str | None = None) -> str:
     return raw.strip().lower() or "cpu"
 
 
+def portable() -> bool:
+    """Whether the build asked for is portable ($KVROUTE_PORTABLE): ggml's CPU code built
+    for every x86-64 (or arm64) level and the best one loaded at run time, so the binary
+    runs on any CPU. Else native: this CPU's instructions only, compiled once."""
+    return os.environ.get(PORTABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _suffix(gpu: str) -> str:
-    # the cpu variant keeps the names it always had, so existing caches stay valid
-    return "" if gpu == "cpu" else f"-{gpu}"
+    # the native cpu variant keeps the names it always had, so existing caches stay valid
+    return ("" if gpu == "cpu" else f"-{gpu}") + ("-portable" if portable() else "")
 
 
 def build_dir(cache: Path, gpu: str) -> Path:
@@ -59,6 +78,8 @@ def build_dir(cache: Path, gpu: str) -> Path:
 
 
 def binary_path(cache: Path, gpu: str) -> Path:
+    if portable():  # with the libraries it loads, which it finds beside itself
+        return cache / f"bin{_suffix(gpu)}" / "llama-server"
     return cache / "bin" / f"llama-server{_suffix(gpu)}"
 
 
@@ -85,6 +106,8 @@ def cmake_flags(gpu: str, compiler: str | None = None,
                 cuda_archs: str | None = None) -> list[str]:
     """The cmake flags of ``gpu``'s variant (see cmake_configure_command)."""
     cmd = list(CMAKE_FLAGS)
+    if portable():  # cmake takes the last value of a flag given twice
+        cmd.extend(PORTABLE_FLAGS)
     if gpu == "cuda":
         cmd.append("-DGGML_CUDA=ON")
         if compiler:

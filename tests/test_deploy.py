@@ -26,7 +26,7 @@ import yaml
 
 from backends.binary import find_llama_server
 from backends.demo_model import demo_model_path
-from backends.gpu import binary_path
+from backends.gpu import PORTABLE_ENV, binary_path, portable
 from proxy import cli
 from proxy.config.load import load_config
 
@@ -205,7 +205,10 @@ def test_runtime_layout_is_enough_for_kvroute(tmp_path: Path) -> None:
                   if flags.get("from") == "build" for src in sources}
     root = tmp_path / "image"
     build_cache = Path(BUILD.env()["KVROUTE_CACHE"])
-    server = root / from_build[str(binary_path(build_cache, "cpu"))].lstrip("/")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(PORTABLE_ENV, BUILD.env()[PORTABLE_ENV])
+        built_dir = binary_path(build_cache, "cpu").parent
+    server = root / from_build[str(built_dir)].lstrip("/") / "llama-server"
     server.parent.mkdir(parents=True)
     server.symlink_to(built.path)
     cache = root / RUNTIME.env()["KVROUTE_CACHE"].lstrip("/")
@@ -238,13 +241,18 @@ def test_dockerfile_builds_llama_server_as_backends_prepare_does(
     # the runtime copies llama-server and the demo model from where prepare puts them
     cache = Path(BUILD.env()["KVROUTE_CACHE"])
     monkeypatch.setenv("KVROUTE_CACHE", str(cache))
+    # the portable build: the image runs on CPUs other than the builder's
+    monkeypatch.setenv(PORTABLE_ENV, BUILD.env()[PORTABLE_ENV])
+    assert portable()
+    assert 'CMAKE_ARGS="-DGGML_NATIVE=OFF"' in runs  # libllama too
     from_build = {src: dst for flags, sources, dst in RUNTIME.copies()
                   if flags.get("from") == "build" for src in sources}
     assert venv in from_build
-    server_dst = from_build[str(binary_path(cache, "cpu"))]
+    # the whole directory: the binary and the CPU variants it loads from beside itself
+    server_dst = from_build[str(binary_path(cache, "cpu").parent)]
     # on the runtime PATH, which kvroute searches before any cache
     path = RUNTIME.env()["PATH"].replace("$PATH", BASE_IMAGE_PATH).split(":")
-    assert str(Path(server_dst).parent) in path
+    assert server_dst in path
     models = str(demo_model_path(DEPLOY.demo_model).parent)
     assert Path(from_build[models]) == Path(RUNTIME.env()["KVROUTE_CACHE"]) / "models"
 

@@ -20,8 +20,11 @@ from backends.binary import (
     gpu_variant,
     llama_cpp_source,
 )
+from backends.cpu import build_report
 from backends.gpu import (
     CMAKE_FLAGS,
+    PORTABLE_ENV,
+    PORTABLE_FLAGS,
     VULKAN_HEADER_NEEDS,
     binary_path,
     build_dir,
@@ -228,3 +231,21 @@ def test_the_pinned_tree_uses_what_the_header_check_asks_for() -> None:
     text = (source / "ggml-vulkan.cpp").read_text(errors="replace")
     assert VULKAN_HEADER_NEEDS in text and "vk::LayerSettingEXT" in text
 
+
+
+def test_a_portable_build_is_its_own_and_says_so(bare_machine: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    native_bin, native_recipe = binary_path(bare_machine, "cpu"), build_recipe("cpu")
+    assert build_report(native_recipe)["matches"] is True  # built for the CPU at hand
+    monkeypatch.setenv(PORTABLE_ENV, "1")
+    flags = cmake_configure_command(SRC, BUILD, "cpu")
+    # the last value of a flag counts: shared libraries, every CPU variant, no -march
+    assert flags[flags.index("-DBUILD_SHARED_LIBS=ON"):] == [*PORTABLE_FLAGS]
+    assert "-DGGML_CPU_ALL_VARIANTS=ON" in flags and "-DGGML_NATIVE=OFF" in flags
+    # a directory of its own: the binary loads its CPU variants from beside itself
+    assert binary_path(bare_machine, "cpu").parent != native_bin.parent
+    assert build_dir(bare_machine, "cpu").name == "build-portable"
+    assert "cpu=portable" in build_recipe("cpu").split()
+    report = build_report(build_recipe("cpu"))
+    assert report["build"].startswith("portable") and report["matches"] is None
+    assert find_llama_server(gpu="cpu") is None  # the native one is not it
