@@ -23,6 +23,12 @@ class SupervisionConfig:
     restart_backoff_s: float = 0.5  # first restart delay; doubles per crash
     restart_backoff_max_s: float = 30.0
     stop_grace_s: float = 5.0  # SIGTERM -> SIGKILL
+    # a backend that dies this often within crash_loop_window_s is in a crash loop: its
+    # restarts wait from restart_backoff_max_s, doubling up to crash_loop_backoff_max_s,
+    # and one is routed again once it stays up crash_loop_window_s (backends/crash_loop.py)
+    crash_loop_deaths: int = 3
+    crash_loop_window_s: float = 120.0
+    crash_loop_backoff_max_s: float = 300.0
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from backends.config import LLAMA, ExternalBackendConfig, ManagedBackendConfig
+from backends.crash_loop import CrashLoop
 from backends.memory import DENSE, MemoryKind
 from backends.process import LlamaServerProcess
 
@@ -36,7 +37,8 @@ class Backend:
     """Mutable runtime state of one backend (owned by its task)."""
 
     cfg: ManagedBackendConfig | ExternalBackendConfig
-    state: str = "stopped"  # starting | ready | down | failed | stopped
+    # held: up, kept out of routing until it outlasts its crash loop (backends/crash_loop.py)
+    state: str = "stopped"  # starting | held | ready | down | failed | stopped
     info: BackendInfo | None = None
     process: LlamaServerProcess | None = None
     url: str | None = None
@@ -46,6 +48,7 @@ class Backend:
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # first ready/failed
     task: asyncio.Task[None] | None = None
     agent: str | None = None  # the agent that runs it on another host (None: ours)
+    crashes: CrashLoop | None = None  # a managed one's recent deaths
 
     @property
     def managed(self) -> bool:

@@ -14,7 +14,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -23,6 +23,7 @@ import structlog
 
 from backends.binary import find_llama_server
 from backends.config import LLAMA, ExternalBackendConfig, FleetSpec
+from backends.crash_loop import Unavailable
 from backends.external import ExternalBackends
 from backends.info import Backend, BackendInfo
 from backends.managed import ManagedBackends
@@ -121,8 +122,22 @@ class Supervisor(ManagedBackends, ExternalBackends, Generic[C]):
                 # dense, swa or hybrid: the last two reuse a prefix only up to a context
                 # checkpoint, and get no disk tier (a restored slot has no checkpoints)
                 "memory": info.memory.name if info else None,
+                # what died, its log's tail, its command line and the likely fix
+                "crash_loop": b.crashes.report() if b.crashes else None,
             })
         return out
+
+    def why_down(self, names: Iterable[str]) -> Unavailable | None:
+        """Which of these backends are in a crash loop, what died and the fix, and when
+        one may serve again (None: none is in one)."""
+        loops = [(n, c) for n in names
+                 if (b := self._backends.get(n)) and (c := b.crashes) and c.looping]
+        if not loops:
+            return None
+        now = time.time()
+        waits = [c.until - now for _, c in loops if c.until is not None]
+        return Unavailable("; ".join(c.summary(n) for n, c in loops),
+                           max(1.0, min(waits, default=1.0)))
 
     def subscribe(self, cb: Subscriber) -> None:
         """cb(name, info) when a backend becomes ready (a fresh process: empty cache),
@@ -162,7 +177,8 @@ class Supervisor(ManagedBackends, ExternalBackends, Generic[C]):
     def _write_state(self) -> None:
         """Mirror states for `kvroute doctor` (no API keys: the file is world-readable)."""
         data = {"kvroute_pid": os.getpid(), "updated": time.time(), "backends": [
-            {k: s[k] for k in ("name", "managed", "state", "url", "pid", "restarts", "log")}
+            {k: s[k] for k in ("name", "managed", "state", "url", "pid", "restarts", "log",
+                               "last_error", "crash_loop")}
             for s in self.statuses()]}
         tmp = self.state_file.with_suffix(".tmp")
         try:

@@ -111,9 +111,18 @@ def _kind(sec: _Section, where: str) -> str:
 def supervision(raw: object) -> SupervisionConfig:
     sec = _Section(raw, "supervision.")
     d = SupervisionConfig()
-    out = SupervisionConfig(**{f.name: sec.get_num(f.name, getattr(d, f.name))
+    # (one death is a restart; a loop is several)
+    out = SupervisionConfig(**{f.name: sec.get_int(f.name, d.crash_loop_deaths, lo=2)
+                               if f.name == "crash_loop_deaths"
+                               else sec.get_num(f.name, getattr(d, f.name))
                                for f in fields(SupervisionConfig)})
     sec.finish([f.name for f in fields(SupervisionConfig)])
+    if out.crash_loop_backoff_max_s < out.restart_backoff_max_s:
+        raise ConfigError(
+            f"supervision.crash_loop_backoff_max_s: {out.crash_loop_backoff_max_s:g} is less "
+            f"than restart_backoff_max_s ({out.restart_backoff_max_s:g}), where a crash "
+            "loop's backoff starts (fix: raise crash_loop_backoff_max_s, or lower "
+            "restart_backoff_max_s)")
     return out
 
 
