@@ -208,6 +208,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
             lambda reason: metrics.child(metrics.tokens_from_backend, reason).inc())
         fw.disk = disk
         fw.tracing = tracing
+        fw.why_down = lambda names=pool.spec.backends: app[SUPERVISOR].why_down(names)
     app[FORWARDER] = pools.first.fw
     bus = await _replicas(app)
     probers = [asyncio.create_task(p.health.run(session), name=f"kvroute-health-{i}")

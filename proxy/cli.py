@@ -232,6 +232,9 @@ def _backend_health(cfg: Config) -> list[dict[str, Any]]:
             if managed:
                 entry["pid"] = running[b.name].get("pid")
                 entry["log"] = running[b.name].get("log")
+                entry["state"] = running[b.name].get("state")
+                # what died, its log's tail, its command line and the likely fix
+                entry["crash_loop"] = running[b.name].get("crash_loop")
         out.append(entry)
     return out
 
@@ -303,6 +306,8 @@ def doctor_report(config_path: Path | None) -> dict[str, Any]:
     if cfg is not None and any(b.is_demo for b in cfg.managed()) and not model.is_file():
         report["ok"] = False
     report["backends"] = _backend_health(cfg) if cfg else []
+    if any(b.get("crash_loop") for b in report["backends"]):
+        report["ok"] = False
     if cfg is not None:
         report["tokens"] = _tokens(cfg)
     return report
@@ -330,6 +335,17 @@ def _tokens(cfg: Config) -> dict[str, Any]:
     return out
 
 
+def _print_crash_loop(c: dict[str, Any]) -> None:
+    print(f"[BAD]   in a crash loop: {c['died']} ({c['deaths']} deaths within "
+          f"{c['window_s']:g} s)")
+    print(f"        likely fix: {c['fix']}")
+    print(f"        model: {c['model']}")
+    print(f"        command: {c['command']}")
+    print(f"        last lines of {c['log']}:")
+    for line in c["log_tail"][-10:]:
+        print(f"          {line}")
+
+
 def _print_report(r: dict[str, Any]) -> None:
     def mark(ok: object) -> str:
         return "ok " if ok else "BAD"
@@ -353,6 +369,8 @@ def _print_report(r: dict[str, Any]) -> None:
         m = "-- " if b["managed"] and b["url"] is None else mark(b["healthy"])
         print(f"[{m}] backend {b['name']} ({kind}) "
               f"{b['url'] or ''} {b['detail']}")
+        if b.get("crash_loop"):
+            _print_crash_loop(b["crash_loop"])
     tok = r.get("tokens")
     if tok is not None:
         where = (f"local ({tok['local_gguf']})" if tok["local_gguf"] else

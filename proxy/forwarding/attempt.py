@@ -84,6 +84,8 @@ class Forwarding(Protocol):
 
     def serving(self, path: str) -> frozenset[str] | None: ...
 
+    def unavailable(self, reason: str) -> NoBackendAvailable: ...
+
     def slot_store(self, backend: str) -> SlotStore | None: ...
 
 
@@ -162,7 +164,7 @@ class Attempt:
                                          defer=True, user_starts=self.user_starts(whole),
                                          among=self.among)
         if isinstance(got, NoBackend):
-            raise _no_backend_error(got)
+            raise _no_backend_error(got, self.fw)
         assert not isinstance(got, NeedWholePrompt), "only ever for a head"
         return got
 
@@ -362,10 +364,10 @@ async def whole_prompt(pending: PendingPrompt) -> array:
     return ids
 
 
-def _no_backend_error(nb: NoBackend) -> ProxyError:
+def _no_backend_error(nb: NoBackend, fw: Forwarding) -> ProxyError:
     # NOTE: prompts too long for every *ready* backend are mostly rejected before
     # `decide` (max_context counts tripped backends too, which may come back).
     if nb.kind in ("too_long", "empty"):
         return BadRequest(nb.reason, code="context_length_exceeded"
                           if nb.kind == "too_long" else "invalid_request_error")
-    return NoBackendAvailable(nb.reason, retry_after=1)
+    return fw.unavailable(nb.reason)

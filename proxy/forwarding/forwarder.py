@@ -17,8 +17,9 @@ import orjson
 from aiohttp import web
 
 from backends.config import LLAMA
+from backends.crash_loop import Unavailable
 from backends.info import BackendInfo
-from proxy.errors import BadRequest, UpstreamError, UpstreamTimeout
+from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError, UpstreamTimeout
 from proxy.feedback.reports import Outcome, Recorder
 from proxy.forwarding.attempt import OPENAI_PATHS, Attempt, PendingPrompt, whole_prompt
 from proxy.forwarding.health import BackendHealth
@@ -84,6 +85,16 @@ class Forwarder:
         # hybrid models; None when the template is not known here
         self.user_starts: Callable[[bytes], tuple[int, ...]] | None = None
         self.waits = SlotWaits(router, backends, recorder, first_byte_timeout, session)
+        # why the pool's backends cannot serve, as their supervisor knows it (crash loops)
+        self.why_down: Callable[[], Unavailable | None] = lambda: None
+
+    def unavailable(self, reason: str) -> NoBackendAvailable:
+        """The 503 when no backend can take a request: ``reason``, and what keeps the
+        pool's backends down (what died, the fix) when their supervisor knows."""
+        why = self.why_down()
+        if why is None:
+            return NoBackendAvailable(reason, retry_after=1)
+        return NoBackendAvailable(f"{reason}: {why.reason}", retry_after=why.retry_after)
 
     def slot_store(self, backend: str) -> SlotStore | None:
         """The disk tier's store of the directory ``backend`` reads (None: it has none)."""

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from backends.config import LLAMA, ManagedBackendConfig
-from proxy.errors import BadRequest, NoBackendAvailable, NotFound, PayloadTooLarge, RequestTimeout
+from proxy.errors import BadRequest, NotFound, PayloadTooLarge, RequestTimeout
 from proxy.forwarding.attempt import PendingPrompt
 from proxy.forwarding.send import AS_IS, JSON, Relay
 from proxy.observability.metrics import CONTENT_TYPE
@@ -232,8 +232,7 @@ def pick_ready(pool: Pool, path: str = "") -> BackendInfo:
     serving = pool.fw.serving(path)
     ready = [b for b in pool.backends.values() if serving is None or b.name in serving]
     if not ready:
-        raise NoBackendAvailable(f"no healthy backend for {pool.spec.name or 'the model'}",
-                                 retry_after=1)
+        raise pool.fw.unavailable(f"no healthy backend for {pool.spec.name or 'the model'}")
     pool.cursor[0] += 1
     return ready[pool.cursor[0] % len(ready)]
 

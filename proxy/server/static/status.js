@@ -47,7 +47,7 @@ function renderBackends(body) {
     const r = routerOf(body, b.name);
     const tr = el("tr", null,
       td(b.name), td(b.pool), td(b.kind + (b.managed ? " (managed)" : "")),
-      td(pill(String(b.state), b.state === "ready" ? "ok" : "warn")),
+      td(pill(String(b.state), b.state === "ready" ? "ok" : b.crash_loop ? "bad" : "warn")),
       td(pill(b.healthy ? "healthy" : "down", b.healthy ? "ok" : "bad")),
       td(b.routed ? "yes" : "no"),
       td(breaker(b.proxy)),
@@ -58,6 +58,28 @@ function renderBackends(body) {
     return tr;
   });
   document.querySelector("#backends tbody").replaceChildren(...rows);
+}
+
+// A backend in a crash loop: what died, the likely fix, its command line and log's tail.
+function crashCard(b) {
+  const c = b.crash_loop;
+  const card = el("div", "card crash", el("h3", null, b.name + " is in a crash loop"),
+    el("div", null, c.died + " (" + num(c.deaths) + " deaths within " + c.window_s + " s)"),
+    el("div", null, "likely fix: " + c.fix),
+    el("div", "meta", (b.state === "held" ? "held out of routing until " :
+      "next restart at ") + (c.until ? hhmmss(c.until) : "–")),
+    el("div", "meta", "model: " + c.model),
+    el("div", "meta", "command: " + c.command),
+    el("div", "meta", "last lines of " + c.log + ":"),
+    el("pre", null, c.log_tail.join("\n")));
+  card.dataset.backend = b.name;
+  return card;
+}
+
+function renderCrashLoops(body) {
+  const cards = body.backends.filter((b) => b.crash_loop).map(crashCard);
+  document.getElementById("crashes").replaceChildren(...cards);
+  document.getElementById("crash-loops").hidden = cards.length === 0;
 }
 
 function slotRow(slot, ctx) {
@@ -179,6 +201,7 @@ function renderDecisions(freshId) {
 
 function onSnapshot(body) {
   renderBackends(body);
+  renderCrashLoops(body);
   renderCaches(body);
   renderSide(body);
   renderTotals(body.series);
