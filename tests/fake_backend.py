@@ -15,12 +15,23 @@ and for seeing exactly what reaches a backend (headers, paths, bodies).
                                 # stream's first event is out)
     fake.release.set()          # let hung requests finish
     await fake.stop()
+
+Run as a program it stands in for the llama-server binary itself (a test's `llama_server`,
+through a script that execs `python fake_backend.py "$@"`): it takes llama-server's flags
+and, while the file $KVROUTE_FAKE_SEGV_FILE exists, dies by a real SIGSEGV
+$KVROUTE_FAKE_SEGV_AFTER_S (0.5) seconds after it starts answering: a crash on demand.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -67,7 +78,7 @@ class FakeBackend:
     def hits(self) -> int:
         return len(self.requests)
 
-    async def start(self) -> str:
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_get("/health", self._health)
         app.router.add_get("/props", self._props)
@@ -76,7 +87,7 @@ class FakeBackend:
             app.router.add_post(path, self._complete)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, host, port)
         await site.start()
         port = self._runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"
@@ -149,3 +160,33 @@ class FakeBackend:
             return web.Response(body=self.answer, status=self.answer_status,
                                 content_type=self.answer_type)
         return web.json_response(ANSWER)
+
+
+async def _serve_as_llama_server(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("-np", type=int, default=1)
+    p.add_argument("-c", type=int, default=8192)
+    p.add_argument("-a", default="kvroute-demo")
+    args, _ = p.parse_known_args(argv)
+    fake = FakeBackend(model=args.a, n_ctx=args.c // args.np, slots=args.np,
+                       api_key=os.environ.get("LLAMA_API_KEY"))
+    url = await fake.start(args.host, args.port)
+    print(f"main: server is listening on {url}", flush=True)
+    marker = os.environ.get("KVROUTE_FAKE_SEGV_FILE")
+    await asyncio.sleep(float(os.environ.get("KVROUTE_FAKE_SEGV_AFTER_S", "0.5")))
+    while marker is None or not Path(marker).exists():
+        await asyncio.sleep(0.1)
+    print("srv  update_slots: decoding", flush=True)
+    print(f"fake_backend: SIGSEGV on demand ({marker} exists)", flush=True)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # (no core file left behind)
+    signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+if __name__ == "__main__":
+    if "--version" in sys.argv:
+        print("version: 0 (fake_backend)", file=sys.stderr)
+        sys.exit(0)
+    asyncio.run(_serve_as_llama_server(sys.argv[1:]))
