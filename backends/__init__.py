@@ -10,6 +10,7 @@
     process.py     one llama-server process: spawn, wait_ready, stop
     supervisor.py  all configured backends, as one pool: start, stop, states, subscribers
     managed.py     a managed llama-server's lifecycle: start, watch, restart
+    crash_loop.py  its deaths: when they make a crash loop, what died and the likely fix
     external.py    external servers probed, and backends an agent runs, as it reports them
     info.py        a ready backend as the proxy needs it, and one backend's runtime record
     agent.py       `kvroute agent`: one host's servers, served to routers elsewhere
