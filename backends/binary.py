@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends import vendor_patch
 from backends.cpu import PORTABLE, kernel_features
 from backends.gpu import (
     GPU_ENV,
@@ -46,6 +45,8 @@ from backends.gpu import (
     version_stamp,
     vulkan_headers_problem,
 )
+from backends.vendor_patch import PatchError, apply_all
+from backends.vendor_patch import digest as patches_digest
 
 # NOTE: used only when llama-cpp-python is not installed (e.g. doctor in a broken venv);
 # must match the pin in pyproject.toml.
@@ -133,7 +134,13 @@ def build_recipe(gpu: str) -> str:
     features its native kernels use, and the patches. A cached binary of another recipe
     (another CPU, a changed patch) is rebuilt, incrementally where the CPU is the same."""
     flags = cmake_flags(gpu, None, os.environ.get("CUDAARCHS"))
-    return " ".join([*flags, _native_cpu(), f"patches={vendor_patch.digest()}"])
+    return " ".join([*flags, _native_cpu(), f"patches={patches_digest()}"])
+
+
+def cached_recipe(gpu: str | None = None) -> str | None:
+    """The recipe the cached binary of ``gpu``'s variant was built from, if any."""
+    stamp = recipe_stamp(cache_dir(), gpu_variant(gpu))
+    return stamp.read_text() if stamp.is_file() else None
 
 
 def _cached(gpu: str) -> LlamaServerBinary | None:
@@ -141,8 +148,7 @@ def _cached(gpu: str) -> LlamaServerBinary | None:
     path = binary_path(cache, gpu)
     if not (path.is_file() and os.access(path, os.X_OK)):
         return None
-    recipe = recipe_stamp(cache, gpu)
-    if not recipe.is_file() or recipe.read_text() != build_recipe(gpu):
+    if cached_recipe(gpu) != build_recipe(gpu):
         return None
     stamp = version_stamp(cache, gpu)
     version = stamp.read_text().strip() if stamp.is_file() else binary_version(path)
@@ -249,8 +255,8 @@ def _configure(build: Path, gpu: str, progress: Progress, log: Path) -> None:
         raise BinaryError(f"a vulkan build of llama-server (GPU=vulkan): {headers}")
     source = llama_cpp_source(progress) / "vendor" / "llama.cpp"
     try:
-        vendor_patch.apply_all(source, progress)
-    except vendor_patch.PatchError as e:
+        apply_all(source, progress)
+    except PatchError as e:
         raise BinaryError(str(e)) from e
     cmd = cmake_configure_command(source, build, gpu, compiler, os.environ.get("CUDAARCHS"))
     # cmake leaves a cache and even Makefiles behind when configuring fails: only this

@@ -240,8 +240,15 @@ def _backend_health(cfg: Config) -> list[dict[str, Any]]:
 
 
 def doctor_report(config_path: Path | None) -> dict[str, Any]:
-    from backends.binary import BinaryError, cache_dir, find_llama_server
+    from backends.binary import (
+        BinaryError,
+        cache_dir,
+        cached_binary_path,
+        cached_recipe,
+        find_llama_server,
+    )
     from backends.binary import llama_cpp_python_version as lcp_version
+    from backends.cpu import build_report
     from backends.demo_model import DemoModelParams, demo_model_path
     from backends.version import version_warning
 
@@ -298,6 +305,10 @@ def doctor_report(config_path: Path | None) -> dict[str, Any]:
     if srv["error"]:
         report["ok"] = False
     report["llama_server"] = srv
+    # the build kvroute made, wherever it is named from; a cached native build for
+    # another CPU is not found, and its recipe says for which
+    ours = srv["path"] in (None, str(cached_binary_path()))
+    report["cpu"] = build_report(cached_recipe() if ours else None)
 
     params = cfg.demo_model if cfg else DemoModelParams()
     model = demo_model_path(params)
@@ -355,6 +366,11 @@ def _print_report(r: dict[str, Any]) -> None:
           + (f"  ({srv['version']}, {srv['source']})" if srv["path"] else ""))
     if srv.get("version_warning"):
         print(f"[!! ] {srv['version_warning']}")
+    cpu = r["cpu"]
+    print(f"[{mark(cpu['matches'] is not False)}] llama-server build: {cpu['build']}"
+          + ("" if cpu["matches"] is not False else
+             f", for {','.join(cpu['built_for'])} (fix: python -m backends prepare)"))
+    print(f"      CPU: {', '.join(cpu['features']) or 'none of the x86 kernel features'}")
     print(f"[{mark(lcp['importable'])}] llama-cpp-python {lcp['version']}"
           + (f": {lcp['error']}" if lcp["error"] else ""))
     print(f"[{mark(model['exists'])}] demo model: {model['path']}"

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from procs import gone
 
+from backends.cpu import kernel_features
 from backends.process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -223,7 +224,12 @@ def test_doctor_json(tmp_path: Path, llama_server_bin: Path, demo_model: Path) -
     assert backends["far"]["healthy"] is False and backends["far"]["url"] == dead
     assert report["tokens"] == {"local_gguf": str(demo_model), "serving": None}
     assert set(report) >= {"ok", "python", "kvroute_version", "cache_dir", "llama_cpp_python",
-                           "llama_server", "demo_model", "config", "backends"}
+                           "llama_server", "demo_model", "config", "backends", "cpu"}
+    # the CPU features that pick ggml's kernels, and what the cached build was made for
+    cpu = report["cpu"]
+    assert cpu["features"] == list(kernel_features())
+    assert cpu["amx"] == ("amx_int8" in cpu["features"])
+    assert cpu["build"].startswith("native") and cpu["matches"] is True
 
 
 def test_doctor_sees_running_backends(serve: Serve, tmp_path: Path) -> None:
