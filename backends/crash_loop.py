@@ -110,6 +110,10 @@ class CrashLoop:
     last: Death | None = None
     since: float | None = None  # time.time() it entered the loop (None: not in one)
     until: float | None = None  # when the next restart is, or the held one is routed
+    # A held restart gets no traffic, and some crashes come only with it (a kernel that
+    # fails on two slots decoding together): a death within window_s of the loop's end
+    # starts it again at once, not after crash_loop_deaths more.
+    probation_until: float | None = None
 
     @property
     def looping(self) -> bool:
@@ -121,15 +125,19 @@ class CrashLoop:
         self.recent.append(death.at)
         while self.recent and self.recent[0] < death.at - self.window_s:
             self.recent.popleft()
-        if self.looping or len(self.recent) < self.deaths_needed:
+        if self.looping:
+            return False
+        on_probation = self.probation_until is not None and death.at <= self.probation_until
+        if len(self.recent) < self.deaths_needed and not on_probation:
             return False
         self.since = death.at
         return True
 
-    def held(self) -> None:
-        """A restart stayed up `window_s`: the loop is over."""
+    def held(self, now: float) -> None:
+        """A restart stayed up `window_s` (at ``now``): the loop is over, on probation."""
         self.since = self.until = None
         self.recent.clear()
+        self.probation_until = now + self.window_s
 
     def summary(self, name: str) -> str:
         """One line: which backend, what died and the fix (a log line, a 503's message)."""

@@ -149,7 +149,7 @@ class ManagedBackends:
         error = await self._watch(proc, info, for_s=crashes.window_s)
         if error is not None:
             return error
-        crashes.held()
+        crashes.held(time.time())
         log.info("backend.crash_loop_over", backend=info.name, url=info.url,
                     up_s=crashes.window_s)
         return info

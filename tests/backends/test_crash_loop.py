@@ -24,7 +24,7 @@ from proxy_client import proxy
 
 from backends.binary import cache_dir
 from backends.config import ManagedBackendConfig, SupervisionConfig
-from backends.crash_loop import likely_fix, signal_name
+from backends.crash_loop import CrashLoop, Death, likely_fix, signal_name
 from backends.process import free_port
 from backends.supervisor import Supervisor
 from proxy.cli import _backend_health
@@ -213,3 +213,29 @@ def test_likely_fix(returncode: int | None, tail: str, expect: str, reason: str)
 def test_signal_names() -> None:
     assert [signal_name(rc) for rc in (SIGSEGV, SIGILL, 0, 1, None)] == [
         "SIGSEGV", "SIGILL", None, None, None]
+
+
+def _death(at: float) -> Death:
+    return Death(at=at, reason="llama-server exited", returncode=-11, by_itself=True,
+                 log_tail=(), model="m.gguf", argv=("llama-server",), log="a.log")
+
+
+@pytest.mark.parametrize("deaths, held_at, loops", [
+    # (times of deaths, when a held restart ended the loop, which deaths start a loop)
+    ((0, 1, 2), None, [False, False, True]),  # 3 within the window
+    ((0, 20, 40), None, [False, False, False]),  # spread out: never 3 within 10 s
+    ((0, 1, 2, 3), None, [False, False, True, False]),  # in one already
+    # after a loop ends, one death on probation (within the window) starts it again
+    ((0, 1, 2, 15), 14, [False, False, True, True]),
+    ((0, 1, 2, 30), 14, [False, False, True, False]),  # probation over: counted anew
+])
+def test_crash_loop_counts_deaths_and_probation(deaths: tuple[float, ...],
+                                                held_at: float | None,
+                                                loops: list[bool]) -> None:
+    c = CrashLoop(deaths_needed=3, window_s=10.0)
+    got = []
+    for at in deaths:
+        if held_at is not None and c.looping and at > held_at:
+            c.held(held_at)
+        got.append(c.died(_death(at)))
+    assert got == loops
