@@ -6,8 +6,8 @@
 #   runtime: the slim Python image with that venv, llama-server and the demo model,
 #            running `kvroute serve` as an unprivileged user.
 # The image runs on any x86-64 CPU: llama-server is the portable build (every ggml CPU
-# variant, the best loaded at start; KVROUTE_PORTABLE) and libllama, which the proxy
-# tokenizes with, is built without -march=native.
+# variant, the best loaded at start), and its libllama is the one the proxy tokenizes
+# with (llama-cpp-python is installed without its own).
 #
 #   docker build -t kvroute .                      # about 10 min on 2 cores
 #   docker run --init -p 127.0.0.1:8080:8080 kvroute
@@ -20,8 +20,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    KVROUTE_CACHE=/opt/kvroute/cache \
-    KVROUTE_PORTABLE=1
+    KVROUTE_CACHE=/opt/kvroute/cache
 WORKDIR /src
 COPY pyproject.toml README.md config.yaml ./
 COPY proxy ./proxy
@@ -29,7 +28,7 @@ COPY backends ./backends
 COPY loadtest ./loadtest
 # no extras: neither matplotlib nor the dev tools
 RUN python -m venv /opt/kvroute/venv \
- && CMAKE_ARGS="-DGGML_NATIVE=OFF" /opt/kvroute/venv/bin/pip install .
+ && CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" /opt/kvroute/venv/bin/pip install .
 RUN /opt/kvroute/venv/bin/python -m backends prepare --config config.yaml
 
 FROM ${PYTHON_IMAGE} AS runtime
@@ -43,12 +42,13 @@ RUN apt-get update \
 COPY --from=build /opt/kvroute/venv /opt/kvroute/venv
 # on PATH, which kvroute searches before its cache: outside the cache volume, so a new
 # image's llama-server is the one that runs; its CPU variants lie beside it
-COPY --from=build /opt/kvroute/cache/bin-portable /opt/kvroute/llama-server
+COPY --from=build /opt/kvroute/cache/bin-cpu /opt/kvroute/llama-server
 # a fresh cache volume starts with the demo model
 COPY --from=build --chown=kvroute:kvroute /opt/kvroute/cache/models /var/cache/kvroute/models
 # the default; docker-compose.yml mounts deploy/config.yaml (or yours) over it
 COPY deploy/config.yaml /etc/kvroute/config.yaml
 ENV PATH=/opt/kvroute/venv/bin:/opt/kvroute/llama-server:$PATH \
+    LLAMA_CPP_LIB_PATH=/opt/kvroute/llama-server \
     KVROUTE_CACHE=/var/cache/kvroute \
     PYTHONUNBUFFERED=1
 USER kvroute

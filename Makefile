@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-installed
 DEV_STAMP := $(VENV)/.kvroute-dev-installed
 PYTEST_ARGS ?=
+LLAMA_CPP_PIN := $(shell sed -n 's/^ *"\(llama-cpp-python==[^"]*\)",/\1/p' pyproject.toml)
 # GPU=cuda or GPU=vulkan: build llama-server with that GPU backend (nvcc, or the Vulkan
 # SDK's glslc, needed), cached beside the CPU build, which it leaves alone; `kvroute
 # serve` then runs it. Exported as KVROUTE_GPU, which may also be set instead. Empty: CPU.
@@ -15,11 +16,11 @@ GPU ?=
 ifneq ($(GPU),)
 export KVROUTE_GPU := $(GPU)
 endif
-# PORTABLE=1: llama-server for any x86-64 CPU (every ggml CPU variant, the best loaded at
-# start; the container image's), cached beside the native build. Empty: for this CPU.
-PORTABLE ?=
-ifneq ($(PORTABLE),)
-export KVROUTE_PORTABLE := 1
+# NATIVE=1: llama-server for this CPU only (-march=native), cached beside the default
+# portable build (every ggml CPU variant, the best loaded at start), which it leaves alone.
+NATIVE ?=
+ifneq ($(NATIVE),)
+export KVROUTE_NATIVE := 1
 endif
 # CONFIG=path/to/config.yaml: what `make run` serves (default: ./config.yaml)
 CONFIG ?=
@@ -32,12 +33,18 @@ CLAUDE_CODE_VERSION ?= 2.1.331
 CLAUDE_CODE_DIR := $(HOME)/.cache/kvroute/npm
 CLAUDE_CODE_PKG := $(CLAUDE_CODE_DIR)/node_modules/@anthropic-ai/claude-code/package.json
 
-.PHONY: run test lint artifacts claude-code chromium nats-server bench clean
+.PHONY: run test lint artifacts claude-code system-packages test-setup python-setup bench clean
 
+# llama-cpp-python is installed without its libllama: llama-server's build (make
+# artifacts) is the same llama.cpp and serves the tokenizer too (backends/binary.py,
+# libllama_dir). Not from pip's cache, which would hand that wheel to installs that want
+# the library.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "==> installing kvroute into $(VENV) (first time: llama-cpp-python compiles, ~4 min)"
+	@echo "==> installing kvroute into $(VENV)"
 	$(PY) -m pip install --upgrade pip wheel >/dev/null
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" \
+		$(PY) -m pip install --no-cache-dir --no-deps '$(LLAMA_CPP_PIN)'
 	$(PY) -m pip install -e .
 	@touch $(STAMP)
 
@@ -64,27 +71,31 @@ claude-code:
 		|| echo "WARNING: Claude Code install failed: its end-to-end test will be skipped"; \
 	else echo "WARNING: no npm: the Claude Code end-to-end test will be skipped"; fi
 
-# Headless Chromium for the status page's browser test (skipped without it): installed
-# with apt when missing and this is root, tried once (a stamp); never fatal.
-CHROMIUM_TRIED := $(VENV)/.chromium-tried
-chromium:
-	@chromium --version >/dev/null 2>&1 || chromium-browser --version >/dev/null 2>&1 || \
-	test -e $(CHROMIUM_TRIED) || \
-	{ touch $(CHROMIUM_TRIED); command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
-	  && echo "==> installing chromium" && apt-get update -qq \
-	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
-	echo "WARNING: no chromium: the status page's browser test will be skipped"
+# Headless Chromium for the status page's browser test and nats-server for the replicas'
+# tests (each skipped without it): installed with apt when missing and this is root, in
+# one apt run, tried once (a stamp); never fatal.
+SYSTEM_TRIED := $(HOME)/.cache/kvroute/system-packages-tried
+system-packages:
+	@missing=""; \
+	chromium --version >/dev/null 2>&1 || chromium-browser --version >/dev/null 2>&1 \
+		|| missing="chromium"; \
+	command -v nats-server >/dev/null || missing="$$missing nats-server"; \
+	test -z "$$missing" || test -e $(SYSTEM_TRIED) || \
+	{ mkdir -p $(dir $(SYSTEM_TRIED)) && touch $(SYSTEM_TRIED); command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+	  && echo "==> installing$$missing" && apt-get update -qq \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; } || \
+	echo "WARNING: could not install$$missing: the status page's browser test and the \
+	replicas' broker tests need chromium and nats-server, and are skipped without them"
 
-# nats-server for the replicas' tests (skipped without it): as chromium above.
-NATS_TRIED := $(VENV)/.nats-tried
-nats-server:
-	@command -v nats-server >/dev/null || test -e $(NATS_TRIED) || \
-	{ touch $(NATS_TRIED); command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
-	  && echo "==> installing nats-server" && apt-get update -qq \
-	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server >/dev/null; } || \
-	echo "WARNING: no nats-server: the replicas' broker tests will be skipped"
+# The Python chain (venv, llama.cpp's build, the dev tools) runs in order; the system
+# packages and Claude Code download and install beside it, on the cores it leaves.
+test-setup:
+	@$(MAKE) --no-print-directory -j3 python-setup claude-code system-packages
 
-test: artifacts lint claude-code chromium nats-server
+python-setup: artifacts
+	@$(MAKE) --no-print-directory lint
+
+test: test-setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The benchmarks behind BENCHMARKS.md that need no backends: routing core, proxy
@@ -95,4 +106,4 @@ bench: artifacts
 	$(PY) bench/bench_upstream.py
 
 clean:
-	rm -rf $(VENV) logs
+	rm -rf $(VENV) logs $(SYSTEM_TRIED)

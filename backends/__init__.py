@@ -1,7 +1,9 @@
 """llama-server backends: obtain the binary and the demo model, run and supervise servers.
 
-    binary.py      find or build llama-server; the artifact cache
-    gpu.py         its build variants (cpu, cuda, vulkan): cmake flags, toolchains
+    binary.py      find or build llama-server (and the tokenizer's libllama); the cache
+    gpu.py         its build variants (cpu, cuda, vulkan; portable or native): cmake flags
+    cpu.py         the CPU features that pick ggml's kernels
+    vendor_patch.py  kvroute's fixes to the vendored llama.cpp (patches/), applied once
     version.py     which llama.cpp a server and the tokenizer come from
     demo_model.py  synthesise the demo GGUF (demo_swa.py, demo_hybrid.py: the other
                    demo architectures; demo_gguf.py: what their writers share)

@@ -1,10 +1,10 @@
-"""`python -m backends prepare [--config PATH] [--gpu cpu|cuda|vulkan] [--portable]
+"""`python -m backends prepare [--config PATH] [--gpu cpu|cuda|vulkan] [--native]
 [--all-demos] [--json]`: obtain llama-server and the demo models. Idempotent; seconds
 when all are cached. Progress goes to stderr, the result (paths, version) to stdout.
 
 --gpu (default: $KVROUTE_GPU, else cpu) picks the variant built when no llama-server is
-configured or on PATH; --portable (or $KVROUTE_PORTABLE=1) builds it for any CPU instead
-of this one. Each is cached on its own (backends/gpu.py).
+configured or on PATH; --native (or $KVROUTE_NATIVE=1) builds it for this CPU only
+instead of any. Each is cached on its own (backends/gpu.py).
 
 The plain demo model is always built (tests and the loadtest use it); `demo-swa`,
 `demo-hybrid` and `demo-coder` only when the config's backends use them, or with
@@ -23,12 +23,13 @@ from typing import Any
 from backends.binary import (
     BinaryError,
     cache_dir,
+    ensure_libllama,
     ensure_llama_server,
     gpu_variant,
     llama_cpp_python_version,
 )
 from backends.demo_model import DEMO, DEMO_KINDS, DemoModelParams, demo_kinds_for, ensure_demo_model
-from backends.gpu import GPUS, PORTABLE_ENV
+from backends.gpu import GPUS, NATIVE_ENV
 
 
 def prepare(config_path: Path | None, all_demos: bool = False,
@@ -51,6 +52,7 @@ def prepare(config_path: Path | None, all_demos: bool = False,
     if gpu != "cpu" and binary.source in ("config", "path"):
         print(f"note: using the llama-server from {binary.source} ({binary.path}); a {gpu} "
               "build is made only when none is configured or on PATH", file=sys.stderr)
+    libllama = ensure_libllama()  # the tokenizer's: the cpu build's unless pip compiled one
     model = ensure_demo_model(params)
     others = {k: str(ensure_demo_model(params, kind=k)) for k in kinds if k != DEMO}
     return {
@@ -61,6 +63,7 @@ def prepare(config_path: Path | None, all_demos: bool = False,
                        "params": params.tag()},
         "other_demo_models": others,
         "llama_cpp_python": llama_cpp_python_version(),
+        "libllama": str(libllama),
         "cache_dir": str(cache_dir()),
         "seconds": round(time.monotonic() - t0, 2),
     }
@@ -77,13 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", choices=GPUS, default=None,
                    help="build llama-server for this GPU backend (default: $KVROUTE_GPU, "
                         "else cpu); used only when none is configured or on PATH")
-    p.add_argument("--portable", action="store_true",
-                   help="build for any CPU: every CPU variant, the best loaded at start "
-                        f"(as ${PORTABLE_ENV}=1); default: for this CPU only")
+    p.add_argument("--native", action="store_true",
+                   help="build for this CPU only (-march=native, as $KVROUTE_NATIVE=1); "
+                        "default: portable, every CPU variant, the best loaded at start")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
-    if args.portable:
-        os.environ[PORTABLE_ENV] = "1"
+    if args.native:
+        os.environ[NATIVE_ENV] = "1"
 
     config_path = args.config
     if config_path is None and Path("config.yaml").is_file():

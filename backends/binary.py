@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -270,8 +271,9 @@ def _configure(build: Path, gpu: str, progress: Progress, log: Path) -> None:
         # another CPU (or flags): -march=native objects are stale though no file changed
         progress(f"==> {build} was built for another CPU or other flags: building anew")
         shutil.rmtree(build)
-    progress(f"==> building llama-server ({gpu}) from {source} "
-             "(about 4 min on 2 cores for cpu, longer with a GPU backend)")
+    progress(f"==> building llama-server ({gpu}{'' if portable() else ', native'}) from "
+             f"{source} (on 2 cores: about {8 if portable() else 4} min for cpu, longer "
+             "with a GPU backend)")
     try:
         _run_streamed(cmd, progress, log)
     except BinaryError as e:
@@ -299,17 +301,56 @@ def build_llama_server(progress: Progress = _print, jobs: int | None = None,
     )
     dest = binary_path(cache, gpu)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    # a portable binary's libraries first: its directory is what it loads them from
-    libs = sorted((build / "bin").glob("*.so*")) if portable() else []
+    # the libraries first: the binary loads them from its directory
+    libs = sorted((build / "bin").glob("*.so*"))
     for src in [*libs, build / "bin" / "llama-server"]:
         tmp = dest.parent / f".{src.name}.tmp"
-        shutil.copy2(src, tmp, follow_symlinks=True)
+        shutil.copy2(src, tmp, follow_symlinks=False)  # a library's version links stay links
         # atomic: a concurrent reader never sees half a binary
         os.replace(tmp, dest if src.name == "llama-server" else dest.parent / src.name)
     version = binary_version(dest)
     version_stamp(cache, gpu).write_text(version + "\n")
     recipe_stamp(cache, gpu).write_text(build_recipe(gpu))
     return LlamaServerBinary(dest, version, "built")
+
+
+# llama-cpp-python's own override of where its libllama is
+LIB_ENV = "LLAMA_CPP_LIB_PATH"
+
+
+def package_libllama() -> Path | None:
+    """llama-cpp-python's own libllama, if its install compiled one (`make` installs it
+    without: one build of llama.cpp then serves the server and the tokenizer)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        return None
+    lib = Path(spec.origin).parent / "lib" / "libllama.so"
+    return lib if lib.is_file() else None
+
+
+def libllama_dir() -> Path | None:
+    """Where the tokenizer's libllama is: $LLAMA_CPP_LIB_PATH, else llama-cpp-python's own,
+    else the cached cpu build's (the same llama.cpp: the cache is per version)."""
+    if os.environ.get(LIB_ENV):
+        return Path(os.environ[LIB_ENV])
+    if (own := package_libllama()) is not None:
+        return own.parent
+    for native in (not portable(), portable()):  # the build asked for first
+        lib = binary_path(cache_dir(), "cpu", native).with_name("libllama.so")
+        if lib.is_file():
+            return lib.parent
+    return None
+
+
+def ensure_libllama(progress: Progress = _print) -> Path:
+    """The tokenizer's libllama directory, building the cpu variant if there is none."""
+    found = libllama_dir()
+    if found is not None:
+        return found
+    with cache_lock():
+        if _cached("cpu") is None:
+            build_llama_server(progress, gpu="cpu")
+    return binary_path(cache_dir(), "cpu").parent
 
 
 def ensure_llama_server(

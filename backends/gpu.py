@@ -17,7 +17,7 @@ from pathlib import Path
 
 GPUS = ("cpu", "cuda", "vulkan")
 GPU_ENV = "KVROUTE_GPU"
-PORTABLE_ENV = "KVROUTE_PORTABLE"
+NATIVE_ENV = "KVROUTE_NATIVE"
 
 CMAKE_FLAGS = (
     "-DLLAMA_BUILD_SERVER=ON",
@@ -26,21 +26,23 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
-    # one static binary: nothing to find at run time, safe to copy out of build/ (a GPU
-    # variant still loads the driver's and toolkit's shared libraries, as any GPU program)
-    "-DBUILD_SHARED_LIBS=OFF",
+    # shared libraries: libllama serves the proxy's tokenizer too (binary.libllama_dir),
+    # so llama.cpp is compiled once; $ORIGIN lets the binary find them beside itself
+    # wherever its directory is copied (a GPU variant still loads the driver's and
+    # toolkit's libraries, as any GPU program)
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
     "-DCMAKE_BUILD_TYPE=Release",
 )
-# A portable build: every CPU variant of ggml as a library, the best for the CPU at hand
-# loaded at start (docs/build.md of the tree, "GGML_CPU_ALL_VARIANTS"). Libraries need
-# shared builds; $ORIGIN lets the binary find them wherever its directory is copied.
+# The default, portable build: ggml's CPU code built for every x86-64 (or arm64) level as
+# libraries, the best for the CPU at hand loaded at start (the tree's docs/build.md,
+# GGML_CPU_ALL_VARIANTS), as llama.cpp's releases are. It runs on any CPU, and on the
+# demo model prefills 1.25x faster than -march=native here (BENCHMARKS.md, "CPU builds").
 PORTABLE_FLAGS = (
-    "-DBUILD_SHARED_LIBS=ON",
     "-DGGML_NATIVE=OFF",
     "-DGGML_BACKEND_DL=ON",
     "-DGGML_CPU_ALL_VARIANTS=ON",
-    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
-    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
 )
 # where the CUDA toolkit installs when it is not on PATH (CMake's FindCUDAToolkit looks
 # there too)
@@ -62,34 +64,34 @@ def requested_gpu(value: str | None = None) -> str:
 
 
 def portable() -> bool:
-    """Whether the build asked for is portable ($KVROUTE_PORTABLE): ggml's CPU code built
-    for every x86-64 (or arm64) level and the best one loaded at run time, so the binary
-    runs on any CPU. Else native: this CPU's instructions only, compiled once."""
-    return os.environ.get(PORTABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether the build asked for is portable (the default) or native ($KVROUTE_NATIVE):
+    this CPU's instructions only (-march=native), one CPU library compiled instead of
+    every variant, which runs nowhere else."""
+    return os.environ.get(NATIVE_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
 
 
-def _suffix(gpu: str) -> str:
-    # the native cpu variant keeps the names it always had, so existing caches stay valid
-    return ("" if gpu == "cpu" else f"-{gpu}") + ("-portable" if portable() else "")
+def _name(gpu: str, native: bool | None = None) -> str:
+    native = not portable() if native is None else native
+    return f"{gpu}-native" if native else gpu
 
 
 def build_dir(cache: Path, gpu: str) -> Path:
-    return cache / f"build{_suffix(gpu)}"
+    return cache / f"build-{_name(gpu)}"
 
 
-def binary_path(cache: Path, gpu: str) -> Path:
-    if portable():  # with the libraries it loads, which it finds beside itself
-        return cache / f"bin{_suffix(gpu)}" / "llama-server"
-    return cache / "bin" / f"llama-server{_suffix(gpu)}"
+def binary_path(cache: Path, gpu: str, native: bool | None = None) -> Path:
+    """Where the build's llama-server is kept, with the libraries it loads beside it
+    (``native``: that build rather than the one asked for)."""
+    return cache / f"bin-{_name(gpu, native)}" / "llama-server"
 
 
 def version_stamp(cache: Path, gpu: str) -> Path:
-    return cache / f"llama-server{_suffix(gpu)}.version"
+    return cache / f"llama-server-{_name(gpu)}.version"
 
 
 def recipe_stamp(cache: Path, gpu: str) -> Path:
     """What the cached binary was built from (binary.build_recipe)."""
-    return cache / f"llama-server{_suffix(gpu)}.recipe"
+    return cache / f"llama-server-{_name(gpu)}.recipe"
 
 
 def cmake_configure_command(source: Path, build: Path, gpu: str,
@@ -106,7 +108,7 @@ def cmake_flags(gpu: str, compiler: str | None = None,
                 cuda_archs: str | None = None) -> list[str]:
     """The cmake flags of ``gpu``'s variant (see cmake_configure_command)."""
     cmd = list(CMAKE_FLAGS)
-    if portable():  # cmake takes the last value of a flag given twice
+    if portable():
         cmd.extend(PORTABLE_FLAGS)
     if gpu == "cuda":
         cmd.append("-DGGML_CUDA=ON")

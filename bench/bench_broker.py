@@ -92,7 +92,7 @@ _TOKENIZE = r"""
 import sys
 from array import array
 from pathlib import Path
-import llama_cpp
+from proxy.prompt.llama import llama_cpp
 from backends.binary import find_llama_cpp_source
 src = find_llama_cpp_source()
 if src is None:

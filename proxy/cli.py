@@ -40,11 +40,13 @@ def _default_config_path(given: Path | None) -> Path | None:
 
 def _prepare_artifacts(cfg: Config | AgentConfig) -> None:
     """Obtain what the managed backends need; builds only on first use."""
-    from backends.binary import ensure_llama_server
+    from backends.binary import ensure_libllama, ensure_llama_server
     from backends.demo_model import demo_kinds_for, ensure_demo_model
 
     if cfg.managed():
         _warn_on_version(ensure_llama_server(cfg.llama_server))
+    if isinstance(cfg, Config):  # the tokenizer's, unless llama-cpp-python compiled one
+        ensure_libllama()
     demos = [b.model for b in cfg.managed() if b.is_demo]
     for kind in demo_kinds_for(cfg.demo_model, demos):  # demo, demo-swa, demo-hybrid
         ensure_demo_model(cfg.demo_model, kind=kind)
@@ -246,6 +248,7 @@ def doctor_report(config_path: Path | None) -> dict[str, Any]:
         cached_binary_path,
         cached_recipe,
         find_llama_server,
+        libllama_dir,
     )
     from backends.binary import llama_cpp_python_version as lcp_version
     from backends.cpu import build_report
@@ -257,9 +260,10 @@ def doctor_report(config_path: Path | None) -> dict[str, Any]:
         report["kvroute_version"] = importlib.metadata.version("kvroute")
     except importlib.metadata.PackageNotFoundError:
         report["kvroute_version"] = None
-    lcp: dict[str, Any] = {"version": lcp_version(), "importable": False, "error": None}
+    lcp: dict[str, Any] = {"version": lcp_version(), "importable": False, "error": None,
+                           "libllama": str(d) if (d := libllama_dir()) else None}
     try:
-        import llama_cpp  # noqa: F401  (loads libllama: proves the install works)
+        from proxy.prompt.llama import llama_cpp  # noqa: F401  (loads libllama)
 
         lcp["importable"] = True
     except Exception as e:  # any import failure is something to report, not crash on
@@ -372,6 +376,7 @@ def _print_report(r: dict[str, Any]) -> None:
              f", for {','.join(cpu['built_for'])} (fix: python -m backends prepare)"))
     print(f"      CPU: {', '.join(cpu['features']) or 'none of the x86 kernel features'}")
     print(f"[{mark(lcp['importable'])}] llama-cpp-python {lcp['version']}"
+          + (f" (libllama in {lcp['libllama']})" if lcp["libllama"] else "")
           + (f": {lcp['error']}" if lcp["error"] else ""))
     print(f"[{mark(model['exists'])}] demo model: {model['path']}"
           + ("" if model["exists"] else "  (missing: run `python -m backends prepare`)"))

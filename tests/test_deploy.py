@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from backends.binary import find_llama_server
+from backends.binary import LIB_ENV, find_llama_server
 from backends.demo_model import demo_model_path
-from backends.gpu import PORTABLE_ENV, binary_path, portable
+from backends.gpu import NATIVE_ENV, binary_path
 from proxy import cli
 from proxy.config.load import load_config
 
@@ -206,7 +206,7 @@ def test_runtime_layout_is_enough_for_kvroute(tmp_path: Path) -> None:
     root = tmp_path / "image"
     build_cache = Path(BUILD.env()["KVROUTE_CACHE"])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(PORTABLE_ENV, BUILD.env()[PORTABLE_ENV])
+        mp.delenv(NATIVE_ENV, raising=False)  # the image's build
         built_dir = binary_path(build_cache, "cpu").parent
     server = root / from_build[str(built_dir)].lstrip("/") / "llama-server"
     server.parent.mkdir(parents=True)
@@ -242,9 +242,8 @@ def test_dockerfile_builds_llama_server_as_backends_prepare_does(
     cache = Path(BUILD.env()["KVROUTE_CACHE"])
     monkeypatch.setenv("KVROUTE_CACHE", str(cache))
     # the portable build: the image runs on CPUs other than the builder's
-    monkeypatch.setenv(PORTABLE_ENV, BUILD.env()[PORTABLE_ENV])
-    assert portable()
-    assert 'CMAKE_ARGS="-DGGML_NATIVE=OFF"' in runs  # libllama too
+    assert NATIVE_ENV not in BUILD.env()
+    monkeypatch.delenv(NATIVE_ENV, raising=False)
     from_build = {src: dst for flags, sources, dst in RUNTIME.copies()
                   if flags.get("from") == "build" for src in sources}
     assert venv in from_build
@@ -253,6 +252,9 @@ def test_dockerfile_builds_llama_server_as_backends_prepare_does(
     # on the runtime PATH, which kvroute searches before any cache
     path = RUNTIME.env()["PATH"].replace("$PATH", BASE_IMAGE_PATH).split(":")
     assert server_dst in path
+    # its libllama is the tokenizer's: llama-cpp-python is installed without one
+    assert 'CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"' in runs
+    assert RUNTIME.env()[LIB_ENV] == server_dst
     models = str(demo_model_path(DEPLOY.demo_model).parent)
     assert Path(from_build[models]) == Path(RUNTIME.env()["KVROUTE_CACHE"]) / "models"
 

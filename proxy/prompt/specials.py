@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import llama_cpp
+from proxy.prompt.llama import llama_cpp
 
 _SPECIAL_ATTRS = (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
                   | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN)

@@ -27,8 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import llama_cpp
-
+from proxy.prompt.llama import llama_cpp
 from proxy.prompt.prefixes import Prefix, PrefixMemory
 from proxy.prompt.specials import SpecialSplitter, load_specials
 

@@ -19,7 +19,7 @@ import pytest
 from backends import vendor_patch
 from backends.binary import cache_dir, find_llama_cpp_source
 from backends.cpu import cpu_flags
-from backends.gpu import build_dir
+from backends.gpu import binary_path
 
 HARNESS = Path(__file__).with_name("amx_mul_mat.cpp")
 AMX_PATCH = vendor_patch.PATCH_DIR / "ggml-amx-batched-mul-mat.patch"
@@ -31,18 +31,21 @@ TARGET = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
 
 @pytest.fixture(scope="module")
 def tree(llama_server_bin: Path) -> Path:
+    assert (llama_server_bin.parent / "libggml-base.so").is_file(), "the cpu build's libraries"
     src = find_llama_cpp_source()
     assert src is not None, "the pinned sdist is extracted when llama-server is built"
     return src / "vendor" / "llama.cpp"
 
 
 def _build_harness(tree: Path, amx_dir: Path, out: Path) -> Path:
-    base = build_dir(cache_dir(), "cpu") / "ggml" / "src" / "libggml-base.a"
+    # ggml-base (tensors, quantization) from the cpu build llama-server is
+    libs = binary_path(cache_dir(), "cpu").parent
     ggml = tree / "ggml"
     cmd = ["g++", "-std=c++17", "-O2", "-fopenmp", *TARGET, "-o", str(out),
            str(HARNESS), str(amx_dir / "mmq.cpp"),
            f"-I{amx_dir.parent.parent}", f"-I{ggml / 'include'}", f"-I{ggml / 'src'}",
-           f"-I{ggml / 'src' / 'ggml-cpu'}", str(base), "-lpthread", "-lm"]
+           f"-I{ggml / 'src' / 'ggml-cpu'}", f"-L{libs}", "-lggml-base",
+           f"-Wl,-rpath,{libs}", "-lpthread", "-lm"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=240)
     return out
 

@@ -20,10 +20,10 @@ from backends.binary import (
     gpu_variant,
     llama_cpp_source,
 )
-from backends.cpu import build_report
+from backends.cpu import build_report, kernel_features
 from backends.gpu import (
     CMAKE_FLAGS,
-    PORTABLE_ENV,
+    NATIVE_ENV,
     PORTABLE_FLAGS,
     VULKAN_HEADER_NEEDS,
     binary_path,
@@ -55,24 +55,28 @@ SRC, BUILD = Path("/src/llama.cpp"), Path("/cache/build-x")
 def test_cmake_configure_command(gpu: str, compiler: str | None, archs: str | None,
                                  added: list[str]) -> None:
     cmd = cmake_configure_command(SRC, BUILD, gpu, compiler, archs)
-    assert cmd == ["cmake", "-S", str(SRC), "-B", str(BUILD), *CMAKE_FLAGS, *added]
+    assert cmd == ["cmake", "-S", str(SRC), "-B", str(BUILD), *CMAKE_FLAGS,
+                   *PORTABLE_FLAGS, *added]
 
 
-def test_the_shared_flags_build_one_static_release_server() -> None:
-    assert {"-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
+def test_the_shared_flags_build_a_release_server_with_its_libraries_beside_it() -> None:
+    assert {"-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
             "-DCMAKE_BUILD_TYPE=Release"} <= set(CMAKE_FLAGS)
     assert not any("GGML_CUDA" in f or "GGML_VULKAN" in f for f in CMAKE_FLAGS)
 
 
-@pytest.mark.parametrize("gpu, build, binary, stamp", [
-    # the CPU build keeps the names it always had: existing caches stay valid
-    ("cpu", "build", "bin/llama-server", "llama-server.version"),
-    ("cuda", "build-cuda", "bin/llama-server-cuda", "llama-server-cuda.version"),
-    ("vulkan", "build-vulkan", "bin/llama-server-vulkan", "llama-server-vulkan.version"),
+@pytest.mark.parametrize("gpu, native, build, binary, stamp", [
+    ("cpu", False, "build-cpu", "bin-cpu/llama-server", "llama-server-cpu.version"),
+    ("cpu", True, "build-cpu-native", "bin-cpu-native/llama-server",
+     "llama-server-cpu-native.version"),
+    ("cuda", False, "build-cuda", "bin-cuda/llama-server", "llama-server-cuda.version"),
+    ("vulkan", True, "build-vulkan-native", "bin-vulkan-native/llama-server",
+     "llama-server-vulkan-native.version"),
 ])
-def test_each_variant_has_its_own_place(gpu: str, build: str, binary: str,
-                                        stamp: str) -> None:
+def test_each_variant_has_its_own_place(gpu: str, native: bool, build: str, binary: str,
+                                        stamp: str, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = Path("/c")
+    monkeypatch.setenv(NATIVE_ENV, "1" if native else "")
     assert (build_dir(cache, gpu), binary_path(cache, gpu), version_stamp(cache, gpu)) == (
         cache / build, cache / binary, cache / stamp)
 
@@ -233,19 +237,14 @@ def test_the_pinned_tree_uses_what_the_header_check_asks_for() -> None:
 
 
 
-def test_a_portable_build_is_its_own_and_says_so(bare_machine: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    native_bin, native_recipe = binary_path(bare_machine, "cpu"), build_recipe("cpu")
-    assert build_report(native_recipe)["matches"] is True  # built for the CPU at hand
-    monkeypatch.setenv(PORTABLE_ENV, "1")
-    flags = cmake_configure_command(SRC, BUILD, "cpu")
-    # the last value of a flag counts: shared libraries, every CPU variant, no -march
-    assert flags[flags.index("-DBUILD_SHARED_LIBS=ON"):] == [*PORTABLE_FLAGS]
-    assert "-DGGML_CPU_ALL_VARIANTS=ON" in flags and "-DGGML_NATIVE=OFF" in flags
-    # a directory of its own: the binary loads its CPU variants from beside itself
-    assert binary_path(bare_machine, "cpu").parent != native_bin.parent
-    assert build_dir(bare_machine, "cpu").name == "build-portable"
-    assert "cpu=portable" in build_recipe("cpu").split()
+def test_a_native_build_is_its_own_and_says_for_which_cpu(
+        bare_machine: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    portable_bin = binary_path(bare_machine, "cpu")
     report = build_report(build_recipe("cpu"))
     assert report["build"].startswith("portable") and report["matches"] is None
-    assert find_llama_server(gpu="cpu") is None  # the native one is not it
+    monkeypatch.setenv(NATIVE_ENV, "1")
+    flags = cmake_configure_command(SRC, BUILD, "cpu")
+    assert not set(PORTABLE_FLAGS) & set(flags)  # GGML_NATIVE's default: -march=native
+    assert binary_path(bare_machine, "cpu").parent != portable_bin.parent
+    assert f"cpu={','.join(kernel_features())}" in build_recipe("cpu").split()
+    assert build_report(build_recipe("cpu"))["matches"] is True  # built for this CPU
