@@ -78,7 +78,7 @@ SYSTEM_TRIED := $(HOME)/.cache/kvroute/system-packages-tried
 system-packages:
 	@missing=""; \
 	chromium --version >/dev/null 2>&1 || chromium-browser --version >/dev/null 2>&1 \
-		|| missing="chromium"; \
+		|| missing=" chromium"; \
 	command -v nats-server >/dev/null || missing="$$missing nats-server"; \
 	test -z "$$missing" || test -e $(SYSTEM_TRIED) || \
 	{ mkdir -p $(dir $(SYSTEM_TRIED)) && touch $(SYSTEM_TRIED); command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
