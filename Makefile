@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-installed
 DEV_STAMP := $(VENV)/.kvroute-dev-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`, a test file each at a time (its module fixtures
+# stay on one worker); 0 runs the suite in this process
+PYTEST_WORKERS ?= 2
 LLAMA_CPP_PIN := $(shell sed -n 's/^ *"\(llama-cpp-python==[^"]*\)",/\1/p' pyproject.toml)
 # GPU=cuda or GPU=vulkan: build llama-server with that GPU backend (nvcc, or the Vulkan
 # SDK's glslc, needed), cached beside the CPU build, which it leaves alone; `kvroute
@@ -96,7 +99,7 @@ python-setup: artifacts
 	@$(MAKE) --no-print-directory lint
 
 test: test-setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The benchmarks behind BENCHMARKS.md that need no backends: routing core, proxy
 # overhead (against a fake backend), the backend client. Load tests: `python -m loadtest`.
