@@ -14,7 +14,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -248,6 +248,26 @@ def _router(bus: ReplicaBus) -> Router:
     return bus.view.pools["p"].router
 
 
+async def tap_on(nc: Any, subject: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
+    """``nc``'s subscription to ``subject``, live at the broker once this returns. A flush
+    does not say so: the client writes its PING at once, ahead of the SUB still in its
+    buffer, and the PONG can come back before the broker has read the SUB (a message
+    published meanwhile does not reach the tap). A message of its own, sent after the SUB
+    on the same connection, does: the broker reads a connection's commands in order."""
+    sub = await nc.subscribe(subject, cb=cb)
+    echoed = asyncio.Event()
+
+    async def echo(_: Any) -> None:
+        echoed.set()
+
+    inbox = nc.new_inbox()
+    probe = await nc.subscribe(inbox, cb=echo)
+    await nc.publish(inbox, b"")
+    await until(echoed.is_set, 20)
+    await probe.unsubscribe()
+    return sub
+
+
 @NEEDS_NATS
 async def test_a_view_larger_than_the_live_queue_and_live_events_both_go_whole() -> None:
     """a's view (more idle slots than the live queue holds) goes to a replica that
@@ -365,8 +385,7 @@ async def test_a_resync_is_answered_with_the_requests_in_flight_a_hello_with_all
 
         tap = await nats.connect(url)
         try:
-            sub = await tap.subscribe(snapshot_subject("c"), cb=tapped)
-            await tap.flush()
+            sub = await tap_on(tap, snapshot_subject("c"), tapped)
             a._apply(encode(Event("c", Kind.RESYNC)))
             a._apply(encode(Event("c", Kind.HELLO)))
             await until(lambda: Kind.HELD in got, 20)
@@ -396,8 +415,7 @@ async def test_a_turn_goes_as_what_it_adds_to_the_last_and_is_read_whole() -> No
         a, b = buses["a"], buses["b"]
         tap = await nats.connect(url)
         try:
-            await tap.subscribe(SUBJECT, cb=tapped)
-            await tap.flush()  # (subscribed before a's first start goes out)
+            await tap_on(tap, SUBJECT, tapped)  # (before a's first start goes out)
             for request, prompt in enumerate(prompts):
                 if request == 2:  # (its slot holds the turn before, then its answer)
                     a.publish(Event("a", Kind.END, "p", "x", 0, 1, to_token_bytes(answer),
