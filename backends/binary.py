@@ -8,10 +8,12 @@ is of the variant asked for: cpu, cuda or vulkan (backends/gpu.py).
 Cache layout (`KVROUTE_CACHE` overrides the whole directory):
 
     ~/.cache/kvroute/<llama-cpp-python version>/
-        src/llama_cpp_python-<version>/   extracted sdist (pip download --no-binary)
-        build/, build-<gpu>/              cmake build trees, one per variant (gpu.py)
-        bin/llama-server[-<gpu>]          the built binaries, copied out of the trees
-        llama-server[-<gpu>].version      `llama-server --version` of each
+        src/llama_cpp_python-<version>/   extracted sdist (pip download --no-binary), patched
+        build-<variant>/                  cmake build trees, one per variant (gpu.py):
+                                          cpu, cpu-native, cuda, vulkan-native...
+        bin-<variant>/llama-server        each build's binary, with its libraries beside it
+        llama-server-<variant>.version    `llama-server --version` of each
+        llama-server-<variant>.recipe     what it was built from (build_recipe)
         models/kvroute-demo-*.gguf        demo models (backends/demo_model.py)
 """
 
@@ -46,7 +48,7 @@ from backends.gpu import (
     version_stamp,
     vulkan_headers_problem,
 )
-from backends.vendor_patch import PatchError, apply_all
+from backends.vendor_patch import PatchError, applied, apply_all
 from backends.vendor_patch import digest as patches_digest
 
 # NOTE: used only when llama-cpp-python is not installed (e.g. doctor in a broken venv);
@@ -135,7 +137,9 @@ def build_recipe(gpu: str) -> str:
     features its native kernels use, and the patches. A cached binary of another recipe
     (another CPU, a changed patch) is rebuilt, incrementally where the CPU is the same."""
     flags = cmake_flags(gpu, None, os.environ.get("CUDAARCHS"))
-    return " ".join([*flags, _native_cpu(), f"patches={patches_digest()}"])
+    # the version too: $KVROUTE_CACHE is not split by version as the default cache is
+    return " ".join([f"llama-cpp-python={llama_cpp_python_version()}", *flags,
+                     _native_cpu(), f"patches={patches_digest()}"])
 
 
 def cached_recipe(gpu: str | None = None) -> str | None:
@@ -246,6 +250,19 @@ _GPU_HINTS = {
 }
 
 
+def _patchable_source(progress: Progress) -> Path:
+    """vendor/llama.cpp of the pinned sdist, extracted anew from its tarball when it holds
+    another patch set than this kvroute's (a patch changed or dropped since)."""
+    source = llama_cpp_source(progress) / "vendor" / "llama.cpp"
+    root = source.parent.parent
+    tarball = root.with_name(f"{root.name}.tar.gz")
+    if applied(source) not in (None, patches_digest()) and tarball.is_file():
+        progress("==> the llama.cpp tree holds other patches: extracting it anew")
+        shutil.rmtree(root)
+        source = llama_cpp_source(progress) / "vendor" / "llama.cpp"
+    return source
+
+
 def _configure(build: Path, gpu: str, progress: Progress, log: Path) -> None:
     """Configure ``gpu``'s build tree unless it is configured with the same command."""
     compiler = find_toolchain(gpu)
@@ -254,7 +271,7 @@ def _configure(build: Path, gpu: str, progress: Progress, log: Path) -> None:
     headers = vulkan_headers_problem() if gpu == "vulkan" else None
     if headers:
         raise BinaryError(f"a vulkan build of llama-server (GPU=vulkan): {headers}")
-    source = llama_cpp_source(progress) / "vendor" / "llama.cpp"
+    source = _patchable_source(progress)
     try:
         apply_all(source, progress)
     except PatchError as e:
@@ -281,6 +298,22 @@ def _configure(build: Path, gpu: str, progress: Progress, log: Path) -> None:
     stamp.write_text(configured)
 
 
+def _install(built: Path, bin_dir: Path) -> None:
+    """llama-server and the libraries it loads from beside itself into ``bin_dir``, swapped
+    in whole: no library of an earlier build stays to be loaded (ggml loads every CPU
+    variant it finds there), and a reader never sees half a binary."""
+    fresh, old = bin_dir.with_name(bin_dir.name + ".new"), bin_dir.with_name(bin_dir.name + ".old")
+    for d in (fresh, old):
+        shutil.rmtree(d, ignore_errors=True)
+    fresh.mkdir(parents=True)
+    for src in [*sorted(built.glob("*.so*")), built / "llama-server"]:
+        shutil.copy2(src, fresh / src.name, follow_symlinks=False)  # version links stay links
+    if bin_dir.exists():
+        os.replace(bin_dir, old)
+    os.replace(fresh, bin_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def build_llama_server(progress: Progress = _print, jobs: int | None = None,
                        gpu: str = "cpu") -> LlamaServerBinary:
     """Build ``gpu``'s variant of llama-server from the pinned sdist with cmake, in its own
@@ -300,14 +333,7 @@ def build_llama_server(progress: Progress = _print, jobs: int | None = None,
         progress, log,
     )
     dest = binary_path(cache, gpu)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # the libraries first: the binary loads them from its directory
-    libs = sorted((build / "bin").glob("*.so*"))
-    for src in [*libs, build / "bin" / "llama-server"]:
-        tmp = dest.parent / f".{src.name}.tmp"
-        shutil.copy2(src, tmp, follow_symlinks=False)  # a library's version links stay links
-        # atomic: a concurrent reader never sees half a binary
-        os.replace(tmp, dest if src.name == "llama-server" else dest.parent / src.name)
+    _install(build / "bin", dest.parent)
     version = binary_version(dest)
     version_stamp(cache, gpu).write_text(version + "\n")
     recipe_stamp(cache, gpu).write_text(build_recipe(gpu))
@@ -335,10 +361,12 @@ def libllama_dir() -> Path | None:
         return Path(os.environ[LIB_ENV])
     if (own := package_libllama()) is not None:
         return own.parent
-    for native in (not portable(), portable()):  # the build asked for first
-        lib = binary_path(cache_dir(), "cpu", native).with_name("libllama.so")
-        if lib.is_file():
-            return lib.parent
+    # the builds asked for first; every variant's libllama tokenizes alike
+    for gpu in dict.fromkeys((requested_gpu(), "cpu")):
+        for native in (not portable(), portable()):
+            lib = binary_path(cache_dir(), gpu, native).with_name("libllama.so")
+            if lib.is_file():
+                return lib.parent
     return None
 
 

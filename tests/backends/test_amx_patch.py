@@ -31,7 +31,8 @@ TARGET = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
 
 @pytest.fixture(scope="module")
 def tree(llama_server_bin: Path) -> Path:
-    assert (llama_server_bin.parent / "libggml-base.so").is_file(), "the cpu build's libraries"
+    assert binary_path(cache_dir(), "cpu").with_name("libggml-base.so").is_file(), \
+        "the cpu build's libraries"
     src = find_llama_cpp_source()
     assert src is not None, "the pinned sdist is extracted when llama-server is built"
     return src / "vendor" / "llama.cpp"
@@ -103,6 +104,7 @@ def test_patches_apply_once(tree: Path, tmp_path: Path) -> None:
     said: list[str] = []
     vendor_patch.apply_all(copy, said.append)
     assert vendor_patch.is_applied(copy, AMX_PATCH) and len(said) == 1
+    assert vendor_patch.applied(copy) == vendor_patch.digest()  # the set it holds
     vendor_patch.apply_all(copy, said.append)  # already there: nothing to do
     assert len(said) == 1
 

@@ -14,6 +14,7 @@ import pytest
 
 from backends.binary import (
     BinaryError,
+    _install,
     build_recipe,
     ensure_llama_server,
     find_llama_server,
@@ -248,3 +249,21 @@ def test_a_native_build_is_its_own_and_says_for_which_cpu(
     assert binary_path(bare_machine, "cpu").parent != portable_bin.parent
     assert f"cpu={','.join(kernel_features())}" in build_recipe("cpu").split()
     assert build_report(build_recipe("cpu"))["matches"] is True  # built for this CPU
+
+
+def test_a_build_is_installed_whole_and_alone(tmp_path: Path) -> None:
+    """The binary and its libraries swap in together; a library of an earlier build does
+    not stay (ggml would load a CPU variant it finds there); version links stay links."""
+    built, bin_dir = tmp_path / "build" / "bin", tmp_path / "bin-cpu"
+    built.mkdir(parents=True)
+    bin_dir.mkdir()
+    (bin_dir / "libggml-cpu-old.so").write_text("an earlier build's")
+    _executable(built / "llama-server")
+    (built / "libllama.so.0").write_text("lib")
+    (built / "libllama.so").symlink_to("libllama.so.0")
+    (built / "README").write_text("not installed")
+    _install(built, bin_dir)
+    assert sorted(p.name for p in bin_dir.iterdir()) == [
+        "libllama.so", "libllama.so.0", "llama-server"]
+    assert (bin_dir / "libllama.so").is_symlink()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bin-cpu")] == ["bin-cpu"]
