@@ -1,8 +1,9 @@
 # kvroute in a container. Two stages:
-#   build:   kvroute and its run-time dependencies in a venv (llama-cpp-python compiles
-#            libllama), then `python -m backends prepare`, as `make run` does: llama-server
-#            built with cmake from the llama.cpp tree vendored in the pinned
-#            llama-cpp-python sdist (so server and tokenizer agree), and the demo model;
+#   build:   kvroute and its run-time dependencies in a venv, then `python -m backends
+#            prepare`, as `make run` does: llama-server built with cmake from the
+#            llama.cpp tree vendored in the pinned llama-cpp-python sdist, patched (git
+#            applies kvroute's fixes), with the libllama the tokenizer uses, and the demo
+#            model;
 #   runtime: the slim Python image with that venv, llama-server and the demo model,
 #            running `kvroute serve` as an unprivileged user.
 # The image runs on any x86-64 CPU: llama-server is the portable build (every ggml CPU
@@ -16,7 +17,7 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 RUN apt-get update \
- && apt-get install -y --no-install-recommends build-essential cmake \
+ && apt-get install -y --no-install-recommends build-essential cmake git \
  && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -32,7 +33,8 @@ RUN python -m venv /opt/kvroute/venv \
 RUN /opt/kvroute/venv/bin/python -m backends prepare --config config.yaml
 
 FROM ${PYTHON_IMAGE} AS runtime
-# libgomp: the OpenMP runtime llama-server and llama-cpp-python's libllama link against
+# libgomp: the OpenMP runtime llama-server and its libraries (the tokenizer's libllama
+# among them) link against
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libgomp1 libstdc++6 \
  && rm -rf /var/lib/apt/lists/* \

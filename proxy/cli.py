@@ -245,8 +245,6 @@ def doctor_report(config_path: Path | None) -> dict[str, Any]:
     from backends.binary import (
         BinaryError,
         cache_dir,
-        cached_binary_path,
-        cached_recipe,
         find_llama_server,
         libllama_dir,
     )
@@ -309,10 +307,7 @@ def doctor_report(config_path: Path | None) -> dict[str, Any]:
     if srv["error"]:
         report["ok"] = False
     report["llama_server"] = srv
-    # the build kvroute made, wherever it is named from; a cached native build for
-    # another CPU is not found, and its recipe says for which
-    ours = srv["path"] in (None, str(cached_binary_path()))
-    report["cpu"] = build_report(cached_recipe() if ours else None)
+    report["cpu"] = build_report(_recipe_of(srv["path"]))
 
     params = cfg.demo_model if cfg else DemoModelParams()
     model = demo_model_path(params)
@@ -323,9 +318,28 @@ def doctor_report(config_path: Path | None) -> dict[str, Any]:
     report["backends"] = _backend_health(cfg) if cfg else []
     if any(b.get("crash_loop") for b in report["backends"]):
         report["ok"] = False
-    if cfg is not None:
+    # the tokenizer needs libllama: without it, said under llama_cpp_python
+    if cfg is not None and lcp["importable"]:
         report["tokens"] = _tokens(cfg)
     return report
+
+
+def _recipe_of(path: str | None) -> str | None:
+    """What the llama-server at ``path`` was built from: the cache's recipe for the build
+    kvroute made, wherever it is named from (a cached native build for another CPU is
+    not found, and its recipe says for which); a portable build copied elsewhere (the
+    container's) by its CPU variants beside it; else unknown (None)."""
+    from backends.binary import BinaryError, cached_binary_path, cached_recipe
+    from backends.cpu import PORTABLE
+
+    try:
+        if path in (None, str(cached_binary_path())):
+            return cached_recipe()
+    except BinaryError:  # $KVROUTE_GPU names no variant: said under llama_server
+        return None
+    if path is not None and any(Path(path).parent.glob("libggml-cpu-*.so")):
+        return f"cpu={PORTABLE}"
+    return None
 
 
 def _tokens(cfg: Config) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import yaml
 
 from backends.binary import LIB_ENV, find_llama_server
 from backends.demo_model import demo_model_path
-from backends.gpu import NATIVE_ENV, binary_path
+from backends.gpu import NATIVE_ENV, binary_path, portable
 from proxy import cli
 from proxy.config.load import load_config
 
@@ -208,16 +208,18 @@ def test_runtime_layout_is_enough_for_kvroute(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(NATIVE_ENV, raising=False)  # the image's build
         built_dir = binary_path(build_cache, "cpu").parent
-    server = root / from_build[str(built_dir)].lstrip("/") / "llama-server"
-    server.parent.mkdir(parents=True)
-    server.symlink_to(built.path)
+    # the copied directory: the binary and its libraries, the tokenizer's libllama too
+    server_dir = root / from_build[str(built_dir)].lstrip("/")
+    server_dir.parent.mkdir(parents=True)
+    server_dir.symlink_to(built.path.parent, target_is_directory=True)
+    assert RUNTIME.env()[LIB_ENV] == from_build[str(built_dir)]
     cache = root / RUNTIME.env()["KVROUTE_CACHE"].lstrip("/")
     (cache / "models").mkdir(parents=True)
     (cache / "models" / model.name).symlink_to(model)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    env |= {"KVROUTE_CACHE": str(cache), "KVROUTE_GPU": "",
+    env |= {"KVROUTE_CACHE": str(cache), "KVROUTE_GPU": "", LIB_ENV: str(server_dir),
             # the image's PATH has no other llama-server: this machine's may
-            "PATH": f"{KVROUTE.parent}:{server.parent}:/usr/bin:/bin"}
+            "PATH": f"{KVROUTE.parent}:{server_dir}:/usr/bin:/bin"}
     out = subprocess.run([str(KVROUTE), "doctor", "--json", "--config", str(DEPLOY_CONFIG)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
                          check=False)
@@ -226,6 +228,9 @@ def test_runtime_layout_is_enough_for_kvroute(tmp_path: Path) -> None:
     assert report["llama_server"]["version"] and not report["llama_server"]["version_warning"]
     assert report["demo_model"]["exists"], report["demo_model"]
     assert report["config"]["ok"], report["config"]
+    # the tokenizer loads the copied libllama; the build is known by its CPU variants
+    assert report["llama_cpp_python"]["importable"], report["llama_cpp_python"]
+    assert report["cpu"]["build"].startswith("portable") == portable(), report["cpu"]
 
 
 def test_dockerfile_builds_llama_server_as_backends_prepare_does(
@@ -233,6 +238,7 @@ def test_dockerfile_builds_llama_server_as_backends_prepare_does(
     runs = " ; ".join(BUILD.all("RUN"))
     # what build_llama_server needs on PATH, and nothing that builds around it
     assert "cmake" in runs and ("build-essential" in runs or "g++" in runs)
+    assert "git" in runs.split()  # applies kvroute's patches to the tree
     assert "cmake -S" not in runs and "cmake --build" not in runs
     assert "pip install ." in runs and "[" not in runs.split("pip install", 1)[1].split()[0]
     venv = runs.split("-m venv ", 1)[1].split()[0]
