@@ -11,7 +11,10 @@ PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`, a test file each at a time (its module fixtures
 # stay on one worker); 0 runs the suite in this process
 PYTEST_WORKERS ?= 2
-LLAMA_CPP_PIN := $(shell sed -n 's/^ *"\(llama-cpp-python==[^"]*\)",/\1/p' pyproject.toml)
+LLAMA_CPP_PIN := $(shell sed -n 's/^ *"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
+ifeq ($(LLAMA_CPP_PIN),)
+$(error no "llama-cpp-python==X" line in pyproject.toml's dependencies: the Makefile reads the pin there)
+endif
 # GPU=cuda or GPU=vulkan: build llama-server with that GPU backend (nvcc, or the Vulkan
 # SDK's glslc, needed), cached beside the CPU build, which it leaves alone; `kvroute
 # serve` then runs it. Exported as KVROUTE_GPU, which may also be set instead. Empty: CPU.
@@ -86,7 +89,9 @@ system-packages:
 	test -z "$$missing" || test -e $(SYSTEM_TRIED) || \
 	{ mkdir -p $(dir $(SYSTEM_TRIED)) && touch $(SYSTEM_TRIED); command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
 	  && echo "==> installing$$missing" && apt-get update -qq \
-	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; } || \
+	  && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null \
+	       || for p in $$missing; do \
+	            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$p >/dev/null; done; }; } || \
 	echo "WARNING: could not install$$missing: the status page's browser test and the \
 	replicas' broker tests need chromium and nats-server, and are skipped without them"
 

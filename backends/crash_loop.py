@@ -46,8 +46,10 @@ def likely_fix(sig: str | None, exit_code: int | None, log_tail: str, log: str,
     """What to do about a backend that died by ``sig`` (or with ``exit_code``) after
     writing ``log_tail`` to ``log``; ``reason``: why the supervisor restarted it."""
     if sig == "SIGILL":
-        return ("an instruction this CPU lacks: llama-server was built for another CPU; "
-                "rebuild it here with `make artifacts`")
+        return ("an instruction this CPU lacks: llama-server was built for another CPU "
+                "(kvroute rebuilds its own when the CPU changes: a configured or PATH "
+                "binary is not its own); use a portable build (`make artifacts`) or one "
+                "built here")
     if sig == "SIGKILL":
         return ("killed from outside, most often by the kernel's OOM killer (see `dmesg`): "
                 "lower ctx_per_slot, slots or cache_ram_mib")

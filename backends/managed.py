@@ -151,7 +151,7 @@ class ManagedBackends:
             return error
         crashes.held(time.time())
         log.info("backend.crash_loop_over", backend=info.name, url=info.url,
-                    up_s=crashes.window_s)
+                 up_s=crashes.window_s)
         return info
 
     async def _restart_after(self, b: Backend, proc: LlamaServerProcess, error: str,

@@ -45,7 +45,7 @@ class Reported:
 
     cfg: ExternalBackendConfig  # name "<agent>/<backend>", url, api_key, alias
     agent: str
-    state: str  # the agent's supervisor's: starting | ready | down | failed | stopped
+    state: str  # the agent's supervisor's: starting | held | ready | down | failed | stopped
     error: str | None = None
     restarts: int = 0
     n_slots: int = 0
