@@ -260,7 +260,7 @@ def test_doctor_reports_bad_config(tmp_path: Path, llama_server_bin: Path) -> No
 
 def test_prepare_is_deterministic_and_idempotent(tmp_path: Path, llama_server_bin: Path) -> None:
     """`python -m backends prepare` on a tiny demo model in a private cache."""
-    from backends.binary import cache_dir
+    from backends.binary import LIB_ENV, cache_dir, libllama_dir
 
     cache = tmp_path / "cache" / "v"
     cache.parent.mkdir()
@@ -273,7 +273,8 @@ def test_prepare_is_deterministic_and_idempotent(tmp_path: Path, llama_server_bi
         "demo_model": {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_head_kv": 1, "n_ff": 64},
         "backends": [{"name": "a", "model": "demo"}],
     }))
-    env = {**os.environ, "KVROUTE_CACHE": str(cache)}
+    # the tokenizer's libllama is this session's (else prepare builds one in the cache)
+    env = {**os.environ, "KVROUTE_CACHE": str(cache), LIB_ENV: str(libllama_dir())}
 
     def prepare() -> dict[str, Any]:
         r = subprocess.run([sys.executable, "-m", "backends", "prepare", "--json", "--config",
