@@ -30,6 +30,7 @@ from backends.binary import LlamaServerBinary
 from backends.config import AgentConfig
 from proxy.config.fields import ConfigError
 from proxy.config.load import Config, check_port_free, load_config
+from proxy.instance import Instance
 
 
 def _default_config_path(given: Path | None) -> Path | None:
@@ -131,6 +132,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(_default_config_path(args.config), allow_missing_demo=True,
                           overrides=overrides)
+        instance = _claim(cfg)  # before anything is built, started or written
+    except (ConfigError, OSError) as e:
+        print(f"kvroute: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _serve_claimed(args, cfg)
+    finally:
+        instance.release()
+
+
+def _claim(cfg: Config) -> Instance:
+    """This instance's directories (proxy/instance.py); the disk tier's own is made here,
+    private: the servers write slots there."""
+    from proxy.forwarding.slot_tier import directories
+
+    disk: list[Path] = []
+    if cfg.kv_disk is not None:
+        cfg.kv_disk.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        disk = list(directories(cfg.kv_disk, cfg.backends))
+    return Instance(cfg.log_dir, disk)
+
+
+def _serve_claimed(args: argparse.Namespace, cfg: Config) -> int:
+    from proxy.observability.logging import configure_logging
+
+    try:
         _prepare_artifacts(cfg)
     except (ConfigError, RuntimeError, OSError) as e:  # BinaryError is a RuntimeError
         print(f"kvroute: {e}", file=sys.stderr)
@@ -150,11 +177,19 @@ def cmd_agent(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     try:
         cfg = load_agent_config(args.config, allow_missing_demo=True)
-        _prepare_artifacts(cfg)
-    except (ConfigError, RuntimeError, OSError) as e:  # BinaryError is a RuntimeError
+        instance = Instance(cfg.log_dir, ())  # (its backends.json and logs)
+    except (ConfigError, OSError) as e:
         print(f"kvroute: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(_agent(cfg))
+    try:
+        try:
+            _prepare_artifacts(cfg)
+        except (ConfigError, RuntimeError, OSError) as e:  # (a BinaryError too)
+            print(f"kvroute: {e}", file=sys.stderr)
+            return 2
+        return asyncio.run(_agent(cfg))
+    finally:
+        instance.release()
 
 
 async def _agent(cfg: AgentConfig) -> int:

@@ -154,6 +154,49 @@ def test_sigkill_of_kvroute_leaves_no_server(serve: Serve) -> None:
     assert all(gone(pid) for pid in pids.values())
 
 
+def _contents(directory: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(directory)): f.read_bytes()
+            for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+def test_a_second_kvroute_on_the_same_directories_touches_nothing(
+        tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
+    """A copy of a running kvroute's config with only the port changed: the copy is
+    refused before it starts a server or writes a byte, naming the directory and the
+    running kvroute's pid; the running one's backends.json, logs and slot directory are
+    as they were, and it serves on."""
+    config, port = write_config(tmp_path, llama_server_bin,
+                                kv_disk={"path": str(tmp_path / "slots")})
+    first = Serve(config, port, tmp_path / "serve.log")
+    try:
+        first.wait_listening()
+        pids = first.backend_pids()
+        logs = tmp_path / "logs"
+        before = _contents(logs)
+        while (now := _contents(logs)) != before:  # (the servers' last start-up lines)
+            before = now
+            time.sleep(0.5)
+        slots = _contents(tmp_path / "slots")
+        copy = yaml.safe_load(config.read_text())
+        copy["proxy"]["port"] = free_port()
+        second = tmp_path / "copy.yaml"
+        second.write_text(yaml.safe_dump(copy))
+        r = subprocess.run([*KVROUTE, "serve", "--config", str(second)], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert (f"log_dir: {logs} is in use by another kvroute, pid {first.proc.pid}"
+                in r.stderr), r.stderr
+        assert "fix: one kvroute per log_dir" in r.stderr
+        assert _contents(logs) == before
+        assert _contents(tmp_path / "slots") == slots
+        assert first.backend_pids() == pids
+        status, body = post(f"http://127.0.0.1:{port}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4})
+        assert status == 200, body
+    finally:
+        first.close()
+
+
 def test_serve_rejects_bad_config(tmp_path: Path, llama_server_bin: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import fcntl
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -32,10 +31,9 @@ from pathlib import Path
 
 import structlog
 
-from proxy.config.fields import ConfigError
+from proxy.instance import DISK_FIX, adopt, lock
 
 INDEX = "kvroute-index.json"
-LOCK = "kvroute.lock"
 PREFIX = "kvroute-"
 
 
@@ -63,29 +61,11 @@ class SlotFiles:
         self._lock: int | None = None
 
     def claim(self) -> None:
-        """Take the directory for this process (see the module's docstring): a
+        """Take the directory for this process (see the module's docstring), or adopt
+        the lock `kvroute serve` took before starting anything (proxy/instance.py): a
         ConfigError naming it if another kvroute holds it, or it cannot be locked."""
-        lock = self.path / LOCK
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as err:
-            raise ConfigError(f"disk tier: cannot create {lock}: {err.strerror} (fix: "
-                              "give the user kvroute runs as write access to "
-                              f"{self.path})") from err
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            os.close(fd)
-            if isinstance(err, BlockingIOError):
-                raise ConfigError(
-                    f"disk tier: {self.path} is in use by another kvroute (it holds "
-                    f"{lock}) (fix: one kvroute per directory: give this one its own "
-                    "kv_disk.path, or stop the other; servers that share a "
-                    "slot_save_path are declared in one kvroute's config)") from err
-            raise ConfigError(f"disk tier: cannot lock {lock}: {err.strerror} (fix: a "
-                              "file system with locks, e.g. NFS with its lock "
-                              "service)") from err
-        self._lock = fd
+        fd = adopt(self.path)
+        self._lock = fd if fd is not None else lock(self.path, "disk tier", DISK_FIX)
 
     def release(self) -> None:
         if self._lock is not None:
