@@ -8,6 +8,8 @@ back into Anthropic's format. Why not forward to the backend's `/v1/messages`: t
 server ignores `id_slot` there and reports no `timings`; measured in BENCHMARKS.md,
 "Anthropic API".
 
+Requests are checked as Anthropic's API checks them (proxy/anthropic/validate.py): the
+server's converter takes anything, `max_tokens` included (it defaults to 4096).
 Accepted and ignored like the server does: `?beta=true`, `anthropic-version`,
 `anthropic-beta`, `cache_control`. Client keys (`x-api-key` or `Authorization: Bearer`)
 are checked by the app's auth middleware. Session hint for the router:
@@ -20,12 +22,13 @@ from aiohttp import web
 
 from proxy.anthropic.convert import anthropic_to_chat
 from proxy.anthropic.relay import AnthropicErrors, AnthropicRelay
+from proxy.anthropic.validate import validate
 from proxy.errors import BadRequest
 from proxy.forwarding.send import JSON, encoded
 from proxy.prompt.chat_request import PromptError
 from proxy.server.backend_tokens import NoBackendIds
 from proxy.server.handlers import pool_for, prompt_for, read_json, tokens_for, unrouted
-from proxy.server.validate import check_fields
+from proxy.server.validate import bound_generation, check_fields
 
 
 def add_routes(app: web.Application) -> None:
@@ -36,27 +39,6 @@ def add_routes(app: web.Application) -> None:
 
 
 # ------------------------------------------------------------------------ parsing
-def validate(body: JSON) -> None:
-    """The checks whose failure the backend would report less clearly (or not at all)."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("messages: expected a non-empty array of messages")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise BadRequest(f"messages.{i}: expected an object")
-        # NOTE: any role string: Claude Code sends "system" messages mid-conversation and
-        # llama-server templates them like any other
-        if not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages.{i}.role: expected a string")
-    mt = body.get("max_tokens")
-    if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
-        raise BadRequest("max_tokens: expected a positive integer")
-    for key, kind in (("system", (str, list)), ("tools", list), ("metadata", dict),
-                      ("stop_sequences", list)):
-        if key in body and body[key] is not None and not isinstance(body[key], kind):
-            raise BadRequest(f"{key}: wrong type")
-
-
 def chat_body(body: JSON) -> JSON:
     """The chat-completions body sent upstream (what `/v1/messages` would run)."""
     try:
@@ -84,6 +66,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     validate(body)
     chat = chat_body(body)
     pool = pool_for(request, body)
+    bound_generation(request, pool, chat)
     prompt = pool.tok.prompt
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
@@ -99,7 +82,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
-    validate(body)
+    validate(body, count=True)
     pool = pool_for(request, body)
     prompt = pool.tok.prompt
     chat = chat_body(body)

@@ -114,7 +114,7 @@ DEFAULT_PATH = Path(__file__).with_name("default.yaml")
 
 # proxy: keys that are not ProxySettings knobs, or not plain scalars
 _HEALTH_ZERO_OFF = frozenset({"stall_timeout_s"})
-_PROXY_OWN = ("host", "port", "policy", "api_keys", "health", "tokenizer")
+_PROXY_OWN = ("host", "port", "policy", "api_keys", "health", "tokenizer", "max_tokens_cap")
 # Client API keys may come from the environment, so they need not sit in a file.
 API_KEYS_ENV = "KVROUTE_API_KEYS"
 
@@ -137,13 +137,18 @@ def _proxy_settings(sec: _Section, base: Path) -> ProxySettings:
     if tok_path is not None and not tok_path.is_file():
         raise ConfigError(f"proxy.tokenizer: file not found: {tok_path} (fix: the GGUF the "
                           "external backends serve, for exact tokens)")
+    cap = None  # absent or null: the slot's context bounds a generation
+    if sec.raw.get("max_tokens_cap") is not None:
+        cap = sec.get_int("max_tokens_cap", 4096)
+    sec.used.add("max_tokens_cap")
     for key, value in knobs.items():
         if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
             raise ConfigError(f"proxy.{key}: expected a positive number, got {value!r} "
                               f"(fix: e.g. {key}: {getattr(ProxySettings(), key)})")
     if knobs.get("otel") and not all(_importable(m) for m in OTEL_MODULES):
         raise ConfigError(OTEL_MISSING)
-    return ProxySettings(api_keys=tuple(keys), health=health, tokenizer=tok_path, **knobs)
+    return ProxySettings(api_keys=tuple(keys), health=health, tokenizer=tok_path,
+                         max_tokens_cap=cap, **knobs)
 
 
 def _importable(module: str) -> bool:

@@ -40,6 +40,10 @@ class ProxySettings:
     max_queue: int = 512                    # requests waiting for one of those places
     queue_timeout_s: float = 30.0           # longest wait for a place (then 429)
     max_messages: int = 8192                # longer `messages` arrays -> 400
+    # most tokens a request may ask to generate (max_tokens, max_completion_tokens,
+    # n_predict, max_output_tokens): more, or a negative one, becomes this. None: more
+    # than the slot's context becomes that (proxy/server/validate.py capped_lengths)
+    max_tokens_cap: int | None = None
     strict_models: bool = False             # True: a `model` no backend serves -> 404
     log_prompts: bool = False               # debug: log request bodies (never keys)
     otel: bool = False                      # OpenTelemetry spans (the kvroute[otel] extra)

@@ -34,7 +34,7 @@ from proxy.responses.convert import responses_to_chat
 from proxy.responses.relay import ResponsesRelay
 from proxy.server.backend_tokens import NoBackendIds
 from proxy.server.handlers import pool_for, prompt_for, read_json, tokens_for, unrouted
-from proxy.server.validate import check_fields
+from proxy.server.validate import bound_generation, check_fields
 
 _STATELESS = ("kvroute keeps no responses (nor does llama-server): send the whole "
               "conversation in 'input'")
@@ -93,6 +93,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     chat = chat_body(body)
     pool = pool_for(request, body)
+    bound_generation(request, pool, chat)  # (max_output_tokens is its max_tokens)
     prompt = pool.tok.prompt
     plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
     tokens = await prompt_for(pool, raw, chat, plan)

@@ -47,7 +47,7 @@ from proxy.server.keys import (
     TOKENIZING,
 )
 from proxy.server.pools import Pool
-from proxy.server.validate import check_fields, check_forwarded, check_messages
+from proxy.server.validate import bounded_raw, check_fields, check_forwarded, check_messages
 
 if TYPE_CHECKING:
     from backends.info import BackendInfo
@@ -163,6 +163,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_messages(body, request.app[SETTINGS].max_messages)
     check_fields(body)
     pool = pool_for(request, body)
+    raw = bounded_raw(request, pool, raw, body)
     prompt = pool.tok.prompt
     plan = None if prompt is None else (lambda: prompt.plan_chat(body))
     tokens = await prompt_for(pool, raw, body, plan, parsed=True)
@@ -187,6 +188,7 @@ async def _completion(request: web.Request, path: str, endpoint: str) -> web.Str
         raise BadRequest("'prompt' is required", code="missing_prompt")
     check_fields(body, chat=False)
     pool = pool_for(request, body)
+    raw = bounded_raw(request, pool, raw, body)
     tok = pool.tok
     prompt = tok.prompt
     if prompt is None:
@@ -209,6 +211,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     check_fields(body, chat=False)
     pool = pool_for(request, body)
+    raw = bounded_raw(request, pool, raw, body)
     prompt = pool.tok.prompt
     if prompt is None or fim_missing(prompt.tokenizer):
         return await unrouted(request, pool, "/infill", raw)

@@ -7,15 +7,24 @@ client's API format. Only the fields' *types and ranges* are checked here; what 
 messages mean is PromptBuilder's job (it mirrors the server's own parsing).
 
 Cheap by design: one dict lookup per known field present in the body.
+
+`bounded_raw` also bounds the generation a body asks for (`proxy.max_tokens_cap`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
 
 from proxy.errors import BadRequest
+from proxy.forwarding.send import encoded
+from proxy.server.keys import SETTINGS
+
+if TYPE_CHECKING:
+    from proxy.server.pools import Pool
 
 _I32 = 2**31 - 1
 
@@ -121,3 +130,45 @@ def check_forwarded(path: str, body: Mapping[str, Any], n_vocab: int | None) -> 
         if n_vocab is not None and not all(0 <= x < n_vocab for x in t):
             raise BadRequest(f"'tokens' holds an id out of range [0, {n_vocab})",
                              code="invalid_value")
+
+
+# The generation's length as llama-server reads it: n_predict, else its aliases.
+LENGTH_KEYS = ("n_predict", "max_completion_tokens", "max_tokens")
+
+
+def capped_lengths(body: Mapping[str, Any], cap: int | None, slot_ctx: int | None
+                   ) -> dict[str, int]:
+    """The length fields of ``body`` to rewrite: each above the bound (``cap``, else
+    ``slot_ctx``) becomes the bound, and a negative one becomes ``cap``.
+
+    Without ``cap`` a negative value stays: llama-server reads -1 as "no limit given"
+    (its ``-n``), exactly like an absent field. Both are bounded by the server itself:
+    with context shift off (its default) a generation stops when the slot's context is
+    full (server-context.cpp, "stopped due to running out of context capacity"). So
+    an absent field is never added: the backend's ``-n`` stays its default."""
+    bound = cap if cap is not None else slot_ctx
+    if bound is None:
+        return {}
+    out = {}
+    for key in LENGTH_KEYS:
+        v = body.get(key)
+        if not isinstance(v, int) or isinstance(v, bool):
+            continue  # absent or null: the server's default; a wrong type: check_fields
+        if v > bound or (v < 0 and cap is not None):
+            out[key] = bound
+    return out
+
+
+def bound_generation(request: web.Request, pool: Pool, body: dict[str, Any]) -> bool:
+    """Rewrite ``body``'s length fields in place (see `capped_lengths`) for ``pool``'s
+    backends; True when one changed."""
+    fields = capped_lengths(body, request.app[SETTINGS].max_tokens_cap,
+                            pool.fw.max_context())
+    body.update(fields)
+    return bool(fields)
+
+
+def bounded_raw(request: web.Request, pool: Pool, raw: bytes, body: dict[str, Any]) -> bytes:
+    """`bound_generation` for a body forwarded as the client sent it: ``raw``, or the
+    rewritten body's bytes."""
+    return encoded(body) if bound_generation(request, pool, body) else raw

@@ -240,6 +240,42 @@ async def test_errors_are_in_anthropics_format(backend_pool: Any) -> None:
         assert err["type"] == "error" and err["error"]["message"]
 
 
+# What Anthropic's API refuses and llama-server's converter took: a shapeless image, a
+# tool named 5, a tool_result answering no tool_use, no max_tokens (it defaulted to 4096).
+REFUSED = [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": 5}]}]},
+     "messages.0.content.0.source: expected an object"),
+    ({"tools": [{"name": 5, "input_schema": {"type": "object"}}]},
+     "tools.0.name: expected a string"),
+    ({"messages": [
+        {"role": "user", "content": "run ls"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                                           "input": {"command": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_7",
+                                      "content": "a.py"}]}]},
+     "messages.2.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_7"),
+    ({"max_tokens": None}, "max_tokens: Field required"),
+]
+
+
+async def test_what_anthropic_refuses_is_a_400(backend_pool: Any) -> None:
+    sup = await backend_pool()
+    base = {"model": "m", "max_tokens": 4, "tools": TOOLS,
+            "messages": [{"role": "user", "content": words(10, 90)}]}
+    async with sdk(sup) as (_, url), aiohttp.ClientSession() as http:
+        for change, message in REFUSED:
+            body = {k: v for k, v in {**base, **change}.items() if v is not None}
+            for stream in (False, True):
+                async with http.post(f"{url}/v1/messages", json={**body, "stream": stream}) as r:
+                    data = await r.json()
+                assert r.status == 400 and data == {"type": "error", "error": {
+                    "type": "invalid_request_error", "message": data["error"]["message"]}}
+                assert data["error"]["message"].startswith(message), data
+        # the valid body it was made from is served
+        async with http.post(f"{url}/v1/messages", json=base) as r:
+            assert r.status == 200 and (await r.json())["stop_reason"] == "max_tokens"
+
+
 async def test_keys_beta_and_version_headers(backend_pool: Any) -> None:
     sup = await backend_pool()
     msgs = [{"role": "user", "content": words(20, 80)}]
