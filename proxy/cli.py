@@ -71,6 +71,7 @@ async def _serve(cfg: Config) -> int:
     from backends.supervisor import Supervisor
     from proxy.app import create_app
     from proxy.observability.logging import get_logger
+    from proxy.server.runner import make_runner
 
     log = get_logger("kvroute.cli")
     loop = asyncio.get_running_loop()
@@ -93,8 +94,7 @@ async def _serve(cfg: Config) -> int:
             log.warning("serve.no_backend_ready", statuses=supervisor.statuses())
         # handler_cancellation: a client that hangs up cancels its handler at once, which
         # cancels the upstream request and frees the backend slot (not at the next write).
-        runner = web.AppRunner(create_app(cfg, supervisor), handler_cancellation=True,
-                               access_log=None)
+        runner = make_runner(create_app(cfg, supervisor))
         try:
             await runner.setup()
         except ConfigError as e:  # (a disk tier directory another kvroute holds)

@@ -6,19 +6,28 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from backends.supervisor import Supervisor
 from proxy.app import create_app
 from proxy.config.settings import ProxySettings
 from proxy.server.keys import METRICS
+from proxy.server.runner import make_runner
+
+
+class ProxyServer(TestServer):
+    """aiohttp's TestServer on the runner `serve` uses (its answers to malformed HTTP)."""
+
+    async def _make_runner(self, **kwargs: Any) -> web.AppRunner:
+        return make_runner(self.app, **kwargs)
 
 
 @asynccontextmanager
 async def proxy(sup: Supervisor, settings: ProxySettings | None = None
                 ) -> AsyncIterator[TestClient[Any, Any]]:
     # handler_cancellation: a client that goes away cancels its handler (as in `serve`).
-    server = TestServer(create_app(sup.config, sup, settings), handler_cancellation=True)
+    server = ProxyServer(create_app(sup.config, sup, settings), handler_cancellation=True)
     async with TestClient(server) as client:
         yield client
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
+from proxy_client import ProxyServer
 
 from backends.supervisor import Supervisor
 from proxy.app import create_app
@@ -164,7 +164,7 @@ async def test_claude_code_sessions_reuse_the_backend_kv(llama_server_bin: Path,
     assert len(sup.ready()) == len(cfg.backends), sup.statuses()
     app = create_app(cfg, sup)
     app.middlewares.append(tag_session)
-    server = TestServer(app, handler_cancellation=True)
+    server = ProxyServer(app, handler_cancellation=True)
     await server.start_server()
     recorder = TurnRecorder(app[FORWARDER].recorder)
     app[FORWARDER].recorder = recorder

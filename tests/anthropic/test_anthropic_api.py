@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 import anthropic
 import pytest
-from aiohttp.test_utils import TestServer
 from anthropic.lib.streaming._messages import accumulate_event
 from llama_chunks import chunk, named_events
+from proxy_client import ProxyServer
 from texts import words
 
 from backends.supervisor import Supervisor
@@ -48,7 +48,7 @@ TOOLS = [
 @asynccontextmanager
 async def sdk(sup: Supervisor, settings: ProxySettings | None = None, api_key: str = "x"
               ) -> AsyncIterator[tuple[anthropic.AsyncAnthropic, str]]:
-    server = TestServer(create_app(sup.config, sup, settings), handler_cancellation=True)
+    server = ProxyServer(create_app(sup.config, sup, settings), handler_cancellation=True)
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")
     client = anthropic.AsyncAnthropic(base_url=url, api_key=api_key, max_retries=0)

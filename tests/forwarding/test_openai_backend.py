@@ -13,9 +13,9 @@ from itertools import pairwise
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from faults import until
-from proxy_client import proxy
+from proxy_client import ProxyServer, proxy
 from texts import words
 
 from backends.config import OPENAI, ExternalBackendConfig
@@ -49,7 +49,7 @@ async def test_conversations_come_back_to_a_server_of_the_openai_api(
     inner_cfg = pool_config(n=1, slots=3, cache_ram_mib=0, names=("x",))
     inner_sup = Supervisor(inner_cfg)
     await inner_sup.start()
-    inner = TestServer(create_app(inner_cfg, inner_sup, ProxySettings(
+    inner = ProxyServer(create_app(inner_cfg, inner_sup, ProxySettings(
         api_keys=(INNER_KEY,), strict_models=True)))
     await inner.start_server()
     base = pool_config(n=1, slots=3, cache_ram_mib=0)
@@ -104,7 +104,7 @@ async def test_with_no_tokenizer_and_no_llama_server_requests_are_served_unroute
     inner_cfg = pool_config(n=1, slots=1, cache_ram_mib=0, names=("x",))
     inner_sup = Supervisor(inner_cfg)
     await inner_sup.start()
-    inner = TestServer(create_app(inner_cfg, inner_sup, ProxySettings(api_keys=(INNER_KEY,))))
+    inner = ProxyServer(create_app(inner_cfg, inner_sup, ProxySettings(api_keys=(INNER_KEY,))))
     await inner.start_server()
     only = ExternalBackendConfig(name="o", url=f"http://127.0.0.1:{inner.port}",
                                  api_key=INNER_KEY, kind=OPENAI)

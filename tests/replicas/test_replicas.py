@@ -20,10 +20,11 @@ from typing import Any
 
 import nats
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from faults import until
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proxy_client import ProxyServer
 from texts import words
 
 from backends.process import free_port
@@ -116,7 +117,7 @@ def _listening(port: int) -> bool:
 async def replica(cfg: Config, sup: Supervisor, url: str, name: str
                   ) -> AsyncIterator[TestClient[Any, Any]]:
     app = create_app(dataclasses.replace(cfg, replicas=ReplicasConfig(url, name)), sup)
-    async with TestClient(TestServer(app)) as client:
+    async with TestClient(ProxyServer(app)) as client:
         yield client
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from aiohttp.test_utils import TestServer
+from proxy_client import ProxyServer
 from texts import words
 
 from backends.supervisor import Supervisor
@@ -35,7 +35,7 @@ TOOLS: list[Any] = [
 
 @asynccontextmanager
 async def sdk(sup: Supervisor) -> AsyncIterator[tuple[openai.AsyncOpenAI, str]]:
-    server = TestServer(create_app(sup.config, sup), handler_cancellation=True)
+    server = ProxyServer(create_app(sup.config, sup), handler_cancellation=True)
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)

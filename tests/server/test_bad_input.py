@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from aiohttp import ClientTimeout
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from fake_backend import FakeBackend
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from proxy_client import ProxyServer
 
 from backends.binary import cache_dir
 from backends.config import ExternalBackendConfig, SupervisionConfig
@@ -51,7 +52,7 @@ async def client(demo_model: Path, tmp_path_factory: pytest.TempPathFactory
     await sup.start()
     app = create_app(cfg, sup, ProxySettings(tokenizer=demo_model, max_body_bytes=256 << 10,
                                              max_messages=64, body_timeout_s=BODY_TIMEOUT))
-    async with TestClient(TestServer(app, handler_cancellation=True)) as c:
+    async with TestClient(ProxyServer(app, handler_cancellation=True)) as c:
         yield c
     await sup.stop()
     await fake.stop()
@@ -325,7 +326,7 @@ async def test_generated_headers_never_5xx(client: TestClient[Any, Any], name: b
 async def real(backend_pool: Any) -> AsyncIterator[TestClient[Any, Any]]:
     sup = await backend_pool()
     app = create_app(sup.config, sup, ProxySettings(max_messages=64))
-    async with TestClient(TestServer(app, handler_cancellation=True)) as c:
+    async with TestClient(ProxyServer(app, handler_cancellation=True)) as c:
         yield c
 
 

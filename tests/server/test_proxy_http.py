@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from proxy_client import ProxyServer
 
 from backends.supervisor import Supervisor
 from proxy.app import create_app
@@ -24,7 +25,7 @@ from proxy.config.settings import ProxySettings
 async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient[Any, Any]]:
     cfg = pool_config(n=1)
     settings = ProxySettings(api_keys=("k-one", "k-two"), max_body_bytes=4096)
-    server = TestServer(create_app(cfg, Supervisor(cfg), settings))
+    server = ProxyServer(create_app(cfg, Supervisor(cfg), settings))
     async with TestClient(server) as c:
         yield c
 
@@ -144,7 +145,7 @@ async def test_failure_after_the_answer_began_ends_it(
     app = create_app(cfg, Supervisor(cfg), ProxySettings())
     app.router.add_post("/v1/messages/test-stream", stream_then_fail)
     app.router.add_post("/v1/chat/test-answer", answer_then_fail)
-    async with TestClient(TestServer(app)) as c:
+    async with TestClient(ProxyServer(app)) as c:
         r = await c.post("/v1/messages/test-stream", json={})
         assert r.status == 200
         body = await r.read()  # a broken chunked framing would raise here

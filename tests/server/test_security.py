@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 import structlog
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from fake_backend import FakeBackend
+from proxy_client import ProxyServer
 
 from backends.binary import cache_dir
 from backends.config import ExternalBackendConfig, SupervisionConfig
@@ -52,7 +53,7 @@ async def stack(tmp_path: Path, demo_model: Path, **settings: Any
     await sup.start()
     app = create_app(cfg, sup, ProxySettings(tokenizer=demo_model, **settings))
     try:
-        async with TestClient(TestServer(app, handler_cancellation=True)) as client:
+        async with TestClient(ProxyServer(app, handler_cancellation=True)) as client:
             yield client, fake, canary
     finally:
         await sup.stop()
@@ -156,7 +157,7 @@ async def test_real_backend_accepts_the_proxy_key_not_the_clients(backend_pool: 
     sup = await backend_pool()
     settings = ProxySettings(api_keys=(CLIENT_KEY,))
     app = create_app(sup.config, sup, settings)
-    async with TestClient(TestServer(app, handler_cancellation=True)) as c:
+    async with TestClient(ProxyServer(app, handler_cancellation=True)) as c:
         h = {"Authorization": f"Bearer {CLIENT_KEY}"}
         async with c.post("/v1/chat/completions", json=HELLO, headers=h) as r:
             assert r.status == 200  # llama-server checked *its* key, which the proxy sent
