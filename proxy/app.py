@@ -9,9 +9,8 @@ the health prober live in `cleanup_ctx` and are closed with the app.
 Middlewares, outermost first: errors (every failure in the API's format), auth (client
 keys, constant time), admission (bounded in-flight and queue, 429 past them).
 
-Run it with `web.AppRunner(app, handler_cancellation=True, access_log=None)`: a client
-that goes away must cancel its handler (which cancels the upstream request and frees the
-slot), and aiohttp's access log line would double the cost of the proxy's own.
+Run it with `proxy.server.runner.make_runner(app)` (handler cancellation on, no access
+log, requests that do not parse as HTTP answered in the API's format).
 """
 
 from __future__ import annotations

@@ -92,8 +92,6 @@ async def _serve(cfg: Config) -> int:
         n_ready, n_all = len(supervisor.ready()), len(supervisor.statuses())
         if n_ready == 0:
             log.warning("serve.no_backend_ready", statuses=supervisor.statuses())
-        # handler_cancellation: a client that hangs up cancels its handler at once, which
-        # cancels the upstream request and frees the backend slot (not at the next write).
         runner = make_runner(create_app(cfg, supervisor))
         try:
             await runner.setup()
