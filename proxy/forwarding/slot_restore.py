@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from backends.client import BackendClient, BackendDown
+from backends.client import BackendClient, BackendDown, BadResponse
 from backends.info import BackendInfo
-from proxy.forwarding.slot_files import Saved, SlotFiles
+from proxy.forwarding.slot_files import Saved, SlotFiles, server_error
 from proxy.routing.router import Router
 
 # A restore reads its file whole into the server's KV, in the server's loop: allow the loop
@@ -33,7 +33,7 @@ class Restoring:
     _strikes: dict[int, int]
     _model_of: Callable[[BackendInfo], Awaitable[str | None]]  # (SlotStore)
     _client: Callable[[BackendInfo, float], BackendClient]  # (SlotStore)
-    _drop: Callable[[int], None]  # (SlotStore)
+    _drop: Callable[[int, str, bool], None]  # (SlotStore)
     router_of: Callable[[str], Router | None]
 
     def has(self, backend: str) -> bool:
@@ -49,8 +49,9 @@ class Restoring:
     async def _restore(self, info: BackendInfo, slot: int, e: Saved) -> bool | None:
         """Restore ``e`` into ``info``'s ``slot``: True; False: refused, ``e`` is
         dropped; None: no answer (the server is down or hung)."""
-        if self.files.size(e.file) != e.size:
-            got: object = "the file is not the size the server wrote"
+        size = self.files.size(e.file)
+        if size != e.size:
+            got: object = f"the file is {size} bytes, the server wrote {e.size}"
         else:
             timeout = RESTORE_BASE_S + e.size / RESTORE_BYTES_PER_S
             got = await self._client(info, timeout).slot_file(slot, "restore", e.file)
@@ -58,16 +59,18 @@ class Restoring:
                 self._strikes.pop(e.id, None)
                 self.counted("restored")
                 return True
-        self.log.warning("slot.restore_failed", backend=info.name, slot=slot, file=e.file,
-                         error=str(got))
         down = isinstance(got, BackendDown)
         strikes = self._strikes.get(e.id, 0) + 1
+        reason, fix = restore_trouble(got, len(e.tokens) // 4, down and strikes < 2)
+        self.files.failed("restore", reason, fix, backend=info.name, slot=slot,
+                          file=e.file)
         if down and strikes < 2:
             self._strikes[e.id] = strikes  # once says nothing of the file
             self.counted("restore_interrupted")
             return None
         self.counted("restore_failed")
-        self._drop(e.id)  # else chosen again (and, if it brings the server down, again)
+        # else chosen again (and, if it brings the server down, again)
+        self._drop(e.id, f"restore failed: {reason}", True)
         return None if down else False
 
     async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool:
@@ -88,7 +91,7 @@ class Restoring:
             return False
         done = await self._restore(info, slot, e)
         if e.id not in self.saved:
-            self.files.write(self.saved.values())
+            await self.files.commit(self.saved)
         return bool(done)
 
     async def restore(self, info: BackendInfo, routed: bool = False
@@ -122,7 +125,7 @@ class Restoring:
         if out:
             self.log.info("slot.restored", backend=info.name,
                           slots=[(s, len(t) // 4) for s, t in out])
-        self.files.write(self.saved.values())
+        await self.files.commit(self.saved)
         return out
 
     async def _vacant(self, info: BackendInfo, slot: int) -> bool:
@@ -141,3 +144,20 @@ class Restoring:
             return False
         r = self.router_of(info.name)
         return r is not None and r.vacant(info.name, slot)
+
+
+def restore_trouble(got: object, want: int, kept: bool) -> tuple[str, str]:
+    """Why a restore of a file of ``want`` tokens that answered ``got`` failed, and the
+    fix; ``kept``: the file is kept for the server's next start."""
+    if isinstance(got, BackendDown):
+        return (f"no answer: {got.reason}", "none: the file waits for the server's next "
+                "start" if kept else "see the server's log: it went away during this "
+                "file's restore twice (the file is dropped)")
+    if isinstance(got, BadResponse):
+        return (f"server: {server_error(got)}", "none for this file (dropped); if every "
+                "restore fails, run one llama-server build and model per directory")
+    if isinstance(got, int):
+        return (f"the server restored {got} tokens, its record says {want}", "none "
+                "for this file (dropped)")
+    return (str(got), "none for this file (dropped: a server aborts on a truncated "
+            "one); if it recurs, check the disk (full? files copied in part?)")

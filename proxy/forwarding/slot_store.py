@@ -35,7 +35,11 @@ during the same file's restore twice in a row is taken to be brought down by it,
 file is dropped. A file whose size is not what the server wrote is dropped without being
 sent: the server aborts on a truncated one (a GGML_ASSERT in llama_state_seq_load_file),
 and every restart would die on it again. Events counted: saved, spilled, save_failed,
-restored, restore_failed, restore_interrupted, foreign, index_failed.
+restored, restore_failed, restore_interrupted, foreign, index_failed. Each failed save,
+restore and removal is also a warning in the log, with its reason and the fix (the
+server's own error when it gave one; what kvroute sees of the directory: missing, not
+writable, full), and each directory's counts and last failure are in the status
+(SlotFiles.status).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from backends.info import BackendInfo
 from proxy.config.disk import MAX_DIRECTORIES
 from proxy.forwarding.slot_files import Saved, SlotFiles
 from proxy.forwarding.slot_identity import reported_identity, reported_model
+from proxy.forwarding.slot_records import Header
 from proxy.forwarding.slot_restore import Restoring
 from proxy.routing.router import Router
 
@@ -101,9 +106,8 @@ class SlotStore(Restoring):
         only = self.routers[0] if len(self.routers) == 1 else None
         self.router_of = router_of or (lambda _: only)
         self.log = structlog.get_logger()
-        self._writing: set[str] = set()  # files a save in flight may be writing
-        self.saved: dict[int, Saved] = self.files.load()
-        self._next = max(self.saved, default=0) + 1
+        self.saved: dict[int, Saved] = self.files.load(cfg.max_gib * (1 << 30))
+        self._next = max(self.files.highest, *self.saved, 0) + 1  # (no name given twice)
         # backend -> the identity of its model when it last became ready (backend_ready)
         self.models: dict[str, str] = {}
         # external backend -> reported_model when it last became ready: asked again
@@ -321,34 +325,43 @@ class SlotStore(Restoring):
         entry = Saved(self._next, info.name, slot, tokens, time.time(), model)
         self._next += 1
         client = self._client(info, _SAVE_TIMEOUT_S if timeout is None else timeout)
-        ok = False
-        self._writing.add(entry.file)
         began = time.monotonic()
         try:
             got = await client.slot_file(slot, "save", entry.file)
-            ok = isinstance(got, int) and got >= len(tokens) // 4 and still_held()
-        finally:
-            self._writing.discard(entry.file)
-            entry.size = self.files.size(entry.file)
-            if not ok:  # the server may have written it, whole or in part: no entry names it
-                self.files.unlink(entry.file)
-        if not ok or not entry.size:
+            outcome = self.files.saved_as(
+                got, len(tokens) // 4, still_held(), entry.file,
+                len(tokens) // 4 * (info.kv_bytes_per_token or 0), spilled)
+            took = time.monotonic() - began
+            trouble = None if isinstance(outcome, Header) else outcome
+            if isinstance(outcome, Header) and isinstance(got, int):
+                entry.size, entry.n = self.files.size(entry.file), got
+                entry.count = outcome.count
+                self.files.private(entry.file)
+                if (why := await asyncio.to_thread(self.files.describe, entry)) is not None:
+                    trouble = (f"cannot write its sidecar: {why}",
+                               f"free space in {self.cfg.path}")
+        except BaseException:  # (cancelled: the server may write it still)
+            self.files.abandon(entry.file)
+            raise
+        if trouble is not None:
+            self.files.abandon(entry.file)  # (the server may have written it, in part)
             self.counted("save_failed")
+            self.files.failed("save", *trouble, backend=info.name, slot=slot,
+                              file=entry.file, spilled=spilled)
             if spilled:  # (a disk that stalls: the next spills are skipped, not waited on)
                 self.write_bps /= 2
             return
         self._unsaved.pop((info.name, slot), None)
-        took = time.monotonic() - began
         if took > 0:  # (the round trip counted in: what a spill waits)
             self.write_bps = 0.7 * self.write_bps + 0.3 * entry.size / took
-        self.files.private(entry.file)
         if known is not None and tokens.startswith(known.tokens):
-            self._drop(known.id)  # the same conversation, further on
+            self._drop(known.id, "replaced by a newer save of its conversation")
         self.saved[entry.id] = entry
         self._offer(entry)
-        self.counted("spilled" if spilled else "saved")
         self._enforce_budget()
-        self.files.write(self.saved.values())
+        await self.files.commit(self.saved)
+        self.files.tally["saved"] += 1
+        self.counted("spilled" if spilled else "saved")
         self.log.info("slot.saved", backend=info.name, slot=slot, tokens=len(tokens) // 4,
                       spilled=spilled, ms=round(took * 1000, 1))
 
@@ -359,21 +372,22 @@ class SlotStore(Restoring):
         await asyncio.gather(*tasks, return_exceptions=True)
         self.files.release()
 
-    def _drop(self, entry_id: int) -> None:
+    def _drop(self, entry_id: int, reason: str, lost: bool = False) -> None:
+        """Forget entry ``entry_id`` and remove its file, logged with ``reason`` (``lost``:
+        a file that could not be used, not one replaced or aged out)."""
         entry = self.saved.pop(entry_id, None)
         self._offered.pop(entry_id, None)
         self._strikes.pop(entry_id, None)
         for r in self.routers:
             r.disk_drop(self._key(entry_id))
         if entry is not None:
-            self.files.unlink(entry.file)
+            self.files.remove(entry.file, reason, warn=lost)
 
     def _enforce_budget(self) -> None:
-        for entry_id in self.files.over_budget(self.saved.values(),
-                                               self.cfg.max_gib * (1 << 30)):
-            self._drop(entry_id)
+        for entry_id in self.files.trim(self.saved.values(), self.cfg.max_gib * (1 << 30)):
+            self._drop(entry_id, f"over the budget (kv_disk.max_gib {self.cfg.max_gib})")
         # a save given up (cancelled, timed out) may have been written after all
-        self.files.sweep({e.file for e in self.saved.values()} | self._writing)
+        self.files.sweep()
 
 
 def saves(info: BackendInfo) -> bool:

@@ -77,13 +77,15 @@ class DiskTier:
             await store.close()
 
     def status(self) -> dict[str, object]:
-        """Where, the budget (each directory's), and the conversations held."""
+        """Where, the budget (each directory's), the conversations held, and each
+        directory's saves, failures, removals and quarantine (SlotFiles.status)."""
         return {"path": str(self.cfg.path), "max_gib": self.cfg.max_gib,
                 "files": sum(len(s.saved) for s in self.stores),
                 "tokens": sum(_tokens(s) for s in self.stores),
                 "directories": [{"path": str(s.cfg.path), "files": len(s.saved),
                                  "tokens": _tokens(s), "backends": sorted(
-                                     n for n, t in self._of.items() if t is s)}
+                                     n for n, t in self._of.items() if t is s),
+                                 **s.files.status()}
                                 for s in self.stores]}
 
 

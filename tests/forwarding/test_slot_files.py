@@ -1,7 +1,8 @@
 """The disk tier's own files, without a llama-server: what a save that loses its race leaves
 (a fake backend: the slot's next turn must start during the save, a moment a real server
 cannot be made to hit), what a server that dies during a restore costs, what a damaged
-index keeps, and the budget's bounds."""
+index keeps, and the budget's bounds. The fake backend writes files as llama-server does
+(a sequence-state header, then the state)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import base64
 import json
 import math
+import struct
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -19,11 +21,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 from faults import until
+from structlog.testing import capture_logs
 
 from backends.config import KvDiskConfig
 from backends.info import BackendInfo
 from proxy.forwarding.health import capacity
-from proxy.forwarding.slot_files import INDEX
+from proxy.forwarding.slot_files import INDEX, QUARANTINE
+from proxy.forwarding.slot_records import MAGIC
 from proxy.forwarding.slot_store import SlotStore
 from proxy.routing.router import Router
 
@@ -34,6 +38,11 @@ MODEL = "m1"  # a model identity (slot_identity's format does not matter here)
 
 def ids(start: int, n: int) -> bytes:
     return array("i", range(start, start + n)).tobytes()
+
+
+def state_file(tokens: bytes, state: int = 4000) -> bytes:
+    """A slot file as llama-server writes one: its header, the tokens, the state."""
+    return struct.pack("<III", MAGIC, 3, len(tokens) // 4) + tokens + bytes(state)
 
 
 @asynccontextmanager
@@ -73,17 +82,19 @@ def slot_files(path: Path) -> set[str]:
 
 async def test_a_save_that_loses_its_race_leaves_no_file(tmp_path: Path) -> None:
     """The slot's next turn starts while the server writes the file: the save is counted
-    failed and its file removed. A file the server writes after kvroute gave up on it (a
-    save cancelled or timed out) is removed at the next save: nothing escapes the
-    budget."""
+    failed, logged with its reason, and its file removed. The server writing that file
+    again after kvroute gave up on it (a save cancelled or timed out runs on in the
+    server) has it removed at the next save; a file kvroute did not write is left."""
     disk = KvDiskConfig(tmp_path, save_after_idle_s=0, min_tokens=10)
     router = Router()
     events: list[str] = []
 
     async def on_save(_: web.Request, slot: int, filename: str) -> None:
-        (tmp_path / filename).write_bytes(b"kv" * 2048)
+        (tmp_path / filename).write_bytes(state_file(ids(0, 600)))
         if slot == 0:  # the next turn arrives and is given this slot
             router.decide(ids(1000, 620))
+            asyncio.get_running_loop().call_later(  # and the server writes it again late
+                0.2, (tmp_path / filename).write_bytes, state_file(ids(0, 600)))
 
     async with slots_server(on_save) as url, aiohttp.ClientSession() as session:
         info = info_at(url)
@@ -93,26 +104,31 @@ async def test_a_save_that_loses_its_race_leaves_no_file(tmp_path: Path) -> None
         store = SlotStore(disk, session, router, events.append)
         store.backend_ready("a", MODEL)
 
-        store.note(info, 0)
-        await until(lambda: events, 10)
-        await asyncio.sleep(0.1)
+        with capture_logs() as logs:
+            store.note(info, 0)
+            await until(lambda: events, 10)
         assert events == ["save_failed"]
         assert store.saved == {}
-        assert slot_files(tmp_path) == set()
+        (failed,) = [e for e in logs if e["event"] == "slot.save_failed"]
+        assert (failed["log_level"], failed["slot"]) == ("warning", 0)
+        assert "next turn" in failed["reason"] and failed["fix"]
+        assert store.files.status()["save_failed"] == 1
+        await until(lambda: slot_files(tmp_path) == {failed["file"]}, 10)  # written late
 
-        (tmp_path / "kvroute-77.bin").write_bytes(b"late")  # a save given up, written late
+        (tmp_path / "kvroute-77.bin").write_bytes(b"theirs")  # not a file kvroute wrote
         store.note(info, 1)
         await until(lambda: "saved" in events, 10)
         (kept,) = store.saved.values()
-        assert slot_files(tmp_path) == {kept.file}
+        assert slot_files(tmp_path) == {kept.file, "kvroute-77.bin"}
+        assert store.files.status()["saved"] == 1
 
 
 async def test_a_file_the_server_dies_on_twice_is_dropped(tmp_path: Path) -> None:
     """The server goes away during a restore (its process died): the file is kept, it may
     not be the file's doing. The same again on that file: the file is taken to bring the
     server down, and dropped; else every restart of the backend would die on it."""
-    (tmp_path / INDEX).write_text(json.dumps([entry(1, size=4096)]))
-    (tmp_path / "kvroute-1.bin").write_bytes(b"kv" * 2048)
+    (tmp_path / INDEX).write_text(json.dumps([entry(1)]))
+    (tmp_path / "kvroute-1.bin").write_bytes(state_file(ids(100, 50)))
     events: list[str] = []
 
     async def dies(request: web.Request, _slot: int, _filename: str) -> None:
@@ -129,22 +145,62 @@ async def test_a_file_the_server_dies_on_twice_is_dropped(tmp_path: Path) -> Non
 
 
 def entry(i: int, **over: Any) -> dict[str, Any]:
+    """An index entry for ``kvroute-<i>.bin`` written by `state_file(ids(100 * i, 50))`."""
     return {"id": i, "backend": "a", "slot": i % 2, "saved_at": float(i), "model": MODEL,
-            "size": 2, "tokens": base64.b64encode(ids(100 * i, 50)).decode(), **over}
+            "size": len(state_file(ids(100 * i, 50))),
+            "tokens": base64.b64encode(ids(100 * i, 50)).decode(), **over}
 
 
 async def test_a_malformed_index_entry_costs_only_its_own_file(tmp_path: Path) -> None:
     """One entry that does not parse, and one of an index without models (what computed
-    its KV is unknown): those two are dropped, the entries after them stand."""
+    its KV is unknown): those two files are put aside (nothing describes them), the
+    entries after them stand."""
     index = [entry(1), entry(2, slot="zero"), entry(3), entry(4), entry(5)]
     del index[3]["model"]
     (tmp_path / INDEX).write_text(json.dumps(index))
     for i in range(1, 6):
-        (tmp_path / f"kvroute-{i}.bin").write_bytes(b"kv")
+        (tmp_path / f"kvroute-{i}.bin").write_bytes(state_file(ids(100 * i, 50)))
     async with aiohttp.ClientSession() as session:
         store = SlotStore(KvDiskConfig(tmp_path), session, Router(), lambda _: None)
     assert sorted(store.saved) == [1, 3, 5]
     assert slot_files(tmp_path) == {"kvroute-1.bin", "kvroute-3.bin", "kvroute-5.bin"}
+    assert slot_files(tmp_path / QUARANTINE) == {"kvroute-2.bin", "kvroute-4.bin"}
+    assert store.files.status()["quarantined"] == 2
+
+
+async def test_the_budget_takes_the_quarantined_files_first(tmp_path: Path) -> None:
+    """A save over the budget: the files put aside go before any saved one, then the
+    oldest saves; each removal is logged with its reason."""
+    size = len(state_file(ids(0, 600)))
+    (tmp_path / INDEX).write_text(json.dumps([entry(1, size=size)]))
+    (tmp_path / "kvroute-1.bin").write_bytes(state_file(ids(100, 50), state=size - 212))
+    (tmp_path / "kvroute-2.bin").write_bytes(state_file(ids(0, 600)))  # nothing names it
+    disk = KvDiskConfig(tmp_path, max_gib=2.5 * size / (1 << 30), save_after_idle_s=0,
+                        min_tokens=10)
+    events: list[str] = []
+
+    async def on_save(_: web.Request, slot: int, filename: str) -> None:
+        (tmp_path / filename).write_bytes(state_file(ids(0, 600)))
+
+    async with slots_server(on_save) as url, aiohttp.ClientSession() as session:
+        info = info_at(url)
+        router = Router()
+        router.add_backend(capacity(info))
+        store = SlotStore(disk, session, router, events.append)
+        assert slot_files(tmp_path / QUARANTINE) == {"kvroute-2.bin"}  # (within budget)
+        store.backend_ready("a", MODEL)
+        with capture_logs() as logs:
+            for slot, n in ((0, 1), (1, 2)):
+                router.seed("a", slot, ids(1000 * (slot + 1), 600))
+                store.note(info, slot)
+                await until(lambda n=n: events.count("saved") == n, 10)  # type: ignore[misc]
+        assert slot_files(tmp_path / QUARANTINE) == set()
+        assert sorted(store.saved) == [3, 4]  # (entry 1 the oldest; ids past the quarantine)
+        removed = [(e["file"], e["reason"]) for e in logs
+                   if e["event"] == "slot.file_removed"]
+        assert removed == [(f"{QUARANTINE}/kvroute-2.bin", "over the budget"),
+                           ("kvroute-1.bin", f"over the budget (kv_disk.max_gib "
+                                             f"{disk.max_gib})")]
 
 
 @pytest.mark.parametrize("field,value", [

@@ -118,11 +118,31 @@ function renderCaches(body) {
   document.getElementById("caches").replaceChildren(...cards);
 }
 
+// One directory of the disk tier: its files, this run's saves, failures and removals, the
+// files put aside, and the last failure with its reason and fix.
+function diskDirectory(dir) {
+  const node = el("div", null, el("div", null, dir.path + ": " + num(dir.files) +
+    " files, " + num(dir.tokens) + " tokens"));
+  node.dataset.path = dir.path;
+  const failed = dir.save_failed + dir.restore_failed + dir.remove_failed + dir.index_failed;
+  node.append(el("div", "meta", num(dir.saved) + " saved · " + num(dir.save_failed) +
+    " saves failed · " + num(dir.restore_failed) + " restores failed · " + num(dir.removed) +
+    " removed · " + num(dir.quarantined) + " quarantined"),
+  failed ? pill(num(failed) + " failed", "bad") : "");
+  const last = dir.last_failure;
+  if (last) {
+    node.append(el("div", "meta", "last failure (" + last.what + ", " +
+      hhmmss(last.at) + "): " + last.reason), el("div", "meta", "fix: " + last.fix));
+  }
+  return node;
+}
+
 function renderSide(body) {
   const d = body.kv_disk;
-  document.getElementById("disk").replaceChildren(d ?
+  document.getElementById("disk").replaceChildren(...(d ? [
     el("div", null, num(d.files) + " saved slots, " + num(d.tokens) + " tokens, budget " +
-      d.max_gib + " GiB at " + d.path) : el("div", "meta", "off (no kv_disk configured)"));
+      d.max_gib + " GiB per directory"), ...d.directories.map(diskDirectory)] :
+    [el("div", "meta", "off (no kv_disk configured)")]));
   const a = body.admission;
   document.getElementById("admission").replaceChildren(el("div", null,
     num(a.in_flight) + " of " + num(a.max_in_flight) + " in flight, " + num(a.queued) +
