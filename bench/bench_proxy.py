@@ -150,6 +150,7 @@ def run_proxy(port: int, backend_port: int, model: Path, log_path: Path, ram_mib
     from proxy.config.load import Config, ProxyConfig, ReplicasConfig, RoutingConfig
     from proxy.config.settings import ProxySettings
     from proxy.observability.logging import configure_logging
+    from proxy.server.runner import make_runner
 
     log_file = log_path.open("w")
     configure_logging("info", stream=log_file)
@@ -166,8 +167,7 @@ def run_proxy(port: int, backend_port: int, model: Path, log_path: Path, ram_mib
     async def main() -> None:
         sup = Supervisor(cfg)
         await sup.start()
-        runner = web.AppRunner(create_app(cfg, sup, ProxySettings(tokenizer=model)),
-                               handler_cancellation=True, access_log=None)
+        runner = make_runner(create_app(cfg, sup, ProxySettings(tokenizer=model)))
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()

@@ -51,6 +51,7 @@ from loadtest.workloads import agentic  # noqa: E402
 from proxy.app import create_app  # noqa: E402
 from proxy.config.load import ReplicasConfig, load_config  # noqa: E402
 from proxy.observability.logging import configure_logging  # noqa: E402
+from proxy.server.runner import make_runner  # noqa: E402
 
 BACKEND_HOSTS = ("h1", "h2")
 REPLICA_HOSTS = ("r1", "r2")
@@ -65,7 +66,7 @@ async def start_replica(cfg_path: Path, nats: str | None, name: str
         cfg = dataclasses.replace(cfg, replicas=ReplicasConfig(nats, name))
     sup = Supervisor(cfg)
     await sup.start()
-    runner = web.AppRunner(create_app(cfg, sup), handler_cancellation=True, access_log=None)
+    runner = make_runner(create_app(cfg, sup))
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
