@@ -155,7 +155,7 @@ async def disk_part(args: argparse.Namespace, work: Path, seconds: float,
     lines = removals(work / "soak.first.serve.log") + removals(log)
     kept = {f.name for f in slots.rglob("kvroute-*.bin")}
     removed = [d for d in lines if d.get("event") == "slot.file_removed"]
-    named = {str(d.get("file")) for d in removed}
+    named = {Path(str(d.get("file"))).name for d in removed}
     results = first["results"] + second["results"]
     return {
         "sent": len(results), "succeeded": sum(r.ok for r in results),
@@ -173,7 +173,7 @@ async def disk_part(args: argparse.Namespace, work: Path, seconds: float,
             "truncated_by_soak": len(faults.truncated),
             "removed_by_reason": dict(Counter(str(d.get("reason")) for d in removed)),
             "gone_without_a_logged_reason": len(watch.gone() - named),
-            "valid_removed": sum(str(d.get("file")) not in faults.truncated
+            "valid_removed": sum(Path(str(d.get("file"))).name not in faults.truncated
                                  and not _routine(str(d.get("reason"))) for d in removed),
             "save_failed_logged": sum(d.get("event") == "slot.save_failed" for d in lines),
             "unwritable_s": round(faults.unwritable_s, 1),
@@ -183,9 +183,9 @@ async def disk_part(args: argparse.Namespace, work: Path, seconds: float,
 
 
 def _routine(reason: str) -> bool:
-    """A removal the tier makes of a valid file by design: a newer save of the same
-    conversation, or the budget."""
-    return any(w in reason for w in ("replaced", "newer", "budget"))
+    """A removal the tier makes by design: a valid file replaced by a newer save of its
+    conversation or over the budget, or what a save given up left."""
+    return any(w in reason for w in ("replaced", "budget", "given up"))
 
 
 async def replicas_part(args: argparse.Namespace, work: Path, seconds: float
