@@ -95,7 +95,7 @@ async def _serve(cfg: Config) -> int:
         runner = make_runner(create_app(cfg, supervisor))
         try:
             await runner.setup()
-        except ConfigError as e:  # (a disk tier directory another kvroute holds)
+        except ConfigError as e:  # (a disk tier directory it cannot read)
             print(f"kvroute: {e}", file=sys.stderr)
             return 2
         try:
@@ -141,15 +141,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _claim(cfg: Config) -> Instance:
-    """This instance's directories (proxy/instance.py); the disk tier's own is made here,
-    private: the servers write slots there."""
+    """This instance's directories, locked (proxy/instance.py)."""
     from proxy.forwarding.slot_tier import directories
 
-    disk: list[Path] = []
-    if cfg.kv_disk is not None:
-        cfg.kv_disk.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        disk = list(directories(cfg.kv_disk, cfg.backends))
-    return Instance(cfg.log_dir, disk)
+    if cfg.kv_disk is None:
+        return Instance(cfg.log_dir, ())
+    return Instance(cfg.log_dir, directories(cfg.kv_disk, cfg.backends), cfg.kv_disk.path)
 
 
 def _serve_claimed(args: argparse.Namespace, cfg: Config) -> int:

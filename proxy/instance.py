@@ -75,37 +75,43 @@ def _holder(fd: int) -> str:
 
 
 def adopt(directory: Path) -> int | None:
-    """The descriptor `claim` took for ``directory``, handed over once (None: not taken
-    here)."""
-    return _held.pop(directory.resolve(), None)
+    """A descriptor of the lock `Instance` holds on ``directory`` (None: not held here).
+    A duplicate: the lock belongs to the open file both share, so the store that closes
+    it when the app stops leaves the directory locked until the instance lets it go,
+    after its servers stopped (they may still be writing a slot)."""
+    fd = _held.get(directory.resolve())
+    return None if fd is None else os.dup(fd)
 
 
 class Instance:
-    """The locks of one `kvroute serve`, held until `release`."""
+    """The locks of one `kvroute serve` (or `kvroute agent`), held until `release`."""
 
-    def __init__(self, log_dir: Path, disk_dirs: Iterable[Path]) -> None:
-        """Lock ``log_dir`` (made if missing) and then each of ``disk_dirs``; a
-        ConfigError naming the first one held elsewhere, with nothing kept locked."""
-        self._fds: list[int] = []
-        self._disk: list[Path] = []
+    def __init__(self, log_dir: Path, disk_dirs: Iterable[Path],
+                 own_disk: Path | None = None) -> None:
+        """Lock ``log_dir`` (made if missing), then make ``own_disk`` (the disk tier's
+        own directory, private: the servers write slots there) and lock each of
+        ``disk_dirs``; one directory in two roles is locked once. A ConfigError naming
+        the first one held elsewhere, with nothing kept locked or made past it."""
+        self._fds: dict[Path, int] = {}
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
-            self._fds.append(lock(log_dir, "log_dir", "one kvroute per log_dir: give "
-                                  "this one its own log_dir, or stop the other"))
+            self._fds[log_dir.resolve()] = lock(
+                log_dir, "log_dir", "one kvroute per log_dir: give this one its own "
+                "log_dir, or stop the other")
+            if own_disk is not None:
+                own_disk.mkdir(mode=0o700, parents=True, exist_ok=True)
             for d in disk_dirs:
-                fd = lock(d, "disk tier", DISK_FIX)
-                _held[d.resolve()] = fd
-                self._disk.append(d.resolve())
+                key = d.resolve()
+                if key not in self._fds:
+                    self._fds[key] = lock(d, "disk tier", DISK_FIX)
+                _held[key] = self._fds[key]
         except BaseException:
             self.release()
             raise
 
     def release(self) -> None:
-        for d in self._disk:  # (those a store adopted are the store's to close)
-            fd = _held.pop(d, None)
-            if fd is not None:
-                os.close(fd)
-        self._disk.clear()
-        for fd in self._fds:
+        for key, fd in self._fds.items():
+            if _held.get(key) == fd:
+                del _held[key]
             os.close(fd)
         self._fds.clear()
