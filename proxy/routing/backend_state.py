@@ -3,12 +3,21 @@ the requests queued on it. Mutable, owned by the Router; read by the policy."""
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Collection, Iterable
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.settings import RouterSettings
+from proxy.routing.tree.waiters import WaiterTree
+
+
+class Queued(NamedTuple):
+    """A request queued on a backend."""
+
+    n: int  # prompt tokens
+    prompt: bytes  # int32 token bytes (the head, when decided on its head)
 
 
 @dataclass
@@ -23,10 +32,14 @@ class BackendState:
     inflight: int = 0  # in-flight requests
     service_s: float = 0.0  # EWMA of request durations (0 = not learned)
     after_prefill_s: float = 0.0  # EWMA of duration - reported prefill time (decode etc.)
-    queued: deque[int] = field(default_factory=deque)  # request ids waiting on the server
-    queued_n: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
+    # request id -> the request, of those waiting for a slot, oldest first
+    queued: OrderedDict[int, Queued] = field(default_factory=OrderedDict)
     # queued request id -> the busy slot it waits for (see _best_option)
     targets: dict[int, int] = field(default_factory=dict)
+    # the queued requests waiting for any slot (not in targets), by prompt
+    waiting: WaiterTree = field(default_factory=WaiterTree)
+    # the RAM bytes saving a slot of each one's length would take (see predict_queued)
+    waiting_bytes: int = 0
     slot_free_at: dict[int, float] = field(default_factory=dict)  # busy slot -> expected end
     # slot -> session hint of the request last placed there (absent: none given)
     slot_session: dict[int, str] = field(default_factory=dict)
@@ -37,6 +50,39 @@ class BackendState:
             self.slot_session.pop(slot, None)
         else:
             self.slot_session[slot] = session
+
+    def enqueue(self, rid: int, n: int, prompt: bytes, slot: int | None) -> None:
+        """``rid`` waits for a slot: ``slot`` once it frees, or any (None)."""
+        self.queued[rid] = Queued(n, prompt)
+        if slot is None:
+            self.waiting.add(rid, prompt)
+            self.waiting_bytes += self.cache.save_bytes(n)
+        else:
+            self.targets[rid] = slot
+
+    def requeue(self, rid: int, n: int, prompt: bytes) -> None:
+        """Queued ``rid``'s whole prompt is known: ``prompt`` of ``n`` tokens."""
+        old = self.queued.get(rid)
+        if old is None:
+            return
+        self.queued[rid] = Queued(n, prompt)  # (an existing key keeps its place)
+        if rid not in self.targets:
+            self.waiting.add(rid, prompt)
+            self.waiting_bytes += self.cache.save_bytes(n) - self.cache.save_bytes(old.n)
+
+    def dequeue(self, rid: int) -> None:
+        """``rid`` no longer waits (handed a slot, ended, or gone)."""
+        old = self.queued.pop(rid, None)
+        if old is not None and self.targets.pop(rid, None) is None:
+            self.waiting.remove(rid)
+            self.waiting_bytes -= self.cache.save_bytes(old.n)
+
+    def newest_waiting(self) -> Iterator[Queued]:
+        """The requests waiting for any slot, newest first (lazily: few are read)."""
+        targets = self.targets
+        for rid in reversed(self.queued):
+            if rid not in targets:
+                yield self.queued[rid]
 
     def learn(self, s: RouterSettings, took: float, prompt_ms: float | None,
               prompt_n: int | None) -> None:

@@ -90,9 +90,10 @@ import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from proxy.routing.backend_state import BackendState
+from proxy.routing.backend_state import BackendState, Queued
 from proxy.routing.cache.predict import Placement
 from proxy.routing.settings import RouterSettings
+from proxy.routing.tree.token_bytes import common_len
 
 POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 __all__ = ["POLICIES", "BackendState", "Baselines", "Candidate", "Choice", "RouterSettings",
@@ -117,7 +118,11 @@ class Candidate:
     state: BackendState
     slot_lcp: dict[int, int]  # slot -> tokens of the prompt that slot holds
     ram_lcp: dict[int, int]  # RAM entry -> tokens of the prompt that entry holds
-    pending_lcp: dict[int, int] = field(default_factory=dict)  # queued request id -> tokens
+    prompt: bytes = b""  # the prompt (int32 token bytes; its head, decided on its head)
+
+    def shared(self, q: Queued) -> int:
+        """Tokens of the prompt that queued request ``q``'s prompt has too."""
+        return common_len(q.prompt, self.prompt, 0)
 
     def predict_queued(self, n: int, min_tokens: int | None) -> tuple[Placement, int | None]:
         """Landing of a request that must wait for a slot here, and the busy slot it
@@ -127,24 +132,32 @@ class Candidate:
         and whoever waits for its own slot would then find it gone. Else the slot the
         server's queue gives it."""
         st = self.state
-        pend = self.pending_lcp
-        ahead = [(pend.get(r, 0), st.queued_n[r]) for r in st.queued if r not in st.targets]
-        first = st.cache.predict_queued(self.slot_lcp, self.ram_lcp, ahead, n)
-        if min_tokens is not None and ahead:
+        cache = st.cache
+        k = len(st.waiting)
+        behind, ahead_saved = None, 0
+        if k >= len(cache.slots):
+            # of the requests ahead, the server's queue gives this one the slot of the
+            # n_slots-th from the end; all but the last n_slots - 1 save theirs before
+            newest = st.newest_waiting()
+            later = sum(cache.save_bytes(next(newest).n) for _ in range(len(cache.slots) - 1))
+            q = next(newest)
+            behind, ahead_saved = (self.shared(q), q.n), st.waiting_bytes - later
+        first = cache.predict_behind(self.slot_lcp, self.ram_lcp, k, behind, ahead_saved, n)
+        if min_tokens is not None and k:
             # the proxy hands a freed slot to the waiter that reuses the most there
             # (QueuedRequests._next_waiter), not to the oldest: reusing at least
             # min_tokens, this one is served first, before the starts ahead of it save
             # their slots to RAM and evict the entry it would load
-            alone = st.cache.predict_queued(self.slot_lcp, self.ram_lcp, [], n)
+            alone = cache.predict_behind(self.slot_lcp, self.ram_lcp, 0, None, 0, n)
             if alone.reuse >= min_tokens and alone.reuse > first.reuse:
                 first = alone
         if min_tokens is not None:
             awaited = st.targets.values()
             held = [(got, i) for i, got in self.slot_lcp.items()
-                    if got >= min_tokens and st.cache.slots[i].busy and i not in awaited]
+                    if got >= min_tokens and cache.slots[i].busy and i not in awaited]
             if held:
                 slot = max(held)[1]
-                p = st.cache.predict(slot, self.slot_lcp, self.ram_lcp, n, after_busy=True)
+                p = cache.predict(slot, self.slot_lcp, self.ram_lcp, n, after_busy=True)
                 assert p is not None
                 if p.reuse >= first.reuse:
                     return p, slot
@@ -280,11 +293,11 @@ def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: 
     st = c.state
     if session is not None or waiters >= _WAITERS_PER_SLOT:
         return None
-    ahead = [r for r, t in st.targets.items() if t == slot][-1]
-    shared = min(c.pending_lcp.get(ahead, 0), n - 1)
+    ahead = st.queued[[r for r, t in st.targets.items() if t == slot][-1]]
+    shared = min(c.shared(ahead), n - 1)
     if shared < s.wait_min_tokens:
         return None
-    tail = max(0, st.queued_n.get(ahead, shared) - shared)
+    tail = max(0, ahead.n - shared)
     p = Placement(slot, shared, "slot", None, 0, False, tail)
     rate = st.rate
     free = max(now, st.slot_free_at.get(slot, now)) + tail / rate + (

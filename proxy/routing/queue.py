@@ -8,16 +8,17 @@ slot when one frees, in the server's own order (see ``Handoff``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import PENDING, RAM, SLOT, Placement, from_disk
+from proxy.routing.cache.predict import RAM, SLOT, CacheHolder, Placement, from_disk
 from proxy.routing.decision import Handoff
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
+from proxy.routing.tree.waiters import most_reuse
 
 
 @dataclass
@@ -88,28 +89,43 @@ class QueuedRequests:
         for rid, slot in self._waiters_first(st.targets):
             if not cache.slots[slot].busy:
                 out.append(self._hand(st, backend, rid, slot, now))
-        while cache.idle:
-            waiting = [r for r in st.queued if r not in st.targets]
-            if not waiting:
-                break
-            out.append(self._hand(st, backend, self._next_waiter(st, backend, waiting),
-                                  None, now))
+        while cache.idle and st.waiting:
+            out.append(self._hand(st, backend, self._next_waiter(st), None, now))
         return out
 
-    def _next_waiter(self, st: BackendState, backend: str, waiting: list[int]) -> int:
-        """The waiter an idle slot of ``backend`` goes to (see ``_drain_queue``): the
-        one whose unpinned start there (as ``_hand`` makes it) reuses the most, from the
-        slot or from RAM; the baseline policies keep the server's order."""
-        best, most = waiting[0], self.settings.wait_min_tokens - 1
+    def _next_waiter(self, st: BackendState) -> int:
+        """The waiter an idle slot goes to (see ``_drain_queue``): the one whose unpinned
+        start there (as ``_hand`` makes it) reuses the most, from a slot or from RAM;
+        the baseline policies keep the server's order.
+
+        A start reuses what the idle slot the server picks holds, or a RAM entry: never
+        more than the waiter shares with one of the idle slots or RAM entries. So the
+        waiters are ranked by that (``WaiterTree.sharing`` of each), and only those that
+        could still beat the best one found are predicted: a few, however many wait."""
+        oldest = st.waiting.oldest()
+        assert oldest is not None, "someone waits"
         if self._policy != "prefix":
-            return best
+            return oldest
         cache = st.cache
-        for rid in waiting:
-            f = self._inflight[rid]
-            p = cache.predict(None, *self._lcps(cache, f.prompt), f.n)
-            if p is not None and p.reuse > most:
-                best, most = rid, p.reuse
-        return best
+        tree = self.tree
+        holders = [cache.slot_holder(i) for i in cache.idle]
+        holders += [cache.ram_holder(e) for e in cache.ram]
+        streams = [(n, self._sharing(st, h)) for h in holders if (n := tree.held_len(h))]
+        queued = st.queued
+
+        def reuse(rid: int) -> int:
+            q = queued[rid]
+            p = cache.predict(None, *self._lcps(cache, q.prompt), q.n)
+            return -1 if p is None else p.reuse
+
+        best = most_reuse(streams, lambda rid, shared: min(shared, queued[rid].n - 1), reuse,
+                          max(1, self.settings.wait_min_tokens))
+        return oldest if best is None else best
+
+    def _sharing(self, st: BackendState, holder: CacheHolder) -> Iterator[tuple[int, int]]:
+        """(tokens shared, waiter) with what ``holder`` holds (see WaiterTree.sharing);
+        its sequence is read only once the stream is opened."""
+        yield from st.waiting.sharing(self.tree.tokens_of(holder))
 
     def _hand(self, st: BackendState, backend: str, rid: int, slot: int | None,
               now: float) -> Handoff:
@@ -144,11 +160,7 @@ class QueuedRequests:
                        had if had is not None and len(had) // 4 > kept else None)
 
     def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
-        self.tree.drop((backend, PENDING, rid))
-        st.queued_n.pop(rid, None)
-        st.targets.pop(rid, None)
-        if rid in st.queued:
-            st.queued.remove(rid)
+        st.dequeue(rid)
 
     def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
         return self._split(cache, self.tree.match(q).held)

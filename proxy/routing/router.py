@@ -27,14 +27,7 @@ from typing import Any
 
 from proxy.routing.backend_state import BackendState, peer_rate
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import (
-    PENDING,
-    RAM,
-    SLOT,
-    BackendCapacity,
-    Placement,
-    from_disk,
-)
+from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity, Placement, from_disk
 from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
 from proxy.routing.disk import DiskEntries
 from proxy.routing.observed import ObservedRequests, SlotListener
@@ -109,7 +102,6 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         st.cache.clear()
         for rid in [r for r, f in self._inflight.items() if f.backend == name]:
             self._told_freed(name, self._inflight.pop(rid).slot, rid)
-            self.tree.drop((name, PENDING, rid))
 
     @property
     def wants_user_starts(self) -> bool:
@@ -177,7 +169,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
     def _candidates(self, q: bytes, n: int, head: bool, among: Collection[str] | None
                     ) -> tuple[list[Candidate], dict[Any, int]] | NoBackend | NeedWholePrompt:
         """The backends that may take an ``n``-token prompt, each with what of ``q`` its
-        slots, RAM entries and queued requests hold, and the tree's match of ``q``."""
+        slots and RAM entries hold, and the tree's match of ``q``."""
         if n == 0:
             return NoBackend("empty prompt", "empty")
         serving = [b for b in self._backends if among is None or b in among]
@@ -194,15 +186,13 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
             # a checkpointed slot gives all it shares only to a prompt that goes on past
             # its end (else: up to a checkpoint): only the whole prompt can tell
             return NeedWholePrompt(_most_kv(held), 0)
-        # per backend: slot -> lcp, RAM entry -> lcp, queued request id -> lcp
-        per: dict[str, tuple[dict[int, int], dict[int, int], dict[int, int]]] = {
-            b: ({}, {}, {}) for b in names
-        }
+        # per backend: slot -> lcp, RAM entry -> lcp
+        per: dict[str, tuple[dict[int, int], dict[int, int]]] = {b: ({}, {}) for b in names}
         for (b, kind, idx), got in held.items():  # type: ignore[misc]
-            lcps = per.get(b)
+            lcps = per.get(b)  # (a disk entry's is "": no backend's)
             if lcps is not None:
-                lcps[kind][idx] = got  # SLOT, RAM, PENDING index the tuple
-        return [Candidate(b, self._backends[b], *per[b]) for b in names], held
+                lcps[kind][idx] = got  # SLOT, RAM index the tuple
+        return [Candidate(b, self._backends[b], *per[b], q) for b in names], held
 
     def _place(self, rid: int, choice: Choice, cand: Candidate, q: bytes, n: int,
                head: bool, defer: bool, restore: tuple[str, bytes, int] | None,
@@ -248,11 +238,8 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
             # queued on the server (unpinned): predict what it gets when a slot frees,
             # before recording it (it would share its whole prompt with itself)
             pq = choice.queued or cand.predict_queued(n, None)[0]
-            self.tree.assign((choice.backend, PENDING, rid), q)
-            st.queued.append(rid)
-            st.queued_n[rid] = n
-            if choice.slot is not None:  # waits for that busy slot (see _drain_queue)
-                st.targets[rid] = choice.slot
+            # choice.slot: it waits for that busy slot (see _drain_queue)
+            st.enqueue(rid, n, q, choice.slot)
             reuse, tier, slot = pq.reuse, pq.tier, None
         else:
             reuse, tier, slot = placed.reuse, placed.tier, placed.slot
@@ -357,9 +344,8 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
             reuse = min(len(f.prompt) // 4 + more, n - 1)
         if f.slot is not None:
             st.cache.extend_prompt(f.slot, q, user_starts)
-        elif decision.request_id in st.queued_n:
-            self.tree.assign((decision.backend, PENDING, decision.request_id), q)
-            st.queued_n[decision.request_id] = n
+        else:
+            st.requeue(decision.request_id, n, q)
         work = n - reuse + self.settings.request_overhead_tokens
         st.work += work - f.work
         st.busy_until += ((n - reuse) - (f.n - decision.predicted_cached)) / st.rate
@@ -400,5 +386,5 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
 
 
 def _most_kv(held: dict[Any, int]) -> int:
-    """The most tokens of a prompt any holder of KV has (queued prompts are none)."""
-    return max((got for (_, kind, _), got in held.items() if kind != PENDING), default=0)
+    """The most tokens of a prompt any holder of KV has (every holder of the tree is)."""
+    return max(held.values(), default=0)

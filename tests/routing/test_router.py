@@ -12,6 +12,7 @@ from proxy.routing.cache.predict import BackendCapacity
 from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
+from proxy.routing.tree.token_bytes import to_token_bytes
 
 
 def cap(name: str, slots: int = 2, ctx: int = 4096, ram: int = 1 << 30) -> BackendCapacity:
@@ -159,7 +160,9 @@ def test_queued_request_is_placed_when_a_slot_frees() -> None:
     a = decide(r, list(range(100)))
     q = decide(r, list(range(200, 300)))
     assert q.slot is None
-    assert r.tree.match(list(range(200, 300))).matched == 100  # recorded while queued
+    assert r.tree.match(list(range(200, 300))).matched == 0  # a queued prompt is no KV
+    assert list(r._backends["a"].waiting.sharing(to_token_bytes(range(200, 300)))) == [
+        (100, q.request_id)]  # the backend's queue has it
     r.complete(a, now=1)
     slots = r.snapshot()["backends"]["a"]["slots"]  # type: ignore[index]
     assert slots[0]["busy"] and slots[0]["tokens"] == 100  # the queued one got it

@@ -11,6 +11,7 @@ request and backend, and an extra call level would cost on that hot path.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 
 SLOT = 0
 RAM = 1
-PENDING = 2  # a queued request's prompt, recorded before it has a slot (router-level)
 DISK = 3  # a slot saved to disk (router-level: the backends of its model may restore it)
 
 CacheHolder = tuple[str, int, int]  # a tree holder of this model: (backend, kind, index)
@@ -214,37 +214,58 @@ class CachePrediction:
         common prefix, or saves it and loads the best RAM entry still there: every start
         until then saves its slot's content, and the oldest entries make room (a small
         RAM tier loses the entry a busy backend was chosen for before its turn comes)."""
+        k, n_slots = len(ahead), len(self.slots)
+        behind = ahead[k - n_slots] if k >= n_slots else None
+        saved = sum(self.save_bytes(n) for _, n in ahead[:max(0, k - n_slots + 1)])
+        return self.predict_behind(slot_lcp, ram_lcp, k, behind, saved, n_prompt)
+
+    def predict_behind(
+        self,
+        slot_lcp: dict[int, int],
+        ram_lcp: dict[int, int],
+        k: int,
+        behind: tuple[int, int] | None,
+        ahead_saved: int,
+        n_prompt: int,
+    ) -> Placement:
+        """``predict_queued`` from what it reads of the requests ahead: their number
+        ``k``; once they outnumber the slots, (tokens shared, prompt tokens) of the one
+        whose slot this request gets (``ahead[k - n_slots]``), and ``save_bytes`` of each
+        of the first ``k - n_slots + 1`` of them, summed: the prompts their slots hold
+        when the starts after theirs save them."""
         order = sorted(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
-        k = len(ahead)
         slot = order[k % len(order)]
-
-        def held_then(j: int) -> int:  # tokens in the slot the j-th start lands in
-            return self.slots[order[j]].n_tokens if j < len(order) else ahead[j - len(order)][1]
-
-        n_slot = held_then(k)
-        lcp = min(slot_lcp.get(slot, 0), n_slot) if k < len(order) else ahead[k - len(order)][0]
+        if behind is None:
+            n_slot = self.slots[slot].n_tokens
+            lcp = min(slot_lcp.get(slot, 0), n_slot)
+        else:
+            lcp, n_slot = behind
         entry, got, displaced, saved, destroyed = None, lcp, 0, False, 0
         if n_slot == 0 or self._saves(n_slot, lcp, n_prompt, pinned=False):
             saved = n_slot > 0
             displaced = n_slot - lcp
             # each start before ours saves what its slot held (taken as another
             # conversation's), then ours saves its own: the oldest entries make room
-            pushed = sum(self.cap.entry_bytes(n) for n in map(held_then, range(k + 1))
-                         if n and self._can_save(n))  # (their checkpoints not foreseen)
-            gone = self._fifo_evicted(pushed)
+            pushed = sum(self.save_bytes(self.slots[i].n_tokens)
+                         for i in order[:k + 1])  # (their checkpoints not foreseen)
+            gone = self._fifo_evicted(pushed + (ahead_saved if behind is not None else 0))
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, gone)
-        elif k < len(order) and lcp < n_slot:
+        elif behind is None and lcp < n_slot:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
         if self.checkpointed and got:
             if entry is not None:
                 got = self._from_entry(entry, got, n_prompt)
-            elif k < len(order):
+            elif behind is None:
                 got = self._from_slot(slot, got, n_prompt)
             else:  # the prompt of a request ahead, its checkpoints not foreseen
                 got = reusable(self.cap.memory, got, n_prompt, n_slot, (), 0).n_past
         reuse = max(0, min(got, n_prompt - 1))
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
         return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
+
+    def save_bytes(self, n_tokens: int) -> int:
+        """The bytes a save of a slot holding ``n_tokens`` adds to the RAM tier (0: none)."""
+        return self.cap.entry_bytes(n_tokens) if n_tokens and self._can_save(n_tokens) else 0
 
     def _from_slot(self, slot: int, lcp: int, n_prompt: int) -> int:
         """What a checkpointed slot's memory gives of ``lcp`` shared tokens."""
@@ -269,21 +290,21 @@ class CachePrediction:
     def _unique_tail(self, slot: int, lcp: int, new_lcp: int, n_new: int) -> int:
         """Tokens of ``slot``'s sequence beyond its first ``lcp`` that no other holder
         keeps: another slot (any backend), another backend's RAM entry, or one of this
-        backend's RAM entries that a later request could still load. Pending prompts
-        are no KV. ``new_lcp``/``n_new``: what the slot will hold instead (tokens shared
+        backend's RAM entries that a later request could still load.
+        ``new_lcp``/``n_new``: what the slot will hold instead (tokens shared
         with the old sequence, length)."""
         s = self.slots[slot]
         h = self.slot_holder(slot)
         name = self.cap.name
         tree = self.tree
 
-        def not_kv_or_local_ram(x: object) -> bool:
-            return x[1] == PENDING or (x[0] == name and x[1] == RAM)  # type: ignore[index]
+        def local_ram(x: object) -> bool:
+            return x[0] == name and x[1] == RAM  # type: ignore[index]
 
-        other = tree.shared_len(h, not_kv_or_local_ram)
+        other = tree.shared_len(h, local_ram)
         if max(lcp, other) >= s.n_tokens:
             return 0
-        with_ram = tree.shared_len(h, lambda x: x[1] == PENDING)  # type: ignore[index]
+        with_ram = tree.shared_len(h)
         if with_ram > other and self._ram_loadable(slot, new_lcp, n_new):
             other = with_ram
         return max(0, s.n_tokens - max(lcp, other))
@@ -314,7 +335,8 @@ class CachePrediction:
         return empty and not similar
 
     def _best_ram(
-        self, ram_lcp: dict[int, int], n_prompt: int, lcp: int, n_slot: int, gone: set[int]
+        self, ram_lcp: dict[int, int], n_prompt: int, lcp: int, n_slot: int,
+        gone: AbstractSet[int],
     ) -> tuple[int | None, int]:
         """server_prompt_cache::load: the entry beating the slot on kept fraction and sim."""
         if not ram_lcp:
@@ -339,7 +361,7 @@ class CachePrediction:
                 best, got, f_best = e, n_lcp, f
         return best, got
 
-    def _evicted_by_save(self, slot: int) -> set[int]:
+    def _evicted_by_save(self, slot: int) -> AbstractSet[int]:
         """RAM entries the LRU would drop to make room for a saved slot (approximate:
         ignores entries the save removes as prefixes, so it may over-estimate)."""
         s = self.slots[slot]
@@ -349,11 +371,15 @@ class CachePrediction:
         return self._fifo_evicted(self.cap.entry_bytes(n, k) if n and self._can_save(n, k)
                                   else 0)
 
-    def _fifo_evicted(self, new: int) -> set[int]:
+    def _fifo_evicted(self, new: int) -> AbstractSet[int]:
         """RAM entries the byte LRU drops, oldest first, to take in ``new`` bytes."""
         limit = self.cap.ram_cache_bytes
         if limit == 0 or self.ram_bytes + new <= limit:
             return set()
+        if new >= limit:
+            # all of them (a queue of long prompts ahead, typically), without a walk
+            # over every entry; a view: read at once, before anything changes
+            return self.ram.keys()
         gone, freed, need = set(), 0, self.ram_bytes + new - limit
         for e in self.ram:
             if freed >= need:
