@@ -8,6 +8,7 @@ slot when one frees, in the server's own order (see ``Handoff``).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,9 @@ from proxy.routing.decision import Handoff
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.waiters import most_reuse
+
+# Waiters a freed slot's pick predicts one by one, at most (more: the index's search)
+_SCAN_AT_MOST = 8
 
 
 @dataclass
@@ -107,10 +111,6 @@ class QueuedRequests:
         if self._policy != "prefix":
             return oldest
         cache = st.cache
-        tree = self.tree
-        holders = [cache.slot_holder(i) for i in cache.idle]
-        holders += [cache.ram_holder(e) for e in cache.ram]
-        streams = [(n, self._sharing(st, h)) for h in holders if (n := tree.held_len(h))]
         queued = st.queued
 
         def reuse(rid: int) -> int:
@@ -118,9 +118,21 @@ class QueuedRequests:
             p = cache.predict(None, *self._lcps(cache, q.prompt), q.n)
             return -1 if p is None else p.reuse
 
-        best = most_reuse(streams, lambda rid, shared: min(shared, queued[rid].n - 1), reuse,
-                          max(1, self.settings.wait_min_tokens))
-        return oldest if best is None else best
+        at_least = max(1, self.settings.wait_min_tokens)
+        if len(st.waiting) <= _SCAN_AT_MOST:
+            # a short queue: predicting each is cheaper than reading what RAM holds
+            best, most = oldest, at_least - 1
+            for rid in (r for r in queued if r not in st.targets):
+                if (got := reuse(rid)) > most:
+                    best, most = rid, got
+            return best
+        slots = sorted(((n, cache.slot_holder(i)) for i in cache.idle
+                        if (n := self.tree.held_len(cache.slot_holder(i)))), reverse=True)
+        holders = heapq.merge(slots, cache.ram_by_size(), key=lambda x: -x[0])
+        streams = ((n, self._sharing(st, h)) for n, h in holders)
+        got = most_reuse(streams, lambda rid, shared: min(shared, queued[rid].n - 1), reuse,
+                         at_least)
+        return oldest if got is None else got
 
     def _sharing(self, st: BackendState, holder: CacheHolder) -> Iterator[tuple[int, int]]:
         """(tokens shared, waiter) with what ``holder`` holds (see WaiterTree.sharing);

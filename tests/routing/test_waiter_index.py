@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import proxy.routing.queue as queue_module
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.checkpoints import DENSE, Memory, reusable
 from proxy.routing.cache.model import BackendCache
@@ -108,7 +109,9 @@ def test_most_reuse_is_the_scan(prompts: dict[int, list[int]], holders: list[lis
         most = max((lcp(prompts[rid], h) for h in holders), default=0)
         return max(0, min(most, len(prompts[rid]) - 1) - cuts[rid])
 
-    got = most_reuse([(len(h), t.sharing(tb(h))) for h in holders], cap, reuse, at_least)
+    longest_first = sorted(holders, key=len, reverse=True)
+    got = most_reuse([(len(h), t.sharing(tb(h))) for h in longest_first], cap, reuse,
+                     at_least)
     best, most = None, at_least - 1
     for rid in sorted(prompts):
         if reuse(rid) > most:
@@ -291,10 +294,15 @@ def test_hand_offs_match_the_scan(ops: list[Op], slots: int, ram_tokens: int, wa
                                   similarity: float, hybrid: bool) -> None:
     s = RouterSettings(wait_min_tokens=wait_min, slot_prompt_similarity=similarity,
                        ram_entries_tracked=3, ram_track_min_tokens=100)
-    run = Drive(slots, ram_tokens, Memory(recurrent=True) if hybrid else DENSE, s)
-    for op in ops:
-        run.step(op)
-    run.finish()
+    scan_at_most = queue_module._SCAN_AT_MOST
+    queue_module._SCAN_AT_MOST = 0  # the index's search, however short the queue
+    try:
+        run = Drive(slots, ram_tokens, Memory(recurrent=True) if hybrid else DENSE, s)
+        for op in ops:
+            run.step(op)
+        run.finish()
+    finally:
+        queue_module._SCAN_AT_MOST = scan_at_most
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from sortedcontainers import SortedList
 
@@ -178,6 +178,11 @@ class BackendCache(CachePrediction):
         s.checkpoints = created(mem, n_prompt, p.reuse, user_starts, kept, r.floor,
                                 self._clock + 1)
         s.floor = r.floor
+
+    def ram_by_size(self) -> Iterator[tuple[int, CacheHolder]]:
+        """(tokens, holder) of the RAM entries the tree holds, largest first (lazily)."""
+        for n, e in reversed(self._tracked):
+            yield n, self.ram_holder(e)
 
     def held(self, slot: int) -> bytes | None:
         """What an idle slot is known to hold (int32 token bytes), None when busy or

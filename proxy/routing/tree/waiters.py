@@ -13,7 +13,7 @@ could reuse and stops as soon as no waiter left can beat the best one found.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from sortedcontainers import SortedList
 
@@ -163,27 +163,36 @@ class WaiterTree:
                 stack.append(c)
 
 
-def most_reuse(streams: list[tuple[int, Iterator[tuple[int, int]]]],
+def most_reuse(streams: Iterable[tuple[int, Iterator[tuple[int, int]]]],
                cap: Callable[[int, int], int], reuse: Callable[[int], int],
                at_least: int) -> int | None:
     """The waiter of greatest ``reuse`` (the oldest, smallest id, of equals), among
     those reusing at least ``at_least`` (>= 1); None if none does.
 
     ``streams``: per sequence a waiter could reuse (an idle slot's, a RAM entry's), its
-    length and ``WaiterTree.sharing`` of it, lazy: one is opened only if a waiter could
-    share enough with it. A waiter never reuses more than it shares with one of them,
-    nor more than ``cap(rid, shared)`` (its prompt less one token, say). ``reuse`` is
-    exact and costly: it runs only on waiters that could still beat the best one."""
-    # entries: (-bound, waiter, stream); the waiter -1 for a stream not opened yet, the
-    # stream -1 for a waiter ranked by its cap
-    heap = [(-length, -1, i) for i, (length, _) in enumerate(streams)]
-    heapq.heapify(heap)
+    length and ``WaiterTree.sharing`` of it, longest first; all lazy: a sequence is
+    read only if a waiter could share enough with it. A waiter never reuses more than
+    it shares with one of them, nor more than ``cap(rid, shared)`` (its prompt less one
+    token, say). ``reuse`` is exact and costly: it runs only on waiters that could
+    still beat the best one."""
+    # entries: (-bound, waiter, stream); the waiter -1 for a stream not opened yet (the
+    # next one's entry is pushed as it opens), the stream -1 for a waiter ranked by its cap
+    heap: list[tuple[int, int, int]] = []
+    sources = iter(streams)
+    opened: list[Iterator[tuple[int, int]]] = []
+
+    def queue_next() -> None:
+        got = next(sources, None)
+        if got is not None:
+            opened.append(got[1])
+            heapq.heappush(heap, (-got[0], -1, len(opened) - 1))
 
     def advance(i: int) -> None:
-        got = next(streams[i][1], None)
+        got = next(opened[i], None)
         if got is not None:
             heapq.heappush(heap, (-got[0], got[1], i))
 
+    queue_next()
     best, most = -1, at_least - 1  # (-1: none yet; ids are >= 0)
     seen: set[int] = set()
     while heap:
@@ -193,6 +202,8 @@ def most_reuse(streams: list[tuple[int, Iterator[tuple[int, int]]]],
             break
         heapq.heappop(heap)
         if i >= 0:
+            if rid < 0:
+                queue_next()
             advance(i)
             if rid < 0 or rid in seen:
                 continue
