@@ -132,38 +132,47 @@ def check_forwarded(path: str, body: Mapping[str, Any], n_vocab: int | None) -> 
                              code="invalid_value")
 
 
-# The generation's length as llama-server reads it: n_predict, else its aliases.
+# The generation's length as llama-server reads it: the first of these set (not null).
 LENGTH_KEYS = ("n_predict", "max_completion_tokens", "max_tokens")
+# llama.cpp's native generating endpoints: their bodies name the length `n_predict`
+_NATIVE_PATHS = frozenset({"/completion", "/completions", "/infill"})
 
 
-def capped_lengths(body: Mapping[str, Any], cap: int | None, slot_ctx: int | None
-                   ) -> dict[str, int]:
+def capped_lengths(body: Mapping[str, Any], cap: int | None, slot_ctx: int | None,
+                   *, key: str = "max_tokens") -> dict[str, int]:
     """The length fields of ``body`` to rewrite: each above the bound (``cap``, else
-    ``slot_ctx``) becomes the bound, and a negative one becomes ``cap``.
+    ``slot_ctx``) becomes the bound, and a negative one becomes ``cap``; with ``cap``,
+    a body that gives no length (each field absent or null) gets ``cap`` as ``key``.
 
-    Without ``cap`` a negative value stays: llama-server reads -1 as "no limit given"
-    (its ``-n``), exactly like an absent field. Both are bounded by the server itself:
-    with context shift off (its default) a generation stops when the slot's context is
-    full (server-context.cpp, "stopped due to running out of context capacity"). So
-    an absent field is never added: the backend's ``-n`` stays its default."""
+    llama-server reads -1, an absent field and a null one alike: "no limit given", so
+    its ``-n``, and without one the generation runs until the slot's context is full
+    (server-context.cpp, "stopped due to running out of context capacity", with context
+    shift off, its default). So the cap applies to all three. Without ``cap`` they stay
+    as they are: the backend's ``-n`` and the slot's context bound them."""
     bound = cap if cap is not None else slot_ctx
-    if bound is None:
-        return {}
     out = {}
-    for key in LENGTH_KEYS:
-        v = body.get(key)
+    given = False
+    for name in LENGTH_KEYS:
+        v = body.get(name)
+        if v is None:
+            continue  # null reads as absent
+        given = True
         if not isinstance(v, int) or isinstance(v, bool):
-            continue  # absent or null: the server's default; a wrong type: check_fields
-        if v > bound or (v < 0 and cap is not None):
-            out[key] = bound
+            continue  # a wrong type: check_fields' 400
+        if bound is not None and (v > bound or (v < 0 and cap is not None)):
+            out[name] = bound
+    if not given and cap is not None:
+        out[key] = cap
     return out
 
 
 def bound_generation(request: web.Request, pool: Pool, body: dict[str, Any]) -> bool:
     """Rewrite ``body``'s length fields in place (see `capped_lengths`) for ``pool``'s
-    backends; True when one changed."""
+    backends; True when one changed. A limit added goes in the field the endpoint's
+    own API names it by: `n_predict` on llama.cpp's native ones, else `max_tokens`."""
+    key = "n_predict" if request.path in _NATIVE_PATHS else "max_tokens"
     fields = capped_lengths(body, request.app[SETTINGS].max_tokens_cap,
-                            pool.fw.max_context())
+                            pool.fw.max_context(), key=key)
     body.update(fields)
     return bool(fields)
 
