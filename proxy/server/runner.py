@@ -22,16 +22,27 @@ aiohttp 3.14 (each pinned by tests/server/test_malformed_http.py):
   marked (`_UNPARSED`), as nothing else tells it from a real request for "/".
 - `RequestHandler.handle_error(request, status, exc, message)`, which aiohttp calls with
   that request and the parser's exception, and `RequestHandler.data_received`, where the
-  request line is read before aiohttp parses it (its request keeps only "/").
+  request line is read before aiohttp parses it (its request keeps only "/"); its queue
+  of parsed messages (`_messages`) tells when that request line is parsed and its
+  target no longer needed.
+
+With an aiohttp that lacks these, `make_runner` logs one warning and serves with
+aiohttp's own runner: parse errors are then answered in aiohttp's plain text.
+
+Hostile input costs little: only the first `_KEEP` bytes of a request target are kept
+(the error format needs its first path segments), found with bytes methods and a
+compiled pattern, and released once its request is parsed whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
-from aiohttp import web
+import aiohttp
+from aiohttp import web, web_protocol
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import (
@@ -44,24 +55,51 @@ from aiohttp.http_exceptions import (
     TransferEncodingError,
 )
 from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import ERROR, RequestHandler
+from aiohttp.web_protocol import RequestHandler
 
 from proxy.errors import BadRequest, error_response, format_for_path
 from proxy.observability.logging import get_logger
 
-# the message of a parse error's request, as answered: ERROR with HTTP/1.1
-_UNPARSED_MESSAGE = ERROR._replace(version=HttpVersion11)
+# the placeholder message aiohttp makes a parse error's request from (None: not this
+# aiohttp), and that message as answered: HTTP/1.1
+_ERROR: RawRequestMessage | None = getattr(web_protocol, "ERROR", None)
+_UNPARSED_MESSAGE = (_ERROR._replace(version=HttpVersion11)
+                     if isinstance(_ERROR, RawRequestMessage) else None)
 # set on the request aiohttp makes for a parse error (no handler of the app sees it)
 _UNPARSED = web.RequestKey("kvroute_unparsed", bool)
 
 # request lines are searched for at most this many times per received chunk: a body
 # whose lines mention " HTTP/" costs no more than that
 _LINE_TRIES = 4
-# longer than any method clients send: a longer first word does not start a request line
-_MAX_METHOD = 32
-# bytes a URL path may hold (RFC 3986 pchar and "/"); the path ends at the first other
-_PATH_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-                        b"-._~!$&'()*+,;=:@/%")
+# bytes of a request target kept: the error format is chosen by its first path segments
+_KEEP = 256
+# METHOD SP target at a line's start: a first word of at most 32 bytes (longer than any
+# method clients send) without a colon (a header's name) or a quote (a line of JSON),
+# then an origin- or absolute-form target, of which the first _KEEP bytes are taken
+_REQUEST_LINE = re.compile(rb'[^ :"\n]{1,32} ((?:/|https?://)[^ \r\n]{0,%d})' % _KEEP)
+# the bytes a URL path may hold (RFC 3986 pchar and "/"); the path ends at the first other
+_PATH = re.compile(rb"[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*")
+# the end of a message's head
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+
+
+def missing_internals() -> list[str]:
+    """The aiohttp internals `make_runner`'s runner relies on that this aiohttp lacks."""
+    missing = []
+    if not isinstance(getattr(web_protocol, "ERROR", None), RawRequestMessage):
+        missing.append("web_protocol.ERROR")
+    if not callable(vars(web.AppRunner).get("_make_server")):
+        missing.append("AppRunner._make_server")
+    if not callable(getattr(RequestHandler, "handle_error", None)):
+        missing.append("RequestHandler.handle_error")
+    return missing
+
+
+def _fall_back(missing: list[str]) -> None:
+    get_logger().warning("http.malformed_as_text", aiohttp=aiohttp.__version__,
+                         missing=", ".join(missing),
+                         effect="malformed HTTP requests get aiohttp's plain-text errors, "
+                                "not JSON in the API's format")
 
 
 def make_runner(app: web.Application, *, handler_cancellation: bool = True,
@@ -73,6 +111,11 @@ def make_runner(app: web.Application, *, handler_cancellation: bool = True,
     cancels the upstream request and frees the backend slot (not at the next write).
     access_log None: aiohttp's access log line would double the cost of the proxy's own.
     """
+    missing = missing_internals()
+    if missing:
+        _fall_back(missing)
+        return web.AppRunner(app, handler_cancellation=handler_cancellation,
+                             access_log=access_log, **kwargs)
     return _AppRunner(app, handler_cancellation=handler_cancellation,
                       access_log=access_log, **kwargs)
 
@@ -80,9 +123,13 @@ def make_runner(app: web.Application, *, handler_cancellation: bool = True,
 class _AppRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()  # runs the app's startup, as aiohttp does
+        kwargs = getattr(made, "_kwargs", None)
+        if not isinstance(kwargs, dict) or not hasattr(made, "_loop"):
+            _fall_back(["Server._kwargs" if kwargs is None else "Server._loop"])
+            return made
         return _Server(made.request_handler, request_factory=made.request_factory,
                        handler_cancellation=made.handler_cancellation,
-                       loop=asyncio.get_running_loop(), **made._kwargs)
+                       loop=asyncio.get_running_loop(), **kwargs)
 
 
 class _Server(web.Server):
@@ -93,7 +140,7 @@ class _Server(web.Server):
         def request_factory(message: RawRequestMessage, payload: StreamReader,
                             protocol: RequestHandler, writer: AbstractStreamWriter,
                             task: asyncio.Task[None]) -> web.BaseRequest:
-            if message is not ERROR:
+            if message is not _ERROR or _UNPARSED_MESSAGE is None:
                 return make_request(message, payload, protocol, writer, task)
             request = make_request(_UNPARSED_MESSAGE, payload, protocol, writer, task)
             request[_UNPARSED] = True
@@ -108,19 +155,34 @@ class _Server(web.Server):
 class _Connection(RequestHandler):
     """aiohttp's connection protocol, answering parse errors in the API's format."""
 
-    __slots__ = ("_first_chunk", "_target")
+    __slots__ = ("_body", "_first_chunk", "_target")
 
     def __init__(self, manager: web.Server, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
-        self._target: bytes | None = None  # the last request target seen on the wire
+        # the start of the target of the last request line seen, until it is parsed
+        self._target: bytes | None = None
+        # the body of the target's request, parsed but not yet received whole
+        self._body: StreamReader | None = None
         self._first_chunk = True
 
     def data_received(self, data: bytes) -> None:
-        target = last_request_target(data, at_message_start=self._first_chunk)
+        found = _last_request_line(data, at_message_start=self._first_chunk)
         self._first_chunk = False
-        if target is not None:
-            self._target = target
+        if found is not None:
+            self._target, self._body = found[0], None
+        queue = getattr(self, "_messages", None)
+        queued = len(queue) if queue is not None else 0
         super().data_received(data)
+        if self._target is None or queue is None:
+            return
+        # a request line whose head is not whole in this chunk is not parsed yet
+        head_whole = found is None or _HEAD_END.search(data, found[1]) is not None
+        if head_whole and len(queue) > queued:
+            message, payload = queue[-1]
+            if isinstance(message, RawRequestMessage):  # not a parse error
+                self._body = payload
+        if self._body is not None and self._body.is_eof():
+            self._target = self._body = None  # parsed whole: nothing left to answer for
 
     def handle_error(self, request: web.BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
@@ -130,6 +192,7 @@ class _Connection(RequestHandler):
         code, text = describe(exc, line_limit=max(self.max_line_size, self.max_field_size),
                               max_headers=self.max_headers)
         path = path_of(self._target) if self._target is not None else ""
+        self._target = self._body = None
         # non-HTTP traffic (a scanner, TLS on the plain port) is noise, as aiohttp deems it
         log = get_logger()
         note = log.debug if isinstance(exc, BadHttpMethod) else log.info
@@ -191,41 +254,42 @@ def describe(exc: BaseException | None, *, line_limit: int,
 
 
 def last_request_target(chunk: bytes, *, at_message_start: bool) -> bytes | None:
-    """The target of the last request line in `chunk`, if one is seen; the chunk's first
-    line counts as one, " HTTP/" or not, when a message starts with it."""
+    """The start (at most `_KEEP` bytes) of the target of the last request line in
+    `chunk`, if one is seen; the chunk's first line counts as one, " HTTP/" or not, when
+    a message starts with it."""
+    found = _last_request_line(chunk, at_message_start=at_message_start)
+    return found[0] if found is not None else None
+
+
+def _last_request_line(chunk: bytes, *, at_message_start: bool) -> tuple[bytes, int] | None:
+    """(`last_request_target`, the offset of its line in `chunk`)."""
     end = len(chunk)
     for _ in range(_LINE_TRIES):
         at = chunk.rfind(b" HTTP/", 0, end)
         if at < 0:
             break
         start = chunk.rfind(b"\n", 0, at) + 1
-        target = _target_of(chunk[start:at])
-        if target is not None:
-            return target
+        line = _REQUEST_LINE.match(chunk, start, at)
+        if line is not None:
+            return line[1], start
         if start == 0:
             break
         end = start - 1
     if at_message_start:
-        line = chunk.split(b"\n", 1)[0]
-        return _target_of(line.split(b" HTTP/", 1)[0])
+        line = _REQUEST_LINE.match(chunk)
+        if line is not None:
+            return line[1], 0
     return None
-
-
-def _target_of(line: bytes) -> bytes | None:
-    """`line`'s target when it reads METHOD SP target; a header line (its name ends in
-    a colon) or a line of JSON is none."""
-    method, space, rest = line.partition(b" ")
-    if not space or not 0 < len(method) <= _MAX_METHOD or b":" in method or b'"' in method:
-        return None
-    target = rest.split(b" ", 1)[0].rstrip(b"\r")
-    return target if target.startswith((b"/", b"http://", b"https://")) else None
 
 
 def path_of(target: bytes) -> str:
     """The path of a request target, up to its first byte a path may not hold (a query,
-    or the byte the parser refused): the API's error format is chosen by it."""
+    or the byte the parser refused), at most `_KEEP` bytes: the API's error format is
+    chosen by it."""
+    start = 0
     if not target.startswith(b"/"):  # absolute form: http://host/path
-        slash = target.find(b"/", target.find(b"//") + 2)
-        target = target[slash:] if slash >= 0 else b"/"
-    end = next((i for i, byte in enumerate(target) if byte not in _PATH_BYTES), len(target))
-    return target[:end].decode("ascii")
+        start = target.find(b"/", target.find(b"//") + 2)
+        if start < 0:
+            return "/"
+    path = _PATH.match(target, start, start + _KEEP)
+    return path[0].decode("ascii") if path is not None else ""
