@@ -8,12 +8,14 @@ shape naming the field's path (`messages.2.content.0.source: ...`), as Anthropic
 Checked: `max_tokens` (required, an integer >= 1), `messages` (roles, content blocks
 with their required fields), `system`, `tools`, `tool_choice`, `thinking`,
 `stop_sequences`, `metadata`, `model`'s type, and that every `tool_result` answers a
-`tool_use` of the assistant message just before it (a `system` turn between them
-aside). Left as they are: block types
+`tool_use` of the assistant turn just before it (a `system` turn between them aside).
+Consecutive messages of one role are one turn, as Anthropic merges them: a user turn's
+tool_results may answer the tool_use blocks of any message of the assistant turn
+before it, from any of its own messages. Left as they are: block types
 kvroute does not convert (`document`, server-tool blocks, ...; their list grows with
 every Anthropic beta, and both converters drop them), any role string (llama-server
-templates a mid-conversation `system` message like any other), consecutive turns of
-one role (Anthropic merges them; the template takes them as they are).
+templates a mid-conversation `system` message like any other), consecutive messages of
+one role (the template takes them as they are).
 """
 
 from __future__ import annotations
@@ -118,29 +120,39 @@ def _block(block: Any, path: str, uses: set[str] | None) -> None:
                               "corresponding `tool_use` block in the previous message.")
 
 
-def _tool_use_ids(msg: JSON | None) -> set[str]:
-    """The ids a following user message's tool_result blocks may answer."""
-    content = msg.get("content") if msg is not None else None
-    if msg is None or msg.get("role") != "assistant" or not isinstance(content, list):
+def _tool_use_ids(msg: JSON) -> set[str]:
+    """The tool_use ids of an assistant message (its blocks checked already)."""
+    content = msg.get("content")
+    if not isinstance(content, list):
         return set()
-    return {b["id"] for b in content if b.get("type") == "tool_use"}  # (checked blocks)
+    return {b["id"] for b in content if b.get("type") == "tool_use"}
 
 
 def _messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise _fail("messages", "expected a non-empty array of messages")
-    previous: JSON | None = None
+    turn: str | None = None  # the role of the turn the messages so far are in
+    asked: set[str] = set()  # the tool_use ids of the last assistant turn
+    answerable: set[str] = set()  # the ids the current user turn's tool_results may answer
     for i, msg in enumerate(messages):
         path = f"messages.{i}"
         msg = _object(msg, path)
         role = _need(msg, "role", str, path)
         content = _need(msg, "content", (str, list), path)
+        if role == "system":
+            pass  # (Claude Code's environment turn may sit between them)
+        elif role == "user" and turn != "user":
+            answerable = asked if turn == "assistant" else set()
+        elif role == "assistant" and turn != "assistant":
+            asked = set()
         if isinstance(content, list):
-            uses = _tool_use_ids(previous) if role == "user" else None
+            uses = answerable if role == "user" else None
             for j, block in enumerate(content):
                 _block(block, f"{path}.content.{j}", uses)
-        if role != "system":  # (Claude Code's environment turn may sit between them)
-            previous = msg
+        if role == "assistant":
+            asked |= _tool_use_ids(msg)
+        if role != "system":
+            turn = role
 
 
 def _system(system: Any) -> None:

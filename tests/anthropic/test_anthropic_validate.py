@@ -105,6 +105,16 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
                                                  {"role": "assistant", "content": "ok"},
                                                  result("t")]},
      "messages.4.content.0: unexpected `tool_use_id`"),
+    # consecutive messages of one role are one turn: a tool_result answers the assistant
+    # turn just before its own user turn, not an earlier one
+    ("tool_result answering an earlier assistant turn", {"messages": [
+        USER, use("a"), result("a"), use("b"), result("b"), result("a")]},
+     "messages.5.content.0: unexpected `tool_use_id` found in `tool_result` blocks: a"),
+    ("tool_result after a later assistant turn", {"messages": [
+        USER, use("a"), USER, {"role": "assistant", "content": "ok"}, result("a")]},
+     "messages.4.content.0: unexpected `tool_use_id`"),
+    ("tool_result after user turns only", {"messages": [USER, USER, result("a")]},
+     "messages.2.content.0: unexpected `tool_use_id`"),
     ("tool_result in the assistant's turn", {"messages": [USER, {
         "role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
      "messages.1.content.0: a tool_result block can only be in a user message"),
@@ -206,6 +216,17 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
         {"role": "system", "content": "reminder"}, USER]}),
     ("a system turn between tool_use and tool_result", {**BASE, "messages": [
         USER, use("t"), {"role": "system", "content": "env"}, result("t")]}),
+    # consecutive messages of one role are one turn, as Anthropic merges them
+    ("tool_use, then text, in consecutive assistant messages", {**BASE, "messages": [
+        USER, use("t1"), {"role": "assistant", "content": [{"type": "text", "text": "on it"}]},
+        result("t1")]}),
+    ("tool_uses in consecutive assistant messages, answered together", {**BASE, "messages": [
+        USER, use("a"), {"role": "system", "content": "env"}, use("b"),
+        {"role": "user", "content": [result("a")["content"][0], result("b")["content"][0]]}]}),
+    ("tool_results in consecutive user messages", {**BASE, "messages": [
+        USER, use("a", "b"), result("a"), {"role": "user", "content": "and"}, result("b")]}),
+    ("a text user message before the tool_result", {**BASE, "messages": [
+        USER, use("a"), USER, result("a")]}),
 ]
 
 
