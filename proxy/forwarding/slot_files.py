@@ -11,11 +11,14 @@ also uses keeps the operator's own files, an ``index.json`` of theirs too.
 The files are the users' data, and a start keeps every one it can: an index that does not
 parse is rebuilt from the sidecars, a file the index does not name but its sidecar
 describes (kvroute stopped between the two) is taken back, and one that nothing
-describes is moved to ``kvroute-quarantine/``, never deleted. A file is removed only when
-no server could load it (truncated, no sequence-state header), when it is over the budget
-(``max_gib``: the quarantined ones first, then the oldest saves), or when it is replaced
-or refused; every removal is logged with its reason. The sidecars and the index are
-written whole or not at all (a temporary file, fsync, rename, fsync of the directory).
+describes, or that is whole but not what its record says, is moved to
+``kvroute-quarantine/``: not deleted unless the budget needs the room, and never by the
+start that put it there (each removal from it is a warning naming the file). A file is
+removed only when no server could load it (truncated, no sequence-state header), when it
+is over the budget (``max_gib``: the quarantined ones first, then the oldest saves), or
+when it is replaced or refused; every removal is logged with its reason. The sidecars
+and the index are written whole or not at all (a temporary file, fsync, rename, fsync of
+the directory).
 
 One kvroute process owns a directory: it takes an exclusive lock on ``kvroute.lock``
 there (flock; the kernel lets it go when the process ends, even by SIGKILL) before
@@ -35,10 +38,9 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,38 +48,41 @@ import structlog
 
 from backends.client import BackendDown, BadResponse
 from proxy.forwarding.slot_records import (
-    HEADER,
-    PREFIX,
-    Found,
+    INDEX,
+    QUARANTINE,
     Header,
     Saved,
     encode,
-    header,
-    read_index,
-    read_sidecar,
-    reconcile,
+    examine,
+    file_name,
+    numbered,
+    verdict,
+    write_whole,
 )
+from proxy.forwarding.slot_start import Starting
 from proxy.instance import DISK_FIX, adopt, lock
 
-__all__ = ["INDEX", "PREFIX", "QUARANTINE", "Saved", "SlotFiles", "server_error"]
+__all__ = ["SlotFiles", "server_error"]
 
-INDEX = "kvroute-index.json"
-QUARANTINE = "kvroute-quarantine"
-_NUMBERED = re.compile(rf"{PREFIX}(\d+)\.(bin|json)")
 _GAVE_UP_KEPT = 4096  # names of saves given up, remembered for the sweep
+_GIVEN_UP = "written by a save given up"
 
 
-class SlotFiles:
-    """The files of ``path``; ``counted`` hears ``index_failed``."""
+class SlotFiles(Starting):
+    """The files of ``path``; ``counted`` hears ``index_failed``. Its start (`open`,
+    `load`) is slot_start.py."""
 
     def __init__(self, path: Path, counted: Callable[[str], None]) -> None:
         self.path, self.counted = path, counted
         self.log = structlog.get_logger()
         self._lock: int | None = None
         self._index_order = asyncio.Lock()  # index writes, in the order they are asked
-        self._index_write = threading.Lock()  # (one asked for left behind in a thread)
+        # A write whose caller was cancelled runs on in its thread: the next one waits for
+        # it there, or an older index could be renamed over a newer one
+        self._index_write = threading.Lock()
+        self._writes: set[asyncio.Future[OSError | None]] = set()  # index writes under way
         self._gave_up: dict[str, None] = {}  # saves given up: the server may write later
-        self.highest = 0  # the highest id any name of the directory carries
+        self.highest = 0  # the highest id the directory's names or its index carry
         self.quarantined = 0  # files in the quarantine now
         self.tally = dict.fromkeys(("saved", "save_failed", "restore_failed", "removed",
                                     "remove_failed", "index_failed"), 0)
@@ -95,7 +100,15 @@ class SlotFiles:
             os.close(self._lock)
             self._lock = None
 
-    def size(self, file: str) -> int:
+    async def close(self) -> None:
+        """Let the directory go once no index write is under way (one left running by a
+        cancelled caller would otherwise write into a directory another kvroute owns)."""
+        while self._writes:
+            await asyncio.wait(set(self._writes))
+        self.release()
+
+    def _size(self, file: str) -> int:
+        """``file``'s bytes toward the budget (one that cannot be read takes none)."""
         try:
             return (self.path / file).stat().st_size
         except OSError:
@@ -111,6 +124,10 @@ class SlotFiles:
             (self.path / file).chmod(0o600)
 
     # ------------------------------------------------------------ what is told
+    def count(self, what: str) -> None:
+        """One more ``what`` (a key of the status) in this run."""
+        self.tally[what] += 1
+
     def failed(self, what: str, reason: str, fix: str, **fields: Any) -> None:
         """A save, restore or removal that failed: one warning, and the status's last
         failure."""
@@ -148,11 +165,11 @@ class SlotFiles:
                         "free space there, or lower kv_disk.max_gib")
         return None
 
-    def saved_as(self, got: object, want: int, held: bool, file: str, need: int,
-                 spilled: bool) -> Header | tuple[str, str]:
-        """The header of ``file``, saved by a server that answered ``got``; or why the
-        save failed, and the fix. ``want``: the tokens the router knew the slot to hold;
-        ``held``: whether it still does; ``need``: the bytes it was thought to take."""
+    def saved_as(self, got: object, held: bool, e: Saved, need: int, spilled: bool
+                 ) -> tuple[str, str] | None:
+        """Why the save of ``e`` that the server answered with ``got`` failed, and the
+        fix; None: saved, and ``e`` has the file's size and token counts. ``held``: the
+        slot still holds ``e.tokens``; ``need``: the bytes it was thought to take."""
         if isinstance(got, BackendDown):
             if got.timed_out and spilled:
                 return (f"no answer within a spill's bound: {got.reason}", "none: the "
@@ -160,23 +177,46 @@ class SlotFiles:
             return (f"no answer: {got.reason}", f"a faster disk for {self.path}" if
                     got.timed_out else "see the server's log (it went away)")
         if isinstance(got, BadResponse):
-            seen = self.diagnose(file, need)
+            seen = self.diagnose(e.file, need)
             return (f"server: {server_error(got)}" + (f"; {seen[0]}" if seen else ""),
-                    seen[1] if seen else "give the user llama-server runs as write "
+                    seen[1] if seen else "give the user llama-server runs write "
                     f"access to {self.path} (its --slot-save-path), with free space; "
                     "see the server's log")
-        if not isinstance(got, int) or got < want or not held:
+        if not isinstance(got, int) or got < len(e.tokens) // 4 or not held:
             return ("the slot's next turn took it during the save", "none: the next "
                     "save holds what it holds then")
-        if not self.size(file):
+        return self._written(e, got)
+
+    def _written(self, e: Saved, n: int) -> tuple[str, str] | None:
+        """`saved_as` once the server said it saved ``n`` tokens to ``e``'s file."""
+        try:
+            size, head = examine(self.path / e.file)
+        except FileNotFoundError:
             return (f"the server saved it, but not in {self.path}", "declare the "
                     "directory the server writes to (its --slot-save-path) as its "
                     "slot_save_path")
-        head = self.header(file)
-        if isinstance(head, str):
-            return (f"the file is not a sequence state: {head}", "a llama-server that "
-                    "writes llama.cpp's sequence state")
-        return head
+        except OSError as err:
+            return (f"cannot read the file: {err.strerror}", "give the user kvroute runs "
+                    f"read access to {self.path}")
+        if (judged := verdict(size, head, None)) is not None:
+            return (f"the file cannot be restored: {judged[1]}", "a llama-server that "
+                    "writes llama.cpp's sequence state; check the disk")
+        assert isinstance(head, Header)  # (a file with no header has a verdict)
+        e.size, e.n, e.count = size, n, head.count
+        self.private(e.file)
+        return None
+
+    # ------------------------------------------------------------ reading
+    def judge(self, e: Saved) -> tuple[str, str] | None:
+        """`verdict` on ``e``'s file as it is now, or ("keep", why): it cannot be read,
+        which says nothing of the file."""
+        try:
+            size, head = examine(self.path / e.file)
+        except FileNotFoundError:
+            return "remove", "its file is gone"
+        except OSError as err:
+            return "keep", f"cannot read the file: {err.strerror}"
+        return verdict(size, head, e)
 
     # ------------------------------------------------------------ removing
     def remove(self, file: str, reason: str, warn: bool = False) -> None:
@@ -190,8 +230,8 @@ class SlotFiles:
             self.failed("remove", f"{err.strerror}: {self.path / file}", "give the "
                         f"user kvroute runs write access to {self.path}", file=file)
             return
-        if (m := _NUMBERED.fullmatch(file)) is not None:
-            self.unlink(f"{PREFIX}{m[1]}.json")
+        if (n := numbered(file)) is not None:
+            self.unlink(file_name(n[0], "json"))
         self.tally["removed"] += 1
         (self.log.warning if warn else self.log.info)(
             "slot.file_removed", path=str(self.path), file=file, reason=reason)
@@ -199,7 +239,7 @@ class SlotFiles:
     def abandon(self, file: str) -> None:
         """A save given up: the server may have written ``file`` whole or in part, or may
         write it still (a save cancelled or timed out runs on in the server)."""
-        self.unlink(file)
+        self._remove_given_up(file)
         self._gave_up[file] = None
         while len(self._gave_up) > _GAVE_UP_KEPT:
             del self._gave_up[next(iter(self._gave_up))]
@@ -208,32 +248,36 @@ class SlotFiles:
         """Remove the files of saves given up that were written after all (no name is
         given twice: none of them is being written again)."""
         for file in [f for f in self._gave_up if (self.path / f).is_file()]:
-            self.unlink(file)
+            self._remove_given_up(file)
             del self._gave_up[file]
-            self.tally["removed"] += 1
-            self.log.info("slot.file_removed", path=str(self.path), file=file,
-                          reason="written by a save given up")
 
-    def trim(self, saved: Iterable[Saved], budget: float) -> list[int]:
+    def _remove_given_up(self, file: str) -> None:
+        try:
+            (self.path / file).unlink()
+        except OSError:  # (not written, or not yet: the sweep looks again)
+            return
+        self.tally["removed"] += 1
+        self.log.info("slot.file_removed", path=str(self.path), file=file,
+                      reason=_GIVEN_UP)
+
+    def trim(self, saved: Iterable[Saved], budget: float,
+             spare: Collection[str] = ()) -> list[int]:
         """Bring the files within ``budget`` bytes: the quarantined ones are removed
-        first (oldest first); the entries to drop, oldest first."""
+        first (oldest first), but for ``spare`` (names in the quarantine), which neither
+        count nor go; the entries to drop, oldest first."""
         by_age = sorted(saved, key=lambda e: e.saved_at)
-        aside = sorted(self._quarantined(), key=lambda p: p[1])
-        total = sum(self.size(e.file) for e in by_age) + sum(s for _, _, s in aside)
+        aside = sorted((q for q in self._quarantined() if q[0].name not in spare),
+                       key=lambda q: q[1])
+        total = sum(self._size(e.file) for e in by_age) + sum(s for _, _, s in aside)
         for path, _, size in aside:
             if total <= budget:
                 break
-            with contextlib.suppress(OSError):
-                path.unlink()
+            if self._remove_aside(path, "over the budget"):
                 total -= size
-                self.quarantined -= ".bin" in path.name
-                self.tally["removed"] += 1
-                self.log.info("slot.file_removed", path=str(self.path),
-                              file=f"{QUARANTINE}/{path.name}", reason="over the budget")
         out: list[int] = []
         while by_age and total > budget:
             oldest = by_age.pop(0)
-            total -= self.size(oldest.file)
+            total -= self._size(oldest.file)
             out.append(oldest.id)
         return out
 
@@ -248,152 +292,97 @@ class SlotFiles:
                         out.append((f, st.st_mtime, st.st_size))
         return out
 
-    def quarantine(self, file: str, reason: str) -> None:
-        """Move ``file`` (and its sidecar) aside: kept, never sent to a server."""
-        aside = self.path / QUARANTINE
+    def _remove_aside(self, path: Path, reason: str) -> bool:
+        """Remove ``path``, in the quarantine: a warning, as kvroute could not say what it
+        held; whether it is gone."""
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            self.failed("remove", f"{err.strerror}: {path}", "give the user kvroute runs "
+                        f"write access to {path.parent}", file=f"{QUARANTINE}/{path.name}")
+            return False
+        else:
+            self.tally["removed"] += 1
+            self.log.warning("slot.file_removed", path=str(self.path), reason=reason,
+                             file=f"{QUARANTINE}/{path.name}", was=str(path))
+        self.quarantined -= ".bin" in path.name
+        return True
+
+    def quarantine(self, file: str, reason: str) -> list[str]:
+        """Move ``file`` (and its sidecar) aside: kept, never sent to a server; the names
+        they have in the quarantine."""
+        aside, moved = self.path / QUARANTINE, []
+        n = numbered(file)
         try:
             aside.mkdir(mode=0o700, exist_ok=True)
-            m = _NUMBERED.fullmatch(file)
-            for name in (file, f"{PREFIX}{m[1]}.json") if m else (file,):
+            for name in (file, file_name(n[0], "json")) if n else (file,):
                 if (self.path / name).is_file():
-                    to, n = aside / name, 0
+                    to, k = aside / name, 0
                     while to.exists():
-                        n += 1
-                        to = aside / f"{name}.{n}"
+                        k += 1
+                        to = aside / f"{name}.{k}"
                     os.replace(self.path / name, to)
+                    moved.append(to.name)
                     self.quarantined += name == file
         except OSError as err:
             self.failed("remove", f"cannot move {file} to {aside}: {err.strerror}",
                         f"give the user kvroute runs write access to {self.path}",
                         file=file)
-            return
+            return moved
         self.log.warning("slot.file_quarantined", path=str(self.path), file=file,
                          reason=reason, to=str(aside), fix="see what the file is; "
                          "remove it when done (it counts toward kv_disk.max_gib)")
+        return moved
 
     # ------------------------------------------------------------ writing
-    def _replace(self, name: str, data: bytes) -> None:
-        """``name`` holds ``data``, whole, or is left as it was (OSError)."""
-        tmp = self.path / (name + ".tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path / name)
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            self.unlink(tmp.name)
-            raise
-
-    def header(self, file: str) -> Header | str:
-        """``file``'s sequence-state header, or why it has none."""
-        try:
-            with (self.path / file).open("rb") as f:
-                return header(f.read(HEADER.size))
-        except OSError as err:
-            return f"unreadable: {err.strerror}"
-
     def describe(self, e: Saved) -> str | None:
         """Write ``e``'s sidecar; why it could not be (None: written)."""
         try:
-            self._replace(e.sidecar, json.dumps(encode(e)).encode())
+            write_whole(self.path, e.sidecar, json.dumps(encode(e)).encode())
         except OSError as err:
             return f"{err.strerror}: {self.path / e.sidecar}"
         return None
 
-    def write(self, saved: Iterable[Saved]) -> None:
+    def _write(self, saved: list[Saved]) -> OSError | None:
+        """Write the index of ``saved`` (in a worker thread: it touches nothing the event
+        loop reads); why it could not be."""
         doc = json.dumps([encode(e) for e in saved]).encode()
         try:
             with self._index_write:
-                self._replace(INDEX, doc)
+                write_whole(self.path, INDEX, doc)
         except OSError as err:
-            # a full disk, the directory removed: the files serve this run all the same,
-            # and the next start finds them by their sidecars
-            seen = self.diagnose(INDEX + ".tmp")
-            self.counted("index_failed")
-            self.failed("index", f"{err.strerror}: {self.path / INDEX}",
-                        seen[1] if seen else "free space in the directory",
-                        note="the files are described by their sidecars meanwhile")
+            return err
+        return None
+
+    def _index_failed(self, err: OSError | None) -> None:
+        """Tell of an index write that failed (on the event loop). A full disk, the
+        directory removed: the files serve this run all the same, and the next start
+        finds them by their sidecars."""
+        if err is None:
+            return
+        seen = self.diagnose(INDEX + ".tmp")
+        self.counted("index_failed")
+        self.failed("index", f"{err.strerror}: {self.path / INDEX}",
+                    seen[1] if seen else "free space in the directory",
+                    note="the files are described by their sidecars meanwhile")
 
     async def commit(self, saved: Mapping[int, Saved]) -> None:
         """Write the index of ``saved`` as it is when the write starts, in a thread (an
-        fsync would hold up every request), after those asked for before."""
+        fsync would hold up every request), after those asked for before. A caller
+        cancelled leaves the write to finish (`close` waits for it)."""
         async with self._index_order:
-            entries = list(saved.values())
-            await asyncio.to_thread(self.write, entries)
+            write = asyncio.get_running_loop().run_in_executor(
+                None, self._write, list(saved.values()))
+            self._writes.add(write)
+            write.add_done_callback(self._written_index)
+            await asyncio.shield(write)
 
-    # ------------------------------------------------------------ starting
-    def load(self, budget: float) -> dict[int, Saved]:
-        """What a previous run left, reconciled with the directory (the module's
-        docstring), within ``budget`` bytes."""
-        index, unreadable = read_index(self.path / INDEX)
-        found, sidecars = self._scan()
-        plan = reconcile(index, found)
-        for file, why in plan.dropped:
-            self.log.warning("slot.entry_dropped", path=str(self.path), file=file,
-                             reason=why)
-        for file, why in plan.remove:
-            self.remove(file, why, warn=True)
-        for file, why in plan.quarantine:
-            self.quarantine(file, why)
-        for i in plan.describe:
-            if (why := self.describe(plan.keep[i])) is not None:
-                self.log.warning("slot.sidecar_failed", path=str(self.path),
-                                 file=plan.keep[i].file, reason=why)
-        for i in sorted(plan.keep.keys() - index.keys()) if index is not None else ():
-            self.log.info("slot.file_adopted", path=str(self.path), file=plan.keep[i].file,
-                          reason="the index does not name it; its sidecar describes it")
-        for name in sidecars:
-            if not (self.path / name.replace(".json", ".bin")).exists():
-                self.unlink(name)  # (its file is gone)
-        self.quarantined = sum(".bin" in p.name for p, _, _ in self._quarantined())
-        if unreadable or (index is None and found):
-            self.log.warning("slot.index_rebuilt", path=str(self.path),
-                             reason=unreadable or "no index", kept=len(plan.keep),
-                             quarantined=len(plan.quarantine), removed=len(plan.remove))
-        for i in self.trim(plan.keep.values(), budget):
-            self.remove(plan.keep.pop(i).file, "over the budget")
-        if (plan.keep.keys() != (index or {}).keys() or plan.describe or unreadable
-                or (index is None and found)):
-            self.write(plan.keep.values())
-        return plan.keep
-
-    def _scan(self) -> tuple[list[Found], set[str]]:
-        """The slot files of the directory, and the names of its sidecars (kvroute's
-        temporary files left by a stop mid-write are removed; a file that cannot be
-        read is left alone)."""
-        found, sidecars = [], set()
-        names = sorted(os.listdir(self.path))
-        aside: list[str] = []
-        with contextlib.suppress(OSError):
-            aside = os.listdir(self.path / QUARANTINE)
-        self.highest = max((int(m[1]) for n in names + aside
-                            if (m := re.match(rf"{PREFIX}(\d+)\.", n))), default=0)
-        for name in names:
-            where, m = self.path / name, _NUMBERED.fullmatch(name)
-            if name.startswith(PREFIX) and name.endswith(".tmp"):
-                self.unlink(name)
-            elif m is not None and m[2] == "json":
-                sidecars.add(name)
-            elif name.startswith(PREFIX) and name.endswith(".bin") and where.is_file():
-                try:
-                    with where.open("rb") as f:
-                        head, size = f.read(HEADER.size), os.fstat(f.fileno()).st_size
-                except OSError as err:
-                    self.log.warning("slot.file_unreadable", path=str(self.path),
-                                     file=name, reason=err.strerror, fix="give the user "
-                                     f"kvroute runs read access to {where}")
-                    continue
-                found.append(Found(name, int(m[1]) if m else None, size, header(head),
-                                   read_sidecar(self.path / f"{PREFIX}{m[1]}.json")
-                                   if m else "no sidecar"))
-        return found, sidecars
+    def _written_index(self, write: asyncio.Future[OSError | None]) -> None:
+        self._writes.discard(write)
+        if not write.cancelled() and write.exception() is None:
+            self._index_failed(write.result())
 
 
 def server_error(got: BadResponse) -> str:

@@ -17,7 +17,10 @@ from its header when it was saved.
 
 `reconcile` decides, from the index, the files and their sidecars, what is kept, what is
 put aside (quarantined: kvroute cannot say what it holds, an operator may), and what is
-removed: only a file proven unusable (no server loads it) is.
+removed: only a file proven unusable (no server loads it) is. Where the index and a
+sidecar disagree about a file, the newer record describes it (an index left stale by a
+failed write names an older save under the same id), and a file that does not fit it is
+put aside, never removed on the strength of a record that may be the wrong one.
 """
 
 from __future__ import annotations
@@ -25,12 +28,19 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
+import re
 import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 PREFIX = "kvroute-"
+INDEX = "kvroute-index.json"
+QUARANTINE = "kvroute-quarantine"
+# A slot file's name, or its sidecar's; a name moved to the quarantine may carry a suffix
+NUMBERED = re.compile(rf"{PREFIX}(\d+)\.(bin|json)")
 MAGIC = 0x67677371  # LLAMA_STATE_SEQ_MAGIC, 'ggsq'
 HEADER = struct.Struct("<III")  # magic, version, token count
 
@@ -49,11 +59,30 @@ class Saved:
 
     @property
     def file(self) -> str:
-        return f"{PREFIX}{self.id}.bin"
+        return file_name(self.id)
 
     @property
     def sidecar(self) -> str:
-        return f"{PREFIX}{self.id}.json"
+        return file_name(self.id, "json")
+
+
+def file_name(i: int, kind: str = "bin") -> str:
+    """The name of slot file ``i`` (``kind`` "bin"), or of its sidecar ("json")."""
+    return f"{PREFIX}{i}.{kind}"
+
+
+def numbered(name: str) -> tuple[int, str] | None:
+    """(id, "bin" | "json") of a slot file's or a sidecar's name; None for another."""
+    m = NUMBERED.fullmatch(name)
+    return None if m is None else (int(m[1]), m[2])
+
+
+def highest(names: Iterable[str], index: Mapping[int, Saved] | None) -> int:
+    """The highest id ``names`` (the directory's and its quarantine's) or ``index`` carry.
+    The index counts even for a file that is gone: an index whose rewrite failed still
+    names it, and a new save under that id would be judged by the old entry."""
+    return max([int(m[1]) for n in names if (m := NUMBERED.match(n))] + [*(index or ())],
+               default=0)
 
 
 def encode(e: Saved) -> dict[str, Any]:
@@ -128,6 +157,35 @@ def header(head: bytes) -> Header | str:
     return Header(version, count)
 
 
+def examine(path: Path) -> tuple[int, Header | str]:
+    """The size of the file at ``path`` and its header (or why it has none); OSError
+    when it cannot be read."""
+    with path.open("rb") as f:
+        return os.fstat(f.fileno()).st_size, header(f.read(HEADER.size))
+
+
+def write_whole(directory: Path, name: str, data: bytes) -> None:
+    """``directory``'s ``name`` holds ``data``, whole, or is left as it was (OSError): a
+    temporary file, fsync, rename, fsync of the directory."""
+    tmp = directory / (name + ".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 @dataclass(frozen=True)
 class Found:
     """A slot file of the directory: ``id`` None when its name is not one kvroute gives;
@@ -149,43 +207,43 @@ class Plan:
     dropped: list[tuple[str, str]] = field(default_factory=list)  # index entries: (file, why)
 
 
-def verdict(size: int, head: Header | str, e: Saved) -> tuple[str, str] | None:
-    """None: the file can be sent to a server as ``e``; else ("remove" | "quarantine",
-    why). Removed only when no server loads it: no header, or fewer bytes than it had
-    (a server aborts on a truncated file). Quarantined when it is whole but not what
-    ``e`` says (another file under that name)."""
+def verdict(size: int, head: Header | str, e: Saved | None) -> tuple[str, str] | None:
+    """None: the file can be sent to a server (as ``e``; None: a file just saved, known by
+    itself alone); else ("remove" | "quarantine", why). Removed only when no server loads
+    it: no header, or fewer bytes than it had (a server aborts on a truncated file).
+    Quarantined when it is whole but not what ``e`` says (another file under that name)."""
     if isinstance(head, str):
         return "remove", f"header: {head}"
-    if size < e.size:
+    if e is not None and size < e.size:
         return "remove", f"truncated: {size} of the {e.size} bytes the server wrote"
     if size < HEADER.size + 4 * head.count:
         return "remove", f"truncated: {size} bytes, its header says {head.count} tokens"
-    if size > e.size:
+    if e is not None and size > e.size:
         return "quarantine", f"{size} bytes, the server wrote {e.size}"
-    if e.count and head.count != e.count:
+    if e is not None and e.count and head.count != e.count:
         return "quarantine", f"its header says {head.count} tokens, its record {e.count}"
     return None
 
 
 def reconcile(index: dict[int, Saved] | None, found: list[Found]) -> Plan:
     """What to keep of ``found`` (the directory's slot files): each file is described by
-    its entry in ``index`` (None: no index could be read), else by its sidecar; one that
-    neither describes is quarantined. An entry whose file is not found is dropped."""
+    the newer of its entry in ``index`` (None: no index could be read) and its sidecar;
+    one that neither describes is quarantined. An entry whose file is not found is
+    dropped."""
     plan = Plan()
     ids = {f.id for f in found}
     for i, e in (index or {}).items():
         if i not in ids:
             plan.dropped.append((e.file, "its file is gone"))
     for f in found:
-        side = f.sidecar if isinstance(f.sidecar, Saved) else None
-        e = (index or {}).get(f.id) if f.id is not None else None
-        if e is None and side is not None and side.id == f.id:
-            e = side
+        side = f.sidecar if isinstance(f.sidecar, Saved) and f.sidecar.id == f.id else None
+        entry = (index or {}).get(f.id) if f.id is not None else None
+        e = _newer(entry, side)
         if e is None:
             why = f.sidecar if isinstance(f.sidecar, str) else "its sidecar names another file"
             plan.quarantine.append((f.name, f"no index entry, and {why}"))
             continue
-        judged = verdict(f.size, f.header, e)
+        judged = _judge_found(f, e, disagree=None not in (entry, side) and entry != side)
         if judged is not None:
             kind, why = judged
             (plan.remove if kind == "remove" else plan.quarantine).append((f.name, why))
@@ -196,3 +254,20 @@ def reconcile(index: dict[int, Saved] | None, found: list[Found]) -> Plan:
         if side != e:
             plan.describe.append(e.id)
     return plan
+
+
+def _newer(entry: Saved | None, side: Saved | None) -> Saved | None:
+    """The record that describes a file: its sidecar, written at each save before the
+    index, unless its index entry is the newer one."""
+    if entry is None or side is None:
+        return entry or side
+    return entry if entry.saved_at > side.saved_at else side
+
+
+def _judge_found(f: Found, e: Saved, disagree: bool) -> tuple[str, str] | None:
+    """`verdict` on ``f`` as ``e``; ``disagree``: its two records differ, and then only
+    the file itself proves it unusable (its header): else it is put aside."""
+    judged = verdict(f.size, f.header, e)
+    if judged is None or not disagree or verdict(f.size, f.header, None) is not None:
+        return judged
+    return "quarantine", f"{judged[1]}; its index entry and its sidecar disagree"

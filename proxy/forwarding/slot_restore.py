@@ -2,16 +2,30 @@
 the same model, for a request about to use that slot (`restore_into`), and into a backend
 that (re)started, before it is routed (`restore`). A mixin of SlotStore (slot_store.py),
 whose state it reads: what each side owns is told there.
+
+A file is judged before it is sent, by the rule a start judges it by (slot_records
+`verdict`): one no server loads is dropped (truncated: the server aborts on it, a
+GGML_ASSERT in llama_state_seq_load_file, and every restart would die on it again), one
+whole but not what its record says is put aside, one that cannot be read is kept. A file
+the server refuses (it answered that it cannot restore it: another build, more tokens than
+its context) is dropped and counted, and the slot starts empty. Any other answer (a 503
+while it loads a model, a 5xx) says nothing of the file, nor does no answer (down,
+restarting, hung, a timeout on a busy server): the file is kept for the server's next
+start. But a server that goes away (its connection refused, reset or closed) during the
+same file's restore twice within `STRIKE_WINDOW_S` is taken to be brought down by it, and
+the file is dropped.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from backends.client import BackendClient, BackendDown, BadResponse
 from backends.info import BackendInfo
-from proxy.forwarding.slot_files import Saved, SlotFiles, server_error
+from proxy.forwarding.slot_files import SlotFiles, server_error
+from proxy.forwarding.slot_records import Saved
 from proxy.routing.router import Router
 
 # A restore reads its file whole into the server's KV, in the server's loop: allow the loop
@@ -20,6 +34,13 @@ from proxy.routing.router import Router
 # server takes its tasks in order, so the restore, if it ever runs, still comes first.
 RESTORE_BASE_S = 5.0
 RESTORE_BYTES_PER_S = 100 * (1 << 20)
+# Two restores of one file that the server went away during, this close together: the
+# file brings it down (a server restarted at once, crash-looping at the supervisor's
+# longest backoff, loading a large model). Further apart, they are two unrelated deaths.
+STRIKE_WINDOW_S = 900.0
+# llama-server's answer to a file it cannot restore (server-context.cpp, its slot restore
+# task: 400 "Unable to restore slot: ..."); its other 400s are of the request (the slot id)
+_REFUSED_STATUS, _REFUSED = 400, "Unable to restore slot"
 
 
 class Restoring:
@@ -30,10 +51,11 @@ class Restoring:
     models: dict[str, str]
     counted: Callable[[str], None]
     log: Any
-    _strikes: dict[int, int]
+    _strikes: dict[int, float]
+    strike_window_s: float
     _model_of: Callable[[BackendInfo], Awaitable[str | None]]  # (SlotStore)
     _client: Callable[[BackendInfo, float], BackendClient]  # (SlotStore)
-    _drop: Callable[[int, str, bool], None]  # (SlotStore)
+    _drop: Callable[[int, str, bool, bool], None]  # (SlotStore)
     router_of: Callable[[str], Router | None]
 
     def has(self, backend: str) -> bool:
@@ -47,38 +69,62 @@ class Restoring:
         return max(mine, key=lambda e: e.saved_at, default=None)
 
     async def _restore(self, info: BackendInfo, slot: int, e: Saved) -> bool | None:
-        """Restore ``e`` into ``info``'s ``slot``: True; False: refused, ``e`` is
-        dropped; None: no answer (the server is down or hung)."""
-        size = self.files.size(e.file)
-        if size != e.size:
-            got: object = f"the file is {size} bytes, the server wrote {e.size}"
-        else:
-            timeout = RESTORE_BASE_S + e.size / RESTORE_BYTES_PER_S
-            got = await self._client(info, timeout).slot_file(slot, "restore", e.file)
-            if isinstance(got, int) and got >= len(e.tokens) // 4:
-                self._strikes.pop(e.id, None)
-                self.counted("restored")
-                return True
-        down = isinstance(got, BackendDown)
-        strikes = self._strikes.get(e.id, 0) + 1
-        reason, fix = restore_trouble(got, len(e.tokens) // 4, down and strikes < 2)
-        self.files.failed("restore", reason, fix, backend=info.name, slot=slot,
-                          file=e.file)
-        if down and strikes < 2:
-            self._strikes[e.id] = strikes  # once says nothing of the file
-            self.counted("restore_interrupted")
-            return None
-        self.counted("restore_failed")
-        # else chosen again (and, if it brings the server down, again)
-        self._drop(e.id, f"restore failed: {reason}", True)
-        return None if down else False
+        """Restore ``e`` into ``info``'s ``slot``: True; False: not restored (refused, or
+        not sent: the module's docstring says what becomes of ``e``); None: the server
+        did not restore it, nor say anything of the file (down, hung, not ready)."""
+        judged = self.files.judge(e)
+        if judged is not None:
+            self._unusable(info, slot, e, *judged)
+            return False
+        timeout = RESTORE_BASE_S + e.size / RESTORE_BYTES_PER_S
+        got = await self._client(info, timeout).slot_file(slot, "restore", e.file)
+        if isinstance(got, int) and got >= len(e.tokens) // 4:
+            self._strikes.pop(e.id, None)
+            self.counted("restored")
+            return True
+        if isinstance(got, int) or refused(got):
+            self._failed(info, slot, e, restore_trouble(got, len(e.tokens) // 4, False))
+            return False
+        kept = not self._struck(e, got)
+        self._failed(info, slot, e, restore_trouble(got, len(e.tokens) // 4, kept), kept)
+        return None
+
+    def _struck(self, e: Saved, got: object) -> bool:
+        """Is this the second restore of ``e`` the server went away during within
+        ``strike_window_s``? A timeout is no strike: it is a busy or hung server."""
+        if not isinstance(got, BackendDown) or got.timed_out:
+            return False
+        now, last = time.monotonic(), self._strikes.get(e.id)
+        self._strikes[e.id] = now
+        return last is not None and now - last <= self.strike_window_s
+
+    def _unusable(self, info: BackendInfo, slot: int, e: Saved, kind: str, why: str) -> None:
+        """``e``'s file judged not to be sent (`SlotFiles.judge`): ``kind`` "remove" (no
+        server loads it), "quarantine" (not what ``e`` says), "keep" (cannot be read)."""
+        fix = {"remove": "none for this file (dropped: no server could load it); if it "
+                         "recurs, check the disk (full? files copied in part?)",
+               "quarantine": "see what the file is, in the quarantine (it counts toward "
+                             "kv_disk.max_gib)",
+               "keep": f"give the user kvroute runs read access to {self.files.path}"}[kind]
+        self._failed(info, slot, e, (why, fix), kept=kind == "keep",
+                     aside=kind == "quarantine")
+
+    def _failed(self, info: BackendInfo, slot: int, e: Saved, trouble: tuple[str, str],
+                kept: bool = False, aside: bool = False) -> None:
+        """A restore of ``e`` that failed: logged, counted, and ``e`` dropped unless
+        ``kept`` (``aside``: its file put in the quarantine)."""
+        self.files.failed("restore", *trouble, backend=info.name, slot=slot, file=e.file)
+        self.counted("restore_interrupted" if kept else "restore_failed")
+        if not kept:
+            self._drop(e.id, f"restore failed: {trouble[0]}", True, aside)
 
     async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool:
         """Restore ``file`` into ``info``'s ``slot`` (a request is about to be sent there,
         predicted to reuse it): True. False: not restored, and the request is a prefill
         as far as anyone knows (the server clears the slot on a refusal; after no answer
-        what it holds is unknown; a file gone meanwhile or of another model was not
-        sent, and the slot holds what it held: reused, if at all, beyond prediction).
+        what it holds is unknown; a file gone meanwhile, judged unfit to send or of
+        another model was not sent, and the slot holds what it held: reused, if at all,
+        beyond prediction).
         """
         e = next((e for e in self.saved.values() if e.file == file), None)
         model = None if e is None else await self._model_of(info)
@@ -146,6 +192,12 @@ class Restoring:
         return r is not None and r.vacant(info.name, slot)
 
 
+def refused(got: object) -> bool:
+    """Did the server answer that it cannot restore the file?"""
+    return isinstance(got, BadResponse) and got.status == _REFUSED_STATUS and \
+        server_error(got).startswith(_REFUSED)
+
+
 def restore_trouble(got: object, want: int, kept: bool) -> tuple[str, str]:
     """Why a restore of a file of ``want`` tokens that answered ``got`` failed, and the
     fix; ``kept``: the file is kept for the server's next start."""
@@ -154,10 +206,9 @@ def restore_trouble(got: object, want: int, kept: bool) -> tuple[str, str]:
                 "start" if kept else "see the server's log: it went away during this "
                 "file's restore twice (the file is dropped)")
     if isinstance(got, BadResponse):
-        return (f"server: {server_error(got)}", "none for this file (dropped); if every "
-                "restore fails, run one llama-server build and model per directory")
-    if isinstance(got, int):
-        return (f"the server restored {got} tokens, its record says {want}", "none "
-                "for this file (dropped)")
-    return (str(got), "none for this file (dropped: a server aborts on a truncated "
-            "one); if it recurs, check the disk (full? files copied in part?)")
+        return (f"server: {server_error(got)}", "none: the file waits for the server's "
+                "next start; see the server's log" if kept else "none for this file "
+                "(dropped); if every restore fails, run one llama-server build and model "
+                "per directory")
+    return (f"the server restored {got} tokens, its record says {want}", "none for this "
+            "file (dropped)")

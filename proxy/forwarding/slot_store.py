@@ -27,19 +27,13 @@ been restarted with another model between two health probes: it is asked again b
 each save and restore (a restore into a server of another model is refused and counted
 `foreign`). A file of another model than its backend's is kept, for its own model (a
 configuration switched back finds it), within the budget (`max_gib`, per directory)
-that ages it out otherwise, and counted `foreign` when that backend starts. A file the
-server refuses (it answered, and said no: another build, a short count) is dropped and
-counted, and the slot starts empty. A server that does not answer (down, restarting,
-hung) says nothing of the file, which is kept for its next start; but one that goes away
-during the same file's restore twice in a row is taken to be brought down by it, and the
-file is dropped. A file whose size is not what the server wrote is dropped without being
-sent: the server aborts on a truncated one (a GGML_ASSERT in llama_state_seq_load_file),
-and every restart would die on it again. Events counted: saved, spilled, save_failed,
-restored, restore_failed, restore_interrupted, foreign, index_failed. Each failed save,
-restore and removal is also a warning in the log, with its reason and the fix (the
-server's own error when it gave one; what kvroute sees of the directory: missing, not
-writable, full), and each directory's counts and last failure are in the status
-(SlotFiles.status).
+that ages it out otherwise, and counted `foreign` when that backend starts. What a
+failed restore costs its file is slot_restore.py's to say. Events counted: saved, spilled,
+save_failed, restored, restore_failed, restore_interrupted, foreign, index_failed. Each
+failed save, restore and removal is also a warning in the log, with its reason and the
+fix (the server's own error when it gave one; what kvroute sees of the directory:
+missing, not writable, full), and each directory's counts and last failure are in the
+status (SlotFiles.status).
 """
 
 from __future__ import annotations
@@ -56,10 +50,10 @@ from backends.client import BackendClient
 from backends.config import KvDiskConfig
 from backends.info import BackendInfo
 from proxy.config.disk import MAX_DIRECTORIES
-from proxy.forwarding.slot_files import Saved, SlotFiles
+from proxy.forwarding.slot_files import SlotFiles
 from proxy.forwarding.slot_identity import reported_identity, reported_model
-from proxy.forwarding.slot_records import Header
-from proxy.forwarding.slot_restore import Restoring
+from proxy.forwarding.slot_records import Saved
+from proxy.forwarding.slot_restore import STRIKE_WINDOW_S, Restoring
 from proxy.routing.router import Router
 
 __all__ = ["SlotStore"]
@@ -101,12 +95,11 @@ class SlotStore(Restoring):
         assert 0 <= number < _DIRS
         self.cfg, self.session, self.counted, self.number = cfg, session, counted, number
         self.files = SlotFiles(cfg.path, counted)
-        self.files.claim()  # (before the index is read: another kvroute's may be written)
         self.routers = [routers] if isinstance(routers, Router) else list(routers)
         only = self.routers[0] if len(self.routers) == 1 else None
         self.router_of = router_of or (lambda _: only)
         self.log = structlog.get_logger()
-        self.saved: dict[int, Saved] = self.files.load(cfg.max_gib * (1 << 30))
+        self.saved: dict[int, Saved] = self.files.open(cfg.max_gib * (1 << 30))
         self._next = max(self.files.highest, *self.saved, 0) + 1  # (no name given twice)
         # backend -> the identity of its model when it last became ready (backend_ready)
         self.models: dict[str, str] = {}
@@ -117,7 +110,9 @@ class SlotStore(Restoring):
         self._asking: dict[str, asyncio.Task[None]] = {}  # external backend -> its ask
         self.identity_retry_s = _IDENTITY_RETRY_S
         self._offered: dict[int, frozenset[str]] = {}  # entry -> who the router offers it to
-        self._strikes: dict[int, int] = {}  # entry -> restores the server went away during
+        # entry -> when the server last went away during its restore (slot_restore)
+        self._strikes: dict[int, float] = {}
+        self.strike_window_s = STRIKE_WINDOW_S
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
         # (backend, slot) -> what the slot held when its last turn ended, until saved
         self._unsaved: dict[tuple[str, int], bytes] = {}
@@ -328,18 +323,13 @@ class SlotStore(Restoring):
         began = time.monotonic()
         try:
             got = await client.slot_file(slot, "save", entry.file)
-            outcome = self.files.saved_as(
-                got, len(tokens) // 4, still_held(), entry.file,
+            trouble = self.files.saved_as(
+                got, still_held(), entry,
                 len(tokens) // 4 * (info.kv_bytes_per_token or 0), spilled)
             took = time.monotonic() - began
-            trouble = None if isinstance(outcome, Header) else outcome
-            if isinstance(outcome, Header) and isinstance(got, int):
-                entry.size, entry.n = self.files.size(entry.file), got
-                entry.count = outcome.count
-                self.files.private(entry.file)
-                if (why := await asyncio.to_thread(self.files.describe, entry)) is not None:
-                    trouble = (f"cannot write its sidecar: {why}",
-                               f"free space in {self.cfg.path}")
+            if trouble is None and (
+                    why := await asyncio.to_thread(self.files.describe, entry)) is not None:
+                trouble = (f"cannot write its sidecar: {why}", f"free space in {self.cfg.path}")
         except BaseException:  # (cancelled: the server may write it still)
             self.files.abandon(entry.file)
             raise
@@ -360,7 +350,7 @@ class SlotStore(Restoring):
         self._offer(entry)
         self._enforce_budget()
         await self.files.commit(self.saved)
-        self.files.tally["saved"] += 1
+        self.files.count("saved")
         self.counted("spilled" if spilled else "saved")
         self.log.info("slot.saved", backend=info.name, slot=slot, tokens=len(tokens) // 4,
                       spilled=spilled, ms=round(took * 1000, 1))
@@ -370,17 +360,21 @@ class SlotStore(Restoring):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.files.release()
+        await self.files.close()
 
-    def _drop(self, entry_id: int, reason: str, lost: bool = False) -> None:
+    def _drop(self, entry_id: int, reason: str, lost: bool = False,
+              aside: bool = False) -> None:
         """Forget entry ``entry_id`` and remove its file, logged with ``reason`` (``lost``:
-        a file that could not be used, not one replaced or aged out)."""
+        a file that could not be used, not one replaced or aged out; ``aside``: moved to
+        the quarantine instead, a file whole but not what its record says)."""
         entry = self.saved.pop(entry_id, None)
         self._offered.pop(entry_id, None)
         self._strikes.pop(entry_id, None)
         for r in self.routers:
             r.disk_drop(self._key(entry_id))
-        if entry is not None:
+        if entry is not None and aside:
+            self.files.quarantine(entry.file, reason)
+        elif entry is not None:
             self.files.remove(entry.file, reason, warn=lost)
 
     def _enforce_budget(self) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 import aiohttp
 
 from backends.config import BackendConfig, ExternalBackendConfig, KvDiskConfig
-from proxy.config.fields import ConfigError
 from proxy.forwarding.slot_store import SlotStore
 from proxy.routing.router import Router
 
@@ -61,7 +60,7 @@ class DiskTier:
             try:
                 store = SlotStore(replace(kv_disk, path=path), session, routers, counted,
                                   router_of, number=number)
-            except ConfigError:  # (another kvroute's: let go of those taken already)
+            except BaseException:  # (another kvroute's, unreadable: let go of those taken)
                 for taken in self.stores:
                     taken.files.release()
                 raise

@@ -1,8 +1,9 @@
 """The disk tier's own files, without a llama-server: what a save that loses its race leaves
 (a fake backend: the slot's next turn must start during the save, a moment a real server
-cannot be made to hit), what a server that dies during a restore costs, what a damaged
-index keeps, and the budget's bounds. The fake backend writes files as llama-server does
-(a sequence-state header, then the state)."""
+cannot be made to hit), what a server that dies or errs during a restore costs, what a
+file unfit to send costs, what a damaged index keeps, that a stop waits for the index
+write under way, and the budget's bounds. The fake backend writes files as llama-server
+does (a sequence-state header, then the state), and answers errors in its shape."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import asyncio
 import base64
 import json
 import math
+import os
 import struct
+import threading
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,9 +29,9 @@ from structlog.testing import capture_logs
 from backends.config import KvDiskConfig
 from backends.info import BackendInfo
 from proxy.forwarding.health import capacity
-from proxy.forwarding.slot_files import INDEX, QUARANTINE
-from proxy.forwarding.slot_records import MAGIC
+from proxy.forwarding.slot_records import INDEX, MAGIC, QUARANTINE
 from proxy.forwarding.slot_store import SlotStore
+from proxy.instance import DISK_FIX, InUse, lock
 from proxy.routing.router import Router
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,8 +85,8 @@ def slot_files(path: Path) -> set[str]:
 
 async def test_a_save_that_loses_its_race_leaves_no_file(tmp_path: Path) -> None:
     """The slot's next turn starts while the server writes the file: the save is counted
-    failed, logged with its reason, and its file removed. The server writing that file
-    again after kvroute gave up on it (a save cancelled or timed out runs on in the
+    failed, logged with its reason, and its file removed, logged. The server writing that
+    file again after kvroute gave up on it (a save cancelled or timed out runs on in the
     server) has it removed at the next save; a file kvroute did not write is left."""
     disk = KvDiskConfig(tmp_path, save_after_idle_s=0, min_tokens=10)
     router = Router()
@@ -93,8 +96,6 @@ async def test_a_save_that_loses_its_race_leaves_no_file(tmp_path: Path) -> None
         (tmp_path / filename).write_bytes(state_file(ids(0, 600)))
         if slot == 0:  # the next turn arrives and is given this slot
             router.decide(ids(1000, 620))
-            asyncio.get_running_loop().call_later(  # and the server writes it again late
-                0.2, (tmp_path / filename).write_bytes, state_file(ids(0, 600)))
 
     async with slots_server(on_save) as url, aiohttp.ClientSession() as session:
         info = info_at(url)
@@ -113,20 +114,33 @@ async def test_a_save_that_loses_its_race_leaves_no_file(tmp_path: Path) -> None
         assert (failed["log_level"], failed["slot"]) == ("warning", 0)
         assert "next turn" in failed["reason"] and failed["fix"]
         assert store.files.status()["save_failed"] == 1
-        await until(lambda: slot_files(tmp_path) == {failed["file"]}, 10)  # written late
+        assert slot_files(tmp_path) == set()
+        given_up = ("slot.file_removed", failed["file"], "written by a save given up")
+        assert [(e["event"], e.get("file"), e.get("reason")) for e in logs
+                if e["event"] == "slot.file_removed"] == [given_up]
+        # the server writes it again, late
+        (tmp_path / failed["file"]).write_bytes(state_file(ids(0, 600)))
 
         (tmp_path / "kvroute-77.bin").write_bytes(b"theirs")  # not a file kvroute wrote
-        store.note(info, 1)
-        await until(lambda: "saved" in events, 10)
+        with capture_logs() as logs:
+            store.note(info, 1)
+            await until(lambda: "saved" in events, 10)
         (kept,) = store.saved.values()
         assert slot_files(tmp_path) == {kept.file, "kvroute-77.bin"}
         assert store.files.status()["saved"] == 1
+        assert [(e["event"], e.get("file"), e.get("reason")) for e in logs
+                if e["event"] == "slot.file_removed"] == [given_up]
+        await store.close()
 
 
-async def test_a_file_the_server_dies_on_twice_is_dropped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("apart", [False, True])
+async def test_a_file_the_server_dies_on_twice_is_dropped(tmp_path: Path,
+                                                          apart: bool) -> None:
     """The server goes away during a restore (its process died): the file is kept, it may
     not be the file's doing. The same again on that file: the file is taken to bring the
-    server down, and dropped; else every restart of the backend would die on it."""
+    server down, and dropped; else every restart of the backend would die on it. Not so
+    when the two are further apart than `strike_window_s` (``apart``: two deaths hours
+    apart say nothing of the file)."""
     (tmp_path / INDEX).write_text(json.dumps([entry(1)]))
     (tmp_path / "kvroute-1.bin").write_bytes(state_file(ids(100, 50)))
     events: list[str] = []
@@ -137,11 +151,151 @@ async def test_a_file_the_server_dies_on_twice_is_dropped(tmp_path: Path) -> Non
 
     async with slots_server(dies) as url, aiohttp.ClientSession() as session:
         store = SlotStore(KvDiskConfig(tmp_path), session, Router(), events.append)
+        if apart:
+            store.strike_window_s = 0.0
         store.backend_ready("a", MODEL)
         assert await store.restore(info_at(url)) == []
         assert events == ["restore_interrupted"] and slot_files(tmp_path) == {"kvroute-1.bin"}
         assert await store.restore(info_at(url)) == []
-        assert events[1:] == ["restore_failed"] and slot_files(tmp_path) == set()
+        if apart:
+            assert events[1:] == ["restore_interrupted"] and store.has("a")
+            assert slot_files(tmp_path) == {"kvroute-1.bin"}
+        else:
+            assert events[1:] == ["restore_failed"] and slot_files(tmp_path) == set()
+        await store.close()
+
+
+@pytest.mark.parametrize("error,message,type_", [
+    (web.HTTPServiceUnavailable, "Loading model", "unavailable_error"),
+    (web.HTTPInternalServerError, "failed to allocate a buffer", "server_error"),
+    (web.HTTPBadRequest, "Invalid slot ID", "invalid_request_error")])
+async def test_an_answer_that_is_no_refusal_of_the_file_keeps_it(
+        tmp_path: Path, error: type[web.HTTPError], message: str, type_: str) -> None:
+    """The server answers a restore with an error that says nothing of the file (in
+    llama-server's shape): the file is kept, and the rest of the backend's slots wait
+    for its next start."""
+    (tmp_path / INDEX).write_text(json.dumps([entry(1), entry(2)]))
+    for i in (1, 2):
+        (tmp_path / f"kvroute-{i}.bin").write_bytes(state_file(ids(100 * i, 50)))
+    events: list[str] = []
+    asked: list[str] = []
+
+    async def fails(_: web.Request, _slot: int, filename: str) -> None:
+        asked.append(filename)
+        raise error(text=json.dumps({"error": {"code": error.status_code, "message": message,
+                                               "type": type_}}),
+                    content_type="application/json")
+
+    async with slots_server(fails) as url, aiohttp.ClientSession() as session:
+        store = SlotStore(KvDiskConfig(tmp_path), session, Router(), events.append)
+        store.backend_ready("a", MODEL)
+        with capture_logs() as logs:
+            assert await store.restore(info_at(url)) == []
+        assert events == ["restore_interrupted"] and len(asked) == 1
+        assert sorted(store.saved) == [1, 2]
+        assert slot_files(tmp_path) == {"kvroute-1.bin", "kvroute-2.bin"}
+        (failed,) = [e for e in logs if e["event"] == "slot.restore_failed"]
+        assert failed["reason"] == f"server: {message}"
+        assert not [e for e in logs if e["event"] == "slot.file_removed"]
+        await store.close()
+
+
+@pytest.mark.parametrize("fault", ["unreadable", "longer"])
+async def test_a_file_judged_unfit_to_send_is_not_removed(tmp_path: Path,
+                                                          fault: str) -> None:
+    """``unreadable``: a file the restore cannot even stat (a symbolic link loop in its
+    place; as root nothing else refuses a read), which says nothing of the file: kept,
+    entry and all. ``longer``: whole, but longer than the server wrote it (another file
+    under its name): put aside, as a start would. Neither is sent."""
+    (tmp_path / INDEX).write_text(json.dumps([entry(1)]))
+    (tmp_path / "kvroute-1.bin").write_bytes(state_file(ids(100, 50)))
+    events: list[str] = []
+    asked: list[str] = []
+
+    async def on_restore(_: web.Request, _slot: int, filename: str) -> None:
+        asked.append(filename)
+
+    async with slots_server(on_restore) as url, aiohttp.ClientSession() as session:
+        store = SlotStore(KvDiskConfig(tmp_path), session, Router(), events.append)
+        store.backend_ready("a", MODEL)
+        where = tmp_path / "kvroute-1.bin"
+        if fault == "unreadable":
+            where.unlink()
+            where.symlink_to(where.name)
+        else:
+            where.write_bytes(state_file(ids(100, 50)) + b"more")
+        with capture_logs() as logs:
+            assert await store.restore(info_at(url)) == []
+        assert asked == [] and not [e for e in logs if e["event"] == "slot.file_removed"]
+        (failed,) = [e for e in logs if e["event"] == "slot.restore_failed"]
+        if fault == "unreadable":
+            assert events == ["restore_interrupted"] and store.has("a")
+            assert where.is_symlink()
+            assert failed["reason"] == "cannot read the file: Too many levels of symbolic links"
+        else:
+            assert events == ["restore_failed"] and not store.has("a")
+            assert slot_files(tmp_path / QUARANTINE) == {where.name}
+            assert failed["reason"] == f"{len(state_file(ids(100, 50))) + 4} bytes, the " \
+                f"server wrote {len(state_file(ids(100, 50)))}"
+        await store.close()
+
+
+async def test_a_save_no_server_could_restore_is_given_up(tmp_path: Path) -> None:
+    """The server says it saved the slot, but the file is shorter than its own header says
+    (a disk that filled up during the write): the save fails, as a start would judge the
+    file, and the file is removed."""
+    disk = KvDiskConfig(tmp_path, save_after_idle_s=0, min_tokens=10)
+    events: list[str] = []
+
+    async def on_save(_: web.Request, _slot: int, filename: str) -> None:
+        (tmp_path / filename).write_bytes(state_file(ids(0, 600))[:1000])
+
+    async with slots_server(on_save) as url, aiohttp.ClientSession() as session:
+        info, router = info_at(url), Router()
+        router.add_backend(capacity(info))
+        router.seed("a", 0, ids(0, 600))
+        store = SlotStore(disk, session, router, events.append)
+        store.backend_ready("a", MODEL)
+        with capture_logs() as logs:
+            store.note(info, 0)
+            await until(lambda: events, 10)
+        assert events == ["save_failed"] and store.saved == {}
+        assert slot_files(tmp_path) == set()
+        (failed,) = [e for e in logs if e["event"] == "slot.save_failed"]
+        assert failed["reason"] == ("the file cannot be restored: truncated: 1000 bytes, its "
+                                    "header says 600 tokens")
+        await store.close()
+
+
+async def test_a_store_lets_its_directory_go_only_after_the_index_write(
+        tmp_path: Path) -> None:
+    """An index write whose caller was cancelled (a stop during a save) runs on in its
+    thread: the store keeps the directory locked until it is done, and its failure is told
+    on the event loop (the tally, the log and the counters are the loop's)."""
+    heard: list[tuple[str, bool]] = []
+    async with aiohttp.ClientSession() as session:
+        store = SlotStore(KvDiskConfig(tmp_path), session, Router(), lambda e: heard.append(
+            (e, threading.current_thread() is threading.main_thread())))
+        fifo = tmp_path / (INDEX + ".tmp")
+        os.mkfifo(fifo)  # (the write blocks opening it until a reader comes, then fails)
+        commit = asyncio.create_task(store.files.commit(store.saved))
+        await asyncio.sleep(0)  # (the write started)
+        commit.cancel()
+        closing = asyncio.create_task(store.close())
+        try:
+            await asyncio.sleep(0.3)
+            assert not closing.done()
+            with pytest.raises(InUse):
+                lock(tmp_path, "disk tier", DISK_FIX)
+        finally:
+            reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                await asyncio.wait_for(closing, 10)
+            finally:
+                os.close(reader)
+    assert heard == [("index_failed", True)]
+    assert store.files.status()["index_failed"] == 1
+    os.close(lock(tmp_path, "disk tier", DISK_FIX))  # (let go)
 
 
 def entry(i: int, **over: Any) -> dict[str, Any]:

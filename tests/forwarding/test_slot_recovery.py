@@ -7,6 +7,7 @@ and every such change is logged with its reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import struct
@@ -20,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from proxy.forwarding.slot_files import INDEX, QUARANTINE, SlotFiles
-from proxy.forwarding.slot_records import MAGIC, Saved, decode, encode
+from proxy.forwarding.slot_files import SlotFiles
+from proxy.forwarding.slot_records import INDEX, MAGIC, QUARANTINE, Saved, decode, encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -221,6 +222,67 @@ def test_the_budget_at_start_takes_the_quarantine_first(tmp_path: Path) -> None:
         (f"{QUARANTINE}/kvroute-9.bin", "over the budget"),
         ("kvroute-1.bin", "over the budget"), ("kvroute-2.bin", "over the budget")]
     assert (files.status()["removed"], files.status()["quarantined"]) == (4, 0)
+
+
+def test_the_files_a_start_puts_aside_are_not_removed_by_that_start(
+        tmp_path: Path) -> None:
+    """Files nothing describes, more than the budget holds: the start that puts them
+    aside keeps them (the operator has its warning first), and neither do they cost a
+    saved file its place. The next start brings the quarantine within the budget, each
+    removal a warning naming the file."""
+    saved = old_directory(tmp_path, 2)
+    load(tmp_path)
+    strays = {f"kvroute-{i}.bin": state_file(tokens(i)) for i in (7, 8, 9)}
+    for name, data in strays.items():
+        (tmp_path / name).write_bytes(data)
+    budget = 2.5 * saved[0].size
+    kept, logs, files = load(tmp_path, budget)
+    assert sorted(kept) == [1, 2]
+    assert bins(tmp_path / QUARANTINE) == strays
+    assert not events(logs, "slot.file_removed") and files.status()["quarantined"] == 3
+
+    kept, logs, files = load(tmp_path, budget)
+    assert sorted(kept) == [1, 2] and bins(tmp_path / QUARANTINE) == {}
+    removed = events(logs, "slot.file_removed")
+    assert sorted((e["file"], e["reason"], e["log_level"]) for e in removed) == [
+        (f"{QUARANTINE}/{name}", "over the budget", "warning") for name in strays]
+    assert all(e["was"] == str(tmp_path / e["file"]) for e in removed)
+    assert files.status()["quarantined"] == 0
+
+
+def test_an_id_the_index_names_is_not_given_again(tmp_path: Path) -> None:
+    """A file removed, and the index not rewritten after (a full disk): the next start
+    gives no save that file's id, which the index still names."""
+    old_directory(tmp_path, 3)
+    load(tmp_path)
+    (tmp_path / "kvroute-3.bin").unlink()  # (as a removal leaves it: the index not
+    (tmp_path / "kvroute-3.json").unlink()  # rewritten after)
+    _, _, files = load(tmp_path)
+    assert files.highest == 3
+
+
+@pytest.mark.parametrize("n,kept", [(30, True), (70, True), (-30, False)])
+def test_a_save_its_index_entry_is_older_than_is_described_by_its_sidecar(
+        tmp_path: Path, n: int, kept: bool) -> None:
+    """An id given again by a kvroute that did not count the index's (a new save of
+    ``abs(n)`` tokens under an id whose entry, of 50, the index kept): the newer record,
+    its sidecar, describes the file. One that does not fit it either (``-30``: shorter
+    than its sidecar says) is put aside, not removed: its two records disagree."""
+    old_directory(tmp_path, 3)
+    load(tmp_path)
+    new = dataclasses.replace(record(3, abs(n)), saved_at=10.0)
+    data = state_file(new.tokens)
+    (tmp_path / new.file).write_bytes(data if n > 0 else data[:-7])
+    SlotFiles(tmp_path, lambda _: None).describe(new)
+    got, logs, _ = load(tmp_path)
+    assert not events(logs, "slot.file_removed")
+    if kept:
+        assert got[3] == new and bins(tmp_path)[new.file] == data
+        assert decode(json.loads((tmp_path / INDEX).read_text())[2]) == new
+    else:
+        assert sorted(got) == [1, 2] and bins(tmp_path / QUARANTINE) == {new.file: data[:-7]}
+        (aside,) = events(logs, "slot.file_quarantined")
+        assert aside["reason"].endswith("its index entry and its sidecar disagree")
 
 
 # ------------------------------------------------------------------ any directory

@@ -1,7 +1,12 @@
-"""Which directory of the disk tier each backend reads (slot_tier.directories)."""
+"""Which directory of the disk tier each backend reads (slot_tier.directories), and a
+tier refused at start lets go of every directory it took."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -16,6 +21,7 @@ from backends.config import (
 from proxy.config.fields import ConfigError
 from proxy.forwarding.slot_store import SlotStore
 from proxy.forwarding.slot_tier import DiskTier, _same, directories
+from proxy.instance import DISK_FIX, lock
 from proxy.routing.router import Router
 
 OWN, SHARED, OTHER = Path("/kv/own"), Path("/mnt/shared"), Path("/mnt/other")
@@ -71,3 +77,53 @@ async def test_a_directory_is_one_kvroute_tiers_alone(tmp_path: Path) -> None:
         await SlotStore(KvDiskConfig(own), session, Router(), lambda _: None).close()
         await first.close()
         await tier(own).close()
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def without_dac(call: Callable[[], object]) -> BaseException | None:
+    """Run ``call`` in a thread of its own that the directory permissions bind as they
+    bind any user (root's CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH dropped: capabilities
+    are a thread's, and go with it); what it raised."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        head, data = _CapHeader(0x20080522, 0), (_CapData * 2)()  # _LINUX_CAPABILITY_VERSION_3
+        assert libc.capget(ctypes.byref(head), data) == 0, ctypes.get_errno()
+        data[0].effective &= ~(1 << 1 | 1 << 2)
+        assert libc.capset(ctypes.byref(head), data) == 0, ctypes.get_errno()
+        try:
+            call()
+        except BaseException as err:  # (handed to the test)
+            raised.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return raised[0] if raised else None
+
+
+async def test_a_directory_that_cannot_be_read_is_refused_and_nothing_kept_locked(
+        tmp_path: Path) -> None:
+    """A slot_save_path kvroute may write but not list: refused at start, naming the
+    directory and the fix, and every directory the tier took before it, and that one,
+    let go."""
+    own, shared = tmp_path / "own", tmp_path / "shared"
+    own.mkdir()
+    shared.mkdir(mode=0o300)
+    async with aiohttp.ClientSession() as session:
+        got = without_dac(lambda: DiskTier(KvDiskConfig(own), [ext("x", shared)], session,
+                                           [Router()], lambda _: None, lambda _: None))
+    assert isinstance(got, ConfigError), got
+    assert str(got) == (f"disk tier: cannot read {shared}: Permission denied (fix: give "
+                        f"the user kvroute runs as read access to {shared})")
+    for d in (own, shared):
+        os.close(lock(d, "disk tier", DISK_FIX))
