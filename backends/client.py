@@ -29,6 +29,7 @@ class BackendDown:
     url: str
     reason: str
     timed_out: bool = False  # no answer in time (not refused or reset)
+    refused: bool = False  # no connection made: the request never reached it
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ class BackendClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             # (aiohttp's own timeouts are TimeoutError subclasses)
             return BackendDown(self.url, f"{type(e).__name__}: {e}" if str(e) else
-                               type(e).__name__, timed_out=isinstance(e, TimeoutError))
+                               type(e).__name__, timed_out=isinstance(e, TimeoutError),
+                               refused=isinstance(e, aiohttp.ClientConnectorError))
 
     async def _json(self, method: str, path: str, body: object = None) -> Any | Failure:
         res = await self._request(method, path, body)

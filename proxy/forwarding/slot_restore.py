@@ -91,8 +91,9 @@ class Restoring:
 
     def _struck(self, e: Saved, got: object) -> bool:
         """Is this the second restore of ``e`` the server went away during within
-        ``strike_window_s``? A timeout is no strike: it is a busy or hung server."""
-        if not isinstance(got, BackendDown) or got.timed_out:
+        ``strike_window_s``? A timeout is no strike (a busy or hung server), nor a refused
+        connection (the restore never reached the server)."""
+        if not isinstance(got, BackendDown) or got.timed_out or got.refused:
             return False
         now, last = time.monotonic(), self._strikes.get(e.id)
         self._strikes[e.id] = now

@@ -165,6 +165,25 @@ async def test_a_file_the_server_dies_on_twice_is_dropped(tmp_path: Path,
         await store.close()
 
 
+async def test_a_backend_that_refuses_the_connection_keeps_the_file(tmp_path: Path) -> None:
+    """A restore that never reached the server (its port closed: the server is not up)
+    says nothing of the file, however often: kept."""
+    from backends.process import free_port
+
+    (tmp_path / INDEX).write_text(json.dumps([entry(1)]))
+    (tmp_path / "kvroute-1.bin").write_bytes(state_file(ids(100, 50)))
+    events: list[str] = []
+    async with aiohttp.ClientSession() as session:
+        store = SlotStore(KvDiskConfig(tmp_path), session, Router(), events.append)
+        store.backend_ready("a", MODEL)
+        closed = info_at(f"http://127.0.0.1:{free_port()}")
+        for _ in range(3):
+            assert await store.restore(closed) == []
+        assert events == ["restore_interrupted"] * 3
+        assert slot_files(tmp_path) == {"kvroute-1.bin"} and store.has("a")
+        await store.close()
+
+
 @pytest.mark.parametrize("error,message,type_", [
     (web.HTTPServiceUnavailable, "Loading model", "unavailable_error"),
     (web.HTTPInternalServerError, "failed to allocate a buffer", "server_error"),
