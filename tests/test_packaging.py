@@ -9,6 +9,7 @@ import email
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -48,7 +49,7 @@ def test_wheel_carries_the_package_data(wheel: Path) -> None:
 
     # a plain install pulls neither matplotlib nor any dev tool: they are extras
     requires = metadata.get_all("Requires-Dist") or []
-    unconditional = {r.split(";")[0].split("[")[0].split(">")[0].split("=")[0].strip().lower()
+    unconditional = {re.match(r"[A-Za-z0-9_.-]+", r)[0].lower()  # type: ignore[index]
                      for r in requires if "extra ==" not in r}
     assert {"aiohttp", "llama-cpp-python", "pyyaml"} <= unconditional
     for tool in ("matplotlib", "pytest", "ruff", "hypothesis", "openai", "anthropic"):
