@@ -27,8 +27,8 @@ from backends.config import ManagedBackendConfig, SupervisionConfig
 from backends.crash_loop import CrashLoop, Death, likely_fix, signal_name
 from backends.process import free_port
 from backends.supervisor import Supervisor
-from proxy.cli import _backend_health
 from proxy.config.load import Config, ProxyConfig, RoutingConfig
+from proxy.doctor import backend_health
 from proxy.observability.logging import configure_logging
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,7 +109,7 @@ async def test_segfaults_make_a_crash_loop_that_explains_itself_and_ends(
         assert why is not None and why.retry_after >= 1
         assert why.reason.startswith("backend a is in a crash loop (")
         assert "killed by SIGSEGV" in why.reason and "--no-repack" in why.reason
-        doctor = (await asyncio.to_thread(_backend_health, cfg))[0]
+        doctor = (await asyncio.to_thread(backend_health, cfg))[0]
         assert doctor["crash_loop"]["died"] == "killed by SIGSEGV" and not doctor["healthy"]
 
         restarts = st["restarts"]
