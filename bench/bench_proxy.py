@@ -47,6 +47,7 @@ from latency import (  # noqa: E402
     cpu_seconds,
     free_port,
     long_history,
+    serve_proxy,
     turns_after,
     wait_up,
 )
@@ -145,12 +146,8 @@ def run_proxy(port: int, backend_port: int, model: Path, log_path: Path, ram_mib
     """The proxy; with ``nats``, a replica named ``replica`` sharing its view there."""
     from backends.binary import cache_dir
     from backends.config import ExternalBackendConfig
-    from backends.supervisor import Supervisor
-    from proxy.app import create_app
     from proxy.config.load import Config, ProxyConfig, ReplicasConfig, RoutingConfig
-    from proxy.config.settings import ProxySettings
     from proxy.observability.logging import configure_logging
-    from proxy.server.runner import make_runner
 
     log_file = log_path.open("w")
     configure_logging("info", stream=log_file)
@@ -164,15 +161,7 @@ def run_proxy(port: int, backend_port: int, model: Path, log_path: Path, ram_mib
                  llama_server=None, cache_dir=cache_dir(), log_dir=log_path.parent,
                  replicas=ReplicasConfig(nats, replica) if nats else None)
 
-    async def main() -> None:
-        sup = Supervisor(cfg)
-        await sup.start()
-        runner = make_runner(create_app(cfg, sup, ProxySettings(tokenizer=model)))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
+    serve_proxy(cfg, model, port)
 
 
 # ------------------------------------------------------------------------------ client

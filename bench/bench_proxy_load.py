@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # (bench/, beside this script)
 from agent_turn import _call, _words, tools  # noqa: E402
-from latency import cpu_seconds, free_port, wait_up  # noqa: E402
+from latency import cpu_seconds, free_port, serve_proxy, wait_up  # noqa: E402
 
 BACKENDS, SLOTS, N_CTX = 8, 4, 65536
 RAM_MIB, KV_BYTES = 1024, 8192  # the proxy's model of each backend's host-RAM cache
@@ -249,12 +249,8 @@ def run_fakes(ports: list[int], base_ms: float, per_1k_ms: float) -> None:
 def run_proxy(port: int, backend_ports: list[int], model: Path, log_path: Path) -> None:
     from backends.binary import cache_dir
     from backends.config import ExternalBackendConfig
-    from backends.supervisor import Supervisor
-    from proxy.app import create_app
     from proxy.config.load import Config, ProxyConfig, RoutingConfig
-    from proxy.config.settings import ProxySettings
     from proxy.observability.logging import configure_logging
-    from proxy.server.runner import make_runner
 
     configure_logging("info", stream=log_path.open("w"))
     cfg = Config(proxy=ProxyConfig(port=port), routing=RoutingConfig(),
@@ -264,15 +260,7 @@ def run_proxy(port: int, backend_ports: list[int], model: Path, log_path: Path) 
                      for i, p in enumerate(backend_ports)),
                  llama_server=None, cache_dir=cache_dir(), log_dir=log_path.parent)
 
-    async def main() -> None:
-        sup = Supervisor(cfg)
-        await sup.start()
-        runner = make_runner(create_app(cfg, sup, ProxySettings(tokenizer=model)))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
+    serve_proxy(cfg, model, port)
 
 
 # ------------------------------------------------------------------------------ client

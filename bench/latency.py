@@ -114,3 +114,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def serve_proxy(cfg: object, model: Path, port: int) -> None:
+    """kvroute's app for ``cfg`` (a proxy.config.load.Config) on 127.0.0.1:``port``, as
+    `kvroute serve` runs it (its backends supervised, ``model`` the tokenizer), until the
+    process is killed."""
+    from aiohttp import web
+
+    from backends.supervisor import Supervisor
+    from proxy.app import create_app
+    from proxy.config.settings import ProxySettings
+    from proxy.server.runner import make_runner
+
+    async def main() -> None:
+        sup = Supervisor(cfg)  # type: ignore[arg-type]
+        await sup.start()
+        runner = make_runner(create_app(cfg, sup, ProxySettings(tokenizer=model)))  # type: ignore[arg-type]
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
