@@ -41,7 +41,7 @@ from proxy.anthropic.routes import chat_body
 from proxy.app import create_app
 from proxy.config.load import Config, ProxyConfig, RoutingConfig
 from proxy.feedback.reports import Outcome
-from proxy.forwarding.send import JSON, Relay, Target, send
+from proxy.forwarding.send import JSON, Exchange, Relay, Target, send
 from proxy.server.handlers import read_json
 from proxy.server.keys import FORWARDER, TOKENIZING
 
@@ -98,8 +98,8 @@ def mode_a_middleware(app: web.Application) -> Any:
         done = False
         try:
             target = Target(info, None, decision.predicted_cached)
-            resp = await send(fwd.upstream, request, target, "/v1/messages",
-                              raw, outcome, relay=tap)
+            resp = await send(Exchange(fwd.upstream, request, target, "/v1/messages",
+                                       raw, outcome, relay=tap))
             if tap.stopped and outcome.status < 400:
                 fwd.router.complete(  # type: ignore[union-attr]
                     decision, output_tokens=app[TOKENIZING].output_tokens("".join(tap.text)),

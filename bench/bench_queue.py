@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Decision, Handoff
+from proxy.routing.decision import Handoff
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 
 BACKENDS, SLOTS = 8, 4
@@ -78,8 +79,8 @@ def run(n_waiters: int, steps: int, seed: int = 0) -> tuple[float, float, float,
     for i in range(BACKENDS):
         r.add_backend(BackendCapacity(f"b{i}", SLOTS, 65_536, RAM, KV_BYTES))
     w = Workload(seed)
-    running: deque[tuple[Decision, bytes]] = deque()  # oldest start first
-    waiting: dict[int, tuple[Decision, bytes]] = {}
+    running: deque[tuple[Routed, bytes]] = deque()  # oldest start first
+    waiting: dict[int, tuple[Routed, bytes]] = {}
     now = 0.0
 
     def arrive() -> int:
@@ -89,7 +90,7 @@ def run(n_waiters: int, steps: int, seed: int = 0) -> tuple[float, float, float,
         t0 = time.process_time_ns()
         d = r.decide(prompt, now=now)
         spent = time.process_time_ns() - t0
-        assert isinstance(d, Decision)
+        assert isinstance(d, Routed)
         if agent is not None:
             w.agent[d.request_id] = agent
         (waiting.__setitem__(d.request_id, (d, prompt)) if d.queued

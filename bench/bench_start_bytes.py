@@ -31,7 +31,7 @@ from proxy.prompt.builder import PromptBuilder  # noqa: E402
 from proxy.replicas.bases import Bases  # noqa: E402
 from proxy.replicas.events import Event, Kind, encode  # noqa: E402
 from proxy.routing.cache.predict import BackendCapacity  # noqa: E402
-from proxy.routing.decision import Decision  # noqa: E402
+from proxy.routing.routed import Routed  # noqa: E402
 from proxy.routing.router import Router  # noqa: E402
 from proxy.routing.tree.token_bytes import common_len  # noqa: E402
 
@@ -63,7 +63,7 @@ def main() -> int:
         for req in (step.main, *step.side):
             ids = builder.chat_ids(req.body)
             d = router.decide(ids, now=float(n))
-            assert isinstance(d, Decision) and d.slot is not None
+            assert isinstance(d, Routed) and d.slot is not None
             start = Event("r0", Kind.START, "kvroute-demo", d.backend, d.slot, n,
                           ids.tobytes())
             whole += len(encode(start))

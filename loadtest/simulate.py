@@ -19,7 +19,6 @@ the longest prefix any earlier prompt had.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import heapq
 import math
@@ -35,7 +34,7 @@ from loadtest.trace import BLOCK, VOCAB_HI, VOCAB_LO, TraceRequest, block_start
 from proxy.routing.cache.checkpoints import DENSE, Memory
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity
-from proxy.routing.decision import Decision
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
@@ -129,7 +128,7 @@ class _Req:
     prompt: bytes
     n: int
     out: int
-    decision: Decision
+    decision: Routed
     slot: int | None = None  # pinned slot, then the slot it runs in
     user_starts: tuple[int, ...] = ()
     held: int = 0  # the longest prefix any backend held as it arrived
@@ -246,7 +245,7 @@ def simulate(
                 q = blocks.prompt(r) if prompts is None else prompts[idx]
                 users = user_starts[idx] if user_starts is not None else ()
                 d = router.decide(q, now=now, user_starts=users)  # int32 token bytes
-                if not isinstance(d, Decision):
+                if not isinstance(d, Routed):
                     rejected += 1
                     continue
                 n = len(q) // 4
@@ -281,9 +280,7 @@ def simulate(
             # then the proxy sends the requests it held, pinned to the slots handed them
             for h in handoffs:
                 w = held.pop(h.request_id)
-                w.slot = h.slot
-                w.decision = dataclasses.replace(w.decision, slot=h.slot,
-                                                 predicted_cached=h.predicted_cached)
+                w.slot = h.slot  # (its record's prediction says so too)
                 hsrv = servers[h.backend]
                 if hsrv.waiting or not try_start(hsrv, w, now):
                     hsrv.waiting.append(w)

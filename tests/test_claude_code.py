@@ -41,7 +41,7 @@ from backends.supervisor import Supervisor
 from proxy.app import create_app
 from proxy.config.load import load_config
 from proxy.feedback.reports import Outcome, Recorder
-from proxy.routing.decision import Decision
+from proxy.routing.routed import Routed
 from proxy.server.keys import FORWARDER
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,7 +99,7 @@ class TurnRecorder(Recorder):
         super().__init__(inner.metrics, inner.log)
         self.turns: list[Turn] = []
 
-    def end(self, endpoint: str, decision: Decision, outcome: Outcome, started: float, *,
+    def end(self, endpoint: str, decision: Routed, outcome: Outcome, started: float, *,
             stream: bool, backend_busy: bool = False) -> None:
         super().end(endpoint, decision, outcome, started, stream=stream,
                     backend_busy=backend_busy)

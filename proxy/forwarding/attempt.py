@@ -2,8 +2,10 @@
 chosen, its answer relayed, and what it leaves fed back to the router.
 
 `Forwarder.routed` (proxy/forwarding/forwarder.py) runs one `Attempt` per backend tried;
-`send()` (proxy/forwarding/send.py) does the upstream exchange. A prompt routed on its head
-while the rest is tokenized arrives as a `PendingPrompt`.
+`send()` (proxy/forwarding/send.py) does the upstream exchange and tells the attempt what
+happens (`ExchangeEvents`), which tells the request's record (`Routed`, owned by the
+router). A prompt routed on its head while the rest is tokenized arrives as a
+`PendingPrompt`.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from proxy.errors import (
 from proxy.feedback.reports import Outcome, Recorder, held_output
 from proxy.forwarding.assemble import NATIVE_PATHS, assembler_for, runs_on_when_left
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.send import JSON, Relay, Settle, Target, send, upstream_payload
+from proxy.forwarding.send import JSON, Exchange, Relay, Target, send, upstream_payload
 from proxy.forwarding.slot_store import SlotStore
-from proxy.forwarding.upstream import Response, Upstream
+from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
 
@@ -94,7 +97,10 @@ class Attempt:
     the rest of a pending prompt is tokenized), `claim` the backend, then `exchange`
     (held for a slot if queued, sent pinned, the prediction `settle`d once the whole
     prompt is known) and `feedback`. The slot claim `decide` makes is released however it
-    ends: `complete` on a normal answer, `abort` on errors, cancellation, disconnects."""
+    ends: `complete` on a normal answer, `abort` on errors, cancellation, disconnects.
+
+    It hears its exchange as `send`'s `ExchangeEvents` (`sent`, `settle`, `data`,
+    `first_token`) and tells the request's record; the prediction is the record's."""
 
     def __init__(self, fw: Forwarding, request: web.Request, endpoint: str, path: str,
                  raw: bytes, body: JSON, tokens: Sequence[int] | PendingPrompt,
@@ -113,13 +119,11 @@ class Attempt:
         self.among = fw.serving(path)
 
     async def run(self) -> web.StreamResponse:
-        self.decision = await self.decide()
+        self.routed = await self.decide()
         if self.pending is not None:
             self.pending.rest.add_done_callback(self.take_rest)
         self.info = self.claim()
-        # NOTE: reads `decision` when called: `take_rest` may have replaced it
-        self.outcome = Outcome(started=self.started,
-                               on_first_token=lambda: self.router.prefilled(self.decision))
+        self.outcome = Outcome(started=self.started)
         self.fw.recorder.begin(self.info.name)
         self.span = None
         try:
@@ -144,7 +148,7 @@ class Attempt:
             return ()
         return find(to_token_bytes(ids))
 
-    async def decide(self) -> Decision:
+    async def decide(self) -> Routed:
         # NOTE: defer: the slot model's update runs once the request is written (`placed`)
         pending = self.pending
         if pending is None:
@@ -169,17 +173,15 @@ class Attempt:
         return got
 
     def claim(self) -> BackendInfo:
-        info = self.fw.backends.get(self.decision.backend)
+        info = self.fw.backends.get(self.routed.backend)
         if info is None:  # removed between the event and now
-            self.fw.waits.hand_off(self.router.abort(self.decision, now=time.monotonic()))
+            self.fw.waits.hand_off(self.routed.abort(now=time.monotonic()))
             raise NoBackendAvailable("backend went away", retry_after=1)
         return info
 
     async def exchange(self) -> web.StreamResponse:
         await self._take_slot()
-        sending = self._send(self.request, self.path, self.raw, self.body, self.relay,
-                                self.info, self.decision, self.outcome, {}, self.settle,
-                                self.placed)
+        sending = self._send()
         if not runs_on_when_left(self.path, self.body):
             return await sending
         # The backend would not notice this client leave (proxy/forwarding/assemble.py):
@@ -197,36 +199,31 @@ class Attempt:
         """Wait for the slot of a queued decision, then have the disk tier save what the
         slot holds (a spill) and restore the decision's file into it. Its own method so
         what the slot held (up to a slot's tokens) is not kept through the response."""
-        if self.decision.queued:
+        displaced = None
+        if self.routed.queued:
             # NOTE: placed with the whole prompt if tokenized by then (take_rest): the
-            # slot it waits for may hold more than the head (a summary with its turn)
+            # slot it waits for may hold more than the head (a summary with its turn);
+            # the record's prediction is the hand-off's (pinned there)
             held_at = time.perf_counter()
-            h = await self.fw.waits.hold(self.decision, self.info)
+            displaced = (await self.fw.waits.hold(self.routed, self.info)).displaced
             self.fw.recorder.slot_waited(self.info.name, time.perf_counter() - held_at)
-            self.decision = dataclasses.replace(
-                self.decision, slot=h.slot, predicted_cached=h.predicted_cached,
-                tier=h.tier, restore=h.restore)
-            displaced = h.displaced
-        else:
-            displaced = None
+        d = self.routed.prediction
         store = self.fw.slot_store(self.info.name)
-        if store is not None and self.decision.slot is not None:
-            keeps = self.decision.predicted_cached if self.decision.tier == "slot" else 0
-            await store.spill(self.info, self.decision.slot, keeps, displaced)
+        if store is not None and d.slot is not None:
+            keeps = d.predicted_cached if d.tier == "slot" else 0
+            await store.spill(self.info, d.slot, keeps, displaced)
         # the slot is given the saved conversation first: the request then reuses it (not
         # restored: the request is predicted a prefill, never more than it reuses)
-        if self.decision.restore is not None and self.decision.slot is not None \
-                and store is not None and not await store.restore_into(
-                    self.info, self.decision.slot, self.decision.restore):
-            self.decision = self.router.restore_failed(self.decision)
+        if d.restore is not None and d.slot is not None and store is not None \
+                and not await store.restore_into(self.info, d.slot, d.restore):
+            self.routed.restore_failed()
 
-    async def _send(self, request: web.Request, path: str, raw: bytes, body: JSON,
-                    relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
-                    extra: JSON, settle: Settle | None,
-                    sent: Callable[[Response], None] | None) -> web.StreamResponse:
+    async def _send(self) -> web.StreamResponse:
+        info, body, path, d = self.info, self.body, self.path, self.routed.prediction
         llama = info.kind == LLAMA
-        if decision.slot is not None and llama:
-            extra["id_slot"] = decision.slot
+        extra: JSON = {}
+        if d.slot is not None and llama:
+            extra["id_slot"] = d.slot
         if not llama:
             extra["model"] = info.model  # (it may know only its own name: see _named)
         strip_usage = False
@@ -241,13 +238,12 @@ class Attempt:
                 extra["stream_options"] = {"include_usage": True}
         if path in NATIVE_PATHS and "return_tokens" not in body and llama:
             extra["return_tokens"] = True  # exact generated ids: the slot holds these
-        payload = upstream_payload(raw, body, extra)
-        target = Target(info, decision.slot if llama else None, decision.predicted_cached,
-                        decision.tier)
-        return await send(self.fw.upstream, request, target, path, payload, outcome,
-                          relay=relay, strip_usage=strip_usage, health=self.fw.health,
-                          first_byte_timeout=self.fw.first_byte_timeout, assemble=assemble,
-                          settle=settle, sent=sent)
+        target = Target(info, d.slot if llama else None, d.predicted_cached, d.tier)
+        return await send(Exchange(
+            self.fw.upstream, self.request, target, path,
+            upstream_payload(self.raw, body, extra), self.outcome, relay=self.relay,
+            strip_usage=strip_usage, health=self.fw.health,
+            first_byte_timeout=self.fw.first_byte_timeout, assemble=assemble), self)
 
     def take_rest(self, task: asyncio.Task[array | None]) -> None:
         # NOTE: as soon as the rest is tokenized, not when the answer comes: requests
@@ -257,24 +253,27 @@ class Attempt:
             return
         ids = task.result()
         if ids is not None:
-            self.decision = self.router.extend(self.decision, ids, self.user_starts(ids))
+            self.routed.extend(ids, self.user_starts(ids))
             self.tokens, self.whole = ids, True
 
-    def placed(self, upstream: Response) -> None:
+    # ExchangeEvents: what `send` tells of the exchange
+    def sent(self) -> None:
         # the request is written: the model's bookkeeping runs while the backend works
-        self.decision = self.router.place(self.decision)
-        upstream.on_data = self.mark  # (the answer's parts arrive after this)
-        tell, d = self.fw.on_sent, self.decision
+        d = self.routed.placed()
+        tell = self.fw.on_sent
         if tell is not None and self.whole and d.slot is not None:
             # the other replicas learn the prompt's place now, not only once the answer
             # is over: a client's next turn may reach one of them as soon as it has it
             tell(d.backend, d.slot, d.request_id,
                  to_token_bytes(self.tokens))  # type: ignore[arg-type]
 
-    def mark(self) -> None:
+    def data(self) -> None:
         # NOTE: as the bytes come, not when they are read: another answer read first
         # may hand a queued request a slot meanwhile (see BackendCache.saved_idle)
-        self.outcome.starts_at_end = self.router.starts(self.decision.backend)
+        self.outcome.starts_at_end = self.router.starts(self.routed.backend)
+
+    def first_token(self) -> None:
+        self.routed.first_token()
 
     async def settle(self, target: Target) -> Target:
         # the answer is coming: the model takes the whole prompt before the headers
@@ -284,14 +283,15 @@ class Attempt:
             await asyncio.wait({self.pending.rest})
             self.take_rest(self.pending.rest)  # (a no-op if its callback ran first)
         # (revised since it was sent if another replica's request ran there first)
-        self.decision = self.router.place(self.decision)
+        self.routed.placed()
         d = self.reported()
         if (target.predicted_cached, target.tier) == (d.predicted_cached, d.tier):
             return target
         return dataclasses.replace(target, predicted_cached=d.predicted_cached, tier=d.tier)
 
     def reported(self) -> Decision:
-        d = self.decision
+        """The prediction the client is shown (and the log line says)."""
+        d = self.routed.prediction
         return dataclasses.replace(d, predicted_cached=0, tier="none") if self.no_reuse else d
 
     def feedback(self) -> None:
@@ -299,31 +299,32 @@ class Attempt:
         # closes its connection as soon as it has the stream's last event cancels it
         # in its final write, after the backend finished; an abort there would forget
         # what the slot now holds (its next turn then predicted 0).
-        outcome, decision, whole = self.outcome, self.decision, self.whole
+        outcome, decision, whole = self.outcome, self.routed.prediction, self.whole
         if outcome.complete and 0 < outcome.status < 400 and whole:
-            self._complete(decision, outcome, check=not self.no_reuse)
+            self._complete(outcome, check=not self.no_reuse)
         elif whole and outcome.cancelled and outcome.status == 200 \
                 and outcome.first_token_at is None and decision.slot is not None \
                 and self.info.kind == LLAMA:
             # the client left during the prefill, which llama-server goes on with
             # (it notices only when it writes the first token): the slot is busy until
             # then, and holds what was prefilled
-            self.fw.waits.free_when_idle(decision, self.info)
+            self.fw.waits.free_when_idle(self.routed, self.info)
         else:
             # a client that leaves once output flows (an interrupted agent turn)
             # leaves its prompt in the slot
             prefilled = whole and outcome.first_token_at is not None
-            self.fw.waits.hand_off(self.router.abort(decision, now=time.monotonic(),
-                                                prefilled=prefilled))
+            self.fw.waits.hand_off(self.routed.abort(now=time.monotonic(),
+                                                     prefilled=prefilled))
 
-    def _complete(self, decision: Decision, outcome: Outcome, *, check: bool = True) -> None:
+    def _complete(self, outcome: Outcome, *, check: bool = True) -> None:
         """Feed a whole answer back; `check`: compare its reuse with the prediction."""
+        decision = self.routed.prediction
         output = held_output(outcome, self.fw.tokenize_output)
         self.fw.recorder.log.debug("feedback", request_id=decision.request_id,
                                 slot=decision.slot, output_tokens=len(output),
                                 reported_slot=outcome.reported_slot)
-        self.fw.waits.hand_off(self.fw.router.complete(
-            decision, output_tokens=output,
+        self.fw.waits.hand_off(self.routed.complete(
+            output_tokens=output,
             reported_cached=outcome.reported_cached if check else None,
             prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
             reported_slot=outcome.reported_slot, now=time.monotonic(),

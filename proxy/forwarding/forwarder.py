@@ -23,7 +23,7 @@ from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError, Upstream
 from proxy.feedback.reports import Outcome, Recorder
 from proxy.forwarding.attempt import OPENAI_PATHS, Attempt, PendingPrompt, whole_prompt
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.send import AS_IS, JSON, Relay, Target, send, upstream_payload
+from proxy.forwarding.send import AS_IS, JSON, Exchange, Relay, Target, send, upstream_payload
 from proxy.forwarding.slot_store import SlotStore
 from proxy.forwarding.slot_tier import DiskTier
 from proxy.forwarding.upstream import Upstream
@@ -168,9 +168,10 @@ class Forwarder:
             outcome = Outcome(started=time.perf_counter())
             try:
                 payload = _named(raw, info) if method == "POST" else raw
-                return await send(self.upstream, request, Target(info), path, payload, outcome,
-                                  relay=relay, method=method, health=self.health,
-                                  first_byte_timeout=self.first_byte_timeout)
+                return await send(Exchange(
+                    self.upstream, request, Target(info), path, payload, outcome, relay=relay,
+                    method=method, health=self.health,
+                    first_byte_timeout=self.first_byte_timeout))
             except (UpstreamError, UpstreamTimeout) as e:
                 if self.health is not None:
                     self.health.failed(info.name, e.message)

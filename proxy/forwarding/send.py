@@ -18,9 +18,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -103,9 +103,64 @@ class Relay:
 
 AS_IS = Relay()  # answers relayed as the backend sent them
 
-# Called once the backend's answer has begun, before anything is written to the client:
-# the final Target (its prediction may change; see pipeline.PendingPrompt).
-Settle = Callable[[Target], Awaitable[Target]]
+
+
+class ExchangeEvents(Protocol):
+    """What the caller of `send` hears of its exchange, in this order: `sent` once the
+    request is written, `settle` once the answer's head is in and before anything is
+    written to the client (it returns the target the response headers are made from: its
+    prediction may have changed), `data` as the answer's bytes arrive (before they are
+    read), `first_token` with the first generated text."""
+
+    def sent(self) -> None: ...
+
+    async def settle(self, target: Target) -> Target: ...
+
+    def data(self) -> None: ...
+
+    def first_token(self) -> None: ...
+
+
+class Unheard:
+    """Events nobody listens to (an unrouted call)."""
+
+    def sent(self) -> None:
+        pass
+
+    async def settle(self, target: Target) -> Target:
+        return target
+
+    def data(self) -> None:
+        pass
+
+    def first_token(self) -> None:
+        pass
+
+
+UNHEARD = Unheard()
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One upstream exchange: what is sent where, and how its answer reaches the client.
+
+    `strip_usage` drops the usage-only stream chunk the proxy asked for on the client's
+    behalf. With `assemble`, the upstream stream (asked for by the caller) becomes one
+    non-streamed answer (proxy/forwarding/assemble.py). `outcome` is filled as the answer
+    comes."""
+
+    client: Upstream
+    request: web.Request
+    target: Target
+    path: str
+    payload: bytes
+    outcome: Outcome
+    relay: Relay = AS_IS
+    strip_usage: bool = False
+    method: str = "POST"
+    health: BackendHealth | None = None
+    first_byte_timeout: float | None = None
+    assemble: Assembler | None = None
 
 
 def upstream_payload(raw: bytes, body: JSON, extra: JSON) -> bytes:
@@ -160,37 +215,36 @@ def _is_usage_only(obj: JSON) -> bool:
     return "usage" in obj and not obj.get("choices")
 
 
-async def send(client: Upstream, request: web.Request, target: Target,
-               path: str, payload: bytes, outcome: Outcome, *, relay: Relay = AS_IS,
-               strip_usage: bool = False, method: str = "POST",
-               health: BackendHealth | None = None,
-               first_byte_timeout: float | None = None,
-               assemble: Assembler | None = None,
-               settle: Settle | None = None,
-               sent: Callable[[Response], None] | None = None) -> web.StreamResponse:
-    """Send `payload` to `target` at `path` and answer `request` with what comes back.
+async def send(ex: Exchange, events: ExchangeEvents = UNHEARD) -> web.StreamResponse:
+    """Send `ex.payload` to `ex.target` at `ex.path` and answer `ex.request` with what
+    comes back, telling `events` as it goes.
 
     Until the client has received its first byte (a whole body, or a stream's first
     event), failures raise `UpstreamError` / `UpstreamTimeout`: the caller may retry
     elsewhere. That phase is bounded by `first_byte_timeout` and cut short when `health`
-    trips the backend (a hung backend). `strip_usage` drops the usage-only stream chunk
-    the proxy asked for on the client's behalf. With `assemble`, the upstream stream (asked
-    for by the caller) becomes one non-streamed answer (proxy/forwarding/assemble.py). `sent` is
-    called once the request is written (see `Upstream.request`); `settle`, once the
-    answer's head is in, returns the target the response headers are made from. Fills
-    `outcome`.
+    trips the backend (a hung backend).
     """
+    request, target, outcome, relay = ex.request, ex.target, ex.outcome, ex.relay
+    health, assemble, strip_usage = ex.health, ex.assemble, ex.strip_usage
+    sent = None
+    if events is not UNHEARD:
+        outcome.on_first_token = events.first_token
+
+        def sent(r: Response) -> None:
+            r.on_data = events.data  # (the answer's parts arrive after this)
+            events.sent()
     name = target.info.name
     outcome.started = time.perf_counter()
     upstream: Response | None = None
     assembled = False
     try:
-        async with asyncio.timeout(first_byte_timeout) as ttfb:
+        async with asyncio.timeout(ex.first_byte_timeout) as ttfb:
             with health.waiting(name, ttfb) if health else contextlib.nullcontext():
-                upstream = await client.request(method, target.info.url, path, payload,
-                                                backend_headers(target.info), sent=sent)
-                if settle is not None:
-                    target = await settle(target)
+                upstream = await ex.client.request(ex.method, target.info.url, ex.path,
+                                                   ex.payload, backend_headers(target.info),
+                                                   sent=sent)
+                if events is not UNHEARD:
+                    target = await events.settle(target)
                 outcome.status = upstream.status
                 ctype = upstream.headers.get("content-type", "application/json").lower()
                 if upstream.status < 400 and ctype.startswith("text/event-stream"):

@@ -13,7 +13,8 @@ from backends.client import BackendClient
 from backends.info import BackendInfo
 from proxy.errors import NoBackendAvailable
 from proxy.feedback.reports import Recorder
-from proxy.routing.decision import Decision, Handoff
+from proxy.routing.decision import Handoff
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 
 # A slot whose client left during its prefill is watched until its server is done with
@@ -38,7 +39,7 @@ class SlotWaits:
         self._held: dict[int, asyncio.Future[Handoff]] = {}
         self._freeing: set[asyncio.Task[None]] = set()
 
-    async def hold(self, decision: Decision, info: BackendInfo) -> Handoff:
+    async def hold(self, routed: Routed, info: BackendInfo) -> Handoff:
         """Keep a queued request here until the router hands it a freed slot, then send
         it pinned there. Sent at once instead, it would wait in llama-server's queue, and
         the server takes queued requests in the order its HTTP threads post them, not
@@ -47,19 +48,19 @@ class SlotWaits:
         waiting; if the backend goes away (or restarts: a new `BackendInfo`), the caller
         retries elsewhere."""
         fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
-        self._held[decision.request_id] = fut
+        self._held[routed.request_id] = fut
         try:
             while True:
                 done, _ = await asyncio.wait({fut}, timeout=1.0)
                 if done:
                     return fut.result()
-                if self.backends.get(decision.backend) is not info:
+                if self.backends.get(routed.backend) is not info:
                     raise BackendLeft(f"backend {info.name} went away", retry_after=1)
-                if self.router.wait_overdue(decision, time.monotonic()):
+                if routed.wait_overdue(time.monotonic()):
                     raise BackendLeft(f"the busy slot of {info.name} waited for is taking "
                                       "long", retry_after=1)
         finally:
-            self._held.pop(decision.request_id, None)
+            self._held.pop(routed.request_id, None)
 
     def hand_off(self, handoffs: list[Handoff]) -> None:
         for h in handoffs:
@@ -67,9 +68,10 @@ class SlotWaits:
             if fut is not None and not fut.done():
                 fut.set_result(h)
 
-    def free_when_idle(self, decision: Decision, info: BackendInfo) -> None:
-        """Free `decision`'s slot once its backend is done with it, holding what /slots
+    def free_when_idle(self, routed: Routed, info: BackendInfo) -> None:
+        """Free `routed`'s slot once its backend is done with it, holding what /slots
         says it does (unknown, as on any abort, when it cannot tell in time)."""
+        decision = routed.prediction
         assert decision.slot is not None
         left = decision.prompt_tokens - decision.predicted_cached
         limit = FREE_WAIT_MARGIN_S + 2 * left / (self.router.prefill_rate(info.name) or 1.0)
@@ -86,7 +88,7 @@ class SlotWaits:
             finally:
                 self.recorder.log.debug("freed_when_idle", request_id=decision.request_id,
                                         backend=info.name, slot=slot, held=held)
-                self.hand_off(self.router.abort(decision, now=time.monotonic(), held=held))
+                self.hand_off(routed.abort(now=time.monotonic(), held=held))
 
         task = asyncio.create_task(free(decision.slot))
         self._freeing.add(task)

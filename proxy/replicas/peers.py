@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import structlog
 
 from proxy.replicas.events import MAX_LIVE, MAX_TOKENS, Event, Kind
-from proxy.routing.decision import Decision, Handoff
+from proxy.routing.decision import Handoff
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import common_len
 
@@ -103,7 +104,7 @@ class _Told:
     backend: str
     slot: int
     prompt: bytes
-    decision: Decision
+    decision: Routed
     at: float
     prefilled: bool = False
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.predict import DISK, Placement
-from proxy.routing.decision import Decision
-from proxy.routing.queue import Inflight, Unplaced
+from proxy.routing.queue import Unplaced
+from proxy.routing.routed import Inflight, Routed
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 
@@ -94,15 +94,15 @@ class DiskEntries:
         got, idx = best
         return self._disk[idx][0], self.tree.tokens_of(("", DISK, idx)), min(got, n - 1)
 
-    def restore_failed(self, decision: Decision) -> Decision:
-        """The disk file chosen for the decision's slot was not restored: the server
-        cleared the slot (or the file was gone), so the request is prefilled from scratch.
-        Returns the decision with that prediction; the model's slot is emptied first."""
+    def restore_failed(self, routed: Routed) -> Routed:
+        """The disk file chosen for the request's slot was not restored: the server
+        cleared the slot (or the file was gone), so the request is prefilled from scratch,
+        as its record's prediction then says; the model's slot is emptied first."""
         u = self._unplaced
-        st = self._backends.get(decision.backend)
-        f = self._inflight.get(decision.request_id)
-        if st is None or f is None or decision.restore is None:
-            return decision
+        f, decision = routed.entry, routed.prediction
+        st = self._backends.get(f.backend)
+        if st is None or not f.live or decision.restore is None:
+            return routed
         if u is not None and u.request_id == decision.request_id and u.restore is not None:
             self._unplaced = replace(u, restore=b"")  # an empty slot: start reuses nothing
             self._apply_unplaced()  # (which charges the prefill it adds)
@@ -111,6 +111,8 @@ class DiskEntries:
             st.work += more
             f.work += more
             st.busy_until += more / st.rate
-        f.replaced = None
-        decision.reasons.update(reuse=0, tier="none", restore="failed")
-        return replace(decision, predicted_cached=0, tier="none", restore=None)
+        d = routed.prediction
+        f.prediction = replace(d, predicted_cached=0, tier="none", restore=None,
+                               reasons={**d.reasons, "reuse": 0, "tier": "none",
+                                        "restore": "failed"})
+        return routed

@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from proxy.routing.decision import Decision, Handoff
+from proxy.routing.decision import Handoff
 from proxy.routing.policy import Candidate, Choice
 from proxy.routing.tree.token_bytes import common_len
 
 if TYPE_CHECKING:
     from proxy.routing.backend_state import BackendState
     from proxy.routing.cache.predict import Placement
-    from proxy.routing.queue import Inflight
+    from proxy.routing.routed import Inflight, Routed
 
 
 class SlotListener(Protocol):
@@ -43,11 +43,11 @@ class ObservedRequests:
     _apply_unplaced: Callable[[], None]
     _candidates: Callable[..., tuple[list[Candidate], object] | object]
     _place: Callable[..., tuple[Placement | None, bytes | None]]
-    _record: Callable[..., Decision]
+    _record: Callable[..., Routed]
     complete: Callable[..., list[Handoff]]
 
     def observe_start(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0,
-                      wait: bool = True) -> Decision | None:
+                      wait: bool = True) -> Routed | None:
         """Another replica's request was sent to ``backend``'s ``slot``, with ``sequence``
         (int32 token bytes) as its prompt: the model places it there as if routed here;
         it ends with ``complete`` (or ``abort``) as any. A slot busy in this model has
@@ -90,11 +90,11 @@ class ObservedRequests:
         self.complete(decision, now=now)
         return True
 
-    def observed_state(self, decision: Decision) -> str | None:
+    def observed_state(self, routed: Routed) -> str | None:
         """Where another replica's request (``observe_start``) is in this model: "slot"
         (it has its slot), "waiting" (for it), or None (gone: its backend was removed)."""
-        f = self._inflight.get(decision.request_id)
-        if f is None or f.backend != decision.backend:
+        f = routed.entry
+        if not f.live:
             return None
         return "waiting" if f.slot is None else "slot"
 
@@ -106,11 +106,11 @@ class ObservedRequests:
         """Another replica's request waiting here for ``slot`` got its first token (or
         ended), leaving ``held`` there, while the request this model has in the slot did
         not: the server runs that one first, and the one here reuses what it leaves
-        (the revised prediction is what ``place`` returns next)."""
+        (its record's prediction says so)."""
         for rid, f in self._inflight.items():
             if f.backend == backend and f.slot == slot and rid not in self._observed \
                     and not f.prefilled:
-                f.replaced = (min(common_len(held, f.prompt, 0), f.n - 1), "slot")
+                f.revise(min(common_len(held, f.prompt, 0), f.n - 1), "slot")
                 return
 
     def _waiters_first(self, targets: dict[int, int]) -> list[tuple[int, int]]:

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 from proxy.routing.backend_state import BackendState, share_rate
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.decision import Decision, Handoff
-from proxy.routing.queue import Inflight
+from proxy.routing.decision import Handoff
+from proxy.routing.routed import Inflight, Routed
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import to_token_bytes
 
@@ -38,27 +38,26 @@ class RequestEnds:
     _server_pick_now: Callable[[BackendCache, bytes], int | None]  # (QueuedRequests)
     _drain_queue: Callable[[BackendState, str, float], list[Handoff]]  # (QueuedRequests)
 
-    def prefilled(self, decision: Decision) -> None:
+    def prefilled(self, routed: Routed) -> None:
         """The request's first token came: its prompt is processed. From here only its
         decoding loads the backend: its in-flight work (the load bound's measure) drops
         to ``request_overhead_tokens``, or a backend streaming long answers would look
         as loaded as one prefilling long prompts."""
         self._apply_unplaced()
-        f = self._inflight.get(decision.request_id)
-        st = self._backends.get(decision.backend)
+        f, rid = routed.entry, routed.request_id
+        st = self._backends.get(f.backend)
         # (one of this replica's still waiting here has had no token; another replica's
         # has: the server ran it before the request this model has in its slot)
-        if f is None or st is None or (f.slot is None
-                                       and decision.request_id not in self._observed):
+        if not f.live or st is None or (f.slot is None and rid not in self._observed):
             return
         left = min(f.work, self.settings.request_overhead_tokens)
         st.work -= f.work - left
         f.work, f.prefilled = left, True
-        self._told_prefilled(decision.backend, decision.request_id)
+        self._told_prefilled(f.backend, rid)
 
     def complete(
         self,
-        decision: Decision,
+        routed: Routed,
         *,
         output_tokens: Sequence[int] | array | bytes = (),
         reported_cached: int | None = None,
@@ -74,11 +73,11 @@ class RequestEnds:
         `BackendCache.saved_idle`)."""
         self._apply_unplaced()
         out = to_token_bytes(output_tokens)  # (before the record goes: this may raise)
-        f = self._inflight.get(decision.request_id)
-        st = self._backends.get(decision.backend)
-        if f is None or st is None or f.backend != decision.backend:
+        f, decision = routed.entry, routed.prediction
+        st = self._backends.get(f.backend)
+        if not f.live or st is None:
             return []  # backend was removed meanwhile: nothing to learn
-        del self._inflight[decision.request_id]
+        self._end(f, decision.request_id)
         st.release(f.work, now)
         st.learn(self.settings, now - f.started, prompt_ms, prompt_n)
         if st.rate_learned:
@@ -120,16 +119,21 @@ class RequestEnds:
                          decision.request_id)
         return self._drain_queue(st, decision.backend, now)
 
-    def wait_overdue(self, decision: Decision, now: float) -> bool:
+    def _end(self, f: Inflight, rid: int) -> None:
+        """``f``'s request is over: out of the ledger."""
+        del self._inflight[rid]
+        f.live = False
+
+    def wait_overdue(self, routed: Routed, now: float) -> bool:
         """Has a request waiting for a busy slot waited well past that slot's expected end
         (a long generation)? Then the caller gives up (``abort``) and decides again;
         the slot's expected end moves as far again, so that it is not chosen anew."""
         self._apply_unplaced()
-        st = self._backends.get(decision.backend)
-        f = self._inflight.get(decision.request_id)
-        if st is None or f is None:
+        f = routed.entry
+        st = self._backends.get(f.backend)
+        if st is None or not f.live:
             return True  # its backend left the model (tripped; maybe back, fresh)
-        slot = st.targets.get(decision.request_id)
+        slot = st.targets.get(routed.request_id)
         if slot is None:
             return False
         end = st.slot_free_at.get(slot, now)
@@ -138,7 +142,7 @@ class RequestEnds:
         st.slot_free_at[slot] = now + (now - f.started)
         return True
 
-    def abort(self, decision: Decision, *, now: float = 0.0, prefilled: bool = False,
+    def abort(self, routed: Routed, *, now: float = 0.0, prefilled: bool = False,
               held: int | None = None) -> list[Handoff]:
         """The request failed or was cancelled: free its slot, forget its content, or
         with ``prefilled`` (it had produced output: the server keeps a cancelled slot's
@@ -146,11 +150,11 @@ class RequestEnds:
         tokens (its server said so once done with it). Returns the queued requests
         handed a slot as a result (as ``complete``)."""
         self._apply_unplaced()
-        f = self._inflight.get(decision.request_id)
-        st = self._backends.get(decision.backend)
-        if f is None or st is None or f.backend != decision.backend:
+        f, decision = routed.entry, routed.prediction
+        st = self._backends.get(f.backend)
+        if not f.live or st is None:
             return []
-        del self._inflight[decision.request_id]
+        self._end(f, decision.request_id)
         st.release(f.work, now)
         if f.slot is None:
             self._unqueue(st, decision.backend, decision.request_id)

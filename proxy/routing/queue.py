@@ -10,40 +10,20 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import RAM, SLOT, CacheHolder, Placement, from_disk
 from proxy.routing.decision import Handoff
+from proxy.routing.routed import Inflight
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.waiters import most_reuse
 
 # Waiters a freed slot's pick predicts one by one, at most (more: the index's search)
 _SCAN_AT_MOST = 8
-
-
-@dataclass
-class Inflight:
-    """The router's record of one request in flight."""
-
-    backend: str
-    slot: int | None  # slot the model placed it in (None: queued on the server)
-    prompt: bytes
-    n: int
-    work: int
-    started: float
-    # decided on the head of its prompt (see `Router.extend`): what the holder it reuses from
-    # had beyond that head, when it held all of it
-    beyond: bytes | None = None
-    session: str | None = None  # the client's session hint
-    # the reuse and tier the deferred slot model update found instead of the predicted
-    # ones, until `Router.place` returns them
-    replaced: tuple[int, str] | None = None
-    user_starts: tuple[int, ...] = ()  # where its prompt's user messages start
-    prefilled: bool = False  # its first token came
 
 
 @dataclass(frozen=True)
@@ -167,8 +147,11 @@ class QueuedRequests:
         f.started = max(f.started, now)  # its duration counts from here, not its wait
         st.expect_free(p.slot, now)
         kept = p.reuse if p.tier == "slot" else 0
-        return Handoff(rid, backend, p.slot, p.reuse, p.tier,
-                       restore[0] if restore is not None else None,
+        file = restore[0] if restore is not None else None
+        if f.prediction is not None:  # (what the request is sent with, pinned)
+            f.prediction = replace(f.prediction, slot=p.slot, predicted_cached=p.reuse,
+                                   tier=p.tier, restore=file)
+        return Handoff(rid, backend, p.slot, p.reuse, p.tier, file,
                        had if had is not None and len(had) // 4 > kept else None)
 
     def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:

@@ -3,9 +3,10 @@
 Pure and synchronous: no I/O, no asyncio, no clock (callers pass ``now``). One
 :class:`Router` owns the token tree, one cache model per backend and the policy state.
 
-Life of a request: ``decide()`` -> (proxy forwards with ``id_slot``) -> ``complete()`` or
-``abort()``. ``decide`` records its choice in the tree at once (fallbacks included), so
-affinity starts with the first request of a conversation.
+Life of a request: ``decide()`` returns its live record (`Routed`, proxy/routing/routed.py)
+-> (proxy forwards with ``id_slot``) -> ``complete()`` or ``abort()`` on the record.
+``decide`` records its choice in the tree at once (fallbacks included), so affinity starts
+with the first request of a conversation.
 
 ``decide(defer=True)`` leaves the slot model's update (the modelled saves to RAM, the
 slot's new content in the tree) to ``place()``, which the proxy calls once the request
@@ -33,7 +34,8 @@ from proxy.routing.disk import DiskEntries
 from proxy.routing.observed import ObservedRequests, SlotListener
 from proxy.routing.outcomes import RequestEnds
 from proxy.routing.policy import POLICIES, Baselines, Candidate, Choice, choose_prefix
-from proxy.routing.queue import Inflight, QueuedRequests, Unplaced
+from proxy.routing.queue import QueuedRequests, Unplaced
+from proxy.routing.routed import Inflight, Routed
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.token_bytes import common_len, to_token_bytes
@@ -45,6 +47,7 @@ __all__ = [
     "NeedWholePrompt",
     "NoBackend",
     "NoBackendKind",
+    "Routed",
     "Router",
     "RouterSettings",
 ]
@@ -101,7 +104,9 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
             return
         st.cache.clear()
         for rid in [r for r, f in self._inflight.items() if f.backend == name]:
-            self._told_freed(name, self._inflight.pop(rid).slot, rid)
+            f = self._inflight.pop(rid)
+            f.live = False
+            self._told_freed(name, f.slot, rid)
 
     @property
     def wants_user_starts(self) -> bool:
@@ -119,7 +124,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         defer: bool = False,
         user_starts: tuple[int, ...] = (),
         among: Collection[str] | None = None,
-    ) -> Decision | NoBackend | NeedWholePrompt:
+    ) -> Routed | NoBackend | NeedWholePrompt:
         """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
         native int32 bytes (the tree's format, see proxy/routing/tree/token_bytes.py).
 
@@ -229,7 +234,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
 
     def _record(self, rid: int, choice: Choice, cand: Candidate, placed: Placement | None,
                 q: bytes, n: int, now: float, beyond: bytes | None, session: str | None,
-                head: bool, restore: str | None, user_starts: tuple[int, ...]) -> Decision:
+                head: bool, restore: str | None, user_starts: tuple[int, ...]) -> Routed:
         """Book the request on its backend (work, in flight, the slot or the server's
         queue) and say what was decided."""
         st = cand.state
@@ -249,8 +254,8 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
         if slot is not None:
             st.expect_free(slot, now)
-        self._inflight[rid] = Inflight(choice.backend, slot, q, n, work, now, beyond, session,
-                                       user_starts=user_starts)
+        f = self._inflight[rid] = Inflight(choice.backend, slot, q, n, work, now, beyond,
+                                           session, user_starts=user_starts)
         if placed is not None:
             st.occupy(placed.slot, session)
         reasons = dict(choice.reasons)
@@ -261,7 +266,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
             reasons["queued"] = len(st.queued)  # position in the server's deferred queue
             if choice.slot is not None:
                 reasons["waits_for_slot"] = choice.slot
-        return Decision(
+        f.prediction = Decision(
             request_id=rid,
             backend=choice.backend,
             slot=choice.slot if placed is not None else None,
@@ -272,6 +277,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
             queued=queued,
             restore=restore,
         )
+        return Routed(self, f)
 
     def _beyond(self, backend: str, p: Placement, slot_lcp: dict[int, int],
                 ram_lcp: dict[int, int], head_bytes: int) -> bytes | None:
@@ -287,18 +293,12 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         held = self.tree.tokens_of(holder)
         return held[head_bytes:] if len(held) > head_bytes else None
 
-    def place(self, decision: Decision) -> Decision:
-        """Apply the slot model update ``decide(defer=True)`` left (if not done yet).
-        Returns the decision with the model's reuse: saving the slot's old content to
-        RAM may evict other entries than predicted, and so change what it loads; and
-        another replica's request may have run in the slot first (``ran_first``)."""
+    def place(self, routed: Routed) -> Routed:
+        """Apply the slot model update ``decide(defer=True)`` left (if not done yet):
+        saving the slot's old content to RAM may evict other entries than predicted, and
+        so change what it loads (the record's prediction then says so)."""
         self._apply_unplaced()
-        f = self._inflight.get(decision.request_id)
-        if f is None or f.replaced is None:
-            return decision
-        (reuse, tier), f.replaced = f.replaced, None
-        decision.reasons.update(reuse=reuse, tier=tier)
-        return replace(decision, predicted_cached=reuse, tier=tier)
+        return routed
 
     def _apply_unplaced(self) -> None:
         u, self._unplaced = self._unplaced, None
@@ -322,36 +322,37 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
             f.work += more
             st.busy_until += more / st.rate
             st.expect_free(p.slot, f.started)
-            f.replaced = (p.reuse, p.tier)
+            f.revise(p.reuse, p.tier)
 
-    def extend(self, decision: Decision, tokens: Sequence[int] | array | bytes,
-               user_starts: tuple[int, ...] = ()) -> Decision:
+    def extend(self, routed: Routed, tokens: Sequence[int] | array | bytes,
+               user_starts: tuple[int, ...] = ()) -> Routed:
         """The whole prompt of a request decided on its head (``decide(n_prompt=...)``):
         the model records it, and the reuse is predicted again (the rest may go on
-        matching what the reused holder had). Returns the decision with the prompt's
-        length and that prediction; unchanged if the request is over, or ``tokens`` does
-        not start with the head."""
+        matching what the reused holder had); the record's prediction says so. Nothing
+        changes if the request is over, or ``tokens`` does not start with the head."""
         self._apply_unplaced()
-        f = self._inflight.get(decision.request_id)
-        st = self._backends.get(decision.backend)
+        f = routed.entry
+        st = self._backends.get(f.backend)
         q = to_token_bytes(tokens)
-        if f is None or st is None or not q.startswith(f.prompt) or len(q) == len(f.prompt):
-            return decision
+        if not f.live or st is None or not q.startswith(f.prompt) or len(q) == len(f.prompt):
+            return routed
+        d = routed.prediction
         n = len(q) // 4
-        reuse = min(decision.predicted_cached, n - 1)
+        reuse = min(d.predicted_cached, n - 1)
         if f.beyond is not None:
             more = common_len(f.beyond, q, len(f.prompt))
             reuse = min(len(f.prompt) // 4 + more, n - 1)
         if f.slot is not None:
             st.cache.extend_prompt(f.slot, q, user_starts)
         else:
-            st.requeue(decision.request_id, n, q)
+            st.requeue(d.request_id, n, q)
         work = n - reuse + self.settings.request_overhead_tokens
         st.work += work - f.work
-        st.busy_until += ((n - reuse) - (f.n - decision.predicted_cached)) / st.rate
+        st.busy_until += ((n - reuse) - (f.n - d.predicted_cached)) / st.rate
         f.prompt, f.n, f.work, f.beyond = q, n, work, None
         f.user_starts = user_starts
-        return replace(decision, prompt_tokens=n, predicted_cached=reuse)
+        f.prediction = replace(d, prompt_tokens=n, predicted_cached=reuse)
+        return routed
 
     def starts(self, backend: str) -> int:
         """Tasks the model has started on `backend` so far (0 if it is not routed)."""

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from proxy.replicas.events import Event, Kind, decode, encode
 from proxy.replicas.peers import PEER_TIMEOUT_S, PeerView, PoolPort, Teller
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Decision, Handoff
+from proxy.routing.decision import Handoff
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
 
@@ -41,7 +42,7 @@ class Replica:
     def hand_off(self, handoffs: list[Handoff]) -> None:
         self.handed.extend(h.request_id for h in handoffs)
 
-    def send(self, d: Decision, prompt: list[int]) -> None:
+    def send(self, d: Routed, prompt: list[int]) -> None:
         """The forwarder's word once ``d`` is written to its slot."""
         assert d.slot is not None
         self.teller.started(d.backend, d.slot, d.request_id, to_token_bytes(prompt))
@@ -65,13 +66,13 @@ def test_a_peers_request_is_busy_here_until_its_end_says_what_it_left() -> None:
     a, b = Replica("a"), Replica("b")
     prompt = conversation(1)
     d = a.router.decide(prompt, now=0.0)
-    assert isinstance(d, Decision) and d.slot is not None
+    assert isinstance(d, Routed) and d.slot is not None
     a.send(d, prompt)
     assert a.deliver(b) == [True]
     assert b.router.held("x", d.slot) is None  # busy here too
     assert b.router.snapshot()["backends"]["x"]["inflight"] == 1  # type: ignore[index]
     other = b.router.decide(conversation(2), now=0.1)
-    assert isinstance(other, Decision) and other.slot not in (None, d.slot)
+    assert isinstance(other, Routed) and other.slot not in (None, d.slot)
     a.router.prefilled(d)
     a.router.complete(d, output_tokens=[7, 8, 9], reported_cached=0, now=1.0)
     first, end = a.sent
@@ -80,7 +81,7 @@ def test_a_peers_request_is_busy_here_until_its_end_says_what_it_left() -> None:
     assert a.deliver(b, 1.0) == [True, True]
     assert b.router.held("x", d.slot) == to_token_bytes([*prompt, 7, 8, 9])
     turn = b.router.decide([*prompt, 7, 8, 9, *range(9000, 9020)], now=2.0)
-    assert isinstance(turn, Decision)
+    assert isinstance(turn, Routed)
     assert (turn.slot, turn.predicted_cached) == (d.slot, len(prompt) + 3)
 
 
@@ -88,13 +89,13 @@ def test_a_request_waiting_for_a_peers_slot_is_handed_it_when_that_ends() -> Non
     a, b = Replica("a"), Replica("b")
     prompt = conversation(1)
     d = a.router.decide(prompt, now=0.0)
-    assert isinstance(d, Decision) and d.slot is not None
+    assert isinstance(d, Routed) and d.slot is not None
     a.send(d, prompt)
     a.deliver(b)
     mine = b.router.decide(conversation(3), now=0.1)  # the other slot
-    assert isinstance(mine, Decision) and mine.slot is not None
+    assert isinstance(mine, Routed) and mine.slot is not None
     waiting = b.router.decide([*prompt, *range(9000, 9020)], now=0.2)
-    assert isinstance(waiting, Decision) and waiting.queued  # for its history's slot
+    assert isinstance(waiting, Routed) and waiting.queued  # for its history's slot
     a.router.complete(d, output_tokens=[7], reported_cached=0, now=1.0)
     a.deliver(b, 1.0)
     assert b.handed == [waiting.request_id]
@@ -105,7 +106,7 @@ def test_an_aborted_request_leaves_its_slot_unknown_and_a_missed_start_an_end_un
     a, b = Replica("a"), Replica("b")
     prompt = conversation(1)
     d = a.router.decide(prompt, now=0.0)
-    assert isinstance(d, Decision) and d.slot is not None
+    assert isinstance(d, Routed) and d.slot is not None
     a.send(d, prompt)
     a.deliver(b)
     a.router.abort(d, now=0.5)
@@ -121,7 +122,7 @@ def test_a_silent_peers_requests_end_with_their_prompt_kept() -> None:
     a, b = Replica("a"), Replica("b")
     prompt = conversation(1)
     d = a.router.decide(prompt, now=0.0)
-    assert isinstance(d, Decision) and d.slot is not None
+    assert isinstance(d, Routed) and d.slot is not None
     a.send(d, prompt)
     a.deliver(b, 0.0)
     b.view.expire(PEER_TIMEOUT_S / 2)
@@ -135,7 +136,7 @@ def test_the_broker_lost_ends_every_peers_request() -> None:
     a, b = Replica("a"), Replica("b")
     for seed in (1, 2):
         d = a.router.decide(conversation(seed), now=0.0)
-        assert isinstance(d, Decision)
+        assert isinstance(d, Routed)
         a.send(d, conversation(seed))
     a.deliver(b)
     assert b.view.in_flight == 2
@@ -148,7 +149,7 @@ def test_a_replica_that_joins_takes_the_others_view() -> None:
     a, b = Replica("a"), Replica("b")
     for seed in (1, 2):
         d = a.router.decide(conversation(seed), now=0.0)
-        assert isinstance(d, Decision)
+        assert isinstance(d, Routed)
         a.router.complete(d, output_tokens=[5], reported_cached=0, now=1.0)
     snap = a.view.snapshot()
     assert {e.kind for e in snap} == {Kind.HELD} and len(snap) == 2
@@ -165,7 +166,7 @@ def test_after_the_broker_returns_the_later_of_two_views_of_a_slot_stands() -> N
     for r, extra in ((a, [5]), (b, [5, 6, 7])):
         CLOCK[0] += 1.0
         d = r.router.decide([*history, *extra], now=0.0)
-        assert isinstance(d, Decision) and d.slot == 0
+        assert isinstance(d, Routed) and d.slot == 0
         r.send(d, [*history, *extra])
         r.router.complete(d, output_tokens=[9], reported_cached=0, now=1.0)
         r.sent.clear()  # (the broker is away)
@@ -192,8 +193,8 @@ def test_whatever_order_peers_events_come_in_nothing_stays_busy(
     Once every request is over and every peer gone, b's model has nothing in flight."""
     b = Replica("b")
     peers = {"a": Replica("a"), "c": Replica("c")}
-    open_: dict[tuple[str, int], Decision] = {}
-    mine: list[Decision] = []
+    open_: dict[tuple[str, int], Routed] = {}
+    mine: list[Routed] = []
     events: list[Event] = []
     now = 0.0
     for kind, which, seed in steps:
@@ -202,7 +203,7 @@ def test_whatever_order_peers_events_come_in_nothing_stays_busy(
         p = peers[name]
         if kind == "start":
             d = p.router.decide(conversation(seed), now=now)
-            if isinstance(d, Decision) and d.slot is not None and not d.queued:
+            if isinstance(d, Routed) and d.slot is not None and not d.queued:
                 p.send(d, conversation(seed))
                 open_[name, d.request_id] = d
         elif kind in ("first", "end", "abort") and open_:
@@ -217,7 +218,7 @@ def test_whatever_order_peers_events_come_in_nothing_stays_busy(
                 r.abort(d, now=now)
         elif kind == "mine":
             d = b.router.decide(conversation(seed + 10), now=now)
-            if isinstance(d, Decision):
+            if isinstance(d, Routed):
                 mine.append(d)
         for q in peers.values():
             events.extend(q.sent)
@@ -243,12 +244,12 @@ def test_a_peers_request_sent_to_a_busy_slot_runs_next_there_before_ours_held() 
     after a's end."""
     b = Replica("b")
     history = conversation(1)
-    assert isinstance(b.router.decide(conversation(2), now=0.0), Decision)  # (the other)
+    assert isinstance(b.router.decide(conversation(2), now=0.0), Routed)  # (the other)
     mine = b.router.decide(history, now=0.0)
-    assert isinstance(mine, Decision) and mine.slot is not None
+    assert isinstance(mine, Routed) and mine.slot is not None
     s = mine.slot
     waiter = b.router.decide([*history, 5, *range(9000, 9020)], now=0.1)
-    assert isinstance(waiter, Decision) and waiter.queued
+    assert isinstance(waiter, Routed) and waiter.queued
     side = to_token_bytes([*history, 42, 43])
     assert b.view.apply(Event("a", Kind.START, POOL, "x", s, 7, side), 0.2)
     handed = b.router.complete(mine, output_tokens=[5], now=1.0)
@@ -267,7 +268,7 @@ def test_a_peers_request_over_before_the_one_here_leaves_that_ones_content() -> 
     b = Replica("b")
     history = conversation(1)
     mine = b.router.decide(history, now=0.0)
-    assert isinstance(mine, Decision) and mine.slot is not None and mine.predicted_cached == 0
+    assert isinstance(mine, Routed) and mine.slot is not None and mine.predicted_cached == 0
     side = to_token_bytes([*history[:400], 42, 43])
     assert b.view.apply(Event("a", Kind.START, POOL, "x", mine.slot, 7, side), 0.1)
     assert b.view.apply(Event("a", Kind.END, POOL, "x", mine.slot, 7, to_token_bytes([8]),
@@ -287,7 +288,7 @@ def test_a_peers_request_waiting_here_with_a_token_first_runs_first() -> None:
         b = Replica("b")
         history = conversation(1)
         mine = b.router.decide(history, now=0.0)
-        assert isinstance(mine, Decision) and mine.slot is not None
+        assert isinstance(mine, Routed) and mine.slot is not None
         side = to_token_bytes([*history[:300], 42])
         assert b.view.apply(Event("a", Kind.START, POOL, "x", mine.slot, 7, side), 0.1)
         if b_first:
@@ -304,7 +305,7 @@ def test_a_peers_ids_are_its_own_per_pool() -> None:
         r.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
     view = PeerView("b", {n: PoolPort(r, lambda h: None) for n, r in routers.items()})
     mine = routers["p2"].decide(conversation(3), now=0.0)
-    assert isinstance(mine, Decision)
+    assert isinstance(mine, Routed)
     for pool in ("p1", "p2"):
         assert view.apply(Event("a", Kind.START, pool, "x", 1, 0,
                                 to_token_bytes(conversation(1))), 0.1)
@@ -319,7 +320,7 @@ def test_alive_ends_a_peers_requests_whose_end_was_lost() -> None:
     a, b = Replica("a"), Replica("b")
     for seed in (1, 2):
         d = a.router.decide(conversation(seed), now=0.0)
-        assert isinstance(d, Decision)
+        assert isinstance(d, Routed)
         a.send(d, conversation(seed))
         if seed == 1:
             kept = d
@@ -356,11 +357,11 @@ def test_a_peers_events_from_before_a_backend_came_back_leave_it_alone() -> None
     b = Replica("b")
     prompt = to_token_bytes(conversation(1))
     mine = b.router.decide(conversation(1), now=0.0)
-    assert isinstance(mine, Decision) and mine.slot is not None
+    assert isinstance(mine, Routed) and mine.slot is not None
     assert b.view.apply(Event("a", Kind.START, POOL, "x", mine.slot, 3, prompt), 0.1)
     b.router.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))  # (back, empty)
     fresh = b.router.decide(conversation(2), now=1.0)
-    assert isinstance(fresh, Decision) and fresh.slot is not None
+    assert isinstance(fresh, Routed) and fresh.slot is not None
     b.view.apply(Event("a", Kind.FIRST, POOL, "x", fresh.slot, 3), 1.1)
     assert b.router.place(fresh).predicted_cached == 0
 
@@ -376,7 +377,7 @@ def test_a_replica_that_joins_is_told_the_requests_in_flight_and_reads_their_end
     a, b = Replica("a"), Replica("b")
     prompt = conversation(1)
     d = a.router.decide(prompt, now=0.0)
-    assert isinstance(d, Decision) and d.slot is not None
+    assert isinstance(d, Routed) and d.slot is not None
     a.send(d, prompt)
     a.router.prefilled(d)
     a.sent.clear()  # (b was not there)
@@ -405,7 +406,7 @@ def test_a_slot_restored_from_disk_is_taken_by_a_joiner_that_knows_nothing_newer
     assert held.at == 0.0
     fresh, busy = Replica("b"), Replica("c")
     mine = busy.router.decide(conversation(2), now=0.0)
-    assert isinstance(mine, Decision) and mine.slot == 0
+    assert isinstance(mine, Routed) and mine.slot == 0
     busy.send(mine, conversation(2))
     busy.router.complete(mine, output_tokens=[5], now=1.0)
     assert fresh.view.apply(decode(encode(held)), 2.0)  # type: ignore[arg-type]
@@ -420,7 +421,7 @@ def test_a_peers_request_waiting_here_that_got_its_token_is_no_load_once_handed(
     load, neither while it waits nor once b's ends and it is handed the slot."""
     b = Replica("b")
     mine = b.router.decide(conversation(1), now=0.0)
-    assert isinstance(mine, Decision) and mine.slot is not None
+    assert isinstance(mine, Routed) and mine.slot is not None
     before = _work(b)
     overhead = b.router.settings.request_overhead_tokens
     side = to_token_bytes(conversation(2))
@@ -435,12 +436,12 @@ def test_a_peers_request_waiting_here_that_got_its_token_is_no_load_once_handed(
 def test_only_this_replicas_own_requests_count_as_completed_here() -> None:
     a, b = Replica("a"), Replica("b")
     d = a.router.decide(conversation(1), now=0.0)
-    assert isinstance(d, Decision) and d.slot is not None
+    assert isinstance(d, Routed) and d.slot is not None
     a.send(d, conversation(1))
     a.router.complete(d, output_tokens=[5], now=1.0)
     a.deliver(b, 1.0)
     mine = b.router.decide(conversation(2), now=2.0)
-    assert isinstance(mine, Decision)
+    assert isinstance(mine, Routed)
     b.router.complete(mine, output_tokens=[5], now=3.0)
     snap = b.router.snapshot()
     assert (snap["completed"], snap["completed_for_peers"]) == (1, 1)

@@ -10,8 +10,8 @@ import pytest
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Decision
 from proxy.routing.policy import Candidate, choose_prefix
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
@@ -31,9 +31,9 @@ def session(i: int, turn: int = 0) -> list[int]:
     return SYSTEM + [i] * 50 + list(range(turn * 100))
 
 
-def decide(r: Router, tokens: list[int], **kw: object) -> Decision:
+def decide(r: Router, tokens: list[int], **kw: object) -> Routed:
     d = r.decide(tokens, **kw)  # type: ignore[arg-type]
-    assert isinstance(d, Decision), d
+    assert isinstance(d, Routed), d
     return d
 
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend
+from proxy.routing.decision import Handoff, NeedWholePrompt, NoBackend
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import to_token_bytes
@@ -19,9 +20,9 @@ def cap(name: str, slots: int = 2, ctx: int = 4096, ram: int = 1 << 30) -> Backe
     return BackendCapacity(name, slots, ctx, ram, 8192)
 
 
-def decide(r: Router, tokens: list[int], now: float = 0.0) -> Decision:
+def decide(r: Router, tokens: list[int], now: float = 0.0) -> Routed:
     d = r.decide(tokens, now=now)
-    assert isinstance(d, Decision), d
+    assert isinstance(d, Routed), d
     return d
 
 
@@ -88,7 +89,7 @@ def test_array_input_equals_list_input() -> None:
         r.add_backend(cap("a"))
     d1 = decide(r1, list(range(50)))
     d2 = r2.decide(array("i", range(50)))
-    assert isinstance(d2, Decision)
+    assert isinstance(d2, Routed)
     assert (d1.backend, d1.slot, d1.prompt_tokens) == (d2.backend, d2.slot, d2.prompt_tokens)
 
 
@@ -135,7 +136,7 @@ def test_reported_slot_disagreeing_moves_the_content() -> None:
     d = decide(r, list(range(100)))  # unpinned: model predicts slot 0
     r.complete(d, reported_cached=0, reported_slot=1, now=1)
     d2 = r.decide(list(range(101)), now=2)
-    assert isinstance(d2, Decision)
+    assert isinstance(d2, Routed)
     slots = r.snapshot()["backends"]["a"]["slots"]  # type: ignore[index]
     assert slots[1]["tokens"] == 101 and slots[0]["tokens"] == 0  # server picked slot 1
     assert d2.predicted_cached == 100
@@ -212,7 +213,7 @@ def test_int32_bytes_input_equals_list_input() -> None:
         r.add_backend(cap("a"))
     d1 = decide(r1, list(range(50)))
     d2 = r2.decide(array("i", range(50)).tobytes())
-    assert isinstance(d2, Decision)
+    assert isinstance(d2, Routed)
     assert (d1.backend, d1.slot, d1.prompt_tokens) == (d2.backend, d2.slot, d2.prompt_tokens)
 
 
@@ -315,7 +316,7 @@ def test_a_continuing_conversation_is_not_moved_off_a_busy_holder(
     if on_head and not stays:  # it would move off its holder: decided on the whole
         assert isinstance(turn, NeedWholePrompt), turn
         turn = r.decide(whole)
-    assert isinstance(turn, Decision)
+    assert isinstance(turn, Routed)
     assert (turn.backend == dx.backend) is stays, turn.reasons
     if stays:
         assert turn.predicted_cached >= len(x), turn.reasons
@@ -373,17 +374,17 @@ def test_a_side_call_stays_with_its_sessions_history_over_the_load_bound(
         r.add_backend(cap(name, slots=2, ctx=16384))
     for i, name in enumerate(("a", "b")):  # both learn the slow rate
         warm = r.decide([500_000 + 1000 * i + j for j in range(340)])
-        assert isinstance(warm, Decision) and warm.backend == name
+        assert isinstance(warm, Routed) and warm.backend == name
         r.complete(warm, prompt_ms=2000.0, prompt_n=340, now=1.0)
     x = list(range(10_000, 18_000))
     dx = r.decide(x, session="X", now=1.0)
-    assert isinstance(dx, Decision)
+    assert isinstance(dx, Routed)
     r.complete(dx, output_tokens=[7] * 4, prompt_ms=47_000.0, prompt_n=len(x), now=48.0)
     turn = r.decide([*x, 7, 7, 7, 7, *range(20_000, 20_800)], session="X", now=48.0)
-    assert isinstance(turn, Decision) and turn.backend == dx.backend
+    assert isinstance(turn, Routed) and turn.backend == dx.backend
     summary = [*x, 7, 7, 7, 7, *range(30_000, 30_010)]
     ds = r.decide(summary, session=session, now=48.0)
-    assert isinstance(ds, Decision)
+    assert isinstance(ds, Routed)
     assert (ds.backend == dx.backend) is stays, ds.reasons
     if stays:
         assert ds.predicted_cached >= len(x), ds.reasons
@@ -408,16 +409,16 @@ def test_a_new_session_does_not_wait_for_another_named_sessions_busy_slot(
     s1 = [*shared, *range(2000, 3010)]
     d0 = r.decide(s0, session=sessions[0])
     d1 = r.decide(s1, session="s1")
-    assert isinstance(d0, Decision) and isinstance(d1, Decision)
+    assert isinstance(d0, Routed) and isinstance(d1, Routed)
     r.complete(d0, output_tokens=[7] * 4, prompt_ms=20_000.0, prompt_n=len(s0), now=20.0)
     r.complete(d1, output_tokens=[8] * 4, prompt_ms=20_000.0, prompt_n=len(s1), now=21.0)
     t0 = r.decide([*s0, 7, 7, 7, 7, *range(3000, 3355)], session=sessions[0], now=22.0)
     t1 = r.decide([*s1, 8, 8, 8, 8, *range(4000, 4355)], session="s1", now=22.0)
-    assert isinstance(t0, Decision) and isinstance(t1, Decision)
+    assert isinstance(t0, Routed) and isinstance(t1, Routed)
     assert {(t0.backend, t0.slot), (t1.backend, t1.slot)} == {(d0.backend, d0.slot),
                                                               (d1.backend, d1.slot)}
     d2 = r.decide([*shared, *range(5000, 6010)], session=sessions[1], now=22.5)
-    assert isinstance(d2, Decision)
+    assert isinstance(d2, Routed)
     assert ("waits_for_slot" in d2.reasons) is waits, d2.reasons
     if not waits:
         assert not d2.queued and d2.predicted_cached == 0
@@ -506,7 +507,7 @@ def test_decided_on_the_head_then_extended_as_if_decided_whole(rest: list[int],
     slot = first_turn(r)
     want = decide(ref, whole, now=2)
     head = r.decide(HISTORY, now=2, n_prompt=len(whole) + 5)  # an estimate, not exact
-    assert isinstance(head, Decision) and head.slot == slot == want.slot
+    assert isinstance(head, Routed) and head.slot == slot == want.slot
     assert head.reasons["head"] == len(HISTORY) and head.predicted_cached == 400
     got = r.extend(head, whole)
     assert (got.prompt_tokens, got.predicted_cached) == (len(whole), reuse)
@@ -553,7 +554,7 @@ def test_extend_after_the_request_ended_or_with_another_prompt_changes_nothing()
     r = Router()
     r.add_backend(cap("a"))
     d = r.decide(HISTORY, n_prompt=500)
-    assert isinstance(d, Decision)
+    assert isinstance(d, Routed)
     assert r.extend(d, [1, 2, *HISTORY]) == d  # not an extension of the head
     r.abort(d)
     assert r.extend(d, [*HISTORY, 1, 2]) == d
@@ -589,8 +590,8 @@ def test_a_slot_ended_before_a_hand_off_was_saved_by_it() -> None:
     assert d2.queued  # both slots busy (T, Q)
     # Q ends: A's turn gets its slot, which shares nothing with it: the server saves
     # the slot and loads the best RAM entry, A's whole conversation
-    handed = r.complete(Decision(dq.request_id, "x", h[0].slot, h[0].predicted_cached,
-                                 len(q), "none", {}), output_tokens=toks(7, 29))
+    assert (dq.slot, dq.predicted_cached) == (h[0].slot, h[0].predicted_cached)
+    handed = r.complete(dq, output_tokens=toks(7, 29))
     assert [(x.request_id, x.slot) for x in handed] == [(d2.request_id, h[0].slot)]
     assert handed[0].predicted_cached == len(a) + len(a_out)
 
@@ -603,7 +604,7 @@ def test_a_correction_of_the_model_is_no_task_start() -> None:
     r = Router("round_robin")
     r.add_backend(cap("a", slots=2))
     d = r.decide(list(range(1000, 1300)))
-    assert isinstance(d, Decision) and d.slot is None  # round robin: the server's pick
+    assert isinstance(d, Routed) and d.slot is None  # round robin: the server's pick
     busy = [x["id"] for x in r.snapshot()["backends"]["a"]["slots"] if x["busy"]]  # type: ignore[index]
     starts = r.starts("a")
     r.complete(d, output_tokens=[5, 6, 7], reported_slot=1 - busy[0], starts_at_end=starts)
@@ -657,9 +658,9 @@ def test_a_request_goes_only_among_the_backends_that_serve_it() -> None:
         r.add_backend(BackendCapacity(name, 2, 4096, 0, 1024))
     prompt = list(range(100, 400))
     first = r.decide(prompt, among={"a"})
-    assert isinstance(first, Decision) and first.backend == "a"
+    assert isinstance(first, Routed) and first.backend == "a"
     r.complete(first, output_tokens=[], reported_cached=0, now=1.0)
     again = r.decide(prompt, among={"b"}, now=2.0)
-    assert isinstance(again, Decision) and again.backend == "b"
+    assert isinstance(again, Routed) and again.backend == "b"
     assert again.predicted_cached == 0
     assert isinstance(r.decide(prompt, among=frozenset(), now=3.0), NoBackend)

@@ -3,13 +3,12 @@ the request is written) routes exactly as deciding with the update applied at on
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Decision, Handoff
+from proxy.routing.decision import Handoff
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import to_token_bytes
@@ -41,12 +40,13 @@ class _Run:
         self.defer = defer
         for name in ("a", "b"):
             self.r.add_backend(BackendCapacity(name, slots, 4096, ram_tokens * 8192, 8192))
-        self.live: list[tuple[Decision, int, list[int]]] = []
+        self.live: list[tuple[Routed, int, list[int]]] = []
         self.history: dict[int, list[int]] = {}
         self.changed = 0  # placements that found another reuse than predicted
+        self.seen: dict[int, object] = {}  # each request's prediction as last seen
         self.t = 0
 
-    def step(self, op: Op) -> list[Handoff] | Decision | None:
+    def step(self, op: Op) -> list[Handoff] | Routed | None:
         kind, a, b = op
         self.t += 1
         now = self.t * 0.1
@@ -54,8 +54,9 @@ class _Run:
             head = self.history.get(a, [1, 2, 3] + [100 + a] * (10 + 4 * a))
             prompt = head + [5000 + 97 * self.t + i for i in range(b)]
             d = self.r.decide(prompt, now=now, session=f"s{a}", defer=self.defer)
-            assert isinstance(d, Decision)
+            assert isinstance(d, Routed)
             self.live.append((d, a, prompt))
+            self.seen[d.request_id] = d.prediction
             return d
         if not self.live:
             return None
@@ -73,20 +74,20 @@ class _Run:
         return self.r.complete(d, output_tokens=out, reported_cached=d.predicted_cached,
                                prompt_ms=5.0, prompt_n=d.prompt_tokens, now=now)
 
-    def _place(self, d: Decision) -> Decision:
-        p = self.r.place(d)
-        self.changed += p != d
-        return p
+    def _place(self, d: Routed) -> Routed:
+        self.r.place(d)
+        self.changed += d.prediction != self.seen[d.request_id]
+        self.seen[d.request_id] = d.prediction
+        return d
 
     def hand_off(self, handoffs: list[Handoff]) -> None:
         for h in handoffs:  # as the proxy does: sent pinned where the hand-off says
-            j = next(k for k, x in enumerate(self.live) if x[0].request_id == h.request_id)
-            d, conv, prompt = self.live[j]
-            self.live[j] = (replace(d, slot=h.slot, predicted_cached=h.predicted_cached),
-                            conv, prompt)
+            d = next(x[0] for x in self.live if x[0].request_id == h.request_id)
+            assert (d.slot, d.predicted_cached) == (h.slot, h.predicted_cached)
+            self.seen[d.request_id] = d.prediction
 
 
-def _view(d: Decision) -> tuple[object, ...]:
+def _view(d: Routed) -> tuple[object, ...]:
     return (d.request_id, d.backend, d.slot, d.predicted_cached, d.tier, d.queued,
             d.prompt_tokens)
 
@@ -97,8 +98,8 @@ def _both(ops: list[Op], slots: int, ram_tokens: int,
     later_r = _Run(True, slots, ram_tokens, settings)
     for op in ops:
         a, b = now_r.step(op), later_r.step(op)
-        if isinstance(a, Decision):
-            assert isinstance(b, Decision) and (b.request_id, b.backend, b.slot, b.queued) \
+        if isinstance(a, Routed):
+            assert isinstance(b, Routed) and (b.request_id, b.backend, b.slot, b.queued) \
                 == (a.request_id, a.backend, a.slot, a.queued)
         elif isinstance(a, list):
             assert a == b
@@ -128,13 +129,13 @@ def test_place_is_idempotent_and_any_later_call_applies_it() -> None:
     r = Router()
     r.add_backend(BackendCapacity("a", 2, 4096, 1 << 30, 8192))
     d = r.decide(list(range(50)), now=0.0, defer=True)
-    assert isinstance(d, Decision)
+    assert isinstance(d, Routed)
     # not applied yet: the slot does not hold the prompt
     assert not r.tree.match(list(range(50))).held
     # the next decision applies it first: the same prompt again finds the first one
     # in its (busy) slot, not an empty model
     e = r.decide([*range(50), 9], now=0.0, defer=True)
-    assert isinstance(e, Decision) and r.tree.match(list(range(50))).held
+    assert isinstance(e, Routed) and r.tree.match(list(range(50))).held
     assert e.slot != d.slot
     assert r.place(d) == r.place(d) == d
 
@@ -150,7 +151,7 @@ def test_a_failed_restore_is_predicted_as_a_prefill() -> None:
         r.disk_add(0, "kvroute-0.bin", to_token_bytes(history), frozenset({"a"}))
         prompt = history + list(range(5000, 5040))
         d = r.decide(prompt, defer=True)
-        assert isinstance(d, Decision) and d.restore == "kvroute-0.bin"
+        assert isinstance(d, Routed) and d.restore == "kvroute-0.bin"
         assert d.tier == "disk" and d.predicted_cached == 1000
         if applied:  # another decision applied the model's update meanwhile
             r.snapshot()
@@ -178,17 +179,18 @@ def test_a_queued_request_is_handed_its_slot_with_the_file_that_holds_its_prefix
     r.disk_spills("a")
     other = list(range(20_000, 20_600))
     busy = r.decide(other, now=0.0)
-    assert isinstance(busy, Decision) and not busy.queued
+    assert isinstance(busy, Routed) and not busy.queued
     turn = r.decide([*history, *range(5000, 5040)], now=0.1)
-    assert isinstance(turn, Decision) and turn.queued and turn.restore is None
+    assert isinstance(turn, Routed) and turn.queued and turn.restore is None
     (h,) = r.complete(busy, output_tokens=[7], reported_cached=0, now=1.0)
     assert (h.request_id, h.slot, h.restore, h.tier) == (turn.request_id, 0,
                                                          "kvroute-0.bin", "disk")
     assert h.predicted_cached == len(history)
     assert h.displaced == to_token_bytes([*other, 7])
-    done = r.complete(replace(turn, slot=h.slot, predicted_cached=h.predicted_cached,
-                              tier=h.tier, restore=h.restore),
-                      output_tokens=[9], reported_cached=len(history), now=2.0)
+    # the record says where the hand-off sends it
+    assert (turn.slot, turn.predicted_cached, turn.tier, turn.restore) == (
+        h.slot, h.predicted_cached, h.tier, h.restore)
+    done = r.complete(turn, output_tokens=[9], reported_cached=len(history), now=2.0)
     assert done == [] and r.mispredictions == 0
     assert r.held("a", 0) == to_token_bytes([*history, *range(5000, 5040), 9])
 
@@ -202,9 +204,9 @@ def test_a_hand_off_whose_file_holds_the_slot_already_spills_nothing() -> None:
     r.disk_add(0, "kvroute-0.bin", to_token_bytes(history), frozenset({"a"}))
     r.disk_spills("a")
     early = r.decide(history[:500], now=0.0)
-    assert isinstance(early, Decision) and not early.queued
+    assert isinstance(early, Routed) and not early.queued
     turn = r.decide([*history, *range(5000, 5040)], now=0.1)
-    assert isinstance(turn, Decision) and turn.queued
+    assert isinstance(turn, Routed) and turn.queued
     (h,) = r.complete(early, output_tokens=[], reported_cached=0, now=1.0)
     assert (h.restore, h.tier, h.predicted_cached) == ("kvroute-0.bin", "disk", 1000)
     assert h.displaced is None
@@ -221,7 +223,7 @@ def test_a_hand_off_carries_the_slot_only_where_a_disk_tier_spills() -> None:
         other = list(range(20_000, 20_600))
         busy = r.decide(other, now=0.0)
         queued = r.decide(list(range(100, 1100)), now=0.1)
-        assert isinstance(busy, Decision) and isinstance(queued, Decision) and queued.queued
+        assert isinstance(busy, Routed) and isinstance(queued, Routed) and queued.queued
         (h,) = r.complete(busy, output_tokens=[7], reported_cached=0, now=1.0)
         assert h.displaced == (to_token_bytes([*other, 7]) if spills else None)
 
@@ -234,7 +236,7 @@ def test_a_peers_queued_request_is_not_handed_a_restore() -> None:
     history = list(range(100, 1100))
     r.disk_add(0, "kvroute-0.bin", to_token_bytes(history), frozenset({"a"}))
     busy = r.decide(list(range(20_000, 20_600)), now=0.0)
-    assert isinstance(busy, Decision)
+    assert isinstance(busy, Routed)
     peer = r.observe_start("a", 0, to_token_bytes([*history, 1]), now=0.1, wait=True)
     assert peer is not None
     handed = r.complete(busy, output_tokens=[7], reported_cached=0, now=1.0)
@@ -250,13 +252,13 @@ def test_another_replicas_request_is_placed_as_if_routed_here() -> None:
         r.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
     history = list(range(100, 1100))
     d = a.decide(history, now=0.0)
-    assert isinstance(d, Decision) and d.slot is not None
+    assert isinstance(d, Routed) and d.slot is not None
     a.complete(d, output_tokens=[7, 8], reported_cached=0, now=1.0)
     held = a.held("x", d.slot)
     assert held is not None and b.observe("x", d.slot, held, now=1.0)
     assert b.held("x", d.slot) == held
     turn = b.decide([*history, 7, 8, *range(5000, 5040)], now=2.0)
-    assert isinstance(turn, Decision)
+    assert isinstance(turn, Routed)
     assert (turn.slot, turn.tier, turn.predicted_cached) == (d.slot, "slot", 1002)
     # b's own request is on that slot now: another replica's word does not move it
     assert not b.observe("x", d.slot, held, now=2.0)

@@ -15,8 +15,8 @@ from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.checkpoints import DENSE, Memory, reusable
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import BackendCapacity, Placement
-from proxy.routing.decision import Decision
 from proxy.routing.policy import Candidate
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import to_token_bytes
@@ -208,7 +208,7 @@ class Drive:
         for name in ("a", "b", "c")[:2 if slots > 1 else 3]:
             self.r.add_backend(BackendCapacity(name, slots, 4096, ram_tokens * 8192, 8192,
                                                memory=memory))
-        self.live: list[tuple[Decision, int, list[int], list[int] | None]] = []
+        self.live: list[tuple[Routed, int, list[int], list[int] | None]] = []
         self.history: dict[int, list[int]] = {}
         self.running: set[int] = set()  # requests that have their slot
         self.picks = self.not_oldest = 0
@@ -235,10 +235,10 @@ class Drive:
             known = prompt[:max(1, len(prompt) // 2)] if kind == "head" else prompt
             d = self.r.decide(known, now=now, n_prompt=len(prompt),
                               session=f"s{a}" if a % 2 else None)
-            if not isinstance(d, Decision):
+            if not isinstance(d, Routed):
                 d = self.r.decide(prompt, now=now)
                 known = prompt
-            assert isinstance(d, Decision)
+            assert isinstance(d, Routed)
             self.live.append((d, a, prompt, None if known is prompt else prompt))
             if not d.queued:
                 self.running.add(d.request_id)

@@ -4,7 +4,8 @@ freed slots are handed out in."""
 from __future__ import annotations
 
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Decision, Handoff
+from proxy.routing.decision import Handoff
+from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 
 DOC = list(range(100_000, 102_000))  # one document, asked about by several requests
@@ -14,9 +15,9 @@ def cap(name: str, slots: int = 1, ram: int = 1 << 30) -> BackendCapacity:
     return BackendCapacity(name, slots, 16384, ram, 8192)
 
 
-def decide(r: Router, tokens: list[int], now: float) -> Decision:
+def decide(r: Router, tokens: list[int], now: float) -> Routed:
     d = r.decide(tokens, now=now)
-    assert isinstance(d, Decision), d
+    assert isinstance(d, Routed), d
     return d
 
 

@@ -1,0 +1,145 @@
+"""The live record of one routed request (`Routed`), and the router's entry behind it.
+
+`Router.decide` returns a `Routed`; the forwarder holds it for the request's life and
+tells it what happens: `placed()` once the request is written, `extend(ids)` when the rest
+of a prompt decided on its head is tokenized, `handed(h)` when a queued request is given
+its slot, `first_token()`, and `complete(...)` or `abort(...)` at the end. `prediction` is
+read when the answer's headers are written and when its log line is: the router keeps it
+current (the deferred slot model update, another replica's request run first, the whole
+prompt, a hand-off, a failed restore), so no caller keeps or revises a copy.
+
+The router keeps the entries of the requests in flight by id too, for the events that
+come by id (another replica's, a backend leaving); the record's own calls need no lookup.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from proxy.routing.decision import Decision, Handoff
+
+if TYPE_CHECKING:
+    from proxy.routing.router import Router
+
+
+@dataclass
+class Inflight:
+    """The router's entry for one request in flight (the model's side of a `Routed`)."""
+
+    backend: str
+    slot: int | None  # slot the model placed it in (None: queued on the server)
+    prompt: bytes
+    n: int
+    work: int
+    started: float
+    # decided on the head of its prompt (see `Router.extend`): what the holder it reuses
+    # from had beyond that head, when it held all of it
+    beyond: bytes | None = None
+    session: str | None = None  # the client's session hint
+    user_starts: tuple[int, ...] = ()  # where its prompt's user messages start
+    prefilled: bool = False  # its first token came
+    prediction: Decision | None = None  # what the caller shows: set as it is decided
+    live: bool = True  # False once it ended, or its backend left the model
+
+    def revise(self, reuse: int, tier: str) -> None:
+        """The model found another reuse (and tier) for it than it predicted."""
+        d = self.prediction
+        if d is not None:
+            self.prediction = replace(d, predicted_cached=reuse, tier=tier,
+                                      reasons={**d.reasons, "reuse": reuse, "tier": tier})
+
+
+class Routed:
+    """One routed request, as the router sees it now (see the module doc)."""
+
+    __slots__ = ("_router", "entry")
+
+    def __init__(self, router: Router, entry: Inflight) -> None:
+        self._router = router
+        self.entry = entry
+
+    @property
+    def prediction(self) -> Decision:
+        p = self.entry.prediction
+        assert p is not None, "recorded with its prediction"
+        return p
+
+    # the prediction's fields, read as a Decision's
+    @property
+    def request_id(self) -> int:
+        return self.prediction.request_id
+
+    @property
+    def backend(self) -> str:
+        return self.prediction.backend
+
+    @property
+    def slot(self) -> int | None:
+        return self.prediction.slot
+
+    @property
+    def predicted_cached(self) -> int:
+        return self.prediction.predicted_cached
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prediction.prompt_tokens
+
+    @property
+    def tier(self) -> str:
+        return self.prediction.tier
+
+    @property
+    def queued(self) -> bool:
+        return self.prediction.queued
+
+    @property
+    def restore(self) -> str | None:
+        return self.prediction.restore
+
+    @property
+    def reasons(self) -> dict[str, object]:
+        return self.prediction.reasons
+
+    def placed(self) -> Decision:
+        """The request is written to its backend: the slot model's update deferred at
+        `decide` runs now (if nothing ran it before). Returns the prediction."""
+        self._router.place(self)
+        return self.prediction
+
+    def extend(self, tokens: Sequence[int] | array | bytes,
+               user_starts: tuple[int, ...] = ()) -> None:
+        """The whole prompt of a request decided on its head (see `Router.extend`)."""
+        self._router.extend(self, tokens, user_starts)
+
+    def restore_failed(self) -> None:
+        """The disk file chosen for its slot was not restored (see `Router.restore_failed`)."""
+        self._router.restore_failed(self)
+
+    def wait_overdue(self, now: float) -> bool:
+        """Has it waited for a busy slot well past that slot's expected end?"""
+        return self._router.wait_overdue(self, now)
+
+    def first_token(self) -> None:
+        self._router.prefilled(self)
+
+    def complete(self, *, output_tokens: Sequence[int] | array | bytes = (),
+                 reported_cached: int | None = None, prompt_ms: float | None = None,
+                 prompt_n: int | None = None, reported_slot: int | None = None,
+                 now: float = 0.0, starts_at_end: int | None = None) -> list[Handoff]:
+        """It ended with an answer (see `Router.complete`): the hand-offs it made."""
+        return self._router.complete(
+            self, output_tokens=output_tokens, reported_cached=reported_cached,
+            prompt_ms=prompt_ms, prompt_n=prompt_n, reported_slot=reported_slot, now=now,
+            starts_at_end=starts_at_end)
+
+    def abort(self, *, now: float = 0.0, prefilled: bool = False,
+              held: int | None = None) -> list[Handoff]:
+        """It failed or was cancelled (see `Router.abort`): the hand-offs it made."""
+        return self._router.abort(self, now=now, prefilled=prefilled, held=held)
+
+    def __repr__(self) -> str:
+        return f"Routed({self.entry.prediction!r})"
