@@ -42,7 +42,7 @@ from loadtest.fleet import (
     terminate,
 )
 from loadtest.report import PolicyRun
-from proxy.routing.policy import POLICIES
+from proxy.routing.policies import POLICIES
 
 DEFAULT_POLICIES = "prefix,round_robin,least_loaded,direct"
 

@@ -28,6 +28,7 @@ from backends.config import AgentConfig
 from proxy.config.fields import ConfigError
 from proxy.config.load import Config, load_config
 from proxy.instance import Instance
+from proxy.routing.policies import describe
 
 
 def _default_config_path(given: Path | None) -> Path | None:
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--config", type=Path, help=_CONFIG_HELP)
     s.add_argument("--host", help="proxy host (overrides proxy.host)")
     s.add_argument("--port", type=int, help="proxy port (overrides proxy.port)")
-    s.add_argument("--policy", help="prefix | round_robin | least_loaded | random")
+    s.add_argument("--policy", help=describe())
     s.add_argument("--log-level", default="info", help="debug | info | warning | error")
     s.add_argument("--log-prompts", action="store_true",
                    help="also log request bodies (prompts) at debug level; never API keys")

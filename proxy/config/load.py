@@ -41,7 +41,7 @@ from proxy.config.fields import (  # ConfigError is re-exported: imported from h
 from proxy.config.pools import PoolSpec, derive_pools
 from proxy.config.settings import HealthSettings, ProxySettings
 from proxy.observability.tracing import OTEL_MISSING, OTEL_MODULES
-from proxy.routing.policy import POLICIES
+from proxy.routing.policies import POLICIES
 from proxy.routing.settings import RouterSettings
 
 

@@ -86,8 +86,7 @@ baselines: they choose only the backend and let the server pick the slot.
 from __future__ import annotations
 
 import hashlib
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from proxy.routing.backend_state import BackendState, Queued
@@ -95,9 +94,7 @@ from proxy.routing.cache.predict import Placement
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import common_len
 
-POLICIES = ("prefix", "round_robin", "least_loaded", "random")
-__all__ = ["POLICIES", "BackendState", "Baselines", "Candidate", "Choice", "RouterSettings",
-           "choose_prefix"]
+__all__ = ["BackendState", "Candidate", "Choice", "RouterSettings", "choose_prefix"]
 
 
 class Choice(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower
@@ -123,6 +120,11 @@ class Candidate:
     def shared(self, q: Queued) -> int:
         """Tokens of the prompt that queued request ``q``'s prompt has too."""
         return common_len(q.prompt, self.prompt, 0)
+
+    def matched(self) -> int:
+        """The most tokens of the prompt one slot or RAM entry here holds."""
+        return max(max(self.slot_lcp.values(), default=0),
+                   max(self.ram_lcp.values(), default=0))
 
     def predict_queued(self, n: int, min_tokens: int | None) -> tuple[Placement, int | None]:
         """Landing of a request that must wait for a slot here, and the busy slot it
@@ -164,15 +166,30 @@ class Candidate:
         return first, None
 
 
-def _most(lcp: dict[int, int]) -> int:
-    return max(lcp.values()) if lcp else 0
-
-
 def _hash_rank(session: str, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{session}\0{name}".encode(), digest_size=8).digest())
 
 
-Option = tuple[float, float, Placement | None, int | None, bool]
+class Option(NamedTuple):
+    """One way to run a request on a backend, as `_best_option` prices it."""
+
+    score: float  # ttft + the penalties: what the choice minimises
+    ttft: float  # expected time to first token
+    placement: Placement | None
+    pin: int | None  # the slot to pin, or the busy slot to wait for (None: the server's)
+    queued: bool  # it waits (for a busy slot, or in the server's queue)
+
+
+class Evaluated(NamedTuple):
+    """An option of one candidate, with what it adds to the cluster's load."""
+
+    cand: Candidate
+    score: float  # the option's, plus the queue cost of its uncached prefill
+    placement: Placement | None
+    pin: int | None
+    work: int  # the backend's in-flight work after taking the request
+    queued: bool
+    ttft: float
 
 
 def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None
@@ -224,7 +241,7 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
             best = (key, p, opt)
     plain: Option
     if best is not None:
-        plain = (best[0][0], best[0][1], best[1], best[2], False)
+        plain = Option(best[0][0], best[0][1], best[1], best[2], False)
     else:
         # queued on the server: it gets the slot that frees, whose content it may share
         p, slot = c.predict_queued(n, s.wait_min_tokens)
@@ -234,7 +251,7 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
         else:
             wait_s = max(backlog, st.slot_free_at.get(slot, now) - now)
         ttft = _ttft(wait_s, p, n, rate, s)
-        plain = (ttft + _penalty(p, s, rate), ttft, p, slot, True)
+        plain = Option(ttft + _penalty(p, s, rate), ttft, p, slot, True)
     # Waiting for a busy slot that holds much of the prompt (a side call sent with its
     # session's turn, a turn sent before the previous answer ended): the caller holds the
     # request and sends it pinned there when the slot frees (Router: targets, Handoff).
@@ -263,7 +280,7 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
             wait = (key, p, i)
     if wait is None:
         return plain, None
-    return plain, (wait[0][0], wait[0][1], wait[1], wait[2], True)
+    return plain, Option(wait[0][0], wait[0][1], wait[1], wait[2], True)
 
 
 # Waiters one busy slot may have. The second one waits for the first one's turn as well;
@@ -358,17 +375,17 @@ def choose_prefix(
 ) -> Choice:
     """``n``: the prompt's length; ``known``: when only its first ``known`` tokens are
     known (the rest is being tokenized), that head's length."""
-    evals = []
+    evals: list[Evaluated] = []
     ttfts: dict[str, float] = {}
     matched: dict[str, int] = {}  # longest match per backend, for the reasons
     total = 0  # in-flight work of all candidates
     total_rate = 0.0
-    waits = []
+    waits: list[Evaluated] = []
     for c in cands:
         st = c.state
         plain, wait = _best_option(c, n, s, now, session)
         ttfts[c.name] = round(plain[1], 4)
-        matched[c.name] = max(_most(c.slot_lcp), _most(c.ram_lcp))
+        matched[c.name] = c.matched()
         for opt in (plain, wait):
             if opt is None:
                 continue
@@ -377,19 +394,20 @@ def choose_prefix(
             # NOTE: the uncached prefill also delays every request queued behind it
             score += s.queue_cost_weight * uncached / st.rate
             work = st.work + uncached + s.request_overhead_tokens
-            (evals if opt is plain else waits).append((c, score, p, pin, work, queued, ttft))
+            (evals if opt is plain else waits).append(
+                Evaluated(c, score, p, pin, work, queued, ttft))
         total += st.work
         total_rate += st.rate
     # A wait must be faster for this request than running now anywhere, not only cheaper
     # for the cluster: otherwise a burst of new sessions over one prefix would queue for
     # the first one's slot instead of spreading over idle backends.
-    fastest = min(e[6] for e in evals)
-    evals += [e for e in waits if e[6] < fastest]
+    fastest = min(e.ttft for e in evals)
+    evals += [e for e in waits if e.ttft < fastest]
     k = len(cands)
     slack = s.load_slack_tokens + s.load_slack_s * total_rate / k
     allowed = []
     for e in evals:
-        work = e[0].state.work
+        work = e.cand.state.work
         # NOTE: the bound decides where *conversations* live, so that sessions sharing a
         # prefix spread. The next turn of a conversation a backend holds whole adds only
         # its tail there, while moving it re-creates its whole history elsewhere (a
@@ -399,26 +417,23 @@ def choose_prefix(
         # client names its session tells it from a new conversation over a shared prompt.
         # An idle backend is always within the bound: with k backends and one request
         # in flight, the mean is 1/k of it, and a long prompt would be "over" everywhere.
-        if not work or e[4] <= s.load_factor * (total + e[4] - work) / k + slack or \
-                _continues(e[0], e[2], s.continuation_min_tokens, known) or \
-                _own_history(e[0], e[2], session, s.continuation_min_tokens):
+        if not work or e.work <= s.load_factor * (total + e.work - work) / k + slack or \
+                _continues(e.cand, e.placement, s.continuation_min_tokens, known) or \
+                _own_history(e.cand, e.placement, session, s.continuation_min_tokens):
             allowed.append(e)
     why = "lowest expected ttft"
     if not allowed:
-        allowed = [min(evals, key=lambda e: e[4])]
+        allowed = [min(evals, key=lambda e: e.work)]
         why = "all above load bound: least work"
 
-    def key(
-        e: tuple[Candidate, float, Placement | None, int | None, int, bool, float],
-    ) -> tuple[float, int]:
-        rank = _hash_rank(session, e[0].name) if session else 0
-        return (e[1], rank)
+    def key(e: Evaluated) -> tuple[float, int]:
+        return (e.score, _hash_rank(session, e.cand.name) if session else 0)
 
     c, _, p, pin, _, queued, _ = min(allowed, key=key)
     if len(allowed) < len(evals) and why == "lowest expected ttft":
         best_any = min(evals, key=key)
-        if best_any[0].name != c.name:
-            why = f"lowest expected ttft within load bound ({best_any[0].name} over bound)"
+        if best_any.cand.name != c.name:
+            why = f"lowest expected ttft within load bound ({best_any.cand.name} over bound)"
     alt = max((v for name, v in matched.items() if name != c.name), default=0)
     reasons: dict[str, object] = {
         "policy": "prefix",
@@ -426,41 +441,9 @@ def choose_prefix(
         "matched": matched,
         "beyond_alt": matched[c.name] - alt,
         "ttft_s": ttfts,
-        "work": {e[0].name: e[0].state.work for e in evals},
-        "eligible": list(dict.fromkeys(e[0].name for e in allowed)),
+        "work": {e.cand.name: e.cand.state.work for e in evals},
+        "eligible": list(dict.fromkeys(e.cand.name for e in allowed)),
     }
     if queued:  # pin: the busy slot it waits for, None: the server's queue
         return Choice(c.name, pin, None, reasons, queued=p)
     return Choice(c.name, pin if p is not None else None, p, reasons)
-
-
-@dataclass
-class Baselines:
-    """State of the comparison policies."""
-
-    seed: int = 0
-    rr_next: int = 0
-    rng: random.Random = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.rng = random.Random(self.seed)
-
-    def choose(self, policy: str, cands: list[Candidate], n: int) -> Choice:
-        if policy == "round_robin":
-            c = cands[self.rr_next % len(cands)]
-            self.rr_next += 1
-        elif policy == "least_loaded":
-            c = min(cands, key=lambda x: (x.state.inflight, x.state.work))
-        elif policy == "random":
-            c = self.rng.choice(cands)
-        else:
-            raise AssertionError(f"unknown policy {policy}")
-        p = c.state.cache.predict(None, c.slot_lcp, c.ram_lcp, n)
-        matched = {x.name: max(_most(x.slot_lcp), _most(x.ram_lcp)) for x in cands}
-        reasons: dict[str, object] = {
-            "policy": policy,
-            "why": policy,
-            "matched": matched,
-            "inflight": {x.name: x.state.inflight for x in cands},
-        }
-        return Choice(c.name, None, p, reasons)

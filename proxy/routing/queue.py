@@ -17,6 +17,7 @@ from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import RAM, SLOT, CacheHolder, Placement, from_disk
 from proxy.routing.decision import Handoff
+from proxy.routing.policies import Policy
 from proxy.routing.routed import Inflight
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
@@ -48,7 +49,7 @@ class QueuedRequests:
     tree: RadixTree
     _inflight: dict[int, Inflight]
     settings: RouterSettings
-    _policy: str
+    _policy: Policy
     _waiters_first: Callable[[dict[int, int]], list[tuple[int, int]]]  # (ObservedRequests)
     _observed: set[int]  # (ObservedRequests)
     _disk: dict[int, tuple[str, frozenset[str]]]  # (DiskEntries)
@@ -88,7 +89,7 @@ class QueuedRequests:
         could still beat the best one found are predicted: a few, however many wait."""
         oldest = st.waiting.oldest()
         assert oldest is not None, "someone waits"
-        if self._policy != "prefix":
+        if not self._policy.orders_waiters:
             return oldest
         cache = st.cache
         queued = st.queued

@@ -17,12 +17,9 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from proxy.routing.decision import Decision, Handoff
-
-if TYPE_CHECKING:
-    from proxy.routing.router import Router
 
 
 @dataclass
@@ -52,12 +49,35 @@ class Inflight:
                                       reasons={**d.reasons, "reuse": reuse, "tier": tier})
 
 
+class Owner(Protocol):
+    """What a record asks of the router that owns it (`Router`)."""
+
+    def place(self, routed: Routed) -> Routed: ...
+
+    def extend(self, routed: Routed, tokens: Sequence[int] | array | bytes,
+               user_starts: tuple[int, ...] = ()) -> Routed: ...
+
+    def restore_failed(self, routed: Routed) -> Routed: ...
+
+    def wait_overdue(self, routed: Routed, now: float) -> bool: ...
+
+    def prefilled(self, routed: Routed) -> None: ...
+
+    def complete(self, routed: Routed, *, output_tokens: Sequence[int] | array | bytes = (),
+                 reported_cached: int | None = None, prompt_ms: float | None = None,
+                 prompt_n: int | None = None, reported_slot: int | None = None,
+                 now: float = 0.0, starts_at_end: int | None = None) -> list[Handoff]: ...
+
+    def abort(self, routed: Routed, *, now: float = 0.0, prefilled: bool = False,
+              held: int | None = None) -> list[Handoff]: ...
+
+
 class Routed:
     """One routed request, as the router sees it now (see the module doc)."""
 
     __slots__ = ("_router", "entry")
 
-    def __init__(self, router: Router, entry: Inflight) -> None:
+    def __init__(self, router: Owner, entry: Inflight) -> None:
         self._router = router
         self.entry = entry
 

@@ -33,7 +33,8 @@ from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend
 from proxy.routing.disk import DiskEntries
 from proxy.routing.observed import ObservedRequests, SlotListener
 from proxy.routing.outcomes import RequestEnds
-from proxy.routing.policy import POLICIES, Baselines, Candidate, Choice, choose_prefix
+from proxy.routing.policies import Ask, make_policy
+from proxy.routing.policy import Candidate, Choice
 from proxy.routing.queue import QueuedRequests, Unplaced
 from proxy.routing.routed import Inflight, Routed
 from proxy.routing.settings import RouterSettings
@@ -57,14 +58,11 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
     def __init__(
         self, policy: str = "prefix", *, settings: RouterSettings | None = None, seed: int = 0
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy: must be one of {POLICIES}, got {policy!r}")
-        self._policy = policy
         self.settings = settings or RouterSettings()
+        self._policy = make_policy(policy, self.settings, seed)
         self.tree = RadixTree(max_resident=self.settings.max_resident_tokens)
         self._backends: dict[str, BackendState] = {}
         self._inflight: dict[int, Inflight] = {}
-        self._baselines = Baselines(seed)
         self._next_id = 0
         self._disk: dict[int, tuple[str, frozenset[str]]] = {}  # (DiskEntries)
         self._spilling: set[str] = set()  # (DiskEntries)
@@ -78,7 +76,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
 
     @property
     def policy(self) -> str:
-        return self._policy
+        return self._policy.name
 
     @property
     def backends(self) -> list[str]:
@@ -148,13 +146,9 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         if not isinstance(found, tuple):
             return found
         cands, held = found
-        if self._policy == "prefix":
-            choice = choose_prefix(cands, n, self.settings, now, session,
-                                   len(q) // 4 if head else None)
-        else:
-            choice = self._baselines.choose(self._policy, cands, n)
-        if head and self._policy == "prefix":
-            p = choice.placement or choice.queued  # (prefix sets one or the other)
+        choice = self._policy.choose(cands, Ask(n, now, session, len(q) // 4 if head else None))
+        if head and self._policy.checks_head:
+            p = choice.placement or choice.queued  # (a queued choice predicts its landing)
             assert p is not None
             most = _most_kv(held)
             if p.reuse < most:
@@ -372,7 +366,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
     def snapshot(self) -> dict[str, object]:
         self._apply_unplaced()
         return {
-            "policy": self._policy,
+            "policy": self._policy.name,
             "tree": {
                 "resident_tokens": self.tree.resident_tokens,
                 "nodes": self.tree.node_count,
