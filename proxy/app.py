@@ -241,7 +241,7 @@ async def _replicas(app: web.Application) -> ReplicaBus | None:
     for pool in pools:
         teller = Teller(cfg.replica, pool.spec.name, bus.publish, view.touched)
         bus.tellers.append(teller)
-        pool.router.listener = teller
+        pool.router.peers.listener = teller
         pool.fw.on_sent = teller.started
     await bus.start()
     return bus
@@ -264,7 +264,7 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
             return
         store = app[FORWARDER].slot_store(info.name)
         # (what a hand-off there carries for a spill: only where the tier saves slots)
-        pool.router.disk_spills(info.name, store is not None and saves(info))
+        pool.router.disk.spills(info.name, store is not None and saves(info))
         if store is not None and info.managed:
             # what the process just loaded: only files of that model are restored into it
             cfg = next((b for b in app[CONFIG].managed() if b.name == info.name), None)

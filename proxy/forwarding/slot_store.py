@@ -151,9 +151,9 @@ class SlotStore(Restoring):
         for r in self.routers:
             mine = frozenset(n for n in where if self.router_of(n) is r)
             if mine:
-                r.disk_add(self._key(e.id), e.file, e.tokens, mine)
+                r.disk.add(self._key(e.id), e.file, e.tokens, mine)
             else:
-                r.disk_drop(self._key(e.id))
+                r.disk.drop(self._key(e.id))
 
     def _key(self, entry_id: int) -> int:
         """The router's name for an entry of this directory."""
@@ -371,7 +371,7 @@ class SlotStore(Restoring):
         self._offered.pop(entry_id, None)
         self._strikes.pop(entry_id, None)
         for r in self.routers:
-            r.disk_drop(self._key(entry_id))
+            r.disk.drop(self._key(entry_id))
         if entry is not None and aside:
             self.files.quarantine(entry.file, reason)
         elif entry is not None:

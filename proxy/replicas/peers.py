@@ -149,7 +149,7 @@ class PeerView:
     def routes(self, e: Event) -> bool:
         """Is the slot ``e`` names in this replica's model?"""
         port = self.pools.get(e.pool)
-        return port is not None and port.router.routes_slot(e.backend, e.slot)
+        return port is not None and port.router.peers.routes_slot(e.backend, e.slot)
 
     def heard(self, peer: str, now: float) -> None:
         if peer not in self._seen:
@@ -163,7 +163,7 @@ class PeerView:
             return False
         if e.kind == Kind.ALIVE:
             return self._alive(e, now)
-        if not port.router.routes_slot(e.backend, e.slot):
+        if not port.router.peers.routes_slot(e.backend, e.slot):
             return False
         key = e.pool, e.backend, e.slot
         if e.kind == Kind.HELD:
@@ -192,13 +192,13 @@ class PeerView:
             return True
         if e.kind == Kind.FIRST:
             told = self._told.get(told_key)
-            state = None if told is None else port.router.observed_state(told.decision)
+            state = None if told is None else port.router.peers.observed_state(told.decision)
             if told is None or state is None or told.prefilled:
                 return False
             told.prefilled = True
             if state == "waiting":
                 # (it waits here behind a request that has no token yet: it runs first)
-                port.router.ran_first(told.backend, told.slot, told.prompt)
+                port.router.peers.ran_first(told.backend, told.slot, told.prompt)
             port.router.prefilled(told.decision)
             return True
         self.touched(*key)
@@ -212,7 +212,7 @@ class PeerView:
         else:
             held = (b"" if told is None else told.prompt[:4 * e.keep]) + e.tokens
         router = port.router
-        state = None if told is None else router.observed_state(told.decision)
+        state = None if told is None else router.peers.observed_state(told.decision)
         if told is None or state is None:
             return bool(held) and router.observe(e.backend, e.slot, held, now=now)
         if state == "waiting":
@@ -220,7 +220,7 @@ class PeerView:
             # request this model has there reuses what it left, then leaves its own
             port.hand_off(router.abort(told.decision, now=now))
             if held:
-                router.ran_first(told.backend, told.slot, held)
+                router.peers.ran_first(told.backend, told.slot, held)
             return True
         if held and e.slot == told.slot and held.startswith(told.prompt):
             port.hand_off(router.complete(told.decision, now=now,
@@ -260,7 +260,7 @@ class PeerView:
         return [Event(self.replica, Kind.HELD, pool, backend, slot, 0, held,
                       at=self._changed.get((pool, backend, slot), 0.0))
                 for pool, port in self.pools.items() for backend in port.router.backends
-                for slot, held in port.router.held_slots(backend)]
+                for slot, held in port.router.peers.held_slots(backend)]
 
     def left(self, peer: str, now: float, why: str) -> None:
         """``peer`` left (said so, or was not heard for long): its requests end."""

@@ -1,7 +1,7 @@
 """Requests routed by other replicas (proxy/replicas/), and this one's told to them.
 
-A mixin of :class:`~proxy.routing.router.Router`. Another replica's request, as that
-replica tells it, is placed in the model as if routed here: its slot is busy, its
+Another replica's request, as that replica tells it, is placed in the model as if routed
+here (``Router.observe_start``, ``Router.observe``): its slot is busy, its
 prefill loads the backend, and what it leaves there counts for this replica's next
 decisions. The other way, a `SlotListener` hears what this replica's own requests do
 to their slots: their prefill ending, and what each slot holds once a request leaves
@@ -10,17 +10,12 @@ it, before a queued request takes it over.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
-from proxy.routing.decision import Handoff
-from proxy.routing.policy import Candidate, Choice
+from proxy.routing.backend_state import BackendState
+from proxy.routing.routed import Inflight, Ledger, Routed
 from proxy.routing.tree.token_bytes import common_len
-
-if TYPE_CHECKING:
-    from proxy.routing.backend_state import BackendState
-    from proxy.routing.cache.predict import Placement
-    from proxy.routing.routed import Inflight, Routed
 
 
 class SlotListener(Protocol):
@@ -31,64 +26,13 @@ class SlotListener(Protocol):
         """The request left ``slot``, which holds ``held`` (None: not known)."""
 
 
-class ObservedRequests:
-    """Others' requests placed in the model (over the Router's records)."""
+class PeerRequests:
+    """Others' requests in the model: what a listener hears of this replica's, and what
+    the queue owes the others' (they are in the server's queue already)."""
 
-    _backends: dict[str, BackendState]
-    _inflight: dict[int, Inflight]
-    _next_id: int
-    # requests placed by `observe_start` (told to no listener)
-    _observed: set[int]
-    listener: SlotListener | None
-    _apply_unplaced: Callable[[], None]
-    _candidates: Callable[..., tuple[list[Candidate], object] | object]
-    _place: Callable[..., tuple[Placement | None, bytes | None]]
-    _record: Callable[..., Routed]
-    complete: Callable[..., list[Handoff]]
-
-    def observe_start(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0,
-                      wait: bool = True) -> Routed | None:
-        """Another replica's request was sent to ``backend``'s ``slot``, with ``sequence``
-        (int32 token bytes) as its prompt: the model places it there as if routed here;
-        it ends with ``complete`` (or ``abort``) as any. A slot busy in this model has
-        it next: the server runs it once the request there ends, before any this
-        replica holds for that slot (those are not sent yet). None when the backend is
-        not routed here (or, without ``wait``, the slot is busy)."""
-        self._apply_unplaced()
-        st = self._backends.get(backend)
-        n = len(sequence) // 4
-        if st is None or not 0 <= slot < len(st.cache.slots) or n < 2 or len(sequence) % 4:
-            return None
-        found = self._candidates(sequence, n, False, (backend,))
-        if not isinstance(found, tuple):
-            return None
-        (cand,), _ = found
-        why = {"why": "another replica's request"}
-        if st.cache.slots[slot].busy:
-            if not wait:
-                return None
-            choice = Choice(backend, slot, None, why, cand.predict_queued(n, None)[0])
-        else:
-            p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n)
-            choice = Choice(backend, slot, p, why)
-        rid = self._next_id
-        self._next_id += 1
-        placed, _ = self._place(rid, choice, cand, sequence, n, False, False, None, ())
-        self._observed.add(rid)
-        return self._record(rid, choice, cand, placed, sequence, n, now, None, None,
-                            False, None, ())
-
-    def observe(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0
-                ) -> bool:
-        """Another replica's request on ``backend``'s ``slot`` ended, leaving ``sequence``
-        there: ``observe_start`` and ``complete`` at once (what it displaces goes to RAM
-        as the server's would). False when the backend is not routed here or the slot
-        is busy in this model (the request there settles what it holds)."""
-        decision = self.observe_start(backend, slot, sequence, now=now, wait=False)
-        if decision is None:
-            return False
-        self.complete(decision, now=now)
-        return True
+    def __init__(self, backends: Mapping[str, BackendState], ledger: Ledger) -> None:
+        self._backends, self._ledger = backends, ledger
+        self.listener: SlotListener | None = None  # hears this replica's slots change
 
     def observed_state(self, routed: Routed) -> str | None:
         """Where another replica's request (``observe_start``) is in this model: "slot"
@@ -107,31 +51,27 @@ class ObservedRequests:
         ended), leaving ``held`` there, while the request this model has in the slot did
         not: the server runs that one first, and the one here reuses what it leaves
         (its record's prediction says so)."""
-        for rid, f in self._inflight.items():
-            if f.backend == backend and f.slot == slot and rid not in self._observed \
-                    and not f.prefilled:
+        for _, f in self._ledger.on(backend):
+            if f.slot == slot and not f.observed and not f.prefilled:
                 f.revise(min(common_len(held, f.prompt, 0), f.n - 1), "slot")
                 return
 
-    def _waiters_first(self, targets: dict[int, int]) -> list[tuple[int, int]]:
+    def waiters_first(self, targets: dict[int, int]) -> list[tuple[int, int]]:
         """Requests waiting for a given slot, others' first: they are in the server's
         queue already; this replica's own are held here until handed the slot."""
-        return sorted(targets.items(), key=lambda t: t[0] not in self._observed)
+        return sorted(targets.items(), key=lambda t: not self._ledger[t[0]].observed)
 
-    def _told_prefilled(self, backend: str, rid: int) -> None:
-        if self.listener is not None and rid not in self._observed:
-            self.listener.prefilled(backend, rid)
+    def told_prefilled(self, f: Inflight, rid: int) -> None:
+        if self.listener is not None and not f.observed:
+            self.listener.prefilled(f.backend, rid)
 
-    def _told_freed(self, backend: str, slot: int | None, rid: int) -> None:
-        """``rid`` left ``slot`` (None: it is not known where it ended): the listener
-        hears what the slot holds, unless the request was another replica's."""
-        if rid in self._observed:
-            self._observed.discard(rid)
+    def told_freed(self, f: Inflight, slot: int | None, rid: int) -> None:
+        """``rid`` (whose entry is ``f``) left ``slot`` (None: it is not known where it
+        ended): the listener hears what the slot holds, unless it was another replica's."""
+        if f.observed or self.listener is None or slot is None:
             return
-        if self.listener is None or slot is None:
-            return
-        st = self._backends.get(backend)  # (None: removed: what it holds is not known)
-        self.listener.freed(backend, slot, rid, None if st is None else st.cache.held(slot))
+        st = self._backends.get(f.backend)  # (None: removed: what it holds is not known)
+        self.listener.freed(f.backend, slot, rid, None if st is None else st.cache.held(slot))
 
     def held_slots(self, backend: str) -> list[tuple[int, bytes]]:
         """What each idle slot of ``backend`` holds (told to a replica that joins)."""

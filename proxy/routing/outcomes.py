@@ -1,59 +1,106 @@
-"""What the router learns as a request ends: its first token, its completion (what its
-slot holds, its backend's prefill rate, whether the prediction held), a wait gone on too
-long, or its abort.
+"""What the router learns as a request goes and ends: the rest of a prompt decided on its
+head, a failed disk restore, its first token, its completion (what its slot holds, its
+backend's prefill rate, whether the prediction held), a wait gone on too long, or its
+abort.
 
-A mixin of :class:`~proxy.routing.router.Router` (as QueuedRequests is). Each end frees the
-request's slot in the model, tells the listener (ObservedRequests) and hands the slot to
-the requests queued for it (QueuedRequests), whose hand-offs it returns.
+Each end frees the request's slot in the model, tells the listener (PeerRequests) and
+hands the slot to the requests queued for it (SlotQueue), whose hand-offs it returns.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from proxy.routing.backend_state import BackendState, share_rate
-from proxy.routing.cache.model import BackendCache
 from proxy.routing.decision import Handoff
-from proxy.routing.routed import Inflight, Routed
+from proxy.routing.deferred import Deferred
+from proxy.routing.observed import PeerRequests
+from proxy.routing.queue import SlotQueue
+from proxy.routing.routed import Ledger, Routed
 from proxy.routing.settings import RouterSettings
-from proxy.routing.tree.token_bytes import to_token_bytes
+from proxy.routing.tree.token_bytes import common_len, to_token_bytes
 
 
 class RequestEnds:
-    """Feedback on requests in flight (over the Router's records)."""
+    """Feedback on requests in flight, told through their records (`Routed`)."""
 
-    settings: RouterSettings
-    _backends: dict[str, BackendState]
-    _inflight: dict[int, Inflight]
-    _observed: set[int]  # (ObservedRequests)
-    mispredictions: int  # (Router)
-    completed: int  # (Router)
-    completed_for_peers: int  # (Router)
-    _apply_unplaced: Callable[[], None]  # (Router)
-    _told_prefilled: Callable[[str, int], None]  # (ObservedRequests)
-    _told_freed: Callable[[str, int | None, int], None]  # (ObservedRequests)
-    _unqueue: Callable[[BackendState, str, int], None]  # (QueuedRequests)
-    _lcps: Callable[[BackendCache, bytes], tuple[dict[int, int], dict[int, int]]]
-    _server_pick_now: Callable[[BackendCache, bytes], int | None]  # (QueuedRequests)
-    _drain_queue: Callable[[BackendState, str, float], list[Handoff]]  # (QueuedRequests)
+    def __init__(self, backends: Mapping[str, BackendState], ledger: Ledger,
+                 deferred: Deferred, queue: SlotQueue, peers: PeerRequests,
+                 settings: RouterSettings) -> None:
+        self._backends, self._ledger, self._deferred = backends, ledger, deferred
+        self._queue, self._peers, self._settings = queue, peers, settings
+        self.mispredictions = 0  # completions whose reported reuse differed from ours
+        self.completed = 0  # this replica's own requests
+        self.completed_for_peers = 0  # other replicas' (see PeerRequests)
+
+    def extend(self, routed: Routed, tokens: Sequence[int] | array | bytes,
+               user_starts: tuple[int, ...] = ()) -> Routed:
+        """The whole prompt of a request decided on its head (``decide(n_prompt=...)``):
+        the model records it, and the reuse is predicted again (the rest may go on
+        matching what the reused holder had); the record's prediction says so. Nothing
+        changes if the request is over, or ``tokens`` does not start with the head."""
+        self._deferred.apply()
+        f = routed.entry
+        st = self._backends.get(f.backend)
+        q = to_token_bytes(tokens)
+        if not f.live or st is None or not q.startswith(f.prompt) or len(q) == len(f.prompt):
+            return routed
+        d = routed.prediction
+        n = len(q) // 4
+        reuse = min(d.predicted_cached, n - 1)
+        if f.beyond is not None:
+            more = common_len(f.beyond, q, len(f.prompt))
+            reuse = min(len(f.prompt) // 4 + more, n - 1)
+        if f.slot is not None:
+            st.cache.extend_prompt(f.slot, q, user_starts)
+        else:
+            st.requeue(d.request_id, n, q)
+        work = n - reuse + self._settings.request_overhead_tokens
+        st.work += work - f.work
+        st.busy_until += ((n - reuse) - (f.n - d.predicted_cached)) / st.rate
+        f.prompt, f.n, f.work, f.beyond = q, n, work, None
+        f.user_starts = user_starts
+        f.prediction = replace(d, prompt_tokens=n, predicted_cached=reuse)
+        return routed
+
+    def restore_failed(self, routed: Routed) -> Routed:
+        """The disk file chosen for the request's slot was not restored: the server
+        cleared the slot (or the file was gone), so the request is prefilled from scratch,
+        as its record's prediction then says; the model's slot is emptied first."""
+        f, decision = routed.entry, routed.prediction
+        st = self._backends.get(f.backend)
+        if st is None or not f.live or decision.restore is None:
+            return routed
+        if not self._deferred.forget_restore(decision.request_id):
+            # applied already: the slot holds the prompt now, as the server's does
+            more = decision.predicted_cached
+            st.work += more
+            f.work += more
+            st.busy_until += more / st.rate
+        d = routed.prediction
+        f.prediction = replace(d, predicted_cached=0, tier="none", restore=None,
+                               reasons={**d.reasons, "reuse": 0, "tier": "none",
+                                        "restore": "failed"})
+        return routed
 
     def prefilled(self, routed: Routed) -> None:
         """The request's first token came: its prompt is processed. From here only its
         decoding loads the backend: its in-flight work (the load bound's measure) drops
         to ``request_overhead_tokens``, or a backend streaming long answers would look
         as loaded as one prefilling long prompts."""
-        self._apply_unplaced()
+        self._deferred.apply()
         f, rid = routed.entry, routed.request_id
         st = self._backends.get(f.backend)
         # (one of this replica's still waiting here has had no token; another replica's
         # has: the server ran it before the request this model has in its slot)
-        if not f.live or st is None or (f.slot is None and rid not in self._observed):
+        if not f.live or st is None or (f.slot is None and not f.observed):
             return
-        left = min(f.work, self.settings.request_overhead_tokens)
+        left = min(f.work, self._settings.request_overhead_tokens)
         st.work -= f.work - left
         f.work, f.prefilled = left, True
-        self._told_prefilled(f.backend, rid)
+        self._peers.told_prefilled(f, rid)
 
     def complete(
         self,
@@ -71,18 +118,18 @@ class RequestEnds:
         queued requests handed a slot as a result (oldest first). ``starts_at_end``:
         `starts(backend)` when the answer's end reached the proxy (see
         `BackendCache.saved_idle`)."""
-        self._apply_unplaced()
+        self._deferred.apply()
         out = to_token_bytes(output_tokens)  # (before the record goes: this may raise)
         f, decision = routed.entry, routed.prediction
         st = self._backends.get(f.backend)
         if not f.live or st is None:
             return []  # backend was removed meanwhile: nothing to learn
-        self._end(f, decision.request_id)
+        self._ledger.end(decision.request_id)
         st.release(f.work, now)
-        st.learn(self.settings, now - f.started, prompt_ms, prompt_n)
+        st.learn(self._settings, now - f.started, prompt_ms, prompt_n)
         if st.rate_learned:
-            share_rate(self._backends.values(), self.settings.default_prefill_tps)
-        if decision.request_id in self._observed:
+            share_rate(self._backends.values(), self._settings.default_prefill_tps)
+        if f.observed:
             self.completed_for_peers += 1
         else:
             self.completed += 1
@@ -92,12 +139,12 @@ class RequestEnds:
         slot = f.slot
         if slot is None:
             # still queued in our model: place it where the server says (or would)
-            self._unqueue(st, decision.backend, decision.request_id)
+            st.dequeue(decision.request_id)
             slot = reported_slot
             if slot is None or not 0 <= slot < len(cache.slots) or cache.slots[slot].busy:
-                slot = self._server_pick_now(cache, f.prompt)
+                slot = self._queue.server_pick_now(cache, f.prompt)
             if slot is not None:
-                held = self._lcps(cache, f.prompt)
+                held = self._queue.lcps(cache, f.prompt)
                 cache.start(slot, f.prompt, *held, f.n, task=False,
                             user_starts=f.user_starts)
                 st.occupy(slot, f.session)
@@ -106,7 +153,7 @@ class RequestEnds:
             cache.finish(slot, None, 0)
             slot = reported_slot if 0 <= reported_slot < len(cache.slots) else None
             if slot is not None and not cache.slots[slot].busy:
-                cache.start(slot, f.prompt, *self._lcps(cache, f.prompt), f.n, task=False,
+                cache.start(slot, f.prompt, *self._queue.lcps(cache, f.prompt), f.n, task=False,
                             user_starts=f.user_starts)
                 st.occupy(slot, f.session)
             elif slot is not None:
@@ -115,20 +162,14 @@ class RequestEnds:
             cache.finish_generated(slot, out)
             if starts_at_end is not None and cache.starts > starts_at_end:
                 cache.saved_idle(slot)
-        self._told_freed(decision.backend, slot if slot is not None else f.slot,
-                         decision.request_id)
-        return self._drain_queue(st, decision.backend, now)
-
-    def _end(self, f: Inflight, rid: int) -> None:
-        """``f``'s request is over: out of the ledger."""
-        del self._inflight[rid]
-        f.live = False
+        self._peers.told_freed(f, slot if slot is not None else f.slot, decision.request_id)
+        return self._queue.drain(st, decision.backend, now)
 
     def wait_overdue(self, routed: Routed, now: float) -> bool:
         """Has a request waiting for a busy slot waited well past that slot's expected end
         (a long generation)? Then the caller gives up (``abort``) and decides again;
         the slot's expected end moves as far again, so that it is not chosen anew."""
-        self._apply_unplaced()
+        self._deferred.apply()
         f = routed.entry
         st = self._backends.get(f.backend)
         if st is None or not f.live:
@@ -137,7 +178,7 @@ class RequestEnds:
         if slot is None:
             return False
         end = st.slot_free_at.get(slot, now)
-        if now <= end + max(self.settings.wait_grace_s, end - f.started):
+        if now <= end + max(self._settings.wait_grace_s, end - f.started):
             return False
         st.slot_free_at[slot] = now + (now - f.started)
         return True
@@ -149,16 +190,16 @@ class RequestEnds:
         state) keep its prompt there; ``held``: the slot holds that many of the prompt's
         tokens (its server said so once done with it). Returns the queued requests
         handed a slot as a result (as ``complete``)."""
-        self._apply_unplaced()
+        self._deferred.apply()
         f, decision = routed.entry, routed.prediction
         st = self._backends.get(f.backend)
         if not f.live or st is None:
             return []
-        self._end(f, decision.request_id)
+        self._ledger.end(decision.request_id)
         st.release(f.work, now)
         if f.slot is None:
-            self._unqueue(st, decision.backend, decision.request_id)
-            self._told_freed(decision.backend, None, decision.request_id)
+            st.dequeue(decision.request_id)
+            self._peers.told_freed(f, None, decision.request_id)
             return []
         if prefilled:
             # NOTE: an agent's interrupted turn: its next one resends that history
@@ -168,5 +209,5 @@ class RequestEnds:
             st.cache.finish(f.slot, f.prompt[:4 * n], n)
         else:
             st.cache.finish(f.slot, None, 0)
-        self._told_freed(decision.backend, f.slot, decision.request_id)
-        return self._drain_queue(st, decision.backend, now)
+        self._peers.told_freed(f, f.slot, decision.request_id)
+        return self._queue.drain(st, decision.backend, now)

@@ -1,24 +1,24 @@
-"""The requests the router holds for a slot, and the records of every request in flight
-(its own, and the one decision whose slot model update is deferred).
+"""The requests the router holds for a slot (`SlotQueue`).
 
-A mixin of :class:`~proxy.routing.router.Router` (as HolderQueries is of the tree): a request
-decided while every slot of its backend is busy is queued in the model, and handed a
-slot when one frees, in the server's own order (see ``Handoff``).
+A request decided while every slot of its backend is busy is queued in the model, and
+handed a slot when one frees (see ``Handoff``): its record's prediction then says where.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import RAM, SLOT, CacheHolder, Placement, from_disk
+from proxy.routing.cache.predict import RAM, SLOT, CacheHolder, from_disk
 from proxy.routing.decision import Handoff
+from proxy.routing.disk import DiskIndex
+from proxy.routing.observed import PeerRequests
 from proxy.routing.policies import Policy
-from proxy.routing.routed import Inflight
+from proxy.routing.routed import Ledger
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.waiters import most_reuse
@@ -27,37 +27,15 @@ from proxy.routing.tree.waiters import most_reuse
 _SCAN_AT_MOST = 8
 
 
-@dataclass(frozen=True)
-class Unplaced:
-    """A decision whose slot model update is deferred (``decide(defer=True)``)."""
+class SlotQueue:
+    """Hand-offs of queued requests: who gets a slot that frees, and what it reuses."""
 
-    request_id: int
-    backend: str
-    pin: int | None  # the slot pinned, or None: the server's pick (predicted)
-    prompt: bytes
-    slot_lcp: dict[int, int]
-    ram_lcp: dict[int, int]
-    n: int
-    predicted: Placement
-    restore: bytes | None = None  # the slot is first given this sequence from disk
-    user_starts: tuple[int, ...] = ()
+    def __init__(self, tree: RadixTree, ledger: Ledger, policy: Policy, disk: DiskIndex,
+                 peers: PeerRequests, settings: RouterSettings) -> None:
+        self._tree, self._ledger, self._policy = tree, ledger, policy
+        self._disk, self._peers, self._settings = disk, peers, settings
 
-
-class QueuedRequests:
-    """Hand-offs of queued requests (over ``tree`` and ``_inflight``)."""
-
-    tree: RadixTree
-    _inflight: dict[int, Inflight]
-    settings: RouterSettings
-    _policy: Policy
-    _waiters_first: Callable[[dict[int, int]], list[tuple[int, int]]]  # (ObservedRequests)
-    _observed: set[int]  # (ObservedRequests)
-    _disk: dict[int, tuple[str, frozenset[str]]]  # (DiskEntries)
-    _spilling: set[str]  # (DiskEntries)
-    _disk_gain: Callable[[dict[Any, int], Placement, int, str],
-                         tuple[str, bytes, int] | None]  # (DiskEntries)
-
-    def _drain_queue(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
+    def drain(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
         """A slot freed. A request waiting for that very slot gets it, pinned (the first
         of its waiters); otherwise a request waiting for any slot gets the one the
         server would give it unpinned: the waiter that would reuse the most there, at
@@ -71,15 +49,15 @@ class QueuedRequests:
         hand-off now."""
         out: list[Handoff] = []
         cache = st.cache
-        for rid, slot in self._waiters_first(st.targets):
+        for rid, slot in self._peers.waiters_first(st.targets):
             if not cache.slots[slot].busy:
-                out.append(self._hand(st, backend, rid, slot, now))
+                out.append(self.hand(st, backend, rid, slot, now))
         while cache.idle and st.waiting:
-            out.append(self._hand(st, backend, self._next_waiter(st), None, now))
+            out.append(self.hand(st, backend, self._next_waiter(st), None, now))
         return out
 
     def _next_waiter(self, st: BackendState) -> int:
-        """The waiter an idle slot goes to (see ``_drain_queue``): the one whose unpinned
+        """The waiter an idle slot goes to (see ``drain``): the one whose unpinned
         start there (as ``_hand`` makes it) reuses the most, from a slot or from RAM;
         the baseline policies keep the server's order.
 
@@ -96,10 +74,10 @@ class QueuedRequests:
 
         def reuse(rid: int) -> int:
             q = queued[rid]
-            p = cache.predict(None, *self._lcps(cache, q.prompt), q.n)
+            p = cache.predict(None, *self.lcps(cache, q.prompt), q.n)
             return -1 if p is None else p.reuse
 
-        at_least = max(1, self.settings.wait_min_tokens)
+        at_least = max(1, self._settings.wait_min_tokens)
         if len(st.waiting) <= _SCAN_AT_MOST:
             # a short queue: predicting each is cheaper than reading what RAM holds
             best, most = oldest, at_least - 1
@@ -108,7 +86,7 @@ class QueuedRequests:
                     best, most = rid, got
             return best
         slots = sorted(((n, cache.slot_holder(i)) for i in cache.idle
-                        if (n := self.tree.held_len(cache.slot_holder(i)))), reverse=True)
+                        if (n := self._tree.held_len(cache.slot_holder(i)))), reverse=True)
         holders = heapq.merge(slots, cache.ram_by_size(), key=lambda x: -x[0])
         streams = ((n, self._sharing(st, h)) for n, h in holders)
         got = most_reuse(streams, lambda rid, shared: min(shared, queued[rid].n - 1), reuse,
@@ -118,21 +96,21 @@ class QueuedRequests:
     def _sharing(self, st: BackendState, holder: CacheHolder) -> Iterator[tuple[int, int]]:
         """(tokens shared, waiter) with what ``holder`` holds (see WaiterTree.sharing);
         its sequence is read only once the stream is opened."""
-        yield from st.waiting.sharing(self.tree.tokens_of(holder))
+        yield from st.waiting.sharing(self._tree.tokens_of(holder))
 
-    def _hand(self, st: BackendState, backend: str, rid: int, slot: int | None,
+    def hand(self, st: BackendState, backend: str, rid: int, slot: int | None,
               now: float) -> Handoff:
-        f = self._inflight[rid]
-        self._unqueue(st, backend, rid)
+        f = self._ledger[rid]
+        st.dequeue(rid)
         cache = st.cache
-        held = self.tree.match(f.prompt).held
-        slot_lcp, ram_lcp = self._split(cache, held)
+        held = self._tree.match(f.prompt).held
+        slot_lcp, ram_lcp = self.split(cache, held)
         p = cache.predict(slot, slot_lcp, ram_lcp, f.n)
         assert p is not None, "handed an idle slot"
-        had = cache.held(p.slot) if backend in self._spilling else None
+        had = cache.held(p.slot) if self._disk.spilling(backend) else None
         # a peer's request is restored by the replica that routed it, if at all
-        restore = (self._disk_gain(held, p, f.n, backend)
-                   if self._disk and rid not in self._observed else None)
+        restore = (self._disk.gain(held, p, f.n, backend)
+                   if self._disk and not f.observed else None)
         if restore is None:
             p = cache.start(slot, f.prompt, slot_lcp, ram_lcp, f.n, p,
                             user_starts=f.user_starts)
@@ -155,14 +133,12 @@ class QueuedRequests:
         return Handoff(rid, backend, p.slot, p.reuse, p.tier, file,
                        had if had is not None and len(had) // 4 > kept else None)
 
-    def _unqueue(self, st: BackendState, backend: str, rid: int) -> None:
-        st.dequeue(rid)
-
-    def _lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
-        return self._split(cache, self.tree.match(q).held)
+    def lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
+        """What of prompt ``q`` ``cache``'s slots and RAM entries hold."""
+        return self.split(cache, self._tree.match(q).held)
 
     @staticmethod
-    def _split(cache: BackendCache, held: dict[Any, int]
+    def split(cache: BackendCache, held: dict[Any, int]
                ) -> tuple[dict[int, int], dict[int, int]]:
         """What of a prompt ``cache``'s slots and RAM entries hold, from the tree's match."""
         slot_lcp: dict[int, int] = {}
@@ -175,5 +151,5 @@ class QueuedRequests:
                     ram_lcp[idx] = got
         return slot_lcp, ram_lcp
 
-    def _server_pick_now(self, cache: BackendCache, q: bytes) -> int | None:
-        return cache.server_pick(self._lcps(cache, q)[0], max(1, len(q) // 4))
+    def server_pick_now(self, cache: BackendCache, q: bytes) -> int | None:
+        return cache.server_pick(self.lcps(cache, q)[0], max(1, len(q) // 4))

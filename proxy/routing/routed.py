@@ -40,6 +40,7 @@ class Inflight:
     prefilled: bool = False  # its first token came
     prediction: Decision | None = None  # what the caller shows: set as it is decided
     live: bool = True  # False once it ended, or its backend left the model
+    observed: bool = False  # another replica's request (see ObservedRequests)
 
     def revise(self, reuse: int, tier: str) -> None:
         """The model found another reuse (and tier) for it than it predicted."""
@@ -47,6 +48,42 @@ class Inflight:
         if d is not None:
             self.prediction = replace(d, predicted_cached=reuse, tier=tier,
                                       reasons={**d.reasons, "reuse": reuse, "tier": tier})
+
+
+class Ledger:
+    """The requests in flight by id, this replica's and those other replicas told of: for
+    the events that come by id (a hand-off, a peer's request, a backend leaving)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, Inflight] = {}
+        self._next_id = 0
+
+    def new_id(self) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    def add(self, rid: int, entry: Inflight) -> Inflight:
+        self._entries[rid] = entry
+        return entry
+
+    def get(self, rid: int) -> Inflight | None:
+        return self._entries.get(rid)
+
+    def __getitem__(self, rid: int) -> Inflight:
+        return self._entries[rid]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def end(self, rid: int) -> None:
+        """``rid`` is over (ended, or its backend left the model)."""
+        entry = self._entries.pop(rid)
+        entry.live = False
+
+    def on(self, backend: str) -> list[tuple[int, Inflight]]:
+        """The requests in flight on ``backend``, oldest first."""
+        return [(rid, f) for rid, f in self._entries.items() if f.backend == backend]
 
 
 class Owner(Protocol):

@@ -8,38 +8,37 @@ Life of a request: ``decide()`` returns its live record (`Routed`, proxy/routing
 ``decide`` records its choice in the tree at once (fallbacks included), so affinity starts
 with the first request of a conversation.
 
-``decide(defer=True)`` leaves the slot model's update (the modelled saves to RAM, the
-slot's new content in the tree) to ``place()``, which the proxy calls once the request
-is written to its backend: that bookkeeping then runs while the backend works, not
-before the request leaves. Every other call applies a deferred update first, so no
-decision ever sees the model without it.
+``decide(defer=True)`` leaves the slot model's update to ``place()``, which the proxy
+calls once the request is written to its backend (proxy/routing/deferred.py).
 
-Router itself owns membership, ``decide`` and the deferred update; its mixins own the
-rest: how a request ends (outcomes.py), the disk tier (disk.py), the requests held for
-a slot (queue.py) and other replicas' requests (observed.py).
+Router itself owns membership and ``decide``; its components own the rest, each its own
+state: the requests in flight (`Ledger`, routed.py), the update deferred (deferred.py),
+the disk tier (`DiskIndex`, disk.py), the requests held for a slot (`SlotQueue`,
+queue.py), other replicas' requests (`PeerRequests`, observed.py) and what the router
+learns as a request goes and ends (`RequestEnds`, outcomes.py).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Collection, Sequence
-from dataclasses import replace
 from typing import Any
 
 from proxy.routing.backend_state import BackendState, peer_rate
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity, Placement, from_disk
 from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
-from proxy.routing.disk import DiskEntries
-from proxy.routing.observed import ObservedRequests, SlotListener
+from proxy.routing.deferred import Deferred, Unplaced
+from proxy.routing.disk import DiskIndex
+from proxy.routing.observed import PeerRequests
 from proxy.routing.outcomes import RequestEnds
 from proxy.routing.policies import Ask, make_policy
 from proxy.routing.policy import Candidate, Choice
-from proxy.routing.queue import QueuedRequests, Unplaced
-from proxy.routing.routed import Inflight, Routed
+from proxy.routing.queue import SlotQueue
+from proxy.routing.routed import Inflight, Ledger, Routed
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
-from proxy.routing.tree.token_bytes import common_len, to_token_bytes
+from proxy.routing.tree.token_bytes import to_token_bytes
 
 __all__ = [
     "BackendCapacity",
@@ -54,25 +53,21 @@ __all__ = [
 ]
 
 
-class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
+class Router:
     def __init__(
         self, policy: str = "prefix", *, settings: RouterSettings | None = None, seed: int = 0
     ) -> None:
-        self.settings = settings or RouterSettings()
-        self._policy = make_policy(policy, self.settings, seed)
-        self.tree = RadixTree(max_resident=self.settings.max_resident_tokens)
+        self.settings = s = settings or RouterSettings()
+        self._policy = make_policy(policy, s, seed)
+        self.tree = RadixTree(max_resident=s.max_resident_tokens)
         self._backends: dict[str, BackendState] = {}
-        self._inflight: dict[int, Inflight] = {}
-        self._next_id = 0
-        self._disk: dict[int, tuple[str, frozenset[str]]] = {}  # (DiskEntries)
-        self._spilling: set[str] = set()  # (DiskEntries)
-        # at most one: every call but `decide(defer=True)` itself applies it first
-        self._unplaced: Unplaced | None = None
-        self.mispredictions = 0  # completions whose reported reuse differed from ours
-        self.completed = 0  # this replica's own requests
-        self.completed_for_peers = 0  # other replicas' (see ObservedRequests)
-        self._observed: set[int] = set()
-        self.listener: SlotListener | None = None  # hears this replica's slots change
+        self._ledger = Ledger()
+        self._deferred = Deferred(self._backends, self._ledger)
+        self.disk = DiskIndex(self.tree, s, self._backends)
+        self.peers = PeerRequests(self._backends, self._ledger)
+        self._queue = SlotQueue(self.tree, self._ledger, self._policy, self.disk, self.peers, s)
+        self._ends = RequestEnds(self._backends, self._ledger, self._deferred, self._queue,
+                                 self.peers, s)
 
     @property
     def policy(self) -> str:
@@ -85,7 +80,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
     # ------------------------------------------------------------- membership
     def add_backend(self, cap: BackendCapacity) -> None:
         """Add a backend, or reset it (fresh and empty) when it comes back healthy."""
-        self._apply_unplaced()
+        self._deferred.apply()
         if cap.name in self._backends:
             self.remove_backend(cap.name)
         cache = BackendCache(cap, self.tree, self.settings.rules,
@@ -96,15 +91,14 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
 
     def remove_backend(self, name: str) -> None:
         """Forget everything a dead or unhealthy backend held."""
-        self._apply_unplaced()
+        self._deferred.apply()
         st = self._backends.pop(name, None)
         if st is None:
             return
         st.cache.clear()
-        for rid in [r for r, f in self._inflight.items() if f.backend == name]:
-            f = self._inflight.pop(rid)
-            f.live = False
-            self._told_freed(name, f.slot, rid)
+        for rid, f in self._ledger.on(name):
+            self._ledger.end(rid)
+            self.peers.told_freed(f, f.slot, rid)
 
     @property
     def wants_user_starts(self) -> bool:
@@ -136,7 +130,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         (it checkpoints there on sliding-window and hybrid models).
 
         ``among``: the backends that may serve it (None: any)."""
-        self._apply_unplaced()
+        self._deferred.apply()
         q = to_token_bytes(tokens)
         n = len(q) // 4
         head = n_prompt is not None and n_prompt > n
@@ -153,13 +147,12 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
             most = _most_kv(held)
             if p.reuse < most:
                 return NeedWholePrompt(most, p.reuse)
-        rid = self._next_id
-        self._next_id += 1
+        rid = self._ledger.new_id()
         cand = next(c for c in cands if c.name == choice.backend)
         restore = None
         if choice.placement is not None and choice.slot is not None and not head \
-                and self._disk:
-            restore = self._disk_gain(held, choice.placement, n, choice.backend)
+                and self.disk:
+            restore = self.disk.gain(held, choice.placement, n, choice.backend)
         placed, beyond = self._place(rid, choice, cand, q, n, head, defer, restore,
                                      user_starts)
         return self._record(rid, choice, cand, placed, q, n, now, beyond, session, head,
@@ -210,8 +203,8 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
             placed = choice.placement._replace(reuse=got, tier="disk", ram_entry=None,
                                                saved=False, displaced=0, destroyed=0)
             if defer:
-                self._unplaced = Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
-                                           ram_lcp, n, placed, sequence, user_starts)
+                self._deferred.defer(Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
+                                              ram_lcp, n, placed, sequence, user_starts))
                 return placed, None
             st.cache.restore(placed.slot, sequence)
             return from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
@@ -219,8 +212,9 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
                               len(q)) if head else None
         if defer:
-            self._unplaced = Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
-                                       ram_lcp, n, choice.placement, user_starts=user_starts)
+            self._deferred.defer(Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
+                                          ram_lcp, n, choice.placement,
+                                          user_starts=user_starts))
             return choice.placement, beyond
         # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
         return st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement,
@@ -248,8 +242,8 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
         if slot is not None:
             st.expect_free(slot, now)
-        f = self._inflight[rid] = Inflight(choice.backend, slot, q, n, work, now, beyond,
-                                           session, user_starts=user_starts)
+        f = self._ledger.add(rid, Inflight(choice.backend, slot, q, n, work, now, beyond,
+                                           session, user_starts=user_starts))
         if placed is not None:
             st.occupy(placed.slot, session)
         reasons = dict(choice.reasons)
@@ -291,62 +285,116 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         """Apply the slot model update ``decide(defer=True)`` left (if not done yet):
         saving the slot's old content to RAM may evict other entries than predicted, and
         so change what it loads (the record's prediction then says so)."""
-        self._apply_unplaced()
+        self._deferred.apply()
         return routed
 
-    def _apply_unplaced(self) -> None:
-        u, self._unplaced = self._unplaced, None
-        if u is None:
-            return
-        f = self._inflight.get(u.request_id)
-        st = self._backends.get(u.backend)
-        if f is None or st is None:
-            return
-        if u.restore is not None and u.pin is not None:
-            st.cache.restore(u.pin, u.restore)
-            p = from_disk(st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n,
-                                          user_starts=u.user_starts))
-        else:
-            p = st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n, u.predicted,
-                               user_starts=u.user_starts)
-        assert p is not None and p.slot == f.slot, "placed where predicted"
-        if (p.reuse, p.tier) != (u.predicted.reuse, u.predicted.tier):
-            more = u.predicted.reuse - p.reuse  # tokens to prefill beyond the prediction
-            st.work += more
-            f.work += more
-            st.busy_until += more / st.rate
-            st.expect_free(p.slot, f.started)
-            f.revise(p.reuse, p.tier)
-
+    # what a record tells (see RequestEnds)
     def extend(self, routed: Routed, tokens: Sequence[int] | array | bytes,
                user_starts: tuple[int, ...] = ()) -> Routed:
-        """The whole prompt of a request decided on its head (``decide(n_prompt=...)``):
-        the model records it, and the reuse is predicted again (the rest may go on
-        matching what the reused holder had); the record's prediction says so. Nothing
-        changes if the request is over, or ``tokens`` does not start with the head."""
-        self._apply_unplaced()
-        f = routed.entry
-        st = self._backends.get(f.backend)
-        q = to_token_bytes(tokens)
-        if not f.live or st is None or not q.startswith(f.prompt) or len(q) == len(f.prompt):
-            return routed
-        d = routed.prediction
-        n = len(q) // 4
-        reuse = min(d.predicted_cached, n - 1)
-        if f.beyond is not None:
-            more = common_len(f.beyond, q, len(f.prompt))
-            reuse = min(len(f.prompt) // 4 + more, n - 1)
-        if f.slot is not None:
-            st.cache.extend_prompt(f.slot, q, user_starts)
+        return self._ends.extend(routed, tokens, user_starts)
+
+    def restore_failed(self, routed: Routed) -> Routed:
+        return self._ends.restore_failed(routed)
+
+    def prefilled(self, routed: Routed) -> None:
+        self._ends.prefilled(routed)
+
+    def wait_overdue(self, routed: Routed, now: float) -> bool:
+        return self._ends.wait_overdue(routed, now)
+
+    def complete(self, routed: Routed, *, output_tokens: Sequence[int] | array | bytes = (),
+                 reported_cached: int | None = None, prompt_ms: float | None = None,
+                 prompt_n: int | None = None, reported_slot: int | None = None,
+                 now: float = 0.0, starts_at_end: int | None = None) -> list[Handoff]:
+        return self._ends.complete(
+            routed, output_tokens=output_tokens, reported_cached=reported_cached,
+            prompt_ms=prompt_ms, prompt_n=prompt_n, reported_slot=reported_slot, now=now,
+            starts_at_end=starts_at_end)
+
+    def abort(self, routed: Routed, *, now: float = 0.0, prefilled: bool = False,
+              held: int | None = None) -> list[Handoff]:
+        return self._ends.abort(routed, now=now, prefilled=prefilled, held=held)
+
+    @property
+    def mispredictions(self) -> int:
+        return self._ends.mispredictions
+
+    @property
+    def completed(self) -> int:
+        return self._ends.completed
+
+    @property
+    def completed_for_peers(self) -> int:
+        return self._ends.completed_for_peers
+
+    # ------------------------------------------------ other replicas' requests
+    def observe_start(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0,
+                      wait: bool = True) -> Routed | None:
+        """Another replica's request was sent to ``backend``'s ``slot``, with ``sequence``
+        (int32 token bytes) as its prompt: the model places it there as if routed here;
+        it ends with ``complete`` (or ``abort``) as any. A slot busy in this model has
+        it next: the server runs it once the request there ends, before any this
+        replica holds for that slot (those are not sent yet). None when the backend is
+        not routed here (or, without ``wait``, the slot is busy)."""
+        self._deferred.apply()
+        st = self._backends.get(backend)
+        n = len(sequence) // 4
+        if st is None or not 0 <= slot < len(st.cache.slots) or n < 2 or len(sequence) % 4:
+            return None
+        found = self._candidates(sequence, n, False, (backend,))
+        if not isinstance(found, tuple):
+            return None
+        (cand,), _ = found
+        why = {"why": "another replica's request"}
+        if st.cache.slots[slot].busy:
+            if not wait:
+                return None
+            choice = Choice(backend, slot, None, why, cand.predict_queued(n, None)[0])
         else:
-            st.requeue(d.request_id, n, q)
-        work = n - reuse + self.settings.request_overhead_tokens
-        st.work += work - f.work
-        st.busy_until += ((n - reuse) - (f.n - d.predicted_cached)) / st.rate
-        f.prompt, f.n, f.work, f.beyond = q, n, work, None
-        f.user_starts = user_starts
-        f.prediction = replace(d, prompt_tokens=n, predicted_cached=reuse)
+            p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n)
+            choice = Choice(backend, slot, p, why)
+        rid = self._ledger.new_id()
+        placed, _ = self._place(rid, choice, cand, sequence, n, False, False, None, ())
+        routed = self._record(rid, choice, cand, placed, sequence, n, now, None, None,
+                              False, None, ())
+        routed.entry.observed = True
         return routed
+
+    def observe(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0
+                ) -> bool:
+        """Another replica's request on ``backend``'s ``slot`` ended, leaving ``sequence``
+        there: ``observe_start`` and ``complete`` at once (what it displaces goes to RAM
+        as the server's would). False when the backend is not routed here or the slot
+        is busy in this model (the request there settles what it holds)."""
+        routed = self.observe_start(backend, slot, sequence, now=now, wait=False)
+        if routed is None:
+            return False
+        self.complete(routed, now=now)
+        return True
+
+    # ------------------------------------------------------------ slots by hand
+    def held(self, backend: str, slot: int) -> bytes | None:
+        """What ``backend``'s idle ``slot`` holds (int32 token bytes; None: busy, empty,
+        or no such backend)."""
+        st = self._backends.get(backend)
+        if st is None or not 0 <= slot < len(st.cache.slots):
+            return None
+        return st.cache.held(slot)
+
+    def vacant(self, backend: str, slot: int) -> bool:
+        """Is ``backend``'s ``slot`` idle and empty (nothing routed there, or seeded)?"""
+        st = self._backends.get(backend)
+        if st is None or not 0 <= slot < len(st.cache.slots):
+            return False
+        s = st.cache.slots[slot]
+        return not s.busy and not s.n_tokens
+
+    def seed(self, backend: str, slot: int, sequence: bytes) -> bool:
+        """``backend``'s empty ``slot`` now holds ``sequence`` (restored from disk)."""
+        st = self._backends.get(backend)
+        if st is None or not 0 <= slot < len(st.cache.slots):
+            return False
+        return st.cache.seed(slot, sequence)
 
     def starts(self, backend: str) -> int:
         """Tasks the model has started on `backend` so far (0 if it is not routed)."""
@@ -364,7 +412,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
         return None if st is None else st.rate
 
     def snapshot(self) -> dict[str, object]:
-        self._apply_unplaced()
+        self._deferred.apply()
         return {
             "policy": self._policy.name,
             "tree": {
@@ -372,7 +420,7 @@ class Router(RequestEnds, DiskEntries, QueuedRequests, ObservedRequests):
                 "nodes": self.tree.node_count,
                 "evicted_tokens": self.tree.evicted_tokens,
             },
-            "inflight": len(self._inflight),
+            "inflight": len(self._ledger),
             "completed": self.completed,
             "completed_for_peers": self.completed_for_peers,
             "mispredictions": self.mispredictions,

@@ -37,7 +37,7 @@ class Replica:
         self.view = PeerView(self.name, {POOL: PoolPort(self.router, self.hand_off)},
                              clock=lambda: CLOCK[0])
         self.teller = Teller(self.name, POOL, self.sent.append, self.view.touched)
-        self.router.listener = self.teller
+        self.router.peers.listener = self.teller
 
     def hand_off(self, handoffs: list[Handoff]) -> None:
         self.handed.extend(h.request_id for h in handoffs)

@@ -273,7 +273,7 @@ def test_handoff_placement_matches_prediction_in_simulation() -> None:
 def test_complete_returns_the_handoff_of_the_oldest_queued_request() -> None:
     r = Router()
     r.add_backend(cap("a", slots=1, ctx=8192))
-    r.disk_spills("a")
+    r.disk.spills("a")
     first = decide(r, [*SYSTEM, 1])
     q1 = decide(r, [*SYSTEM, 2])
     q2 = decide(r, [*SYSTEM, 3])

@@ -128,8 +128,8 @@ def scan_next_waiter(r: Router, st: BackendState) -> int:
         return best
     cache = st.cache
     for rid in waiting:
-        f = r._inflight[rid]
-        p = cache.predict(None, *r._lcps(cache, f.prompt), f.n)
+        f = r._ledger[rid]
+        p = cache.predict(None, *r._queue.lcps(cache, f.prompt), f.n)
         if p is not None and p.reuse > most:
             best, most = rid, p.reuse
     return best
@@ -213,7 +213,7 @@ class Drive:
         self.running: set[int] = set()  # requests that have their slot
         self.picks = self.not_oldest = 0
         self.t = 0
-        inner = self.r._next_waiter
+        inner = self.r._queue._next_waiter
 
         def checked(st: BackendState) -> int:
             want = scan_next_waiter(self.r, st)
@@ -223,7 +223,7 @@ class Drive:
             self.not_oldest += got != st.waiting.oldest()
             return got
 
-        self.r._next_waiter = checked  # type: ignore[method-assign]
+        self.r._queue._next_waiter = checked  # type: ignore[method-assign]
 
     def step(self, op: Op) -> None:
         kind, a, b = op
