@@ -42,6 +42,7 @@ from proxy.app import create_app
 from proxy.config.load import Config, ProxyConfig, RoutingConfig
 from proxy.feedback.reports import Outcome
 from proxy.forwarding.send import JSON, Exchange, Relay, Target, send
+from proxy.routing.decision import Report
 from proxy.server.handlers import read_json
 from proxy.server.keys import FORWARDER, TOKENIZING
 
@@ -101,9 +102,10 @@ def mode_a_middleware(app: web.Application) -> Any:
             resp = await send(Exchange(fwd.upstream, request, target, "/v1/messages",
                                        raw, outcome, relay=tap))
             if tap.stopped and outcome.status < 400:
+                out = app[TOKENIZING].output_tokens("".join(tap.text))  # type: ignore[union-attr]
                 fwd.router.complete(  # type: ignore[union-attr]
-                    decision, output_tokens=app[TOKENIZING].output_tokens("".join(tap.text)),
-                    reported_cached=tap.cached, reported_slot=None, now=time.monotonic())
+                    decision, Report(output_tokens=out, reported_cached=tap.cached),
+                    now=time.monotonic())
                 done = True
             return resp
         finally:

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Handoff
+from proxy.routing.decision import Handoff, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 
@@ -103,10 +103,10 @@ def run(n_waiters: int, steps: int, seed: int = 0) -> tuple[float, float, float,
         d, prompt = running.popleft()
         out = w.answer(d.request_id, prompt)
         t0 = time.process_time_ns()
-        handed: list[Handoff] = r.complete(d, output_tokens=out,
-                                           reported_cached=d.predicted_cached,
-                                           prompt_ms=1000.0, prompt_n=d.prompt_tokens,
-                                           now=now)
+        handed: list[Handoff] = r.complete(d, Report(output_tokens=out,
+                                                     reported_cached=d.predicted_cached,
+                                                     prompt_ms=1000.0,
+                                                     prompt_n=d.prompt_tokens), now=now)
         spent = time.process_time_ns() - t0
         for h in handed:
             running.append(waiting.pop(h.request_id))

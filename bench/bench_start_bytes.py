@@ -31,6 +31,7 @@ from proxy.prompt.builder import PromptBuilder  # noqa: E402
 from proxy.replicas.bases import Bases  # noqa: E402
 from proxy.replicas.events import Event, Kind, encode  # noqa: E402
 from proxy.routing.cache.predict import BackendCapacity  # noqa: E402
+from proxy.routing.decision import Report  # noqa: E402
 from proxy.routing.routed import Routed  # noqa: E402
 from proxy.routing.router import Router  # noqa: E402
 from proxy.routing.tree.token_bytes import common_len  # noqa: E402
@@ -78,7 +79,7 @@ def main() -> int:
             with_ends.ended(ended)
             rest += len(encode(Event("r0", Kind.FIRST, "kvroute-demo", d.backend, d.slot, n)))
             rest += len(encode(ended))
-            router.complete(d, output_tokens=answer, now=n + 0.5)
+            router.complete(d, Report(output_tokens=answer), now=n + 0.5)
             tokens += len(ids)
             n += 1
     print(f"{n} requests, {tokens / n:,.0f} prompt tokens each on average")

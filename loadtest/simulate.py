@@ -34,6 +34,7 @@ from loadtest.trace import BLOCK, VOCAB_HI, VOCAB_LO, TraceRequest, block_start
 from proxy.routing.cache.checkpoints import DENSE, Memory
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity
+from proxy.routing.decision import Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
@@ -265,15 +266,11 @@ def simulate(
             srv = servers[req.decision.backend]
             out = filler[: 4 * req.out]
             srv.cache.finish_generated(req.slot, out)
-            handoffs = router.complete(
-                req.decision,
-                output_tokens=out,
-                reported_cached=req.reuse,
-                prompt_ms=req.prefill_s * 1000.0,
-                prompt_n=req.n - req.reuse,
-                reported_slot=req.slot,
-                now=now,
-            )
+            handoffs = router.complete(req.decision, Report(output_tokens=out,
+                                                            reported_cached=req.reuse,
+                                                            prompt_ms=req.prefill_s * 1000.0,
+                                                            prompt_n=req.n - req.reuse,
+                                                            reported_slot=req.slot), now=now)
             # the server retries its deferred tasks in order when a slot frees
             if srv.waiting:
                 srv.waiting = deque(w for w in srv.waiting if not try_start(srv, w, now))

@@ -37,7 +37,7 @@ from proxy.forwarding.slot_store import SlotStore
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing
-from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
+from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
@@ -323,12 +323,12 @@ class Attempt:
         self.fw.recorder.log.debug("feedback", request_id=decision.request_id,
                                 slot=decision.slot, output_tokens=len(output),
                                 reported_slot=outcome.reported_slot)
-        self.fw.waits.hand_off(self.routed.complete(
-            output_tokens=output,
-            reported_cached=outcome.reported_cached if check else None,
-            prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
-            reported_slot=outcome.reported_slot, now=time.monotonic(),
-            starts_at_end=outcome.starts_at_end))
+        report = Report(output_tokens=output,
+                        reported_cached=outcome.reported_cached if check else None,
+                        prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
+                        reported_slot=outcome.reported_slot,
+                        starts_at_end=outcome.starts_at_end)
+        self.fw.waits.hand_off(self.routed.complete(report, now=time.monotonic()))
         info = self.fw.backends.get(decision.backend)
         slot = outcome.reported_slot if outcome.reported_slot is not None else decision.slot
         store = self.fw.slot_store(decision.backend)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import structlog
 
 from proxy.replicas.events import MAX_LIVE, MAX_TOKENS, Event, Kind
-from proxy.routing.decision import Handoff
+from proxy.routing.decision import Handoff, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import common_len
@@ -223,8 +223,8 @@ class PeerView:
                 router.peers.ran_first(told.backend, told.slot, held)
             return True
         if held and e.slot == told.slot and held.startswith(told.prompt):
-            port.hand_off(router.complete(told.decision, now=now,
-                                          output_tokens=held[len(told.prompt):]))
+            out = Report(output_tokens=held[len(told.prompt):])
+            port.hand_off(router.complete(told.decision, out, now=now))
             return True
         # (it ended elsewhere than it started, or holding what its prompt was not)
         port.hand_off(router.abort(told.decision, now=now))

@@ -1,4 +1,5 @@
-"""What the router answers: a `Decision` (or `NoBackend`), and `Handoff`s of queued requests.
+"""What the router answers: a `Decision` (or `NoBackend`), and `Handoff`s of queued requests;
+and what it is told back of an answer (`Report`).
 
 Plain values, shared by the router (proxy/routing/router.py), the pipeline that acts on them
 (proxy/forwarding/attempt.py) and the feedback that logs them (proxy/feedback/reports.py).
@@ -6,6 +7,8 @@ Plain values, shared by the router (proxy/routing/router.py), the pipeline that 
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -54,6 +57,22 @@ class Handoff:
     tier: str = "slot"
     restore: str | None = None
     displaced: bytes | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Report:
+    """What the backend reported of a request that ended with an answer (for
+    ``complete``): the ids it generated (the slot holds them after the prompt), the
+    prompt tokens it reused and evaluated and how long that took, the slot it ran in;
+    ``starts_at_end``: ``Router.starts(backend)`` when the answer's end reached the proxy
+    (see ``BackendCache.saved_idle``)."""
+
+    output_tokens: Sequence[int] | array | bytes = ()
+    reported_cached: int | None = None
+    prompt_ms: float | None = None
+    prompt_n: int | None = None
+    reported_slot: int | None = None
+    starts_at_end: int | None = None
 
 
 @dataclass(frozen=True)

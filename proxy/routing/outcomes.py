@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from proxy.routing.backend_state import BackendState, share_rate
-from proxy.routing.decision import Handoff
+from proxy.routing.decision import Handoff, Report
 from proxy.routing.deferred import Deferred
 from proxy.routing.observed import PeerRequests
 from proxy.routing.queue import SlotQueue
-from proxy.routing.routed import Ledger, Routed
+from proxy.routing.routed import Inflight, Ledger, Routed
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import common_len, to_token_bytes
 
@@ -102,68 +102,63 @@ class RequestEnds:
         f.work, f.prefilled = left, True
         self._peers.told_prefilled(f, rid)
 
-    def complete(
-        self,
-        routed: Routed,
-        *,
-        output_tokens: Sequence[int] | array | bytes = (),
-        reported_cached: int | None = None,
-        prompt_ms: float | None = None,
-        prompt_n: int | None = None,
-        reported_slot: int | None = None,
-        now: float = 0.0,
-        starts_at_end: int | None = None,
-    ) -> list[Handoff]:
+    def complete(self, routed: Routed, report: Report, *, now: float = 0.0
+                 ) -> list[Handoff]:
         """The request finished: its slot is free and holds prompt + output. Returns the
-        queued requests handed a slot as a result (oldest first). ``starts_at_end``:
-        `starts(backend)` when the answer's end reached the proxy (see
-        `BackendCache.saved_idle`)."""
+        queued requests handed a slot as a result (oldest first)."""
         self._deferred.apply()
-        out = to_token_bytes(output_tokens)  # (before the record goes: this may raise)
+        out = to_token_bytes(report.output_tokens)  # (before the record goes: it may raise)
         f, decision = routed.entry, routed.prediction
         st = self._backends.get(f.backend)
         if not f.live or st is None:
             return []  # backend was removed meanwhile: nothing to learn
         self._ledger.end(decision.request_id)
         st.release(f.work, now)
-        st.learn(self._settings, now - f.started, prompt_ms, prompt_n)
+        st.learn(self._settings, now - f.started, report.prompt_ms, report.prompt_n)
         if st.rate_learned:
             share_rate(self._backends.values(), self._settings.default_prefill_tps)
         if f.observed:
             self.completed_for_peers += 1
         else:
             self.completed += 1
-        if reported_cached is not None and reported_cached != decision.predicted_cached:
+        cached = report.reported_cached
+        if cached is not None and cached != decision.predicted_cached:
             self.mispredictions += 1
+        cache = st.cache
+        slot = self._ended_in(st, f, decision.request_id, report.reported_slot)
+        if slot is not None:
+            cache.finish_generated(slot, out)
+            at_end = report.starts_at_end
+            if at_end is not None and cache.starts > at_end:
+                cache.saved_idle(slot)
+        self._peers.told_freed(f, slot if slot is not None else f.slot, decision.request_id)
+        return self._queue.drain(st, decision.backend, now)
+
+    def _ended_in(self, st: BackendState, f: Inflight, rid: int,
+                  reported_slot: int | None) -> int | None:
+        """The slot the model has ``f``'s request end in (None: not known), after placing
+        it where the server says it ran, when the model had it elsewhere or queued."""
         cache = st.cache
         slot = f.slot
         if slot is None:
             # still queued in our model: place it where the server says (or would)
-            st.dequeue(decision.request_id)
+            st.dequeue(rid)
             slot = reported_slot
             if slot is None or not 0 <= slot < len(cache.slots) or cache.slots[slot].busy:
                 slot = self._queue.server_pick_now(cache, f.prompt)
-            if slot is not None:
-                held = self._queue.lcps(cache, f.prompt)
-                cache.start(slot, f.prompt, *held, f.n, task=False,
-                            user_starts=f.user_starts)
-                st.occupy(slot, f.session)
         elif reported_slot is not None and reported_slot != slot:
             # the server chose another slot than modelled: what ours holds is unknown
             cache.finish(slot, None, 0)
             slot = reported_slot if 0 <= reported_slot < len(cache.slots) else None
-            if slot is not None and not cache.slots[slot].busy:
-                cache.start(slot, f.prompt, *self._queue.lcps(cache, f.prompt), f.n, task=False,
-                            user_starts=f.user_starts)
-                st.occupy(slot, f.session)
-            elif slot is not None:
-                slot = None  # busy in our model: leave it alone
+            if slot is not None and cache.slots[slot].busy:
+                return None  # busy in our model: leave it alone
+        else:
+            return slot
         if slot is not None:
-            cache.finish_generated(slot, out)
-            if starts_at_end is not None and cache.starts > starts_at_end:
-                cache.saved_idle(slot)
-        self._peers.told_freed(f, slot if slot is not None else f.slot, decision.request_id)
-        return self._queue.drain(st, decision.backend, now)
+            cache.start(slot, f.prompt, *self._queue.lcps(cache, f.prompt), f.n, task=False,
+                        user_starts=f.user_starts)
+            st.occupy(slot, f.session)
+        return slot
 
     def wait_overdue(self, routed: Routed, now: float) -> bool:
         """Has a request waiting for a busy slot waited well past that slot's expected end

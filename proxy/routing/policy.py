@@ -195,29 +195,30 @@ class Evaluated(NamedTuple):
 def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None
                  ) -> tuple[Option, Option | None]:
     """Cheapest way to run on backend ``c`` now or in the server's queue, and cheapest
-    way waiting for one of its busy slots (None: no such slot): each (score, ttft,
-    placement, slot to pin or wait for, queued).
+    way waiting for one of its busy slots (None: no such slot).
 
     The score adds the displacement and destruction penalties to the ttft, so that
     between otherwise equal backends a new conversation lands where it evicts the least
     (spreading content) and never wipes out history it could have left alone."""
-    st = c.state
-    backlog = max(0.0, st.busy_until - now)
-    cache = st.cache
-    slots = cache.slots
-    slot_lcp = c.slot_lcp
-    # NOTE: empty idle slots are interchangeable, and idle slots sharing nothing with the
-    # prompt differ only in what they displace: evaluate one of each kind (the first
-    # empty one; the smallest, least recently used unrelated one)
+    backlog = max(0.0, c.state.busy_until - now)
+    return _plain_option(c, n, s, now, backlog), _wait_option(c, n, s, now, session, backlog)
+
+
+def _idle_options(c: Candidate) -> list[int | None]:
+    """The idle slots worth pricing (None: unpinned, where an empty slot loads from RAM).
+    Empty idle slots are interchangeable, and idle slots sharing nothing with the prompt
+    differ only in what they displace: one of each kind is priced (the first empty one;
+    the smallest, least recently used unrelated one)."""
+    cache = c.state.cache
     options: list[int | None] = []
     empty = cold = None
     cold_key = (0, 0)
     for i in cache.idle:
-        sl = slots[i]
+        sl = cache.slots[i]
         if sl.n_tokens == 0:
             if empty is None:
                 empty = i
-        elif i in slot_lcp:
+        elif i in c.slot_lcp:
             options.append(i)
         elif cold is None or (sl.n_tokens, sl.last_used) < cold_key:
             cold, cold_key = i, (sl.n_tokens, sl.last_used)
@@ -229,40 +230,50 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
         options.append(empty)
         if ram_match:
             options.append(None)  # unpinned: an empty slot then consults the RAM cache
-    rate = st.rate
-    ram_lcp = c.ram_lcp
+    return options
+
+
+def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
+                  backlog: float) -> Option:
+    """The cheapest idle slot of ``c``, or, none being idle, the server's queue."""
+    st = c.state
+    cache, rate = st.cache, st.rate
     best: tuple[tuple[float, float, int], Placement, int | None] | None = None
-    for opt in options:
-        p = cache.predict(opt, slot_lcp, ram_lcp, n)
+    for opt in _idle_options(c):
+        p = cache.predict(opt, c.slot_lcp, c.ram_lcp, n)
         assert p is not None, "idle slots exist"
         ttft = _ttft(backlog, p, n, rate, s)
-        key = (ttft + _penalty(p, s, rate), ttft, slots[p.slot].last_used)
+        key = (ttft + _penalty(p, s, rate), ttft, cache.slots[p.slot].last_used)
         if best is None or key < best[0]:
             best = (key, p, opt)
-    plain: Option
     if best is not None:
-        plain = Option(best[0][0], best[0][1], best[1], best[2], False)
+        return Option(best[0][0], best[0][1], best[1], best[2], False)
+    # queued on the server: it gets the slot that frees, whose content it may share
+    p, slot = c.predict_queued(n, s.wait_min_tokens)
+    if slot is None:
+        service = st.service_s or s.default_service_s
+        wait_s = backlog + service / cache.cap.n_slots
     else:
-        # queued on the server: it gets the slot that frees, whose content it may share
-        p, slot = c.predict_queued(n, s.wait_min_tokens)
-        if slot is None:
-            service = st.service_s or s.default_service_s
-            wait_s = backlog + service / cache.cap.n_slots
-        else:
-            wait_s = max(backlog, st.slot_free_at.get(slot, now) - now)
-        ttft = _ttft(wait_s, p, n, rate, s)
-        plain = Option(ttft + _penalty(p, s, rate), ttft, p, slot, True)
-    # Waiting for a busy slot that holds much of the prompt (a side call sent with its
-    # session's turn, a turn sent before the previous answer ended): the caller holds the
-    # request and sends it pinned there when the slot frees (Router: targets, Handoff).
-    # Landing in an idle slot instead would recompute that part and, in a slot holding
-    # another conversation, destroy it. Never for the busy slot of another named session:
-    # that conversation is in progress, its next turn due in seconds, and the waiter
-    # would take its history just before (the destruction charge prices history alike,
-    # however soon it is needed).
+        wait_s = max(backlog, st.slot_free_at.get(slot, now) - now)
+    ttft = _ttft(wait_s, p, n, rate, s)
+    return Option(ttft + _penalty(p, s, rate), ttft, p, slot, True)
+
+
+def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None,
+                 backlog: float) -> Option | None:
+    """Waiting for a busy slot that holds much of the prompt (a side call sent with its
+    session's turn, a turn sent before the previous answer ended): the caller holds the
+    request and sends it pinned there when the slot frees (Router: targets, Handoff).
+    Landing in an idle slot instead would recompute that part and, in a slot holding
+    another conversation, destroy it. Never for the busy slot of another named session:
+    that conversation is in progress, its next turn due in seconds, and the waiter
+    would take its history just before (the destruction charge prices history alike,
+    however soon it is needed)."""
+    st = c.state
+    slots, rate = st.cache.slots, st.rate
     wait: tuple[tuple[float, float, int], Placement, int] | None = None
     awaited = list(st.targets.values())
-    for i, got in slot_lcp.items():
+    for i, got in c.slot_lcp.items():
         if got < s.wait_min_tokens or not slots[i].busy:
             continue
         if session is not None and st.slot_session.get(i, session) != session:
@@ -272,15 +283,13 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
             if queued is not None and (wait is None or queued[0] < wait[0]):
                 wait = queued
             continue
-        p = cache.predict(i, slot_lcp, ram_lcp, n, after_busy=True)
+        p = st.cache.predict(i, c.slot_lcp, c.ram_lcp, n, after_busy=True)
         assert p is not None
         ttft = _ttft(max(backlog, st.slot_free_at.get(i, now) - now), p, n, rate, s)
         key = (ttft + _penalty(p, s, rate), ttft, slots[i].last_used)
         if wait is None or key < wait[0]:
             wait = (key, p, i)
-    if wait is None:
-        return plain, None
-    return plain, Option(wait[0][0], wait[0][1], wait[1], wait[2], True)
+    return None if wait is None else Option(wait[0][0], wait[0][1], wait[1], wait[2], True)
 
 
 # Waiters one busy slot may have. The second one waits for the first one's turn as well;
@@ -369,33 +378,37 @@ def _own_history(c: Candidate, p: Placement | None, session: str | None,
             and p.reuse >= min_tokens and c.state.slot_session.get(p.slot) == session)
 
 
-def choose_prefix(
-    cands: list[Candidate], n: int, s: RouterSettings, now: float, session: str | None,
-    known: int | None = None,
-) -> Choice:
-    """``n``: the prompt's length; ``known``: when only its first ``known`` tokens are
-    known (the rest is being tokenized), that head's length."""
+class _Field(NamedTuple):
+    """The candidates' options, priced, and what the choice's reasons report of them."""
+
+    evals: list[Evaluated]  # each candidate's run now (or queued), and waits worth it
+    ttfts: dict[str, float]
+    matched: dict[str, int]  # longest match per backend
+    total: int  # in-flight work of all candidates
+    total_rate: float
+
+
+def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
+           session: str | None) -> _Field:
     evals: list[Evaluated] = []
-    ttfts: dict[str, float] = {}
-    matched: dict[str, int] = {}  # longest match per backend, for the reasons
-    total = 0  # in-flight work of all candidates
-    total_rate = 0.0
     waits: list[Evaluated] = []
+    ttfts: dict[str, float] = {}
+    matched: dict[str, int] = {}
+    total, total_rate = 0, 0.0
     for c in cands:
         st = c.state
         plain, wait = _best_option(c, n, s, now, session)
-        ttfts[c.name] = round(plain[1], 4)
+        ttfts[c.name] = round(plain.ttft, 4)
         matched[c.name] = c.matched()
         for opt in (plain, wait):
             if opt is None:
                 continue
-            score, ttft, p, pin, queued = opt
-            uncached = n - (p.reuse if p is not None else 0)
+            uncached = n - (opt.placement.reuse if opt.placement is not None else 0)
             # NOTE: the uncached prefill also delays every request queued behind it
-            score += s.queue_cost_weight * uncached / st.rate
+            score = opt.score + s.queue_cost_weight * uncached / st.rate
             work = st.work + uncached + s.request_overhead_tokens
             (evals if opt is plain else waits).append(
-                Evaluated(c, score, p, pin, work, queued, ttft))
+                Evaluated(c, score, opt.placement, opt.pin, work, opt.queued, opt.ttft))
         total += st.work
         total_rate += st.rate
     # A wait must be faster for this request than running now anywhere, not only cheaper
@@ -403,45 +416,59 @@ def choose_prefix(
     # the first one's slot instead of spreading over idle backends.
     fastest = min(e.ttft for e in evals)
     evals += [e for e in waits if e.ttft < fastest]
-    k = len(cands)
-    slack = s.load_slack_tokens + s.load_slack_s * total_rate / k
-    allowed = []
-    for e in evals:
-        work = e.cand.state.work
-        # NOTE: the bound decides where *conversations* live, so that sessions sharing a
-        # prefix spread. The next turn of a conversation a backend holds whole adds only
-        # its tail there, while moving it re-creates its whole history elsewhere (a
-        # Claude Code turn: ~19k tokens for ~100 new); it stays unless the TTFT says
-        # otherwise (the backlog term still moves it off a swamped backend). So does a
-        # request of the session whose history the slot holds (a side call): that the
-        # client names its session tells it from a new conversation over a shared prompt.
-        # An idle backend is always within the bound: with k backends and one request
-        # in flight, the mean is 1/k of it, and a long prompt would be "over" everywhere.
-        if not work or e.work <= s.load_factor * (total + e.work - work) / k + slack or \
-                _continues(e.cand, e.placement, s.continuation_min_tokens, known) or \
-                _own_history(e.cand, e.placement, session, s.continuation_min_tokens):
-            allowed.append(e)
+    return _Field(evals, ttfts, matched, total, total_rate)
+
+
+def _within_bound(f: _Field, k: int, s: RouterSettings, session: str | None,
+                  known: int | None) -> list[Evaluated]:
+    """The options whose backend stays within the load bound after taking the request.
+
+    The bound decides where *conversations* live, so that sessions sharing a prefix
+    spread. The next turn of a conversation a backend holds whole adds only its tail
+    there, while moving it re-creates its whole history elsewhere (a Claude Code turn:
+    ~19k tokens for ~100 new); it stays unless the TTFT says otherwise (the backlog term
+    still moves it off a swamped backend). So does a request of the session whose
+    history the slot holds (a side call): that the client names its session tells it
+    from a new conversation over a shared prompt. An idle backend is always within the
+    bound: with k backends and one request in flight, the mean is 1/k of it, and a long
+    prompt would be "over" everywhere."""
+    slack = s.load_slack_tokens + s.load_slack_s * f.total_rate / k
+    return [e for e in f.evals
+            if not (work := e.cand.state.work)
+            or e.work <= s.load_factor * (f.total + e.work - work) / k + slack
+            or _continues(e.cand, e.placement, s.continuation_min_tokens, known)
+            or _own_history(e.cand, e.placement, session, s.continuation_min_tokens)]
+
+
+def choose_prefix(
+    cands: list[Candidate], n: int, s: RouterSettings, now: float, session: str | None,
+    known: int | None = None,
+) -> Choice:
+    """``n``: the prompt's length; ``known``: when only its first ``known`` tokens are
+    known (the rest is being tokenized), that head's length."""
+    f = _price(cands, n, s, now, session)
+    allowed = _within_bound(f, len(cands), s, session, known)
     why = "lowest expected ttft"
     if not allowed:
-        allowed = [min(evals, key=lambda e: e.work)]
+        allowed = [min(f.evals, key=lambda e: e.work)]
         why = "all above load bound: least work"
 
     def key(e: Evaluated) -> tuple[float, int]:
         return (e.score, _hash_rank(session, e.cand.name) if session else 0)
 
     c, _, p, pin, _, queued, _ = min(allowed, key=key)
-    if len(allowed) < len(evals) and why == "lowest expected ttft":
-        best_any = min(evals, key=key)
+    if len(allowed) < len(f.evals) and why == "lowest expected ttft":
+        best_any = min(f.evals, key=key)
         if best_any.cand.name != c.name:
             why = f"lowest expected ttft within load bound ({best_any.cand.name} over bound)"
-    alt = max((v for name, v in matched.items() if name != c.name), default=0)
+    alt = max((v for name, v in f.matched.items() if name != c.name), default=0)
     reasons: dict[str, object] = {
         "policy": "prefix",
         "why": why,
-        "matched": matched,
-        "beyond_alt": matched[c.name] - alt,
-        "ttft_s": ttfts,
-        "work": {e.cand.name: e.cand.state.work for e in evals},
+        "matched": f.matched,
+        "beyond_alt": f.matched[c.name] - alt,
+        "ttft_s": f.ttfts,
+        "work": {e.cand.name: e.cand.state.work for e in f.evals},
         "eligible": list(dict.fromkeys(e.cand.name for e in allowed)),
     }
     if queued:  # pin: the busy slot it waits for, None: the server's queue

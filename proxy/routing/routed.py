@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from proxy.routing.decision import Decision, Handoff
+from proxy.routing.decision import Decision, Handoff, Report
 
 
 @dataclass
@@ -100,10 +100,8 @@ class Owner(Protocol):
 
     def prefilled(self, routed: Routed) -> None: ...
 
-    def complete(self, routed: Routed, *, output_tokens: Sequence[int] | array | bytes = (),
-                 reported_cached: int | None = None, prompt_ms: float | None = None,
-                 prompt_n: int | None = None, reported_slot: int | None = None,
-                 now: float = 0.0, starts_at_end: int | None = None) -> list[Handoff]: ...
+    def complete(self, routed: Routed, report: Report = ..., *,
+                 now: float = 0.0) -> list[Handoff]: ...
 
     def abort(self, routed: Routed, *, now: float = 0.0, prefilled: bool = False,
               held: int | None = None) -> list[Handoff]: ...
@@ -183,15 +181,9 @@ class Routed:
     def first_token(self) -> None:
         self._router.prefilled(self)
 
-    def complete(self, *, output_tokens: Sequence[int] | array | bytes = (),
-                 reported_cached: int | None = None, prompt_ms: float | None = None,
-                 prompt_n: int | None = None, reported_slot: int | None = None,
-                 now: float = 0.0, starts_at_end: int | None = None) -> list[Handoff]:
+    def complete(self, report: Report, *, now: float = 0.0) -> list[Handoff]:
         """It ended with an answer (see `Router.complete`): the hand-offs it made."""
-        return self._router.complete(
-            self, output_tokens=output_tokens, reported_cached=reported_cached,
-            prompt_ms=prompt_ms, prompt_n=prompt_n, reported_slot=reported_slot, now=now,
-            starts_at_end=starts_at_end)
+        return self._router.complete(self, report, now=now)
 
     def abort(self, *, now: float = 0.0, prefilled: bool = False,
               held: int | None = None) -> list[Handoff]:

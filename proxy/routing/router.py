@@ -22,12 +22,19 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.routing.backend_state import BackendState, peer_rate
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity, Placement, from_disk
-from proxy.routing.decision import Decision, Handoff, NeedWholePrompt, NoBackend, NoBackendKind
+from proxy.routing.decision import (
+    Decision,
+    Handoff,
+    NeedWholePrompt,
+    NoBackend,
+    NoBackendKind,
+    Report,
+)
 from proxy.routing.deferred import Deferred, Unplaced
 from proxy.routing.disk import DiskIndex
 from proxy.routing.observed import PeerRequests
@@ -47,10 +54,26 @@ __all__ = [
     "NeedWholePrompt",
     "NoBackend",
     "NoBackendKind",
+    "Report",
     "Routed",
     "Router",
     "RouterSettings",
 ]
+
+
+NOTHING_REPORTED = Report()
+
+
+class _Prompt(NamedTuple):
+    """The request being decided, as the model books it."""
+
+    rid: int
+    q: bytes  # its prompt (int32 token bytes; the head, decided on its head)
+    n: int  # its tokens (estimated, decided on its head)
+    head: bool  # decided on its head (``decide(n_prompt=...)``)
+    now: float
+    session: str | None
+    user_starts: tuple[int, ...]
 
 
 class Router:
@@ -153,10 +176,10 @@ class Router:
         if choice.placement is not None and choice.slot is not None and not head \
                 and self.disk:
             restore = self.disk.gain(held, choice.placement, n, choice.backend)
-        placed, beyond = self._place(rid, choice, cand, q, n, head, defer, restore,
-                                     user_starts)
-        return self._record(rid, choice, cand, placed, q, n, now, beyond, session, head,
-                            restore[0] if restore is not None else None, user_starts)
+        r = _Prompt(rid, q, n, head, now, session, user_starts)
+        placed, beyond = self._place(r, choice, cand, defer, restore)
+        return self._record(r, choice, cand, placed, beyond,
+                            restore[0] if restore is not None else None)
 
     def _candidates(self, q: bytes, n: int, head: bool, among: Collection[str] | None
                     ) -> tuple[list[Candidate], dict[Any, int]] | NoBackend | NeedWholePrompt:
@@ -186,12 +209,13 @@ class Router:
                 lcps[kind][idx] = got  # SLOT, RAM index the tuple
         return [Candidate(b, self._backends[b], *per[b], q) for b in names], held
 
-    def _place(self, rid: int, choice: Choice, cand: Candidate, q: bytes, n: int,
-               head: bool, defer: bool, restore: tuple[str, bytes, int] | None,
-               user_starts: tuple[int, ...]) -> tuple[Placement | None, bytes | None]:
+    def _place(self, r: _Prompt, choice: Choice, cand: Candidate, defer: bool,
+               restore: tuple[str, bytes, int] | None
+               ) -> tuple[Placement | None, bytes | None]:
         """The slot model's landing of the chosen placement (None: queued on the server),
         now or, with ``defer``, at ``place``; and, decided on a head, what the holder it
         reuses has beyond that head."""
+        rid, q, n, user_starts = r.rid, r.q, r.n, r.user_starts
         st = cand.state
         slot_lcp, ram_lcp = cand.slot_lcp, cand.ram_lcp
         if choice.placement is None:
@@ -210,7 +234,7 @@ class Router:
             return from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
                                              user_starts=user_starts)), None
         beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
-                              len(q)) if head else None
+                              len(q)) if r.head else None
         if defer:
             self._deferred.defer(Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
                                           ram_lcp, n, choice.placement,
@@ -220,11 +244,11 @@ class Router:
         return st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement,
                               user_starts=user_starts), beyond
 
-    def _record(self, rid: int, choice: Choice, cand: Candidate, placed: Placement | None,
-                q: bytes, n: int, now: float, beyond: bytes | None, session: str | None,
-                head: bool, restore: str | None, user_starts: tuple[int, ...]) -> Routed:
+    def _record(self, r: _Prompt, choice: Choice, cand: Candidate, placed: Placement | None,
+                beyond: bytes | None, restore: str | None) -> Routed:
         """Book the request on its backend (work, in flight, the slot or the server's
         queue) and say what was decided."""
+        rid, q, n, now, session = r.rid, r.q, r.n, r.now, r.session
         st = cand.state
         queued = placed is None
         if placed is None:
@@ -243,12 +267,12 @@ class Router:
         if slot is not None:
             st.expect_free(slot, now)
         f = self._ledger.add(rid, Inflight(choice.backend, slot, q, n, work, now, beyond,
-                                           session, user_starts=user_starts))
+                                           session, user_starts=r.user_starts))
         if placed is not None:
             st.occupy(placed.slot, session)
         reasons = dict(choice.reasons)
         reasons.update({"chosen": choice.backend, "slot": slot, "tier": tier, "reuse": reuse})
-        if head:
+        if r.head:
             reasons["head"] = len(q) // 4  # routed on these tokens (see extend)
         if queued:
             reasons["queued"] = len(st.queued)  # position in the server's deferred queue
@@ -302,14 +326,9 @@ class Router:
     def wait_overdue(self, routed: Routed, now: float) -> bool:
         return self._ends.wait_overdue(routed, now)
 
-    def complete(self, routed: Routed, *, output_tokens: Sequence[int] | array | bytes = (),
-                 reported_cached: int | None = None, prompt_ms: float | None = None,
-                 prompt_n: int | None = None, reported_slot: int | None = None,
-                 now: float = 0.0, starts_at_end: int | None = None) -> list[Handoff]:
-        return self._ends.complete(
-            routed, output_tokens=output_tokens, reported_cached=reported_cached,
-            prompt_ms=prompt_ms, prompt_n=prompt_n, reported_slot=reported_slot, now=now,
-            starts_at_end=starts_at_end)
+    def complete(self, routed: Routed, report: Report = NOTHING_REPORTED, *,
+                 now: float = 0.0) -> list[Handoff]:
+        return self._ends.complete(routed, report, now=now)
 
     def abort(self, routed: Routed, *, now: float = 0.0, prefilled: bool = False,
               held: int | None = None) -> list[Handoff]:
@@ -354,9 +373,9 @@ class Router:
             p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n)
             choice = Choice(backend, slot, p, why)
         rid = self._ledger.new_id()
-        placed, _ = self._place(rid, choice, cand, sequence, n, False, False, None, ())
-        routed = self._record(rid, choice, cand, placed, sequence, n, now, None, None,
-                              False, None, ())
+        r = _Prompt(rid, sequence, n, False, now, None, ())
+        placed, _ = self._place(r, choice, cand, False, None)
+        routed = self._record(r, choice, cand, placed, None, None)
         routed.entry.observed = True
         return routed
 

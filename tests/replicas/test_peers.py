@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from proxy.replicas.events import Event, Kind, decode, encode
 from proxy.replicas.peers import PEER_TIMEOUT_S, PeerView, PoolPort, Teller
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Handoff
+from proxy.routing.decision import Handoff, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
@@ -74,7 +74,7 @@ def test_a_peers_request_is_busy_here_until_its_end_says_what_it_left() -> None:
     other = b.router.decide(conversation(2), now=0.1)
     assert isinstance(other, Routed) and other.slot not in (None, d.slot)
     a.router.prefilled(d)
-    a.router.complete(d, output_tokens=[7, 8, 9], reported_cached=0, now=1.0)
+    a.router.complete(d, Report(output_tokens=[7, 8, 9], reported_cached=0), now=1.0)
     first, end = a.sent
     assert (first.kind, first.slot, end.kind, end.keep, len(end.tokens)) == (
         Kind.FIRST, d.slot, Kind.END, len(prompt), 12)  # the end sends only the answer
@@ -96,7 +96,7 @@ def test_a_request_waiting_for_a_peers_slot_is_handed_it_when_that_ends() -> Non
     assert isinstance(mine, Routed) and mine.slot is not None
     waiting = b.router.decide([*prompt, *range(9000, 9020)], now=0.2)
     assert isinstance(waiting, Routed) and waiting.queued  # for its history's slot
-    a.router.complete(d, output_tokens=[7], reported_cached=0, now=1.0)
+    a.router.complete(d, Report(output_tokens=[7], reported_cached=0), now=1.0)
     a.deliver(b, 1.0)
     assert b.handed == [waiting.request_id]
 
@@ -150,7 +150,7 @@ def test_a_replica_that_joins_takes_the_others_view() -> None:
     for seed in (1, 2):
         d = a.router.decide(conversation(seed), now=0.0)
         assert isinstance(d, Routed)
-        a.router.complete(d, output_tokens=[5], reported_cached=0, now=1.0)
+        a.router.complete(d, Report(output_tokens=[5], reported_cached=0), now=1.0)
     snap = a.view.snapshot()
     assert {e.kind for e in snap} == {Kind.HELD} and len(snap) == 2
     for e in snap:
@@ -168,7 +168,7 @@ def test_after_the_broker_returns_the_later_of_two_views_of_a_slot_stands() -> N
         d = r.router.decide([*history, *extra], now=0.0)
         assert isinstance(d, Routed) and d.slot == 0
         r.send(d, [*history, *extra])
-        r.router.complete(d, output_tokens=[9], reported_cached=0, now=1.0)
+        r.router.complete(d, Report(output_tokens=[9], reported_cached=0), now=1.0)
         r.sent.clear()  # (the broker is away)
     CLOCK[0] += 1.0
     snapshots = {r.name: [decode(encode(e)) for e in r.view.snapshot()] for r in (a, b)}
@@ -213,7 +213,7 @@ def test_whatever_order_peers_events_come_in_nothing_stays_busy(
             if kind == "first":
                 r.prefilled(d)
             elif kind == "end":
-                r.complete(d, output_tokens=[seed], now=now)
+                r.complete(d, Report(output_tokens=[seed]), now=now)
             else:
                 r.abort(d, now=now)
         elif kind == "mine":
@@ -252,7 +252,7 @@ def test_a_peers_request_sent_to_a_busy_slot_runs_next_there_before_ours_held() 
     assert isinstance(waiter, Routed) and waiter.queued
     side = to_token_bytes([*history, 42, 43])
     assert b.view.apply(Event("a", Kind.START, POOL, "x", s, 7, side), 0.2)
-    handed = b.router.complete(mine, output_tokens=[5], now=1.0)
+    handed = b.router.complete(mine, Report(output_tokens=[5]), now=1.0)
     assert [h.request_id for h in handed] == [waiter.request_id + 1]  # a's (rid here)
     assert b.router.held("x", s) is None  # a's request runs there now
     assert b.view.apply(Event("a", Kind.END, POOL, "x", s, 7, to_token_bytes([8]),
@@ -274,7 +274,7 @@ def test_a_peers_request_over_before_the_one_here_leaves_that_ones_content() -> 
     assert b.view.apply(Event("a", Kind.END, POOL, "x", mine.slot, 7, to_token_bytes([8]),
                               len(side) // 4), 0.5)
     assert b.router.place(mine).predicted_cached == 400
-    b.router.complete(mine, output_tokens=[5], now=1.0)
+    b.router.complete(mine, Report(output_tokens=[5]), now=1.0)
     assert b.router.held("x", mine.slot) == to_token_bytes([*history, 5])
     assert b.router.held("x", 1 - mine.slot) is None  # (a's never ran there)
     assert b.router.snapshot()["inflight"] == 0 and b.view.in_flight == 0
@@ -312,7 +312,7 @@ def test_a_peers_ids_are_its_own_per_pool() -> None:
     assert view.apply(Event("a", Kind.END, "p1", "x", 1, 0, to_token_bytes([5]), 600), 0.2)
     assert view.in_flight == 1
     assert routers["p2"].snapshot()["inflight"] == 2  # its own and a's other request
-    routers["p2"].complete(mine, output_tokens=[1], now=1.0)
+    routers["p2"].complete(mine, Report(output_tokens=[1]), now=1.0)
     assert routers["p2"].held("x", mine.slot) == to_token_bytes([*conversation(3), 1])
 
 
@@ -389,7 +389,7 @@ def test_a_replica_that_joins_is_told_the_requests_in_flight_and_reads_their_end
             assert b.view.apply(decode(encode(e)), 0.5) is not again  # type: ignore[arg-type]
     assert b.view.in_flight == 1 and b.router.held("x", d.slot) is None
     assert _work(b) == b.router.settings.request_overhead_tokens
-    a.router.complete(d, output_tokens=[7, 8], reported_cached=0, now=1.0)
+    a.router.complete(d, Report(output_tokens=[7, 8], reported_cached=0), now=1.0)
     assert a.deliver(b, 1.0) == [True]
     assert b.router.held("x", d.slot) == to_token_bytes([*prompt, 7, 8])
     assert b.view.in_flight == 0 and _work(b) == 0
@@ -408,7 +408,7 @@ def test_a_slot_restored_from_disk_is_taken_by_a_joiner_that_knows_nothing_newer
     mine = busy.router.decide(conversation(2), now=0.0)
     assert isinstance(mine, Routed) and mine.slot == 0
     busy.send(mine, conversation(2))
-    busy.router.complete(mine, output_tokens=[5], now=1.0)
+    busy.router.complete(mine, Report(output_tokens=[5]), now=1.0)
     assert fresh.view.apply(decode(encode(held)), 2.0)  # type: ignore[arg-type]
     assert fresh.router.held("x", 0) == restored
     assert not busy.view.apply(decode(encode(held)), 2.0)  # type: ignore[arg-type]
@@ -429,7 +429,7 @@ def test_a_peers_request_waiting_here_that_got_its_token_is_no_load_once_handed(
     assert _work(b) > before + overhead  # (waiting, its prefill ahead)
     assert b.view.apply(Event("a", Kind.FIRST, POOL, "x", mine.slot, 7), 0.2)
     assert _work(b) == before + overhead
-    handed = b.router.complete(mine, output_tokens=[5], now=1.0)
+    handed = b.router.complete(mine, Report(output_tokens=[5]), now=1.0)
     assert len(handed) == 1 and _work(b) == overhead
 
 
@@ -438,11 +438,11 @@ def test_only_this_replicas_own_requests_count_as_completed_here() -> None:
     d = a.router.decide(conversation(1), now=0.0)
     assert isinstance(d, Routed) and d.slot is not None
     a.send(d, conversation(1))
-    a.router.complete(d, output_tokens=[5], now=1.0)
+    a.router.complete(d, Report(output_tokens=[5]), now=1.0)
     a.deliver(b, 1.0)
     mine = b.router.decide(conversation(2), now=2.0)
     assert isinstance(mine, Routed)
-    b.router.complete(mine, output_tokens=[5], now=3.0)
+    b.router.complete(mine, Report(output_tokens=[5]), now=3.0)
     snap = b.router.snapshot()
     assert (snap["completed"], snap["completed_for_peers"]) == (1, 1)
     assert (a.router.completed, a.router.completed_for_peers) == (1, 0)

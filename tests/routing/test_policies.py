@@ -8,6 +8,7 @@ from proxy.cli import main
 from proxy.config.fields import ConfigError
 from proxy.config.load import load_config
 from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.decision import Report
 from proxy.routing.policies import POLICIES, REGISTRY, describe, make_policy
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
@@ -76,7 +77,7 @@ def test_least_loaded_takes_the_backend_with_fewest_in_flight() -> None:
     r = cluster("least_loaded")
     first = [route(r, [i, 2, 3]) for i in range(3)]
     assert sorted(d.backend for d in first) == ["b0", "b1", "b2"]
-    first[1].complete(output_tokens=[9])
+    first[1].complete(Report(output_tokens=[9]))
     assert route(r, [7, 7, 7]).backend == first[1].backend
 
 

@@ -10,6 +10,7 @@ import pytest
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.decision import Report
 from proxy.routing.policy import Candidate, choose_prefix
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
@@ -73,7 +74,7 @@ def test_shared_prefix_everywhere_gives_no_preference() -> None:
 def test_conversation_returns_to_its_backend() -> None:
     r = cluster()
     d = decide(r, session(7, 0))
-    r.complete(d, output_tokens=[9] * 20, now=1.0)
+    r.complete(d, Report(output_tokens=[9] * 20), now=1.0)
     d2 = decide(r, session(7, 0) + [9] * 20 + [5] * 30, now=2.0)
     assert (d2.backend, d2.slot, d2.tier) == (d.backend, d.slot, "slot")
     assert d2.predicted_cached == len(session(7, 0)) + 20
@@ -233,7 +234,7 @@ def test_second_conversation_spares_the_firsts_history(
     prefix = list(range(500_000, 500_000 + shared))
     a_prompt = prefix + list(range(1_000_000, 1_000_000 + own))
     a = decide(r, a_prompt)
-    r.complete(a, output_tokens=[9] * 12, now=1.0)
+    r.complete(a, Report(output_tokens=[9] * 12), now=1.0)
     b = decide(r, prefix + list(range(2_000_000, 2_000_000 + own)), now=2.0)
     assert ((b.backend, b.slot) == (a.backend, a.slot)) == packs, b.reasons
     assert (b.predicted_cached >= shared) == packs
@@ -252,7 +253,8 @@ def test_conversations_return_to_their_own_prefix(n: int, slots: int) -> None:
         for c in "ABC":
             d = decide(r, convs[c], now=t)
             out = [7] * 12
-            r.complete(d, output_tokens=out, reported_cached=d.predicted_cached, now=t + 0.5)
+            r.complete(d, Report(output_tokens=out,
+                                 reported_cached=d.predicted_cached), now=t + 0.5)
             t += 1.0
             if rnd == 0:
                 first[c] = len(convs[c])

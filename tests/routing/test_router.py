@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Handoff, NeedWholePrompt, NoBackend
+from proxy.routing.decision import Handoff, NeedWholePrompt, NoBackend, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
@@ -54,7 +54,8 @@ def test_complete_extends_slot_and_learns_rate() -> None:
     r = Router()
     r.add_backend(cap("a"))
     d = decide(r, list(range(100)))
-    r.complete(d, output_tokens=[7, 8], reported_cached=0, prompt_ms=50.0, prompt_n=100, now=1)
+    r.complete(d, Report(output_tokens=[7, 8], reported_cached=0, prompt_ms=50.0,
+                         prompt_n=100), now=1)
     snap = r.snapshot()
     b = snap["backends"]["a"]  # type: ignore[index]
     assert b["prefill_tps"] == 2000.0 and b["rate_learned"]
@@ -75,9 +76,9 @@ def test_a_backend_without_timings_is_priced_at_its_peers_learned_rate() -> None
     x = decide(r, list(range(600)))
     y = decide(r, list(range(1000, 1600)))  # x's backend is full: the other one
     assert x.backend != y.backend and rate(x.backend) == rate(y.backend) == 1500.0
-    r.complete(x, prompt_ms=1000.0, prompt_n=600, now=1.0)  # 600 tokens/s
+    r.complete(x, Report(prompt_ms=1000.0, prompt_n=600), now=1.0)  # 600 tokens/s
     assert rate(x.backend) == rate(y.backend) == 600.0
-    r.complete(y, prompt_ms=2000.0, prompt_n=600, now=2.0)  # its own: 300 tokens/s
+    r.complete(y, Report(prompt_ms=2000.0, prompt_n=600), now=2.0)  # its own: 300 tokens/s
     assert (rate(x.backend), rate(y.backend)) == (600.0, 300.0)
     r.add_backend(cap("c"))  # new, or back after a restart: the others' mean
     assert rate("c") == 450.0
@@ -134,7 +135,7 @@ def test_reported_slot_disagreeing_moves_the_content() -> None:
     r = Router("round_robin")
     r.add_backend(cap("a", slots=2))
     d = decide(r, list(range(100)))  # unpinned: model predicts slot 0
-    r.complete(d, reported_cached=0, reported_slot=1, now=1)
+    r.complete(d, Report(reported_cached=0, reported_slot=1), now=1)
     d2 = r.decide(list(range(101)), now=2)
     assert isinstance(d2, Routed)
     slots = r.snapshot()["backends"]["a"]["slots"]  # type: ignore[index]
@@ -167,7 +168,7 @@ def test_queued_request_is_placed_when_a_slot_frees() -> None:
     r.complete(a, now=1)
     slots = r.snapshot()["backends"]["a"]["slots"]  # type: ignore[index]
     assert slots[0]["busy"] and slots[0]["tokens"] == 100  # the queued one got it
-    r.complete(q, reported_slot=0, now=2)
+    r.complete(q, Report(reported_slot=0), now=2)
     assert decide(r, list(range(200, 301)), now=3).predicted_cached == 100
     assert r.snapshot()["inflight"] == 1
 
@@ -176,7 +177,7 @@ def test_mispredictions_counted() -> None:
     r = Router()
     r.add_backend(cap("a"))
     d = decide(r, list(range(10)))
-    r.complete(d, reported_cached=5, now=1)
+    r.complete(d, Report(reported_cached=5), now=1)
     assert r.snapshot()["mispredictions"] == 1
 
 
@@ -202,7 +203,7 @@ def test_unpinned_choice_is_modelled_unpinned() -> None:
     assert [s["tokens"] for s in snap["slots"]].count(0) == 1  # type: ignore[index]
     d2 = decide(r, [*doc, 1, 2, 3], now=2.0)
     assert d2.slot is None and d2.tier == "ram" and d2.predicted_cached == len(doc)
-    r.complete(d2, reported_cached=len(doc), now=3.0)
+    r.complete(d2, Report(reported_cached=len(doc)), now=3.0)
     r.complete(other, now=3.0)
     assert r.mispredictions == 0
 
@@ -247,10 +248,10 @@ def test_queued_request_predicted_from_the_slot_it_will_get(
     for k, i in enumerate(order):
         if i >= 2 and k < 2:
             continue  # a queued request cannot finish before it has a slot
-        r.complete(ds[i], output_tokens=[7] * 5, reported_cached=ds[i].predicted_cached,
-                   now=1.0 + k)
-    r.complete(ds[2], reported_cached=ds[2].predicted_cached, now=9.0)
-    r.complete(ds[3], reported_cached=ds[3].predicted_cached, now=9.0)
+        r.complete(ds[i], Report(output_tokens=[7] * 5,
+                                 reported_cached=ds[i].predicted_cached), now=1.0 + k)
+    r.complete(ds[2], Report(reported_cached=ds[2].predicted_cached), now=9.0)
+    r.complete(ds[3], Report(reported_cached=ds[3].predicted_cached), now=9.0)
     assert r.mispredictions == 0 and r.snapshot()["inflight"] == 0
 
 
@@ -279,7 +280,7 @@ def test_complete_returns_the_handoff_of_the_oldest_queued_request() -> None:
     q2 = decide(r, [*SYSTEM, 3])
     assert not first.queued and q1.queued and q2.queued
     assert (q1.reasons["queued"], q2.reasons["queued"]) == (1, 2)
-    got = r.complete(first, output_tokens=[7], now=1.0)
+    got = r.complete(first, Report(output_tokens=[7]), now=1.0)
     assert got == [Handoff(q1.request_id, "a", 0, q1.predicted_cached)]
     # (what the slot held goes with it, for the disk tier to spill: the request
     # displaces the first one's turn)
@@ -307,10 +308,10 @@ def test_a_continuing_conversation_is_not_moved_off_a_busy_holder(
     answer = [7] * 47
     dx, dy = decide(r, x), decide(r, y)
     assert dx.backend != dy.backend
-    r.complete(dx, output_tokens=answer, reported_cached=0)
+    r.complete(dx, Report(output_tokens=answer, reported_cached=0))
     dz = decide(r, z)
     assert dz.backend == dx.backend  # the other backend is busy with y
-    r.complete(dy, output_tokens=[8], reported_cached=0)
+    r.complete(dy, Report(output_tokens=[8], reported_cached=0))
     whole = [*x, *answer, *range(300_000, 300_100)]
     turn = r.decide(x, n_prompt=len(whole)) if on_head else r.decide(whole)
     if on_head and not stays:  # it would move off its holder: decided on the whole
@@ -336,10 +337,10 @@ def test_side_call_waits_for_its_sessions_busy_slot(other_session_idle: bool) ->
     y = [*SYSTEM, *range(20_000, 21_500)]
     dx = decide(r, x)
     # feedback as the backend reports it: 0.9 s of prefill in a 1 s request
-    r.complete(dx, output_tokens=[7] * 4, prompt_ms=900.0, prompt_n=len(x), now=1.0)
+    r.complete(dx, Report(output_tokens=[7] * 4, prompt_ms=900.0, prompt_n=len(x)), now=1.0)
     dy = decide(r, y, now=1.0)
     if other_session_idle:
-        r.complete(dy, output_tokens=[7] * 4, now=2.0)
+        r.complete(dy, Report(output_tokens=[7] * 4), now=2.0)
     x2 = [*x, 7, 7, 7, 7, *range(12_000, 12_100)]  # X's next turn: its slot, busy
     d2 = decide(r, x2, now=2.0)
     assert (d2.backend, d2.slot) == (dx.backend, dx.slot)
@@ -348,9 +349,10 @@ def test_side_call_waits_for_its_sessions_busy_slot(other_session_idle: bool) ->
     assert ds.queued and ds.slot is None
     assert (ds.backend, ds.reasons["waits_for_slot"]) == (dx.backend, dx.slot)
     assert ds.predicted_cached == len(x2) - 5
-    got = r.complete(d2, output_tokens=[7] * 4, reported_cached=d2.predicted_cached, now=3.0)
+    got = r.complete(d2, Report(output_tokens=[7] * 4,
+                                reported_cached=d2.predicted_cached), now=3.0)
     assert got == [Handoff(ds.request_id, dx.backend, dx.slot, ds.predicted_cached)]
-    r.complete(ds, reported_cached=ds.predicted_cached, now=4.0)
+    r.complete(ds, Report(reported_cached=ds.predicted_cached), now=4.0)
     if not other_session_idle:
         r.complete(dy, now=4.0)
     assert r.mispredictions == 0 and r.snapshot()["inflight"] == 0
@@ -375,11 +377,11 @@ def test_a_side_call_stays_with_its_sessions_history_over_the_load_bound(
     for i, name in enumerate(("a", "b")):  # both learn the slow rate
         warm = r.decide([500_000 + 1000 * i + j for j in range(340)])
         assert isinstance(warm, Routed) and warm.backend == name
-        r.complete(warm, prompt_ms=2000.0, prompt_n=340, now=1.0)
+        r.complete(warm, Report(prompt_ms=2000.0, prompt_n=340), now=1.0)
     x = list(range(10_000, 18_000))
     dx = r.decide(x, session="X", now=1.0)
     assert isinstance(dx, Routed)
-    r.complete(dx, output_tokens=[7] * 4, prompt_ms=47_000.0, prompt_n=len(x), now=48.0)
+    r.complete(dx, Report(output_tokens=[7] * 4, prompt_ms=47_000.0, prompt_n=len(x)), now=48.0)
     turn = r.decide([*x, 7, 7, 7, 7, *range(20_000, 20_800)], session="X", now=48.0)
     assert isinstance(turn, Routed) and turn.backend == dx.backend
     summary = [*x, 7, 7, 7, 7, *range(30_000, 30_010)]
@@ -410,8 +412,8 @@ def test_a_new_session_does_not_wait_for_another_named_sessions_busy_slot(
     d0 = r.decide(s0, session=sessions[0])
     d1 = r.decide(s1, session="s1")
     assert isinstance(d0, Routed) and isinstance(d1, Routed)
-    r.complete(d0, output_tokens=[7] * 4, prompt_ms=20_000.0, prompt_n=len(s0), now=20.0)
-    r.complete(d1, output_tokens=[8] * 4, prompt_ms=20_000.0, prompt_n=len(s1), now=21.0)
+    r.complete(d0, Report(output_tokens=[7] * 4, prompt_ms=20_000.0, prompt_n=len(s0)), now=20.0)
+    r.complete(d1, Report(output_tokens=[8] * 4, prompt_ms=20_000.0, prompt_n=len(s1)), now=21.0)
     t0 = r.decide([*s0, 7, 7, 7, 7, *range(3000, 3355)], session=sessions[0], now=22.0)
     t1 = r.decide([*s1, 8, 8, 8, 8, *range(4000, 4355)], session="s1", now=22.0)
     assert isinstance(t0, Routed) and isinstance(t1, Routed)
@@ -433,7 +435,7 @@ def test_no_wait_when_running_now_elsewhere_is_faster() -> None:
         r.add_backend(cap(name, slots=2, ctx=16384))
     first = decide(r, [*SYSTEM, *range(10_000, 10_040)])
     # learns that requests decode long after their prefill: a busy slot frees late
-    r.complete(first, prompt_ms=1000.0, prompt_n=2040, now=30.0)
+    r.complete(first, Report(prompt_ms=1000.0, prompt_n=2040), now=30.0)
     busy = decide(r, [*SYSTEM, *range(20_000, 20_040)], now=30.0)
     d = decide(r, [*SYSTEM, *range(30_000, 30_040)], now=30.0)
     assert not d.queued and "waits_for_slot" not in d.reasons
@@ -448,7 +450,7 @@ def test_a_waiter_gives_up_on_a_slot_that_runs_long() -> None:
         r.add_backend(cap(name, slots=2, ctx=16384))
     x = [*SYSTEM, *range(10_000, 11_500)]
     first = decide(r, x)
-    r.complete(first, output_tokens=[7] * 4, prompt_ms=5000.0, prompt_n=len(x), now=6.0)
+    r.complete(first, Report(output_tokens=[7] * 4, prompt_ms=5000.0, prompt_n=len(x)), now=6.0)
     turn = decide(r, [*x, 7, 7, 7, 7, *range(12_000, 12_100)], now=6.0)
     side = decide(r, [*x, 7, 7, 7, 7, *range(13_000, 13_010)], now=6.0)
     assert side.reasons["waits_for_slot"] == turn.slot
@@ -497,7 +499,7 @@ def test_decided_on_the_head_then_extended_as_if_decided_whole(rest: list[int],
     def first_turn(r: Router) -> int:
         r.add_backend(cap("a"))
         d = decide(r, HISTORY)
-        r.complete(d, output_tokens=ANSWER, now=1)
+        r.complete(d, Report(output_tokens=ANSWER), now=1)
         assert d.slot is not None
         return d.slot
 
@@ -514,7 +516,7 @@ def test_decided_on_the_head_then_extended_as_if_decided_whole(rest: list[int],
     assert (want.prompt_tokens, want.predicted_cached) == (len(whole), reuse)
     assert r.extend(got, whole) == got  # once only
     for router, d in ((ref, want), (r, got)):
-        router.complete(d, output_tokens=[5], reported_cached=reuse, now=3)
+        router.complete(d, Report(output_tokens=[5], reported_cached=reuse), now=3)
     assert r.snapshot()["backends"] == ref.snapshot()["backends"]
     nxt = [*whole, 5, 99]
     assert decide(r, nxt, now=4).predicted_cached == decide(ref, nxt, now=4).predicted_cached
@@ -534,8 +536,8 @@ def test_not_moved_off_its_history_on_the_head_alone() -> None:
     d = decide(r, x)
     warm = decide(r, list(range(40_000, 41_500)))  # the other backend, learning its rate
     assert warm.backend != d.backend
-    r.complete(d, output_tokens=[7] * 4, prompt_ms=7_800.0, prompt_n=len(x), now=8.0)
-    r.complete(warm, prompt_ms=1_000.0, prompt_n=1500, now=8.0)  # 2.5x faster
+    r.complete(d, Report(output_tokens=[7] * 4, prompt_ms=7_800.0, prompt_n=len(x)), now=8.0)
+    r.complete(warm, Report(prompt_ms=1_000.0, prompt_n=1500), now=8.0)  # 2.5x faster
     tool = list(range(20_000, 20_600))
     turn = decide(r, [*x, 7, 7, 7, 7, *tool], now=8.0)
     assert (turn.backend, turn.slot) == (d.backend, d.slot)
@@ -579,9 +581,9 @@ def test_a_slot_ended_before_a_hand_off_was_saved_by_it() -> None:
     dq = r.decide(q, defer=True)
     assert dq.queued
     a_end = r.starts("x")  # A's end reached the proxy (its answer not yet read)
-    h = r.complete(db, output_tokens=toks(8, 29))  # B's read first: Q gets slot 1
+    h = r.complete(db, Report(output_tokens=toks(8, 29)))  # B's read first: Q gets slot 1
     assert [x.slot for x in h] == [db.slot]
-    r.complete(da, output_tokens=a_out, starts_at_end=a_end)
+    r.complete(da, Report(output_tokens=a_out, starts_at_end=a_end))
     # a side call keeps slot 0 (shares 2600 of its 3332 tokens: truncated, not saved)
     dt = r.place(r.decide([*a[:2600], *toks(4, 30)], session="side", defer=True))
     assert dt.slot == da.slot
@@ -591,7 +593,7 @@ def test_a_slot_ended_before_a_hand_off_was_saved_by_it() -> None:
     # Q ends: A's turn gets its slot, which shares nothing with it: the server saves
     # the slot and loads the best RAM entry, A's whole conversation
     assert (dq.slot, dq.predicted_cached) == (h[0].slot, h[0].predicted_cached)
-    handed = r.complete(dq, output_tokens=toks(7, 29))
+    handed = r.complete(dq, Report(output_tokens=toks(7, 29)))
     assert [(x.request_id, x.slot) for x in handed] == [(d2.request_id, h[0].slot)]
     assert handed[0].predicted_cached == len(a) + len(a_out)
 
@@ -607,7 +609,7 @@ def test_a_correction_of_the_model_is_no_task_start() -> None:
     assert isinstance(d, Routed) and d.slot is None  # round robin: the server's pick
     busy = [x["id"] for x in r.snapshot()["backends"]["a"]["slots"] if x["busy"]]  # type: ignore[index]
     starts = r.starts("a")
-    r.complete(d, output_tokens=[5, 6, 7], reported_slot=1 - busy[0], starts_at_end=starts)
+    r.complete(d, Report(output_tokens=[5, 6, 7], reported_slot=1 - busy[0], starts_at_end=starts))
     assert r.starts("a") == starts
     assert r.snapshot()["backends"]["a"]["ram_entries"] == []  # type: ignore[index]
 
@@ -659,7 +661,7 @@ def test_a_request_goes_only_among_the_backends_that_serve_it() -> None:
     prompt = list(range(100, 400))
     first = r.decide(prompt, among={"a"})
     assert isinstance(first, Routed) and first.backend == "a"
-    r.complete(first, output_tokens=[], reported_cached=0, now=1.0)
+    r.complete(first, Report(output_tokens=[], reported_cached=0), now=1.0)
     again = r.decide(prompt, among={"b"}, now=2.0)
     assert isinstance(again, Routed) and again.backend == "b"
     assert again.predicted_cached == 0

@@ -7,7 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Handoff
+from proxy.routing.decision import Handoff, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
@@ -71,8 +71,8 @@ class _Run:
             return self.r.abort(d, now=now)
         out = [7000 + self.t, 7001, 7002]
         self.history[conv] = prompt + out
-        return self.r.complete(d, output_tokens=out, reported_cached=d.predicted_cached,
-                               prompt_ms=5.0, prompt_n=d.prompt_tokens, now=now)
+        return self.r.complete(d, Report(output_tokens=out, reported_cached=d.predicted_cached,
+                                         prompt_ms=5.0, prompt_n=d.prompt_tokens), now=now)
 
     def _place(self, d: Routed) -> Routed:
         self.r.place(d)
@@ -162,8 +162,8 @@ def test_a_failed_restore_is_predicted_as_a_prefill() -> None:
         backend = r.snapshot()["backends"]["a"]  # type: ignore[index]
         assert backend["work_tokens"] == len(prompt) + r.settings.request_overhead_tokens
         assert r.held("a", 0) is None  # busy: it holds this request's prompt
-        r.complete(failed, output_tokens=[1, 2], reported_cached=0, prompt_ms=100.0,
-                   prompt_n=len(prompt), reported_slot=0, now=1.0)
+        r.complete(failed, Report(output_tokens=[1, 2], reported_cached=0, prompt_ms=100.0,
+                                  prompt_n=len(prompt), reported_slot=0), now=1.0)
         assert r.held("a", 0) == to_token_bytes([*prompt, 1, 2])
 
 
@@ -182,7 +182,7 @@ def test_a_queued_request_is_handed_its_slot_with_the_file_that_holds_its_prefix
     assert isinstance(busy, Routed) and not busy.queued
     turn = r.decide([*history, *range(5000, 5040)], now=0.1)
     assert isinstance(turn, Routed) and turn.queued and turn.restore is None
-    (h,) = r.complete(busy, output_tokens=[7], reported_cached=0, now=1.0)
+    (h,) = r.complete(busy, Report(output_tokens=[7], reported_cached=0), now=1.0)
     assert (h.request_id, h.slot, h.restore, h.tier) == (turn.request_id, 0,
                                                          "kvroute-0.bin", "disk")
     assert h.predicted_cached == len(history)
@@ -190,7 +190,7 @@ def test_a_queued_request_is_handed_its_slot_with_the_file_that_holds_its_prefix
     # the record says where the hand-off sends it
     assert (turn.slot, turn.predicted_cached, turn.tier, turn.restore) == (
         h.slot, h.predicted_cached, h.tier, h.restore)
-    done = r.complete(turn, output_tokens=[9], reported_cached=len(history), now=2.0)
+    done = r.complete(turn, Report(output_tokens=[9], reported_cached=len(history)), now=2.0)
     assert done == [] and r.mispredictions == 0
     assert r.held("a", 0) == to_token_bytes([*history, *range(5000, 5040), 9])
 
@@ -207,7 +207,7 @@ def test_a_hand_off_whose_file_holds_the_slot_already_spills_nothing() -> None:
     assert isinstance(early, Routed) and not early.queued
     turn = r.decide([*history, *range(5000, 5040)], now=0.1)
     assert isinstance(turn, Routed) and turn.queued
-    (h,) = r.complete(early, output_tokens=[], reported_cached=0, now=1.0)
+    (h,) = r.complete(early, Report(output_tokens=[], reported_cached=0), now=1.0)
     assert (h.restore, h.tier, h.predicted_cached) == ("kvroute-0.bin", "disk", 1000)
     assert h.displaced is None
 
@@ -224,7 +224,7 @@ def test_a_hand_off_carries_the_slot_only_where_a_disk_tier_spills() -> None:
         busy = r.decide(other, now=0.0)
         queued = r.decide(list(range(100, 1100)), now=0.1)
         assert isinstance(busy, Routed) and isinstance(queued, Routed) and queued.queued
-        (h,) = r.complete(busy, output_tokens=[7], reported_cached=0, now=1.0)
+        (h,) = r.complete(busy, Report(output_tokens=[7], reported_cached=0), now=1.0)
         assert h.displaced == (to_token_bytes([*other, 7]) if spills else None)
 
 
@@ -239,7 +239,7 @@ def test_a_peers_queued_request_is_not_handed_a_restore() -> None:
     assert isinstance(busy, Routed)
     peer = r.observe_start("a", 0, to_token_bytes([*history, 1]), now=0.1, wait=True)
     assert peer is not None
-    handed = r.complete(busy, output_tokens=[7], reported_cached=0, now=1.0)
+    handed = r.complete(busy, Report(output_tokens=[7], reported_cached=0), now=1.0)
     assert all(h.restore is None for h in handed)
     assert r.held("a", 0) is None  # the peer's request runs there, from nothing
 
@@ -253,7 +253,7 @@ def test_another_replicas_request_is_placed_as_if_routed_here() -> None:
     history = list(range(100, 1100))
     d = a.decide(history, now=0.0)
     assert isinstance(d, Routed) and d.slot is not None
-    a.complete(d, output_tokens=[7, 8], reported_cached=0, now=1.0)
+    a.complete(d, Report(output_tokens=[7, 8], reported_cached=0), now=1.0)
     held = a.held("x", d.slot)
     assert held is not None and b.observe("x", d.slot, held, now=1.0)
     assert b.held("x", d.slot) == held

@@ -15,6 +15,7 @@ from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.checkpoints import DENSE, Memory, reusable
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import BackendCapacity, Placement
+from proxy.routing.decision import Report
 from proxy.routing.policy import Candidate
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
@@ -262,8 +263,9 @@ class Drive:
         else:
             out = [7000 + self.t + j for j in range(b % 5)]
             self.history[conv] = prompt + out
-            handed = self.r.complete(d, output_tokens=out, reported_cached=d.predicted_cached,
-                                     prompt_ms=5.0, prompt_n=d.prompt_tokens, now=now)
+            handed = self.r.complete(d, Report(output_tokens=out,
+                                               reported_cached=d.predicted_cached, prompt_ms=5.0,
+                                               prompt_n=d.prompt_tokens), now=now)
         self.running.update(h.request_id for h in handed)
 
     def _prompt(self, conv: int, new: int) -> list[int]:

@@ -4,7 +4,7 @@ freed slots are handed out in."""
 from __future__ import annotations
 
 from proxy.routing.cache.predict import BackendCapacity
-from proxy.routing.decision import Handoff
+from proxy.routing.decision import Handoff, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 
@@ -30,7 +30,7 @@ def test_siblings_queue_behind_the_first_waiter_of_their_slot() -> None:
     r = Router()
     r.add_backend(cap("a", slots=2))
     w = decide(r, list(range(500_000, 500_300)), now=0.0)
-    r.complete(w, prompt_ms=200.0, prompt_n=300, now=0.3)  # 1500 tokens/s, 0.3 s a request
+    r.complete(w, Report(prompt_ms=200.0, prompt_n=300), now=0.3)  # 1500 tokens/s, 0.3 s a request
     du = decide(r, list(range(200_000, 203_000)), now=0.5)
     d1 = decide(r, [*DOC, *[1] * 10], now=1.0)
     d2 = decide(r, [*DOC, *[2] * 10], now=1.5)
@@ -40,14 +40,14 @@ def test_siblings_queue_behind_the_first_waiter_of_their_slot() -> None:
     assert d3.predicted_cached == len(DOC)
     d4 = decide(r, [*DOC, *[4] * 10], now=1.7)
     assert d4.queued and "waits_for_slot" not in d4.reasons
-    got = r.complete(d1, output_tokens=[7] * 4, reported_cached=0, now=2.5)
+    got = r.complete(d1, Report(output_tokens=[7] * 4, reported_cached=0), now=2.5)
     assert got == [Handoff(d2.request_id, "a", d1.slot, len(DOC))]
-    got = r.complete(d2, output_tokens=[7] * 4, reported_cached=len(DOC), now=3.0)
+    got = r.complete(d2, Report(output_tokens=[7] * 4, reported_cached=len(DOC)), now=3.0)
     assert got == [Handoff(d3.request_id, "a", d1.slot, len(DOC))]
-    got = r.complete(du, output_tokens=[7] * 4, reported_cached=0, now=3.5)
+    got = r.complete(du, Report(output_tokens=[7] * 4, reported_cached=0), now=3.5)
     assert [h.request_id for h in got] == [d4.request_id]
-    r.complete(d3, reported_cached=len(DOC), now=4.0)
-    r.complete(d4, reported_cached=got[0].predicted_cached, now=4.0)
+    r.complete(d3, Report(reported_cached=len(DOC)), now=4.0)
+    r.complete(d4, Report(reported_cached=got[0].predicted_cached), now=4.0)
     assert r.mispredictions == 0 and r.snapshot()["inflight"] == 0
 
 
@@ -60,11 +60,11 @@ def test_a_freed_slot_goes_to_the_waiter_that_loads_its_prefix_from_ram() -> Non
     r = Router()
     r.add_backend(cap("a"))
     dx = decide(r, [*DOC, 1], now=0.0)
-    r.complete(dx, output_tokens=[7] * 4, now=1.0)
+    r.complete(dx, Report(output_tokens=[7] * 4), now=1.0)
     dy = decide(r, list(range(200_000, 201_000)), now=1.0)  # displaces the document
     w1 = decide(r, list(range(300_000, 301_000)), now=1.1)
     w2 = decide(r, [*DOC, 2], now=1.2)
     assert w1.queued and w2.queued
-    got = r.complete(dy, output_tokens=[7] * 4, now=2.0)
+    got = r.complete(dy, Report(output_tokens=[7] * 4), now=2.0)
     assert [h.request_id for h in got] == [w2.request_id]
     assert got[0].predicted_cached == len(DOC)
