@@ -11,10 +11,14 @@
     config.py      what the supervisor is told of each backend and the fleet (FleetSpec)
     process.py     one llama-server process: spawn, wait_ready, stop
     supervisor.py  all configured backends, as one pool: start, stop, states, subscribers
-    managed.py     a managed llama-server's lifecycle: start, watch, restart
-    crash_loop.py  its deaths: when they make a crash loop, what died and the likely fix
+    standing.py    where one backend stands (state, error, info), and who hears of it
+    managed.py     a managed llama-server's lifecycle: start, watch, restart; its
+                   processes, one per start (a new port and key), and how one died
+    health.py      whether a managed server is up: ready (/health, /props), alive
+    crash_loop.py  its deaths: when they make a crash loop, what died and the likely fix;
+                   when it restarts (backoff)
     external.py    external servers probed, and backends an agent runs, as it reports them
-    info.py        a ready backend as the proxy needs it, and one backend's runtime record
+    info.py        a ready backend as the proxy needs it
     agent.py       `kvroute agent`: one host's servers, served to routers elsewhere
     remote.py      a router's side of an agent: its backends as it reports them
     client.py      typed calls to one server (/health, /props, /slots, ...)

@@ -1,9 +1,17 @@
-"""A managed backend's deaths, and when they make a crash loop: what died, and the fix.
+"""A managed backend's deaths, and when they make a crash loop: what died, and the fix;
+and when it restarts.
 
 A backend that dies `crash_loop_deaths` times within `crash_loop_window_s` is in a crash
 loop. Its restarts then wait longer, and a restart is held out of routing until it stays
 up `crash_loop_window_s`: by then it no longer died that often in that long, so the loop
-is over. Pure: backends/managed.py feeds it each death and each restart that held.
+is over.
+
+`Restarts` keeps one backend's: the first restart waits `restart_backoff_s`, each next one
+twice as long up to `restart_backoff_max_s`; a backend that ran fine for `RAN_FINE_S`
+starts over from the first. Deaths that make a crash loop wait from
+`restart_backoff_max_s`, doubling up to `crash_loop_backoff_max_s`; a held restart that
+ends the loop starts the backoff over too. Pure: backends/managed.py tells it each death,
+each run that lasted and each hold, and sleeps what it says.
 """
 
 from __future__ import annotations
@@ -13,6 +21,9 @@ import signal
 from collections import deque
 from dataclasses import dataclass, field
 
+from backends.config import SupervisionConfig
+
+RAN_FINE_S = 60.0  # a backend ready this long was not crash-looping: the backoff resets
 # signals that are a crash of llama-server itself (a bug, or a kernel it runs wrongly)
 _CRASHES = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGABRT")
 # (words in the log tail, the fix): the first that matches is the likely cause
@@ -166,3 +177,73 @@ class Unavailable:
 
     reason: str
     retry_after: float  # seconds
+
+
+@dataclass(frozen=True)
+class Restart:
+    """What to do after a death."""
+
+    wait_s: float  # before the next start
+    loop_began: bool  # this death made a crash loop (it was not in one)
+    deaths: int  # within the crash loop's window, this one included
+
+
+class Restarts:
+    """One managed backend's restarts: how many, the next backoff, its crash loop."""
+
+    def __init__(self, supervision: SupervisionConfig) -> None:
+        self._sup = supervision
+        self._loop = CrashLoop(supervision.crash_loop_deaths, supervision.crash_loop_window_s)
+        self._backoff = supervision.restart_backoff_s
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        """Deaths so far (each one restarts it)."""
+        return self._count
+
+    @property
+    def looping(self) -> bool:
+        return self._loop.looping
+
+    @property
+    def until(self) -> float | None:
+        """In a crash loop: when the next restart is, or the held one is routed."""
+        return self._loop.until
+
+    def died(self, death: Death) -> Restart:
+        """Count ``death``: how long until the next start."""
+        self._count += 1
+        began = self._loop.died(death)
+        if began:
+            self._backoff = max(self._backoff, self._sup.restart_backoff_max_s)
+        wait = self._backoff
+        self._loop.until = death.at + wait if self._loop.looping else None
+        cap = (self._sup.crash_loop_backoff_max_s if self._loop.looping
+               else self._sup.restart_backoff_max_s)
+        self._backoff = min(wait * 2, cap)
+        return Restart(wait, began, len(self._loop.recent))
+
+    def ran(self, seconds: float) -> None:
+        """It was ready ``seconds`` before it went down (or the pool stopped)."""
+        if seconds > RAN_FINE_S:
+            self._backoff = self._sup.restart_backoff_s
+
+    def hold(self, now: float) -> float:
+        """A restart in a crash loop is up at ``now``: how long it is held unrouted."""
+        window = self._loop.window_s
+        self._loop.until = now + window
+        return window
+
+    def held(self, now: float) -> None:
+        """The held restart stayed up (at ``now``): the loop is over, the backoff resets."""
+        self._loop.held(now)
+        self._backoff = self._sup.restart_backoff_s
+
+    def summary(self, name: str) -> str:
+        """In a crash loop: one line naming ``name``, what died and the fix."""
+        return self._loop.summary(name)
+
+    def report(self) -> dict[str, object] | None:
+        """What the status says of its crash loop (None: not in one)."""
+        return self._loop.report()

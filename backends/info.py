@@ -1,15 +1,11 @@
-"""What the supervisor knows of one backend: `BackendInfo`, a ready backend as the proxy
-needs it, and `Backend`, the runtime record its supervising task keeps."""
+"""`BackendInfo`: a ready backend, as the proxy needs it."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
-from backends.config import LLAMA, ExternalBackendConfig, ManagedBackendConfig
-from backends.crash_loop import CrashLoop
+from backends.config import LLAMA
 from backends.memory import DENSE, MemoryKind
-from backends.process import LlamaServerProcess
 
 MiB = 1 << 20
 
@@ -30,26 +26,3 @@ class BackendInfo:
     managed: bool
     memory: MemoryKind = DENSE  # what the server can cut its cache back to
     kind: str = LLAMA  # OPENAI: speaks the OpenAI API only (no id_slot, /slots, /props)
-
-
-@dataclass
-class Backend:
-    """Mutable runtime state of one backend (owned by its task)."""
-
-    cfg: ManagedBackendConfig | ExternalBackendConfig
-    # held: up, kept out of routing until it outlasts its crash loop (backends/crash_loop.py)
-    state: str = "stopped"  # starting | held | ready | down | failed | stopped
-    info: BackendInfo | None = None
-    process: LlamaServerProcess | None = None
-    url: str | None = None
-    restarts: int = 0
-    last_error: str | None = None
-    ready_since: float | None = None  # time.time() of the last transition to ready
-    settled: asyncio.Event = field(default_factory=asyncio.Event)  # first ready/failed
-    task: asyncio.Task[None] | None = None
-    agent: str | None = None  # the agent that runs it on another host (None: ours)
-    crashes: CrashLoop | None = None  # a managed one's recent deaths
-
-    @property
-    def managed(self) -> bool:
-        return isinstance(self.cfg, ManagedBackendConfig)

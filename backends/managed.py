@@ -1,6 +1,6 @@
 """Managed backends: one llama-server each, started, watched and restarted here.
 
-A mixin of :class:`~backends.supervisor.Supervisor`. One asyncio task per backend:
+One asyncio task per backend:
 
     starting --/health 200, /props read--> ready --exit or 5 failed probes--> down
         ^                                                                     |
@@ -10,10 +10,16 @@ A backend that dies 3 times within 120 s is in a crash loop (backends/crash_loop
 restarts wait longer (30 s, doubling, max 300 s), and a restart is `held` out of routing
 until it stays up 120 s, which ends the loop. (All of these: `supervision:` knobs.)
 
-Each (re)start picks a new free loopback port and a new random API key (the key keeps
-clients from bypassing the proxy; a new port avoids racing a dying process's socket).
-A restarted server has an empty cache: the supervisor's subscribers hear it go down and
-come back ready.
+`ManagedBackend` runs that cycle over its components: its `Launcher`, a `HealthCheck`
+(ready, alive: backends/health.py), its `Restarts` (backoff, crash loop:
+backends/crash_loop.py) and its `Standing` (state, subscribers: backends/standing.py). A
+restarted server has an empty cache: the subscribers hear it go down and come back ready.
+
+`Launcher` starts a new process at each (re)start, on a new free port (a new port avoids
+racing a dying process's socket) with a new random API key (it keeps clients from
+bypassing the proxy; the server takes it from its environment, never argv), all of them
+appending to the backend's one log; `end()` stops what is left of the current one and
+says how it died, as the crash loop counts deaths.
 """
 
 from __future__ import annotations
@@ -22,189 +28,187 @@ import asyncio
 import secrets
 import shlex
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import structlog
 
-from backends.client import BackendClient, Health, Props
-from backends.config import FleetSpec, ManagedBackendConfig
-from backends.crash_loop import CrashLoop, Death
-from backends.info import Backend, BackendInfo, MiB
-from backends.memory import gguf_kv_bytes_per_token, server_memory
-from backends.process import Failed, LlamaServerProcess, ServerSpec, free_port
+from backends.config import ManagedBackendConfig, SupervisionConfig
+from backends.crash_loop import Death, Restarts
+from backends.health import HealthCheck
+from backends.info import BackendInfo
+from backends.memory import gguf_kv_bytes_per_token
+from backends.process import LlamaServerProcess, ServerSpec, free_port
+from backends.standing import Listeners, Standing
 
 log = structlog.get_logger("backends.supervisor")  # (the supervisor's log)
 
 DEFAULT_KV_BYTES_PER_TOKEN = 131072  # when a GGUF's metadata does not tell
-UNHEALTHY_PROBES = 5  # consecutive failed /health probes before a restart
+NO_BINARY = "llama-server not found (fix: run `python -m backends prepare`, or set llama_server)"
 
 
-class ManagedBackends:
-    """The lifecycle of the llama-servers started here (over the Supervisor's state)."""
+class Launcher:
+    """One managed backend's processes, one at a time."""
 
-    config: FleetSpec
-    host: str
-    _session: aiohttp.ClientSession | None
-    _stopping: bool
-    _binary: Path | None
-    _set: Callable[..., None]  # (Supervisor)
-    _notify: Callable[[str, BackendInfo | None], None]  # (Supervisor)
-    _log_path: Callable[[str], Path]  # (Supervisor)
+    def __init__(self, cfg: ManagedBackendConfig, host: str, log_path: Path,
+                 slot_save_path: Path | None = None) -> None:
+        """``host``: where its servers listen; ``slot_save_path``: the kv_disk tier's."""
+        self._cfg = cfg
+        self._host = host
+        self.log_path = log_path
+        self._slot_save_path = slot_save_path
+        self._proc: LlamaServerProcess | None = None
 
-    async def _run_managed(self, b: Backend) -> None:
-        cfg = b.cfg
-        assert isinstance(cfg, ManagedBackendConfig) and self._session is not None
-        sup = self.config.supervision
-        b.crashes = CrashLoop(sup.crash_loop_deaths, sup.crash_loop_window_s)
-        backoff = sup.restart_backoff_s
-        kv = await asyncio.to_thread(gguf_kv_bytes_per_token, cfg.model)
-        while not self._stopping:
-            proc = self._spawn(b, cfg)
-            if proc is None:
-                return
-            got = await self._bring_up(b, proc, kv or DEFAULT_KV_BYTES_PER_TOKEN)
-            if isinstance(got, BackendInfo) and b.crashes.looping:
-                got = await self._hold(b, proc, got)
-                if isinstance(got, BackendInfo):
-                    backoff = sup.restart_backoff_s  # the loop is over
-            if isinstance(got, BackendInfo):
-                self._publish(b, proc, got)
-                t_ready = time.monotonic()
-                got = await self._watch(proc, got) or "stopped"
-                if time.monotonic() - t_ready > 60:
-                    backoff = sup.restart_backoff_s  # it ran fine for a while: not a crash loop
-            if self._stopping:
-                return
-            backoff = await self._restart_after(b, proc, got, backoff)
-
-    def _spawn(self, b: Backend, cfg: ManagedBackendConfig) -> LlamaServerProcess | None:
-        """A new process on a new port with a new key (None: it cannot be started)."""
-        if self._binary is None:
-            self._set(b, "failed", "llama-server not found "
-                      "(fix: run `python -m backends prepare`, or set llama_server)")
-            b.settled.set()
-            return None
+    def next(self, binary: Path) -> LlamaServerProcess:
+        """The next process, now the current one: call its spawn()."""
+        cfg = self._cfg
         spec = ServerSpec(
-            binary=self._binary, model=cfg.model, port=free_port(self.host),
-            host=self.host, slots=cfg.slots,
-            ctx_per_slot=cfg.ctx_per_slot, threads=cfg.threads,
+            binary=binary, model=cfg.model, port=free_port(self._host), host=self._host,
+            slots=cfg.slots, ctx_per_slot=cfg.ctx_per_slot, threads=cfg.threads,
             api_key=secrets.token_urlsafe(24), cache_ram_mib=cfg.cache_ram_mib,
             alias=cfg.alias, extra_args=cfg.extra_args, env=cfg.env,
-            slot_save_path=self.config.kv_disk.path if self.config.kv_disk else None,
+            slot_save_path=self._slot_save_path,
         )
-        proc = LlamaServerProcess(spec, self._log_path(cfg.name))
-        b.process, b.url = proc, spec.url
-        self._set(b, "starting")
+        self._proc = LlamaServerProcess(spec, self.log_path)
+        return self._proc
+
+    def pid(self) -> int | None:
+        """The current process's, while it runs."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.alive() else None
+
+    async def end(self, reason: str, grace: float) -> Death:
+        """Stop the current process (whatever is left of it): how it died. ``reason``:
+        why the supervisor ends it."""
+        proc = self._proc
+        assert proc is not None, "end() without a process"
+        by_itself = proc.exited()
+        returncode = await proc.stop(grace)
+        self._proc = None
+        return Death(time.time(), reason, returncode, by_itself,
+                     tuple(proc.log_tail().strip("\n").splitlines()),
+                     str(proc.spec.model), tuple(proc.spec.argv()), str(proc.log_path))
+
+    async def stop(self, grace: float) -> None:
+        """Stop the current process, if any (its whole process group)."""
+        proc = self._proc
+        if proc is not None:
+            await proc.stop(grace)
+            self._proc = None
+
+
+class ManagedBackend:
+    """One llama-server started here: its lifecycle, from start() until stop()."""
+
+    def __init__(self, cfg: ManagedBackendConfig, listeners: Listeners, launcher: Launcher,
+                 supervision: SupervisionConfig) -> None:
+        self.cfg = cfg
+        self.standing = Standing(cfg.name, listeners)
+        self._launcher = launcher
+        self._sup = supervision
+        self._restarts = Restarts(supervision)
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def start(self, session: aiohttp.ClientSession, binary: Path | None) -> None:
+        """Run it (``binary``: llama-server; None: not found, it fails)."""
+        assert self._task is None, "start() called twice"
+        health = HealthCheck(session, self._sup)
+        self._task = asyncio.create_task(self._run(health, binary),
+                                         name=f"kvroute-backend-{self.cfg.name}")
+
+    async def stop(self) -> None:
+        """End its task, then its process (the whole process group)."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._launcher.stop(self._sup.stop_grace_s)
+
+    def pid(self) -> int | None:
+        return self._launcher.pid()
+
+    def why_down(self) -> tuple[str, float | None] | None:
+        """In a crash loop: what died and the fix, and when it may serve again (time.time();
+        None: not known). None: not in one."""
+        if not self._restarts.looping:
+            return None
+        return self._restarts.summary(self.cfg.name), self._restarts.until
+
+    def status(self) -> dict[str, object]:
+        return self.standing.status(self.cfg, pid=self.pid(), restarts=self._restarts.count,
+                                    log_path=self._launcher.log_path,
+                                    crash_loop=self._restarts.report())
+
+    async def _run(self, health: HealthCheck, binary: Path | None) -> None:
+        kv = await asyncio.to_thread(gguf_kv_bytes_per_token, self.cfg.model)
+        while not self._stopping:
+            proc = self._spawn(binary)
+            if proc is None:
+                return
+            got = await health.ready(proc, self.cfg, kv or DEFAULT_KV_BYTES_PER_TOKEN)
+            if isinstance(got, BackendInfo) and self._restarts.looping:
+                got = await self._hold(health, proc, got)
+            if isinstance(got, BackendInfo):
+                log.info("backend.ready", backend=got.name, url=got.url, pid=proc.pid,
+                         slots=got.n_slots, n_ctx=got.slot_ctx)
+                self.standing.up(got)
+                self.standing.settle()
+                t_ready = time.monotonic()
+                got = await health.watch(proc, got) or "stopped"
+                self._restarts.ran(time.monotonic() - t_ready)
+            if self._stopping:
+                return
+            await self._restart_after(got)
+
+    def _spawn(self, binary: Path | None) -> LlamaServerProcess | None:
+        """A new process on a new port with a new key (None: it cannot be started)."""
+        if binary is None:
+            self._fail(NO_BINARY)
+            return None
+        proc = self._launcher.next(binary)
+        self.standing.moved(proc.spec.url)
+        self.standing.set("starting")
         try:
             proc.spawn()
         except OSError as e:
-            self._set(b, "failed", f"cannot start {spec.binary}: {e}")
-            b.settled.set()
+            self._fail(f"cannot start {binary}: {e}")
             return None
         return proc
 
-    async def _bring_up(self, b: Backend, proc: LlamaServerProcess,
-                        kv: int) -> BackendInfo | str:
-        """Wait for /health, read /props: the backend as the proxy needs it, or an error."""
-        assert self._session is not None
-        spec = proc.spec
-        res = await proc.wait_ready(self._session, self.config.supervision.startup_timeout_s)
-        if isinstance(res, Failed):
-            return f"{res.reason}; last log lines:\n{res.log_tail}"
-        props = await BackendClient(self._session, spec.url, spec.api_key).props()
-        if not isinstance(props, Props):
-            return f"/props failed: {props}"
-        cfg = b.cfg
-        assert isinstance(cfg, ManagedBackendConfig)
-        memory = await asyncio.to_thread(server_memory, cfg.model, spec.argv(),
-                                         props.slot_ctx, props.total_slots)
-        return BackendInfo(
-            name=cfg.name, url=spec.url, api_key=spec.api_key, n_slots=props.total_slots,
-            slot_ctx=props.slot_ctx, ram_cache_bytes=cfg.cache_ram_mib * MiB,
-            # (of the layers whose cache grows with the context: a sliding one's does not)
-            kv_bytes_per_token=memory.kv_bytes_per_token or kv, model=props.model_alias,
-            managed=True, memory=memory,
-        )
+    def _fail(self, error: str) -> None:
+        self.standing.set("failed", error)
+        self.standing.settle()
 
-    def _publish(self, b: Backend, proc: LlamaServerProcess, info: BackendInfo) -> None:
-        """Ready: the subscribers route to it."""
-        b.info, b.ready_since = info, time.time()
-        self._set(b, "ready")
-        log.info("backend.ready", backend=info.name, url=info.url, pid=proc.pid,
-                 slots=info.n_slots, n_ctx=info.slot_ctx)
-        self._notify(info.name, info)
-        b.settled.set()
-
-    async def _hold(self, b: Backend, proc: LlamaServerProcess,
+    async def _hold(self, health: HealthCheck, proc: LlamaServerProcess,
                     info: BackendInfo) -> BackendInfo | str:
         """A restart in a crash loop: kept out of routing until it stays up the loop's
         window (then the loop is over), or why it did not."""
-        crashes = b.crashes
-        assert crashes is not None
-        crashes.until = time.time() + crashes.window_s
-        self._set(b, "held")
-        b.settled.set()
-        error = await self._watch(proc, info, for_s=crashes.window_s)
+        window = self._restarts.hold(time.time())
+        self.standing.set("held")
+        self.standing.settle()
+        error = await health.watch(proc, info, for_s=window)
         if error is not None:
             return error
-        crashes.held(time.time())
-        log.info("backend.crash_loop_over", backend=info.name, url=info.url,
-                 up_s=crashes.window_s)
+        self._restarts.held(time.time())
+        log.info("backend.crash_loop_over", backend=info.name, url=info.url, up_s=window)
         return info
 
-    async def _restart_after(self, b: Backend, proc: LlamaServerProcess, error: str,
-                             backoff: float) -> float:
-        """Take a backend that died down, count the death, wait ``backoff``: the next."""
-        sup = self.config.supervision
-        name = b.cfg.name
-        by_itself = proc.exited()
-        if b.info is not None:
-            b.info = None
-            self._notify(name, None)
-        rc = await proc.stop(sup.stop_grace_s)
-        b.process = None
-        b.restarts += 1
-        death = Death(time.time(), error, rc, by_itself,
-                      tuple(proc.log_tail().strip("\n").splitlines()),
-                      str(proc.spec.model), tuple(proc.spec.argv()), str(proc.log_path))
-        crashes = b.crashes
-        assert crashes is not None
-        if crashes.died(death):
-            backoff = max(backoff, sup.restart_backoff_max_s)
-            log.error("backend.crash_loop", backend=name, died=death.what(),
-                      deaths=len(crashes.recent), window_s=crashes.window_s,
-                      fix=death.fix(), model=death.model, command=shlex.join(death.argv),
-                      log=death.log, log_tail=list(death.log_tail[-10:]),
-                      next_restart_s=backoff)
-        crashes.until = time.time() + backoff if crashes.looping else None
-        ended = f" ({death.what()})" if by_itself else ""
-        self._set(b, "down", f"{error}{ended}; restarting in {backoff:.1f} s; "
-                  f"see {proc.log_path}")
-        b.settled.set()
-        await asyncio.sleep(backoff)
-        cap = sup.crash_loop_backoff_max_s if crashes.looping else sup.restart_backoff_max_s
-        return min(backoff * 2, cap)
+    async def _restart_after(self, error: str) -> None:
+        """Take the backend that died down, count the death, wait until the next start."""
+        self.standing.down()
+        death = await self._launcher.end(error, self._sup.stop_grace_s)
+        restart = self._restarts.died(death)
+        if restart.loop_began:
+            self._log_crash_loop(death, restart.deaths, restart.wait_s)
+        ended = f" ({death.what()})" if death.by_itself else ""
+        self.standing.set("down", f"{error}{ended}; restarting in {restart.wait_s:.1f} s; "
+                          f"see {death.log}")
+        self.standing.settle()
+        await asyncio.sleep(restart.wait_s)
 
-    async def _watch(self, proc: LlamaServerProcess, info: BackendInfo,
-                     for_s: float | None = None) -> str | None:
-        """Why a backend that is up stopped being usable (None: it lasted ``for_s``)."""
-        assert self._session is not None
-        client = BackendClient(self._session, info.url, info.api_key, timeout=5.0)
-        interval = self.config.supervision.health_interval_s
-        failures, next_probe = 0, time.monotonic() + interval
-        end = None if for_s is None else time.monotonic() + for_s
-        while end is None or time.monotonic() < end:
-            # exits are caught within 0.2 s by polling (no SIGCHLD handler to fight over)
-            await asyncio.sleep(0.2)
-            if proc.exited():
-                return "llama-server exited"
-            if time.monotonic() < next_probe:
-                continue
-            next_probe = time.monotonic() + interval
-            h = await client.health()
-            failures = 0 if isinstance(h, Health) and h.ok else failures + 1
-            if failures >= UNHEALTHY_PROBES:
-                return f"/health failed {failures} times in a row ({h})"
-        return None
+    def _log_crash_loop(self, death: Death, deaths: int, next_restart_s: float) -> None:
+        log.error("backend.crash_loop", backend=self.cfg.name, died=death.what(),
+                  deaths=deaths, window_s=self._sup.crash_loop_window_s, fix=death.fix(),
+                  model=death.model, command=shlex.join(death.argv), log=death.log,
+                  log_tail=list(death.log_tail[-10:]), next_restart_s=next_restart_s)

@@ -165,3 +165,73 @@ def test_names_are_imported_from_their_owner() -> None:
                       for a in node.names
                       if a.name not in owned and f"{node.module}.{a.name}" not in MODULES]
     assert not wrong
+
+
+def _fields_class(cls: ast.ClassDef) -> bool:
+    """A dataclass, NamedTuple or TypedDict: its bare annotations are fields, which the
+    generated __init__ assigns."""
+    marks = [*cls.decorator_list, *cls.bases]
+    names = {ast.unparse(m.func if isinstance(m, ast.Call) else m).rpartition(".")[2]
+             for m in marks}
+    return bool(names & {"dataclass", "NamedTuple", "TypedDict"})
+
+
+def _own_nodes(cls: ast.ClassDef) -> Iterator[ast.AST]:
+    """The nodes of ``cls``'s body, not those of the classes nested in it."""
+    todo: list[ast.AST] = [n for n in cls.body if not isinstance(n, ast.ClassDef)]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo += [c for c in ast.iter_child_nodes(node) if not isinstance(c, ast.ClassDef)]
+
+
+def _private_stubs(source: str) -> list[str]:
+    """Class.name for each private name a class declares as a bare class-level annotation
+    (``_x: T``, no value) and never assigns itself (``self._x = ...``): a stub of a member
+    that some other class owns (a mixin's view of its siblings' state, its type erased)."""
+    out = []
+    for cls in ast.walk(ast.parse(source)):
+        if not isinstance(cls, ast.ClassDef) or _fields_class(cls):
+            continue
+        declared = [n.target.id for n in cls.body
+                    if isinstance(n, ast.AnnAssign) and n.value is None
+                    and isinstance(n.target, ast.Name) and n.target.id.startswith("_")
+                    and not n.target.id.startswith("__")]
+        bare = {id(n.target) for n in _own_nodes(cls)
+                if isinstance(n, ast.AnnAssign) and n.value is None}
+        assigned = {n.attr for n in _own_nodes(cls)
+                    if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                    and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")
+                    and id(n) not in bare}
+        out += [f"{cls.name}.{name}" for name in declared if name not in assigned]
+    return out
+
+
+@pytest.mark.parametrize(("source", "stubs"), [
+    ("class A:\n    _x: int\n    def f(self):\n        return self._x\n", ["A._x"]),
+    ("class A:\n    _x: int\n    def __init__(self):\n        self._x = 1\n", []),
+    ("class A:\n    _x: int\n    def f(self):\n        self._x += 1\n", []),
+    ("class A:\n    _x: int\n    _y: int\n    def f(self):\n        self._x, self._y = 1, 2\n",
+     []),
+    ("class A:\n    _x: int\n    def f(self):\n        self._x: int\n", ["A._x"]),
+    ("class A:\n    _x: int = 0\n", []),  # a class attribute with its value
+    ("class A:\n    x: int\n", []),  # (public: a protocol's, say)
+    ("@dataclass\nclass A:\n    _x: int\n", []),  # a field
+    ("@dataclasses.dataclass(frozen=True)\nclass A:\n    _x: int\n", []),
+    ("class A(NamedTuple):\n    _x: int\n", []),
+    # a nested class's assignment is its own
+    ("class A:\n    _x: int\n    class B:\n        def f(self):\n            self._x = 1\n",
+     ["A._x"]),
+])
+def test_private_stub_finder(source: str, stubs: list[str]) -> None:
+    assert _private_stubs(source) == stubs
+
+
+def test_no_private_re_declarations() -> None:
+    """No class of backends/ re-declares another's private members as type stubs: each
+    component owns its state, and the others reach it through its public interface.
+    (To extend to proxy/ once its mixins' stubs are gone.)"""
+    stubs = [f"{path.relative_to(ROOT)}: {stub}" for path in sorted(MODULES.values())
+             if path.is_relative_to(ROOT / "backends")
+             for stub in _private_stubs(path.read_text())]
+    assert not stubs
