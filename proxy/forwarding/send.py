@@ -20,7 +20,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 import orjson
@@ -224,19 +224,53 @@ async def send(ex: Exchange, events: ExchangeEvents = UNHEARD) -> web.StreamResp
     elsewhere. That phase is bounded by `first_byte_timeout` and cut short when `health`
     trips the backend (a hung backend).
     """
-    request, target, outcome, relay = ex.request, ex.target, ex.outcome, ex.relay
-    health, assemble, strip_usage = ex.health, ex.assemble, ex.strip_usage
-    sent = None
+    outcome = ex.outcome
     if events is not UNHEARD:
         outcome.on_first_token = events.first_token
+    outcome.started = time.perf_counter()
+    head = await _answer_head(ex, events)
+    upstream = head.upstream
+    if head.stream is not None:  # relayed event by event
+        name = ex.target.info.name
+        with ex.health.relaying(name, upstream) if ex.health else contextlib.nullcontext():
+            return await _relay_stream(ex, head)
+    upstream.release()
+    outcome.finished_at = time.perf_counter()
+    data, ctype = _final_body(ex, head)
+    resp = web.Response(status=outcome.status, body=data, headers=head.target.headers(),
+                        content_type=ctype.split(";")[0].strip())
+    # Written here, not by aiohttp after the handler returns: the client has its answer
+    # before the caller's feedback work (tree update, output tokens, log line, metrics)
+    # runs, which takes that work off the request's latency.
+    ex.request[RESPONSE_STARTED] = resp
+    with contextlib.suppress(*_CLIENT_GONE):
+        await resp.prepare(ex.request)
+        await resp.write_eof()
+    return resp
 
+
+class _Head(NamedTuple):
+    """An answer as far as `send` reads it before writing to the client."""
+
+    upstream: Response
+    target: Target  # as settled: the response headers are made from it
+    ctype: str
+    data: bytes  # a whole body (assembled: the translated answer)
+    stream: AsyncIterator[list[bytes]] | None  # the rest of a stream relayed as it comes
+    first: list[bytes]  # ... and its first output, read already
+    assembled: bool
+
+
+async def _answer_head(ex: Exchange, events: ExchangeEvents) -> _Head:
+    """Send the request and read the answer up to what the client is first written."""
+    target, outcome, health = ex.target, ex.outcome, ex.health
+    name = target.info.name
+    sent = None
+    if events is not UNHEARD:
         def sent(r: Response) -> None:
             r.on_data = events.data  # (the answer's parts arrive after this)
             events.sent()
-    name = target.info.name
-    outcome.started = time.perf_counter()
     upstream: Response | None = None
-    assembled = False
     try:
         async with asyncio.timeout(ex.first_byte_timeout) as ttfb:
             with health.waiting(name, ttfb) if health else contextlib.nullcontext():
@@ -247,16 +281,16 @@ async def send(ex: Exchange, events: ExchangeEvents = UNHEARD) -> web.StreamResp
                     target = await events.settle(target)
                 outcome.status = upstream.status
                 ctype = upstream.headers.get("content-type", "application/json").lower()
-                if upstream.status < 400 and ctype.startswith("text/event-stream"):
-                    events = _events(upstream)
-                    if assemble is not None:
-                        data = _answer(await _assembled(events, outcome, assemble, name),
-                                       outcome, relay)
-                        ctype, assembled = "application/json", True
-                    else:
-                        first = await _first_output(events, outcome, relay, strip_usage)
-                else:
-                    data = await upstream.read()
+                if upstream.status >= 400 or not ctype.startswith("text/event-stream"):
+                    return _Head(upstream, target, ctype, await upstream.read(), None, [],
+                                 False)
+                stream = _events(upstream)
+                if ex.assemble is None:
+                    first = await _first_output(stream, outcome, ex.relay, ex.strip_usage)
+                    return _Head(upstream, target, ctype, b"", stream, first, False)
+                data = _answer(await _assembled(stream, outcome, ex.assemble, name),
+                               outcome, ex.relay)
+                return _Head(upstream, target, "application/json", data, None, [], True)
     except TimeoutError as e:
         _close(upstream)
         raise UpstreamTimeout(f"backend {name} did not answer in time") from e
@@ -266,34 +300,24 @@ async def send(ex: Exchange, events: ExchangeEvents = UNHEARD) -> web.StreamResp
     except BaseException:
         _close(upstream)  # cancelled (client left): dropping the connection stops the task
         raise
-    if upstream.status < 400 and ctype.startswith("text/event-stream"):  # not assembled
-        with health.relaying(name, upstream) if health else contextlib.nullcontext():
-            return await _relay_stream(request, upstream, events, first, target, outcome,
-                                       relay, strip_usage, health)
-    upstream.release()
-    outcome.finished_at = time.perf_counter()
-    if assembled:
-        pass  # already read, fed to `outcome` and translated
-    elif upstream.status >= 400:
-        translated = relay.error(upstream.status, data)
-        if translated is not None:
-            data, ctype = translated, "application/json"
-    elif ctype.startswith("application/json") or relay.translates_events:
+
+
+def _final_body(ex: Exchange, head: _Head) -> tuple[bytes, str]:
+    """The body (and its content type) a whole answer is given to the client with."""
+    data, ctype, relay = head.data, head.ctype, ex.relay
+    if head.assembled:
+        return data, ctype  # already read, fed to `outcome` and translated
+    if head.upstream.status >= 400:
+        translated = relay.error(head.upstream.status, data)
+        return (data, ctype) if translated is None else (translated, "application/json")
+    if ctype.startswith("application/json") or relay.translates_events:
         # (also a backend that ignored "stream"; a translated answer must be JSON)
-        absorbed = _absorb_body(data, outcome, relay)
+        absorbed = _absorb_body(data, ex.outcome, relay)
         if absorbed is None:  # a broken (external) backend: retried elsewhere
-            raise UpstreamError(f"backend {name} answered with a body that is not JSON")
-        data, ctype = absorbed, "application/json"
-    resp = web.Response(status=outcome.status, body=data, headers=target.headers(),
-                        content_type=ctype.split(";")[0].strip())
-    # Written here, not by aiohttp after the handler returns: the client has its answer
-    # before the caller's feedback work (tree update, output tokens, log line, metrics)
-    # runs, which takes that work off the request's latency.
-    request[RESPONSE_STARTED] = resp
-    with contextlib.suppress(*_CLIENT_GONE):
-        await resp.prepare(request)
-        await resp.write_eof()
-    return resp
+            raise UpstreamError(f"backend {ex.target.info.name} answered with a body "
+                                "that is not JSON")
+        return absorbed, "application/json"
+    return data, ctype
 
 
 def _close(upstream: Response | None) -> None:
@@ -396,10 +420,11 @@ async def _first_output(events: AsyncIterator[list[bytes]], outcome: Outcome, re
     return []
 
 
-async def _relay_stream(request: web.Request, upstream: Response,
-                        events: AsyncIterator[list[bytes]], first: list[bytes],
-                        target: Target, outcome: Outcome, relay: Relay, strip_usage: bool,
-                        health: BackendHealth | None) -> web.StreamResponse:
+async def _relay_stream(ex: Exchange, head: _Head) -> web.StreamResponse:
+    request, upstream, events, first = ex.request, head.upstream, head.stream, head.first
+    target, outcome, relay, strip_usage = head.target, ex.outcome, ex.relay, ex.strip_usage
+    health = ex.health
+    assert events is not None
     resp = web.StreamResponse(status=upstream.status, headers={
         **target.headers(), "Content-Type": "text/event-stream",
         "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
