@@ -235,6 +235,17 @@ def _render_content(msg: Mapping[str, Any]) -> str:
 def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
                  bos_token: str, eos_token: str, options: ServerChatOptions) -> ChatInputs:
     """The Jinja context for `body` (see module docstring); `source` picks workarounds."""
+    messages, tools = _parse_body(body)
+    add_gen, continue_text = _continuation(body, messages, options)
+    messages = _as_server_renders(messages, caps, source)
+    ctx = _jinja_context(body, options, messages, tools, bos_token, eos_token)
+    if add_gen:
+        ctx["add_generation_prompt"] = True
+    return ChatInputs(ctx, continue_text)
+
+
+def _parse_body(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+    """The request's messages and tools, refused as the server refuses them."""
     if not isinstance(body, dict):
         raise PromptError("request body must be a JSON object")
     if "messages" not in body:
@@ -247,7 +258,13 @@ def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
     tool_choice = _get(body, "tool_choice", "auto", str)
     if tool_choice not in ("auto", "none", "required"):
         raise PromptError(f"Invalid tool_choice: {tool_choice}")
+    return messages, tools
 
+
+def _continuation(body: Mapping[str, Any], messages: list[dict[str, Any]],
+                  options: ServerChatOptions) -> tuple[bool, str | None]:
+    """(add_generation_prompt, the text the prompt continues with): a final assistant
+    message continued (taken off ``messages``) rather than answered."""
     add_gen = _get(body, "add_generation_prompt", True, bool)
     cont = _continuation_mode(body.get("continue_final_message"))
     if not cont and options.prefill_assistant and messages and messages[-1]["role"] == "assistant":
@@ -260,7 +277,6 @@ def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
     if cont and messages and messages[-1]["role"] == "assistant" and messages[-1].get(
             "tool_calls"):
         raise PromptError("Cannot continue an assistant message that contains tool calls.")
-
     continue_text = None
     if cont and messages:
         last = messages.pop()
@@ -270,7 +286,14 @@ def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
                     last["content"] == "" else "content"
             # Without reasoning markers in the template only content is appended.
             continue_text = _render_content(last) if cont == "content" else ""
+    return add_gen, continue_text
 
+
+def _as_server_renders(messages: list[dict[str, Any]], caps: TemplateCaps,
+                       source: str) -> list[dict[str, Any]]:
+    """The messages as the server hands them to the template: content normalized, roles
+    it renames, a system message merged where the template has no system role, tool call
+    arguments as objects where it takes them so, the template's own workarounds."""
     messages = _normalize_content(messages, caps)
     if "<|channel|>" not in source:
         for m in messages:
@@ -295,8 +318,12 @@ def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
                     except ValueError as e:
                         raise PromptError(
                             f"Failed to parse tool call arguments as JSON: {e}") from e
-    messages = adjust_messages(source, messages)
+    return adjust_messages(source, messages)
 
+
+def _jinja_context(body: Mapping[str, Any], options: ServerChatOptions,
+                   messages: list[dict[str, Any]], tools: Any, bos_token: str,
+                   eos_token: str) -> dict[str, Any]:
     kwargs = _template_kwargs(body, options)
     enable_thinking = kwargs.pop("__enable_thinking__")
     ctx: dict[str, Any] = {"messages": messages, "bos_token": bos_token,
@@ -307,8 +334,6 @@ def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
     ctx["datetime"] = time.strftime("%b %d %Y", now)
     ctx["date_string"] = time.strftime("%d %b %Y", now)
     ctx.update(kwargs)
-    if add_gen:
-        ctx["add_generation_prompt"] = True
     if isinstance(ctx.get("preserve_reasoning"), bool):
         on = ctx["preserve_reasoning"]
         ctx.update(preserve_thinking=on, clear_thinking=not on,
@@ -316,7 +341,7 @@ def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
     effort = ctx.get("reasoning_effort")
     if isinstance(effort, str) and effort:
         ctx["reasoning_strength"] = effort
-    return ChatInputs(ctx, continue_text)
+    return ctx
 
 
 def _continuation_mode(value: Any) -> str | None:
