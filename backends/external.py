@@ -17,6 +17,7 @@ import structlog
 
 from backends.client import BackendClient, BadResponse, Health, Props
 from backends.config import EXTERNAL_KV_BYTES, LLAMA, OPENAI, ExternalBackendConfig, FleetSpec
+from backends.dialect import dialect_of
 from backends.info import Backend, BackendInfo, MiB
 from backends.memory import gguf_kv_bytes_per_token, server_memory
 from backends.remote import Reported
@@ -71,7 +72,7 @@ class ExternalBackends:
         b.url = cfg.url
         while not self._stopping:
             error: str | None = None
-            if cfg.kind == OPENAI:
+            if not dialect_of(cfg.kind).has_health:  # up while it lists its models
                 error = await self._probe_openai(b, client)
             elif not (isinstance(h := await client.health(), Health) and h.ok):
                 error = f"/health: {h}"

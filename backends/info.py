@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from backends.config import LLAMA, ExternalBackendConfig, ManagedBackendConfig
 from backends.crash_loop import CrashLoop
+from backends.dialect import Dialect, dialect_of
 from backends.memory import DENSE, MemoryKind
 from backends.process import LlamaServerProcess
 
@@ -30,6 +31,11 @@ class BackendInfo:
     managed: bool
     memory: MemoryKind = DENSE  # what the server can cut its cache back to
     kind: str = LLAMA  # OPENAI: speaks the OpenAI API only (no id_slot, /slots, /props)
+
+    @property
+    def dialect(self) -> Dialect:
+        """What it accepts and answers (backends/dialect.py)."""
+        return dialect_of(self.kind)
 
 
 @dataclass

@@ -28,7 +28,6 @@ from typing import TypeVar
 import aiohttp
 from aiohttp import web
 
-from backends.config import LLAMA
 from backends.info import BackendInfo
 from backends.supervisor import Supervisor
 from backends.version import tokenizer_version
@@ -276,7 +275,7 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
             pool.health.backend_up(info)
         # is the local template the backend's? (once per backend URL; a server of the
         # OpenAI API cannot say)
-        if info.kind == LLAMA:
+        if info.dialect.renders_prompts:
             background(pool.tok.check(info))
 
     def background(work: Awaitable[None]) -> None:

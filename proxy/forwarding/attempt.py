@@ -18,7 +18,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from backends.config import LLAMA
+from backends.dialect import CHAT_PATH, NATIVE_PATHS, OPENAI_PATHS
 from backends.info import BackendInfo
 from proxy.errors import (
     BadRequest,
@@ -28,7 +28,7 @@ from proxy.errors import (
     UpstreamTimeout,
 )
 from proxy.feedback.reports import Outcome, Recorder, held_output
-from proxy.forwarding.assemble import NATIVE_PATHS, assembler_for, runs_on_when_left
+from proxy.forwarding.assemble import assembler_for, runs_on_when_left
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import JSON, Relay, Settle, Target, send, upstream_payload
 from proxy.forwarding.slot_store import SlotStore
@@ -38,11 +38,6 @@ from proxy.observability.tracing import Tracing
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
-
-CHAT_PATH = "/v1/chat/completions"
-# The OpenAI API's endpoints: all that a backend of kind openai serves, and those whose
-# streams report usage only when asked (`stream_options.include_usage`).
-OPENAI_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 
 
 def _wants_usage(body: JSON) -> bool:
@@ -224,10 +219,11 @@ class Attempt:
                     relay: Relay, info: BackendInfo, decision: Decision, outcome: Outcome,
                     extra: JSON, settle: Settle | None,
                     sent: Callable[[Response], None] | None) -> web.StreamResponse:
-        llama = info.kind == LLAMA
-        if decision.slot is not None and llama:
+        dialect = info.dialect
+        pinned = dialect.pins_slots
+        if decision.slot is not None and pinned:
             extra["id_slot"] = decision.slot
-        if not llama:
+        if not dialect.any_model_name:
             extra["model"] = info.model  # (it may know only its own name: see _named)
         strip_usage = False
         if body.get("stream") is True and path in OPENAI_PATHS and not _wants_usage(body):
@@ -239,10 +235,10 @@ class Attempt:
             extra["stream"] = True
             if path in OPENAI_PATHS:
                 extra["stream_options"] = {"include_usage": True}
-        if path in NATIVE_PATHS and "return_tokens" not in body and llama:
+        if path in NATIVE_PATHS and "return_tokens" not in body and dialect.returns_tokens:
             extra["return_tokens"] = True  # exact generated ids: the slot holds these
         payload = upstream_payload(raw, body, extra)
-        target = Target(info, decision.slot if llama else None, decision.predicted_cached,
+        target = Target(info, decision.slot if pinned else None, decision.predicted_cached,
                         decision.tier)
         return await send(self.fw.upstream, request, target, path, payload, outcome,
                           relay=relay, strip_usage=strip_usage, health=self.fw.health,
@@ -304,7 +300,7 @@ class Attempt:
             self._complete(decision, outcome, check=not self.no_reuse)
         elif whole and outcome.cancelled and outcome.status == 200 \
                 and outcome.first_token_at is None and decision.slot is not None \
-                and self.info.kind == LLAMA:
+                and self.info.dialect.has_slots:
             # the client left during the prefill, which llama-server goes on with
             # (it notices only when it writes the first token): the slot is busy until
             # then, and holds what was prefilled

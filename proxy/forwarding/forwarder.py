@@ -16,12 +16,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from backends.config import LLAMA
 from backends.crash_loop import Unavailable
 from backends.info import BackendInfo
 from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError, UpstreamTimeout
 from proxy.feedback.reports import Outcome, Recorder
-from proxy.forwarding.attempt import OPENAI_PATHS, Attempt, PendingPrompt, whole_prompt
+from proxy.forwarding.attempt import Attempt, PendingPrompt, whole_prompt
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import AS_IS, JSON, Relay, Target, send, upstream_payload
 from proxy.forwarding.slot_store import SlotStore
@@ -109,9 +108,9 @@ class Forwarder:
     def serving(self, path: str) -> frozenset[str] | None:
         """The backends that serve ``path`` (None: all): any but the OpenAI API's
         endpoints only on llama-servers."""
-        if path in OPENAI_PATHS or all(b.kind == LLAMA for b in self.backends.values()):
+        if all(b.dialect.serves(path) for b in self.backends.values()):
             return None
-        return frozenset(n for n, b in self.backends.items() if b.kind == LLAMA)
+        return frozenset(n for n, b in self.backends.items() if b.dialect.serves(path))
 
     def _room_for(self, n: int) -> str:
         """What to change so that an ``n``-token prompt fits: the next power of two that
@@ -185,7 +184,7 @@ def _named(raw: bytes, info: BackendInfo) -> bytes:
     """The body for ``info``: a server of the OpenAI API (vLLM, SGLang) answers 404 to a
     `model` it does not serve, and a pool takes any of its aliases (and, alone, any
     name), so it gets its own. A llama-server takes any name: the body as it is."""
-    if info.kind == LLAMA or not raw:
+    if info.dialect.any_model_name or not raw:
         return raw
     try:
         body = orjson.loads(raw)

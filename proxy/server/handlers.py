@@ -18,7 +18,8 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from backends.config import LLAMA, ManagedBackendConfig
+from backends.config import ManagedBackendConfig
+from backends.dialect import CHAT_PATH, PASSTHROUGH_GET, PASSTHROUGH_POST
 from proxy.errors import BadRequest, NotFound, PayloadTooLarge, RequestTimeout
 from proxy.forwarding.attempt import PendingPrompt
 from proxy.forwarding.send import AS_IS, JSON, Relay
@@ -51,12 +52,6 @@ from proxy.server.validate import bounded_raw, check_fields, check_forwarded, ch
 
 if TYPE_CHECKING:
     from backends.info import BackendInfo
-
-# llama-server paths forwarded as they are to any healthy backend.
-PASSTHROUGH_POST = ("/tokenize", "/detokenize", "/apply-template", "/v1/embeddings",
-                    "/embeddings")
-PASSTHROUGH_GET = ("/props",)
-
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -168,9 +163,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     plan = None if prompt is None else (lambda: prompt.plan_chat(body))
     tokens = await prompt_for(pool, raw, body, plan, parsed=True)
     if tokens is None:
-        return await unrouted(request, pool, "/v1/chat/completions", raw)
+        return await unrouted(request, pool, CHAT_PATH, raw)
     return await pool.fw.routed(
-        request, endpoint="chat", path="/v1/chat/completions", raw=raw, body=body,
+        request, endpoint="chat", path=CHAT_PATH, raw=raw, body=body,
         tokens=tokens)
 
 
@@ -218,7 +213,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     args = {b.name: b.extra_args for b in request.app[CONFIG].backends
             if isinstance(b, ManagedBackendConfig)}
     shape = common_shape(server_shape(b.memory.n_batch, b.slot_ctx, args.get(b.name, ()))
-                         for b in pool.backends.values() if b.kind == LLAMA)
+                         for b in pool.backends.values() if b.dialect.serves("/infill"))
     try:
         tokens = await pool.tok.run(len(raw), lambda: infill_ids(prompt.tokenizer, body, shape))
     except InfillUnmodelled:
