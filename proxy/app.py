@@ -36,6 +36,7 @@ from proxy.config.fields import ConfigError
 from proxy.config.load import Config
 from proxy.config.pools import PoolSpec
 from proxy.config.settings import ProxySettings
+from proxy.disk.tier import DiskTier, restored_up
 from proxy.errors import (
     RESPONSE_STARTED,
     Overloaded,
@@ -49,9 +50,6 @@ from proxy.errors import (
 from proxy.feedback.reports import Recorder
 from proxy.forwarding.forwarder import Forwarder
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.slot_identity import model_identity
-from proxy.forwarding.slot_store import SlotStore, saves
-from proxy.forwarding.slot_tier import DiskTier
 from proxy.forwarding.upstream import Upstream
 from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
@@ -261,16 +259,11 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
         if info is None:
             pool.health.backend_down(name)
             return
-        store = app[FORWARDER].slot_store(info.name)
-        # (what a hand-off there carries for a spill: only where the tier saves slots)
-        pool.router.disk_spills(info.name, store is not None and saves(info))
-        if store is not None and info.managed:
-            # what the process just loaded: only files of that model are restored into it
-            cfg = next((b for b in app[CONFIG].managed() if b.name == info.name), None)
-            store.backend_ready(info.name, model_identity(cfg) if cfg is not None else None)
-        # (an external server is asked what it runs first)
-        if store is not None and (not info.managed or store.has(info.name)):
-            background(_restored_up(app, pool, info, store))  # its saved slots first
+        disk = app[FORWARDER].disk
+        store = None if disk is None else disk.backend_ready(info, pool.router)
+        if store is not None:  # its saved slots first
+            background(restored_up(store, info, pool.router, pool.health.backend_up,
+                                   lambda i=info: i in supervisor.ready()))
         else:
             pool.health.backend_up(info)
         # is the local template the backend's? (once per backend URL; a server of the
@@ -290,29 +283,6 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
     active = False  # the Supervisor has no unsubscribe; a closed app ignores its events
     for task in checks:
         task.cancel()
-
-
-async def _restored_up(app: web.Application, pool: Pool, info: BackendInfo,
-                       store: SlotStore) -> None:
-    """A backend (re)started: restore its saved slots, then route to it, holding them. An
-    external server is routed at once (it may be busy, and slow to say what it runs):
-    what it runs and its slots that are still empty follow (SlotStore.external_up)."""
-    if not info.managed:
-        pool.health.backend_up(info)
-    try:
-        if not info.managed:
-            await store.external_up(info)
-            return
-        restored = await store.restore(info)
-    except Exception:
-        # the restore is a head start, never a condition: routed with empty slots rather
-        # than not at all (what did come back is then unknown: mispredicted, not wrong)
-        get_logger().warning("slot.restore_crashed", backend=info.name, exc_info=True)
-        restored = []
-    if info.managed and info in app[SUPERVISOR].ready():  # (not down again meanwhile)
-        pool.health.backend_up(info)
-        for slot, tokens in restored:
-            pool.router.seed(info.name, slot, tokens)
 
 
 @web.middleware

@@ -51,7 +51,7 @@ def slot_save_path(sec: _Section, base: Path) -> Path | None:
 
 
 # The directories of the disk tier, kv_disk.path's and those declared, are numbered: the
-# router tells their files apart by the number (proxy/forwarding/slot_store.py)
+# router tells their files apart by the number (proxy/disk/store.py)
 MAX_DIRECTORIES = 256
 
 

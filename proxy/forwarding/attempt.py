@@ -20,6 +20,7 @@ from aiohttp import web
 
 from backends.dialect import CHAT_PATH, NATIVE_PATHS, OPENAI_PATHS
 from backends.info import BackendInfo
+from proxy.disk.store import SlotStore
 from proxy.errors import (
     BadRequest,
     NoBackendAvailable,
@@ -31,7 +32,6 @@ from proxy.feedback.reports import Outcome, Recorder, held_output
 from proxy.forwarding.assemble import assembler_for, runs_on_when_left
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import JSON, Relay, Settle, Target, send, upstream_payload
-from proxy.forwarding.slot_store import SlotStore
 from proxy.forwarding.upstream import Response, Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing
