@@ -47,7 +47,6 @@ from proxy.errors import (
     format_for_path,
     from_http_exception,
 )
-from proxy.feedback.reports import Recorder
 from proxy.forwarding.forwarder import Forwarder
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.upstream import Upstream
@@ -59,6 +58,7 @@ from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.delimiters import user_starts
 from proxy.replicas.bus import ReplicaBus
 from proxy.replicas.peers import PeerView, PoolPort, Teller
+from proxy.reporting.recorder import Recorder
 from proxy.responses import routes as responses
 from proxy.routing.router import Router
 from proxy.server import handlers, status_page

@@ -28,13 +28,14 @@ from proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from proxy.feedback.reports import Outcome, Recorder, held_output
 from proxy.forwarding.assemble import assembler_for, runs_on_when_left
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import JSON, Relay, Settle, Target, send, upstream_payload
 from proxy.forwarding.upstream import Response, Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing
+from proxy.reporting.outcome import Outcome, held_output
+from proxy.reporting.recorder import Recorder
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes

@@ -21,13 +21,14 @@ from backends.info import BackendInfo
 from proxy.disk.store import SlotStore
 from proxy.disk.tier import DiskTier
 from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError, UpstreamTimeout
-from proxy.feedback.reports import Outcome, Recorder
 from proxy.forwarding.attempt import Attempt, PendingPrompt, whole_prompt
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import AS_IS, JSON, Relay, Target, send, upstream_payload
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import BackendLeft, SlotWaits
 from proxy.observability.tracing import Tracing
+from proxy.reporting.outcome import Outcome
+from proxy.reporting.recorder import Recorder
 from proxy.routing.router import Router
 
 

@@ -1,7 +1,7 @@
 """What the router answers: a `Decision` (or `NoBackend`), and `Handoff`s of queued requests.
 
 Plain values, shared by the router (proxy/routing/router.py), the pipeline that acts on them
-(proxy/forwarding/attempt.py) and the feedback that logs them (proxy/feedback/reports.py).
+(proxy/forwarding/attempt.py) and the recorder that logs them (proxy/reporting/recorder.py).
 """
 
 from __future__ import annotations
