@@ -64,7 +64,10 @@ class Forwarder:
                  tokenize_output: Callable[[str], Sequence[int]],
                  health: BackendHealth | None = None, *, max_attempts: int = 3,
                  first_byte_timeout: float | None = None, log_prompts: bool = False,
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None, disk: DiskTier | None = None,
+                 tracing: Tracing | None = None,
+                 user_starts: Callable[[bytes], tuple[int, ...]] | None = None,
+                 why_down: Callable[[], Unavailable | None] = lambda: None) -> None:
         self.upstream = upstream
         self.router = router
         self.backends = backends        # live view of routable backends, kept by the app
@@ -75,18 +78,20 @@ class Forwarder:
         self.log_prompts = log_prompts
         self.tokenize_output = tokenize_output
         self.session = session  # for /slots (see `SlotWaits.free_when_idle`)
-        self.disk: DiskTier | None = None  # slots saved to disk (kv_disk), if on
-        self.tracing = Tracing()  # OpenTelemetry spans, if on (proxy.otel)
+        self.disk = disk  # slots saved to disk (kv_disk), if on
+        # OpenTelemetry spans, if on (proxy.otel)
+        self.tracing = tracing if tracing is not None else Tracing()
         # told (backend, slot, request id, prompt) of each request sent to a slot, for
-        # the other replicas (proxy/replicas/peers.py `Teller`), if any
+        # the other replicas (proxy/replicas/peers.py `Teller`), if any: they subscribe
+        # once their bus is up, which needs the pools (and their forwarders) first
         self.on_sent: Callable[[str, int, int, bytes], None] | None = None
         # where a chat prompt's user messages start, as the server finds them (its
         # template's message delimiters): it checkpoints there on sliding-window and
         # hybrid models; None when the template is not known here
-        self.user_starts: Callable[[bytes], tuple[int, ...]] | None = None
+        self.user_starts = user_starts
         self.waits = SlotWaits(router, backends, recorder, first_byte_timeout, session)
         # why the pool's backends cannot serve, as their supervisor knows it (crash loops)
-        self.why_down: Callable[[], Unavailable | None] = lambda: None
+        self.why_down = why_down
 
     def unavailable(self, reason: str) -> NoBackendAvailable:
         """The 503 when no backend can take a request: ``reason``, and what keeps the
