@@ -15,6 +15,7 @@ import structlog
 
 from backends.client import BackendClient, BadResponse, Health, Props
 from backends.config import EXTERNAL_KV_BYTES, LLAMA, OPENAI, ExternalBackendConfig
+from backends.dialect import dialect_of
 from backends.info import BackendInfo, MiB
 from backends.memory import gguf_kv_bytes_per_token, server_memory
 from backends.remote import Reported
@@ -57,7 +58,7 @@ class ExternalBackend:
     async def _run(self, client: BackendClient) -> None:
         self.standing.moved(self.cfg.url)
         while not self._stopping:
-            if self.cfg.kind == OPENAI:
+            if not dialect_of(self.cfg.kind).has_health:  # up while it lists its models
                 error = await self._probe_openai(client)
             else:
                 error = await self._probe_llama(client)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backends.config import LLAMA
+from backends.dialect import Dialect, dialect_of
 from backends.memory import DENSE, MemoryKind
 
 MiB = 1 << 20
@@ -26,3 +27,9 @@ class BackendInfo:
     managed: bool
     memory: MemoryKind = DENSE  # what the server can cut its cache back to
     kind: str = LLAMA  # OPENAI: speaks the OpenAI API only (no id_slot, /slots, /props)
+
+    @property
+    def dialect(self) -> Dialect:
+        """What it accepts and answers (backends/dialect.py)."""
+        return dialect_of(self.kind)
+

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from loadtest.workloads import Request, Session, Workload
-from proxy.feedback.reports import reported_reuse
+from proxy.reporting.outcome import reported_reuse
 
 Progress = Callable[[int, int, int], None]  # (done, total, errors)
 

@@ -3,8 +3,10 @@
 The caller (proxy/cli.py, tests) owns the Supervisor's lifecycle; the app only listens
 to its events (through `BackendHealth`, which also trips backends that stop answering):
 a backend that becomes ready is added to the Router fresh and empty, one that goes down
-is forgotten. The client session, the Router, the PromptBuilder, the tokenizer thread and
-the health prober live in `cleanup_ctx` and are closed with the app.
+is forgotten. What the pools share (the clients to the backends, the recorder, tracing,
+the disk tier) and each pool, built whole (proxy/server/pools.py `build_pool`: its
+Router, PromptBuilder, tokenizer thread, health and forwarder), live in `cleanup_ctx`,
+each under its own key, and are closed with the app.
 
 Middlewares, outermost first: errors (every failure in the API's format), auth (client
 keys, constant time), admission (bounded in-flight and queue, 429 past them).
@@ -28,15 +30,14 @@ from typing import TypeVar
 import aiohttp
 from aiohttp import web
 
-from backends.config import LLAMA
 from backends.info import BackendInfo
 from backends.supervisor import Supervisor
 from backends.version import tokenizer_version
 from proxy.anthropic import routes as anthropic
-from proxy.config.fields import ConfigError
 from proxy.config.load import Config
 from proxy.config.pools import PoolSpec
 from proxy.config.settings import ProxySettings
+from proxy.disk.tier import DiskTier, restored_up
 from proxy.errors import (
     RESPONSE_STARTED,
     Overloaded,
@@ -47,42 +48,38 @@ from proxy.errors import (
     format_for_path,
     from_http_exception,
 )
-from proxy.feedback.reports import Recorder
-from proxy.forwarding.forwarder import Forwarder
-from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.slot_identity import model_identity
-from proxy.forwarding.slot_store import SlotStore, saves
-from proxy.forwarding.slot_tier import DiskTier
 from proxy.forwarding.upstream import Upstream
 from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
 from proxy.observability.recent import RecentActivity
 from proxy.observability.tracing import Tracing
-from proxy.prompt.builder import PromptBuilder
-from proxy.prompt.delimiters import user_starts
 from proxy.replicas.bus import ReplicaBus
 from proxy.replicas.peers import PeerView, PoolPort, Teller
+from proxy.reporting.recorder import Recorder
 from proxy.responses import routes as responses
 from proxy.routing.router import Router
 from proxy.server import handlers, status_page
 from proxy.server.admission import Admission, Refused
-from proxy.server.backend_tokens import BackendTokens
 from proxy.server.keys import (
     ADMISSION,
     CONFIG,
+    DISK,
     FORWARDER,
     HEALTH,
     METRICS,
     POOLS,
     RECENT,
+    RECORDER,
     REPLICAS,
     ROUTER,
+    SESSION,
     SETTINGS,
     SUPERVISOR,
     TOKENIZING,
+    TRACING,
+    UPSTREAM,
 )
-from proxy.server.pools import Pool, Pools
-from proxy.server.tokenizing import Tokenizing
+from proxy.server.pools import Pool, Pools, Shared, build_pool
 
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -101,19 +98,9 @@ def create_app(config: Config, supervisor: Supervisor,
     app[METRICS] = ProxyMetrics()
     app[RECENT] = RecentActivity()  # the status page's recent decisions (the Recorder's)
     app[METRICS].build_info.labels(*_build()).set(1)
-    pools = []
-    for spec in config.pools():
-        router = Router(config.proxy.policy, settings=config.routing.router_settings())
-        routable: dict[str, BackendInfo] = {}
-        pools.append(Pool(spec, router, routable, BackendHealth(
-            router, routable, app[METRICS], settings.health, get_logger())))
-    app[POOLS] = Pools(pools)
-    first = app[POOLS].first
-    app[ROUTER], app[HEALTH] = first.router, first.health
     app[ADMISSION] = Admission(settings.max_in_flight, settings.max_queue,
                                settings.queue_timeout_s)
-    app.cleanup_ctx.append(_prompt_ctx)
-    app.cleanup_ctx.append(_session_ctx)
+    app.cleanup_ctx.append(_pools_ctx)
     app.cleanup_ctx.append(_backends_ctx)
     handlers.add_routes(app)
     anthropic.add_routes(app)
@@ -149,25 +136,10 @@ def tokenizer_model(config: Config, spec: PoolSpec | None = None,
     return b.model, template
 
 
-async def _prompt_ctx(app: web.Application) -> AsyncIterator[None]:
-    settings = app[SETTINGS]
-    loop = asyncio.get_running_loop()
-    for pool in app[POOLS]:
-        found = tokenizer_model(app[CONFIG], pool.spec, settings.tokenizer)
-        tok = Tokenizing(None, settings.inline_tokenize_bytes)
-        if found is not None:
-            path, template = found
-            tok.prompt = await loop.run_in_executor(
-                tok.pool, lambda p=path, t=template: PromptBuilder.load(p, chat_template=t))
-        pool.tokenizing = tok
-    app[TOKENIZING] = app[POOLS].first.tok
-    yield
-    for pool in app[POOLS]:
-        pool.tok.pool.shutdown(wait=False, cancel_futures=True)
-
-
-async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
-    s = app[SETTINGS]
+async def _pools_ctx(app: web.Application) -> AsyncIterator[None]:
+    """What the pools share, each pool built whole, the other replicas' bus and the
+    health probers; closed with the app."""
+    s, config, metrics = app[SETTINGS], app[CONFIG], app[METRICS]
     # The request path's own client (proxy/forwarding/upstream.py: aiohttp's costs 2-3x the CPU per
     # request). No connection cap: llama-server queues itself, and the router bounds work
     # per backend. Idle connections are dropped before llama-server's own 5 s keep-alive
@@ -178,37 +150,44 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     # not keep one backend answer's cookies.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=4),
                                     cookie_jar=aiohttp.DummyCookieJar())
-    recorder = Recorder(app[METRICS], get_logger(), app[RECENT])
     tracing = Tracing.start(s.otel)
-    metrics = app[METRICS]
-    kv_disk = app[CONFIG].kv_disk
-    pools = app[POOLS]
+    specs = config.pools()
+    # made before the pools: the disk tier offers its files to every pool's router
+    routers = [Router(config.proxy.policy, settings=config.routing.router_settings())
+               for _ in specs]
+    built: list[Pool] = []
+    disk = None
     try:
-        disk = None if kv_disk is None else DiskTier(
-            kv_disk, app[CONFIG].backends, session, [p.router for p in pools],
+        disk = None if config.kv_disk is None else DiskTier(
+            config.kv_disk, config.backends, session, routers,
             lambda event: metrics.child(metrics.slot_files, event).inc(),
-            router_of=lambda name: None if (p := pools.of_backend(name)) is None
+            router_of=lambda name: None if (p := app[POOLS].of_backend(name)) is None
             else p.router)
-    except ConfigError:  # (a directory another kvroute holds: this one does not start)
+        shared = Shared(s, metrics, upstream, session,
+                        Recorder(metrics, get_logger(), app[RECENT]), tracing, disk)
+        for spec, router in zip(specs, routers, strict=True):
+            built.append(await build_pool(
+                spec, router, shared, tokenizer_model(config, spec, s.tokenizer),
+                functools.partial(app[SUPERVISOR].why_down, spec.backends)))
+    except BaseException:
+        # (a directory another kvroute holds, a model that does not load: this one does
+        # not start, and lets go of what it took)
+        for pool in built:
+            pool.tok.pool.shutdown(wait=False, cancel_futures=True)
+        if disk is not None:
+            await disk.close()
         await session.close()
         await upstream.close()
+        await asyncio.to_thread(tracing.close)
         raise
-    for pool in pools:
-        pool.forwarder = fw = Forwarder(
-            upstream, pool.router, pool.backends, recorder, pool.tok.output_tokens,
-            pool.health, max_attempts=s.retry_attempts,
-            first_byte_timeout=s.first_byte_timeout_s, log_prompts=s.log_prompts,
-            session=session)
-        prompt = pool.tok.prompt
-        if prompt is not None:
-            fw.user_starts = lambda ids, d=prompt.message_delimiters: user_starts(ids, d)
-        pool.tok.remote = BackendTokens(
-            session, lambda p=pool: handlers.pick_ready(p),
-            lambda reason: metrics.child(metrics.tokens_from_backend, reason).inc())
-        fw.disk = disk
-        fw.tracing = tracing
-        fw.why_down = lambda names=pool.spec.backends: app[SUPERVISOR].why_down(names)
-    app[FORWARDER] = pools.first.fw
+    app[UPSTREAM], app[SESSION], app[TRACING] = upstream, session, tracing
+    app[RECORDER] = shared.recorder
+    if disk is not None:
+        app[DISK] = disk
+    pools = app[POOLS] = Pools(built)
+    first = pools.first
+    app[ROUTER], app[HEALTH], app[TOKENIZING], app[FORWARDER] = (
+        first.router, first.health, first.tok, first.fw)
     bus = await _replicas(app)
     probers = [asyncio.create_task(p.health.run(session), name=f"kvroute-health-{i}")
                for i, p in enumerate(pools)]
@@ -226,6 +205,8 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     await session.close()
     await upstream.close()
     await asyncio.to_thread(tracing.close)  # (its exporter's last batch: a blocking send)
+    for pool in pools:
+        pool.tok.pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def _replicas(app: web.Application) -> ReplicaBus | None:
@@ -262,21 +243,16 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
         if info is None:
             pool.health.backend_down(name)
             return
-        store = app[FORWARDER].slot_store(info.name)
-        # (what a hand-off there carries for a spill: only where the tier saves slots)
-        pool.router.disk.spills(info.name, store is not None and saves(info))
-        if store is not None and info.managed:
-            # what the process just loaded: only files of that model are restored into it
-            cfg = next((b for b in app[CONFIG].managed() if b.name == info.name), None)
-            store.backend_ready(info.name, model_identity(cfg) if cfg is not None else None)
-        # (an external server is asked what it runs first)
-        if store is not None and (not info.managed or store.has(info.name)):
-            background(_restored_up(app, pool, info, store))  # its saved slots first
+        disk = app.get(DISK)
+        store = None if disk is None else disk.backend_ready(info, pool.router)
+        if store is not None:  # its saved slots first
+            background(restored_up(store, info, pool.router, pool.health.backend_up,
+                                   lambda i=info: i in supervisor.ready()))
         else:
             pool.health.backend_up(info)
         # is the local template the backend's? (once per backend URL; a server of the
         # OpenAI API cannot say)
-        if info.kind == LLAMA:
+        if info.dialect.renders_prompts:
             background(pool.tok.check(info))
 
     def background(work: Awaitable[None]) -> None:
@@ -291,29 +267,6 @@ async def _backends_ctx(app: web.Application) -> AsyncIterator[None]:
     active = False  # the Supervisor has no unsubscribe; a closed app ignores its events
     for task in checks:
         task.cancel()
-
-
-async def _restored_up(app: web.Application, pool: Pool, info: BackendInfo,
-                       store: SlotStore) -> None:
-    """A backend (re)started: restore its saved slots, then route to it, holding them. An
-    external server is routed at once (it may be busy, and slow to say what it runs):
-    what it runs and its slots that are still empty follow (SlotStore.external_up)."""
-    if not info.managed:
-        pool.health.backend_up(info)
-    try:
-        if not info.managed:
-            await store.external_up(info)
-            return
-        restored = await store.restore(info)
-    except Exception:
-        # the restore is a head start, never a condition: routed with empty slots rather
-        # than not at all (what did come back is then unknown: mispredicted, not wrong)
-        get_logger().warning("slot.restore_crashed", backend=info.name, exc_info=True)
-        restored = []
-    if info.managed and info in app[SUPERVISOR].ready():  # (not down again meanwhile)
-        pool.health.backend_up(info)
-        for slot, tokens in restored:
-            pool.router.seed(info.name, slot, tokens)
 
 
 @web.middleware

@@ -140,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _claim(cfg: Config) -> Instance:
     """This instance's directories, locked (proxy/instance.py)."""
-    from proxy.forwarding.slot_tier import directories
+    from proxy.disk.tier import directories
 
     if cfg.kv_disk is None:
         return Instance(cfg.log_dir, ())

@@ -41,11 +41,11 @@ async def _probe(url: str, api_key: str | None = None, kind: str = "llama"
     import aiohttp
 
     from backends.client import BackendClient, Health
-    from backends.config import OPENAI
+    from backends.dialect import dialect_of
 
     async with aiohttp.ClientSession() as session:
         client = BackendClient(session, url, api_key, timeout=3.0)
-        if kind == OPENAI:
+        if not dialect_of(kind).has_health:
             models = await client.models()
             if isinstance(models, list):
                 return True, f"/v1/models: {', '.join(models[:3])}"

@@ -2,11 +2,10 @@
 
 A `kvroute serve` writes two kinds of directory that must be its own while it runs: its
 ``log_dir`` (backends.json, which `kvroute doctor` reads, and each backend's log) and
-each directory of its disk tier (slot files and their index: proxy/forwarding/
-slot_files.py). A second kvroute given one of them (a copy of the config with only the
-port changed, a second `make run`) is refused before it builds, starts or writes
-anything: so it cannot start servers beside the first one's, delete its backends.json
-or append to its logs.
+each directory of its disk tier (slot files and their index: proxy/disk/files.py). A
+second kvroute given one of them (a copy of the config with only the port changed, a
+second `make run`) is refused before it builds, starts or writes anything: so it cannot
+start servers beside the first one's, delete its backends.json or append to its logs.
 
 The locks are flock(2) on a ``kvroute.lock`` file in the directory: the kernel lets one
 go when its process ends, even by SIGKILL, so a crash leaves no stale lock. The holder

@@ -40,7 +40,8 @@ from proxy_client import ProxyServer
 from backends.supervisor import Supervisor
 from proxy.app import create_app
 from proxy.config.load import load_config
-from proxy.feedback.reports import Outcome, Recorder
+from proxy.reporting.outcome import Outcome
+from proxy.reporting.recorder import Recorder
 from proxy.routing.routed import Routed
 from proxy.server.keys import FORWARDER
 

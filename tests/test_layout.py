@@ -134,6 +134,71 @@ def test_architecture_doc_names_every_package() -> None:
         assert ast.get_docstring(ast.parse((ROOT / pkg / "__init__.py").read_text())), pkg
 
 
+# a backend's kind, as backends.config names it and as config.yaml spells it
+_KIND_NAMES = frozenset({"LLAMA", "OPENAI"})
+_KIND_VALUES = frozenset({"llama", "openai"})
+DIALECT_MODULE = "backends.dialect"
+
+
+def _kind_name(node: ast.AST) -> bool:
+    """backends.config's name of a kind (LLAMA, OPENAI) anywhere in ``node``."""
+    return any(isinstance(n, ast.Name) and n.id in _KIND_NAMES for n in ast.walk(node))
+
+
+def _kind_value(node: ast.AST) -> bool:
+    """A kind as config.yaml spells it ("llama", "openai") anywhere in ``node``."""
+    return any(isinstance(n, ast.Constant) and n.value in _KIND_VALUES
+               for n in ast.walk(node))
+
+
+def _is_kind(node: ast.AST) -> bool:
+    """``kind``, ``x.kind``, ``backend_kind``: what holds a backend's kind."""
+    name = node.id if isinstance(node, ast.Name) else \
+        node.attr if isinstance(node, ast.Attribute) else ""
+    return name == "kind" or name.endswith("_kind")
+
+
+def _kind_comparisons(source: str) -> list[int]:
+    """Lines of ``source`` that compare with a backend's kind: with LLAMA or OPENAI, or
+    a kind with its spelling (``kind != "openai"``, ``match kind: case "llama":``). Other
+    comparisons with those words (a load test's client API) are not the backend's."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = (node.left, *node.comparators)
+            if any(_kind_name(x) for x in operands) or (
+                    any(_is_kind(x) for x in operands) and any(_kind_value(x) for x in operands)):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Match) and (_kind_name(node.subject) or _is_kind(node.subject)):
+            lines += [c.pattern.lineno for c in node.cases
+                      if _kind_name(c.pattern) or _kind_value(c.pattern)]
+    return lines
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ("if info.kind == LLAMA: pass", [1]),
+    ("x = 1\nok = kind != OPENAI", [2]),
+    ("ok = b.kind in ('llama', 'x')", [1]),
+    ("match kind:\n    case 'openai': pass", [2]),
+    ("ok = cfg.backend_kind is 'openai'", [1]),
+    ("ok = kind not in BACKEND_KINDS", []),
+    ("b = Info(kind=LLAMA)\nok = e.kind == Kind.START", []),
+    ("ok = req.api == 'llama'", []),
+])
+def test_kind_comparison_finder(source: str, found: list[int]) -> None:
+    assert _kind_comparisons(source) == found
+
+
+def test_backend_kinds_are_compared_only_by_their_dialect() -> None:
+    """What a kind of backend accepts is read from its `Dialect` (backends/dialect.py),
+    the one module that tells kinds apart: elsewhere, `info.dialect.pins_slots` and the
+    like, never `kind == LLAMA`."""
+    assert DIALECT_MODULE in MODULES
+    wrong = [f"{MODULES[m].relative_to(ROOT)}:{line}" for m in sorted(MODULES)
+             if m != DIALECT_MODULE for line in _kind_comparisons(MODULES[m].read_text())]
+    assert not wrong
+
+
 def _defined(name: str) -> set[str]:
     """Names a module defines itself (not those it imports)."""
     out: set[str] = set()

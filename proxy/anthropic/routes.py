@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from backends.dialect import CHAT_PATH
 from proxy.anthropic.convert import anthropic_to_chat
 from proxy.anthropic.relay import AnthropicErrors, AnthropicRelay
 from proxy.anthropic.validate import validate
@@ -74,9 +75,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     payload = encoded(chat)
     relay = AnthropicRelay(model, body.get("stop_sequences") or ())
     if tokens is None:  # no backend can give the ids, none refused the request
-        return await unrouted(request, pool, "/v1/chat/completions", payload, relay)
+        return await unrouted(request, pool, CHAT_PATH, payload, relay)
     return await pool.fw.routed(
-        request, endpoint="messages", path="/v1/chat/completions", raw=payload, body=chat,
+        request, endpoint="messages", path=CHAT_PATH, raw=payload, body=chat,
         tokens=tokens, relay=relay)
 
 

@@ -7,7 +7,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from backends.config import LLAMA, BackendConfig, ExternalBackendConfig, KvDiskConfig
+from backends.config import BackendConfig, ExternalBackendConfig, KvDiskConfig
+from backends.dialect import dialect_of
 from proxy.config.fields import ConfigError, _path, _Section
 
 _SHARED_FIX = ("the directory the server's --slot-save-path names, as kvroute sees it "
@@ -50,7 +51,7 @@ def slot_save_path(sec: _Section, base: Path) -> Path | None:
 
 
 # The directories of the disk tier, kv_disk.path's and those declared, are numbered: the
-# router tells their files apart by the number (proxy/forwarding/slot_store.py)
+# router tells their files apart by the number (proxy/disk/store.py)
 MAX_DIRECTORIES = 256
 
 
@@ -69,7 +70,7 @@ def check_shared(backends: Sequence[BackendConfig], disk: KvDiskConfig | None,
         if not isinstance(b, ExternalBackendConfig) or b.slot_save_path is None:
             continue
         where = f"backends[{i}].slot_save_path"
-        if b.kind != LLAMA:
+        if not dialect_of(b.kind).saves_slots:
             raise ConfigError(f"{where}: only a llama-server saves slots, this backend is "
                               f"kind: {b.kind} (fix: remove slot_save_path)")
         if disk is None:

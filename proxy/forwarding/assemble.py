@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from backends.dialect import CHAT_PATH, NATIVE_PATHS, OPENAI_PATHS
+
 JSON = dict[str, Any]
 
 # Generations at most this long are not worth a stream: as a zombie they end within a
@@ -36,9 +38,7 @@ _TOP = ("created", "model", "system_fingerprint")
 # The generation's length: the first of these the body has (server-schema.cpp: n_predict,
 # then its aliases in this order), whatever the others say.
 _LENGTH_KEYS = ("n_predict", "max_completion_tokens", "max_tokens")
-# llama.cpp's own answers: /infill answers as /completion does
-NATIVE_PATHS = frozenset({"/completion", "/infill"})
-_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", *NATIVE_PATHS})
+_PATHS = OPENAI_PATHS | NATIVE_PATHS
 
 
 class Assembler(Protocol):
@@ -56,7 +56,7 @@ def assembler_for(path: str, body: JSON) -> Assembler | None:
         return None
     if body.get("logprobs") is True and body.get("tools"):
         return None  # llama-server refuses logprobs with tools in a stream, not without
-    if path == "/v1/chat/completions":
+    if path == CHAT_PATH:
         return ChatAssembler()
     if path == "/v1/completions":
         return TextAssembler()

@@ -20,8 +20,9 @@ from typing import Protocol
 
 from aiohttp import web
 
-from backends.config import LLAMA
+from backends.dialect import CHAT_PATH, NATIVE_PATHS, OPENAI_PATHS
 from backends.info import BackendInfo
+from proxy.disk.store import SlotStore
 from proxy.errors import (
     BadRequest,
     NoBackendAvailable,
@@ -29,23 +30,18 @@ from proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from proxy.feedback.reports import Outcome, Recorder, held_output
-from proxy.forwarding.assemble import NATIVE_PATHS, assembler_for, runs_on_when_left
+from proxy.forwarding.assemble import assembler_for, runs_on_when_left
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import JSON, Exchange, Relay, Target, send, upstream_payload
-from proxy.forwarding.slot_store import SlotStore
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing
+from proxy.reporting.outcome import Outcome, held_output
+from proxy.reporting.recorder import Recorder
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
-
-CHAT_PATH = "/v1/chat/completions"
-# The OpenAI API's endpoints: all that a backend of kind openai serves, and those whose
-# streams report usage only when asked (`stream_options.include_usage`).
-OPENAI_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 
 
 def _wants_usage(body: JSON) -> bool:
@@ -220,11 +216,12 @@ class Attempt:
 
     async def _send(self) -> web.StreamResponse:
         info, body, path, d = self.info, self.body, self.path, self.routed.prediction
-        llama = info.kind == LLAMA
+        dialect = info.dialect
+        pinned = dialect.pins_slots
         extra: JSON = {}
-        if d.slot is not None and llama:
+        if d.slot is not None and pinned:
             extra["id_slot"] = d.slot
-        if not llama:
+        if not dialect.any_model_name:
             extra["model"] = info.model  # (it may know only its own name: see _named)
         strip_usage = False
         if body.get("stream") is True and path in OPENAI_PATHS and not _wants_usage(body):
@@ -236,9 +233,9 @@ class Attempt:
             extra["stream"] = True
             if path in OPENAI_PATHS:
                 extra["stream_options"] = {"include_usage": True}
-        if path in NATIVE_PATHS and "return_tokens" not in body and llama:
+        if path in NATIVE_PATHS and "return_tokens" not in body and dialect.returns_tokens:
             extra["return_tokens"] = True  # exact generated ids: the slot holds these
-        target = Target(info, d.slot if llama else None, d.predicted_cached, d.tier)
+        target = Target(info, d.slot if pinned else None, d.predicted_cached, d.tier)
         return await send(Exchange(
             self.fw.upstream, self.request, target, path,
             upstream_payload(self.raw, body, extra), self.outcome, relay=self.relay,
@@ -304,7 +301,7 @@ class Attempt:
             self._complete(outcome, check=not self.no_reuse)
         elif whole and outcome.cancelled and outcome.status == 200 \
                 and outcome.first_token_at is None and decision.slot is not None \
-                and self.info.kind == LLAMA:
+                and self.info.dialect.has_slots:
             # the client left during the prefill, which llama-server goes on with
             # (it notices only when it writes the first token): the slot is busy until
             # then, and holds what was prefilled

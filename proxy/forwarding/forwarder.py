@@ -16,19 +16,19 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from backends.config import LLAMA
 from backends.crash_loop import Unavailable
 from backends.info import BackendInfo
+from proxy.disk.store import SlotStore
+from proxy.disk.tier import DiskTier
 from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError, UpstreamTimeout
-from proxy.feedback.reports import Outcome, Recorder
-from proxy.forwarding.attempt import OPENAI_PATHS, Attempt, PendingPrompt, whole_prompt
+from proxy.forwarding.attempt import Attempt, PendingPrompt, whole_prompt
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import AS_IS, JSON, Exchange, Relay, Target, send, upstream_payload
-from proxy.forwarding.slot_store import SlotStore
-from proxy.forwarding.slot_tier import DiskTier
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import BackendLeft, SlotWaits
 from proxy.observability.tracing import Tracing
+from proxy.reporting.outcome import Outcome
+from proxy.reporting.recorder import Recorder
 from proxy.routing.router import Router
 
 
@@ -64,7 +64,10 @@ class Forwarder:
                  tokenize_output: Callable[[str], Sequence[int]],
                  health: BackendHealth | None = None, *, max_attempts: int = 3,
                  first_byte_timeout: float | None = None, log_prompts: bool = False,
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None, disk: DiskTier | None = None,
+                 tracing: Tracing | None = None,
+                 user_starts: Callable[[bytes], tuple[int, ...]] | None = None,
+                 why_down: Callable[[], Unavailable | None] = lambda: None) -> None:
         self.upstream = upstream
         self.router = router
         self.backends = backends        # live view of routable backends, kept by the app
@@ -75,18 +78,20 @@ class Forwarder:
         self.log_prompts = log_prompts
         self.tokenize_output = tokenize_output
         self.session = session  # for /slots (see `SlotWaits.free_when_idle`)
-        self.disk: DiskTier | None = None  # slots saved to disk (kv_disk), if on
-        self.tracing = Tracing()  # OpenTelemetry spans, if on (proxy.otel)
+        self.disk = disk  # slots saved to disk (kv_disk), if on
+        # OpenTelemetry spans, if on (proxy.otel)
+        self.tracing = tracing if tracing is not None else Tracing()
         # told (backend, slot, request id, prompt) of each request sent to a slot, for
-        # the other replicas (proxy/replicas/peers.py `Teller`), if any
+        # the other replicas (proxy/replicas/peers.py `Teller`), if any: they subscribe
+        # once their bus is up, which needs the pools (and their forwarders) first
         self.on_sent: Callable[[str, int, int, bytes], None] | None = None
         # where a chat prompt's user messages start, as the server finds them (its
         # template's message delimiters): it checkpoints there on sliding-window and
         # hybrid models; None when the template is not known here
-        self.user_starts: Callable[[bytes], tuple[int, ...]] | None = None
+        self.user_starts = user_starts
         self.waits = SlotWaits(router, backends, recorder, first_byte_timeout, session)
         # why the pool's backends cannot serve, as their supervisor knows it (crash loops)
-        self.why_down: Callable[[], Unavailable | None] = lambda: None
+        self.why_down = why_down
 
     def unavailable(self, reason: str) -> NoBackendAvailable:
         """The 503 when no backend can take a request: ``reason``, and what keeps the
@@ -109,9 +114,9 @@ class Forwarder:
     def serving(self, path: str) -> frozenset[str] | None:
         """The backends that serve ``path`` (None: all): any but the OpenAI API's
         endpoints only on llama-servers."""
-        if path in OPENAI_PATHS or all(b.kind == LLAMA for b in self.backends.values()):
+        if all(b.dialect.serves(path) for b in self.backends.values()):
             return None
-        return frozenset(n for n, b in self.backends.items() if b.kind == LLAMA)
+        return frozenset(n for n, b in self.backends.items() if b.dialect.serves(path))
 
     def _room_for(self, n: int) -> str:
         """What to change so that an ``n``-token prompt fits: the next power of two that
@@ -186,7 +191,7 @@ def _named(raw: bytes, info: BackendInfo) -> bytes:
     """The body for ``info``: a server of the OpenAI API (vLLM, SGLang) answers 404 to a
     `model` it does not serve, and a pool takes any of its aliases (and, alone, any
     name), so it gets its own. A llama-server takes any name: the body as it is."""
-    if info.kind == LLAMA or not raw:
+    if info.dialect.any_model_name or not raw:
         return raw
     try:
         body = orjson.loads(raw)

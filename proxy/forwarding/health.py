@@ -47,7 +47,6 @@ from typing import Any
 import aiohttp
 
 from backends.client import BackendClient, BackendDown, BadResponse, Health
-from backends.config import LLAMA
 from backends.info import BackendInfo
 from proxy.config.settings import HealthSettings
 from proxy.forwarding.upstream import Response
@@ -124,7 +123,7 @@ class BackendHealth:
             old.stall_probe.cancel()
         self._cut_waiting(old, "restarted")
         self.breakers[info.name] = Breaker(info, closed_at=self._now(),
-                                           has_slots=info.kind == LLAMA)
+                                           has_slots=info.dialect.has_slots)
         self._join(info)
 
     def backend_down(self, name: str) -> None:
@@ -200,7 +199,7 @@ class BackendHealth:
                      timeout: float) -> None:
         info = b.info
         client = BackendClient(session, info.url, info.api_key, timeout=timeout)
-        if info.kind == LLAMA:
+        if info.dialect.has_health:
             got: object = await client.health()
             error = None if isinstance(got, Health) and got.ok else _failed("/health", got)
         else:  # a server of the OpenAI API only: up while it lists its models

@@ -34,11 +34,11 @@ from proxy.errors import (
     UpstreamTimeout,
     sse_error_event,
 )
-from proxy.feedback.reports import Outcome
 from proxy.forwarding.assemble import Assembler
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.upstream import ConnectionDropped, Response, TransportError, Upstream
 from proxy.observability.logging import get_logger
+from proxy.reporting.outcome import Outcome
 
 JSON = dict[str, Any]
 

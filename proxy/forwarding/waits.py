@@ -12,7 +12,7 @@ import aiohttp
 from backends.client import BackendClient
 from backends.info import BackendInfo
 from proxy.errors import NoBackendAvailable
-from proxy.feedback.reports import Recorder
+from proxy.reporting.recorder import Recorder
 from proxy.routing.decision import Handoff
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router

@@ -29,7 +29,7 @@ class Decided(Protocol):
 
 
 class Answered(Protocol):
-    """What a span tells of the answer (proxy.feedback.reports.Outcome)."""
+    """What a span tells of the answer (proxy.reporting.outcome.Outcome)."""
 
     status: int
     reported_cached: int | None

@@ -28,8 +28,8 @@ import string
 import time
 from typing import Any
 
-from proxy.feedback.reports import reported_reuse
 from proxy.forwarding.send import JSON, Relay, first_choice
+from proxy.reporting.outcome import reported_reuse
 
 _ALPHABET = string.ascii_letters + string.digits
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from backends.dialect import CHAT_PATH
 from proxy.errors import BadRequest, NotFound
 from proxy.forwarding.send import JSON, encoded
 from proxy.prompt.chat_request import PromptError
@@ -100,9 +101,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     payload = encoded(chat)
     relay = ResponsesRelay(body["model"] if isinstance(body.get("model"), str) else "")
     if tokens is None:  # no backend can give the ids, none refused the request
-        return await unrouted(request, pool, "/v1/chat/completions", payload, relay)
+        return await unrouted(request, pool, CHAT_PATH, payload, relay)
     return await pool.fw.routed(
-        request, endpoint="responses", path="/v1/chat/completions", raw=payload,
+        request, endpoint="responses", path=CHAT_PATH, raw=payload,
         body=chat, tokens=tokens, relay=relay)
 
 

@@ -2,7 +2,7 @@
 and what it is told back of an answer (`Report`).
 
 Plain values, shared by the router (proxy/routing/router.py), the pipeline that acts on them
-(proxy/forwarding/attempt.py) and the feedback that logs them (proxy/feedback/reports.py).
+(proxy/forwarding/attempt.py) and the recorder that logs them (proxy/reporting/recorder.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from backends.client import BackendClient
-from backends.config import LLAMA
 from backends.info import BackendInfo
 
 # A scrape waits for the slowest backend: one busy in a long prefill still answers
@@ -33,7 +32,7 @@ LLAMACPP = "llamacpp:"  # the prefix of llama-server's own metric names
 
 async def scrape(session: aiohttp.ClientSession, backends: Iterable[BackendInfo]) -> bytes:
     """Every llama-server's families, relabelled, and whose came, in Prometheus text."""
-    infos = [b for b in backends if b.kind == LLAMA]
+    infos = [b for b in backends if b.dialect.has_metrics]
     texts = await asyncio.gather(*(
         BackendClient(session, b.url, b.api_key, timeout=SCRAPE_TIMEOUT_S).metrics()
         for b in infos))

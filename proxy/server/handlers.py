@@ -12,13 +12,14 @@ import asyncio
 import json
 from array import array
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from backends.config import LLAMA, ManagedBackendConfig
+from backends.config import ManagedBackendConfig
+from backends.dialect import CHAT_PATH, PASSTHROUGH_GET, PASSTHROUGH_POST
 from proxy.errors import BadRequest, NotFound, PayloadTooLarge, RequestTimeout
 from proxy.forwarding.attempt import PendingPrompt
 from proxy.forwarding.send import AS_IS, JSON, Relay
@@ -37,25 +38,16 @@ from proxy.server.backend_tokens import NO_TOKENIZER, NoBackendIds
 from proxy.server.keys import (
     ADMISSION,
     CONFIG,
-    FORWARDER,
+    DISK,
     METRICS,
     POOLS,
     REPLICAS,
-    ROUTER,
+    SESSION,
     SETTINGS,
     SUPERVISOR,
-    TOKENIZING,
 )
 from proxy.server.pools import Pool
 from proxy.server.validate import bounded_raw, check_fields, check_forwarded, check_messages
-
-if TYPE_CHECKING:
-    from backends.info import BackendInfo
-
-# llama-server paths forwarded as they are to any healthy backend.
-PASSTHROUGH_POST = ("/tokenize", "/detokenize", "/apply-template", "/v1/embeddings",
-                    "/embeddings")
-PASSTHROUGH_GET = ("/props",)
 
 
 def add_routes(app: web.Application) -> None:
@@ -168,9 +160,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     plan = None if prompt is None else (lambda: prompt.plan_chat(body))
     tokens = await prompt_for(pool, raw, body, plan, parsed=True)
     if tokens is None:
-        return await unrouted(request, pool, "/v1/chat/completions", raw)
+        return await unrouted(request, pool, CHAT_PATH, raw)
     return await pool.fw.routed(
-        request, endpoint="chat", path="/v1/chat/completions", raw=raw, body=body,
+        request, endpoint="chat", path=CHAT_PATH, raw=raw, body=body,
         tokens=tokens)
 
 
@@ -218,7 +210,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     args = {b.name: b.extra_args for b in request.app[CONFIG].backends
             if isinstance(b, ManagedBackendConfig)}
     shape = common_shape(server_shape(b.memory.n_batch, b.slot_ctx, args.get(b.name, ()))
-                         for b in pool.backends.values() if b.kind == LLAMA)
+                         for b in pool.backends.values() if b.dialect.serves("/infill"))
     try:
         tokens = await pool.tok.run(len(raw), lambda: infill_ids(prompt.tokenizer, body, shape))
     except InfillUnmodelled:
@@ -229,22 +221,11 @@ async def infill(request: web.Request) -> web.StreamResponse:
         request, endpoint="infill", path="/infill", raw=raw, body=body, tokens=tokens)
 
 
-def pick_ready(pool: Pool, path: str = "") -> BackendInfo:
-    """Next ready backend of ``pool`` that serves ``path``, round robin (calls that carry
-    no prefix to route by; no path: a llama-server's own call)."""
-    serving = pool.fw.serving(path)
-    ready = [b for b in pool.backends.values() if serving is None or b.name in serving]
-    if not ready:
-        raise pool.fw.unavailable(f"no healthy backend for {pool.spec.name or 'the model'}")
-    pool.cursor[0] += 1
-    return ready[pool.cursor[0] % len(ready)]
-
-
 async def unrouted(request: web.Request, pool: Pool, path: str, raw: bytes,
                    relay: Relay = AS_IS) -> web.StreamResponse:
     """Forward to the next ready backend without prefix routing (no prompt ids)."""
-    return await pool.fw.passthrough(request, path, pick_ready(pool, path), raw,
-                                     relay=relay, pick=lambda: pick_ready(pool, path))
+    return await pool.fw.passthrough(request, path, pool.pick_ready(path), raw,
+                                     relay=relay, pick=lambda: pool.pick_ready(path))
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
@@ -260,8 +241,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     # NOTE: HEAD (aiohttp routes it to GET handlers) goes upstream as GET: aiohttp writes
     # no body to a HEAD request, and the upstream client cannot frame a HEAD answer
     method = "GET" if request.method == "HEAD" else request.method
-    return await pool.fw.passthrough(request, request.path, pick_ready(pool), raw,
-                                     pick=lambda: pick_ready(pool), method=method)
+    return await pool.fw.passthrough(request, request.path, pool.pick_ready(), raw,
+                                     pick=pool.pick_ready, method=method)
 
 
 def _model_objects(request: web.Request) -> list[dict[str, Any]]:
@@ -311,9 +292,8 @@ async def metrics(request: web.Request) -> web.Response:
         app[METRICS].replica_peers.set(len(bus.view.peers))
         app[METRICS].replica_inflight.set(bus.view.in_flight)
     own = app[METRICS].render()
-    session = app[FORWARDER].session
     ready = [b for pool in app[POOLS] for b in pool.backends.values()]
-    theirs = await scrape(session, ready) if session is not None else b""
+    theirs = await scrape(app[SESSION], ready)
     return web.Response(body=own + theirs, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -335,12 +315,12 @@ def status_body(app: web.Application) -> dict[str, object]:
     admission = app[ADMISSION]
     return {
         "policy": app[CONFIG].proxy.policy,
-        "tokenizer": app[TOKENIZING].source,
+        "tokenizer": pools.first.tok.source,
         "backends": backends,
         "admission": {"in_flight": admission.in_flight, "queued": admission.queued,
                       "max_in_flight": admission.max_in_flight,
                       "max_queue": admission.max_queue},
-        "router": app[ROUTER].snapshot(),
+        "router": pools.first.router.snapshot(),
         # each model pool (the one above is the first's)
         "pools": [{"name": p.spec.name, "aliases": p.spec.aliases,
                    "backends": p.spec.backends, "tokenizer": p.tok.source,
@@ -356,5 +336,5 @@ def _disk_status(app: web.Application) -> dict[str, object] | None:
     """The disk tier: where, its budget, and the conversations it holds (None: off).
     Sliding-window and hybrid backends save nothing there (see /kvroute/status backends'
     `memory`): the server restores a slot without its checkpoints."""
-    disk = app[FORWARDER].disk
+    disk = app.get(DISK)
     return None if disk is None else disk.status()

@@ -2,21 +2,37 @@
 names.
 
 Each pool has what one model needs of its own: its backends, router, health and
-breakers, tokenizer and forwarder. What the pools share (the client session and
-connection pool, admission, metrics, the disk tier's files) the app keeps once.
+breakers, tokenizer and forwarder, all made by `build_pool`. What the pools share (the
+client session and connection pool, the recorder, tracing, the disk tier's files:
+`Shared`) the app makes once and keeps under keys of their own (proxy/server/keys.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import aiohttp
+
+from backends.crash_loop import Unavailable
 from backends.info import BackendInfo
 from proxy.config.pools import PoolSpec
+from proxy.config.settings import ProxySettings
+from proxy.disk.tier import DiskTier
 from proxy.errors import NotFound
 from proxy.forwarding.forwarder import Forwarder
 from proxy.forwarding.health import BackendHealth
+from proxy.forwarding.upstream import Upstream
+from proxy.observability.logging import get_logger
+from proxy.observability.metrics import ProxyMetrics
+from proxy.observability.tracing import Tracing
+from proxy.prompt.builder import PromptBuilder
+from proxy.prompt.delimiters import user_starts
+from proxy.reporting.recorder import Recorder
 from proxy.routing.router import Router
+from proxy.server.backend_tokens import BackendTokens
 from proxy.server.tokenizing import Tokenizing
 
 
@@ -26,24 +42,74 @@ class Pool:
     router: Router
     backends: dict[str, BackendInfo]  # its routable backends (kept by `health`)
     health: BackendHealth
+    tok: Tokenizing
+    fw: Forwarder
     cursor: list[int] = field(default_factory=lambda: [0])  # round robin of unrouted calls
-    # set up with the app's resources (proxy/app.py): the tokenizer thread, the session
-    tokenizing: Tokenizing | None = None
-    forwarder: Forwarder | None = None
 
     def names(self) -> set[str]:
         """The model names that reach it: its aliases and what its backends report."""
         return {*self.spec.aliases, *(b.info.model for b in self.health.breakers.values())}
 
-    @property
-    def tok(self) -> Tokenizing:
-        assert self.tokenizing is not None, "set up with the app"
-        return self.tokenizing
+    def pick_ready(self, path: str = "") -> BackendInfo:
+        """Next ready backend that serves ``path``, round robin (calls that carry no
+        prefix to route by; no path: a llama-server's own call)."""
+        serving = self.fw.serving(path)
+        ready = [b for b in self.backends.values() if serving is None or b.name in serving]
+        if not ready:
+            raise self.fw.unavailable(f"no healthy backend for {self.spec.name or 'the model'}")
+        self.cursor[0] += 1
+        return ready[self.cursor[0] % len(ready)]
 
-    @property
-    def fw(self) -> Forwarder:
-        assert self.forwarder is not None, "set up with the app"
-        return self.forwarder
+
+@dataclass(frozen=True)
+class Shared:
+    """What every pool uses of the app's, made once (proxy/app.py)."""
+
+    settings: ProxySettings
+    metrics: ProxyMetrics
+    upstream: Upstream  # the request path's HTTP/1.1 client
+    session: aiohttp.ClientSession  # off the request path: probes, /slots, /tokenize
+    recorder: Recorder
+    tracing: Tracing
+    disk: DiskTier | None  # slots saved to disk (kv_disk), if on
+
+
+async def build_pool(spec: PoolSpec, router: Router, shared: Shared,
+                     model: tuple[Path, str | None] | None,
+                     why_down: Callable[[], Unavailable | None]) -> Pool:
+    """The pool of ``spec``, whole: ``router`` (made before the pools: the disk tier
+    offers its files to every pool's), its tokenizer loaded from ``model`` (the GGUF
+    and the chat template its prompts are tokenized with; None: its backends give the
+    ids), its health and forwarder. ``why_down``: what keeps its backends down, as
+    their supervisor knows it."""
+    s, metrics = shared.settings, shared.metrics
+    # its backends' own ids (round robin over those ready), where the local ones cannot
+    # be had or are not exact; `pool` is bound below, before any request can ask
+    remote = BackendTokens(shared.session, lambda: pool.pick_ready(),
+                           lambda reason: metrics.child(metrics.tokens_from_backend, reason).inc())
+    tok = Tokenizing(None, s.inline_tokenize_bytes, remote)
+    if model is not None:
+        path, template = model
+        try:
+            tok.prompt = await asyncio.get_running_loop().run_in_executor(
+                tok.pool, lambda: PromptBuilder.load(path, chat_template=template))
+        except BaseException:
+            tok.pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    prompt = tok.prompt
+    # the live view of its routable backends: one dict, kept by its health, read by its
+    # forwarder and the pool's own round robin
+    routable: dict[str, BackendInfo] = {}
+    health = BackendHealth(router, routable, metrics, s.health, get_logger())
+    fw = Forwarder(
+        shared.upstream, router, routable, shared.recorder, tok.output_tokens, health,
+        max_attempts=s.retry_attempts, first_byte_timeout=s.first_byte_timeout_s,
+        log_prompts=s.log_prompts, session=shared.session, disk=shared.disk,
+        tracing=shared.tracing, why_down=why_down,
+        user_starts=None if prompt is None else
+        lambda ids, d=prompt.message_delimiters: user_starts(ids, d))
+    pool = Pool(spec, router, routable, health, tok, fw)
+    return pool
 
 
 class Pools:

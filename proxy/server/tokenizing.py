@@ -64,12 +64,13 @@ class Tokenizing:
     tokenizes on its HTTP threads). So a short prompt never waits behind a cold one.
     """
 
-    def __init__(self, prompt: PromptBuilder | None, inline_bytes: int) -> None:
+    def __init__(self, prompt: PromptBuilder | None, inline_bytes: int,
+                 remote: BackendTokens | None = None) -> None:
         self.prompt = prompt
         self.inline_bytes = inline_bytes
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-tokenize")
         # the backends' own ids, where the local ones cannot be had or are not exact
-        self.remote: BackendTokens | None = None
+        self.remote = remote
         self.inexact: Mismatch | None = None  # the local template renders differently
         self.continuation: Mismatch | None = None  # ... a continued final message only
         self._checked: set[str] = set()  # backend URLs compared with the local template

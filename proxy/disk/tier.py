@@ -3,7 +3,7 @@ and each directory external llama-servers declare (`slot_save_path`) for those t
 declare it. External backends that declare the same directory share its files (one
 saved from one is restored into another of the same model); one that declares none has
 no disk tier, nor has a backend an agent runs (the files would be on its host). Each
-directory is this kvroute's alone while it runs (slot_files.py: its lock): a second
+directory is this kvroute's alone while it runs (files.py: its lock): a second
 kvroute declaring one of them is refused at start.
 """
 
@@ -15,8 +15,16 @@ from pathlib import Path
 
 import aiohttp
 
-from backends.config import BackendConfig, ExternalBackendConfig, KvDiskConfig
-from proxy.forwarding.slot_store import SlotStore
+from backends.config import (
+    BackendConfig,
+    ExternalBackendConfig,
+    KvDiskConfig,
+    ManagedBackendConfig,
+)
+from backends.info import BackendInfo
+from proxy.disk.identity import model_identity
+from proxy.disk.store import SlotStore, saves
+from proxy.observability.logging import get_logger
 from proxy.routing.router import Router
 
 
@@ -54,6 +62,7 @@ class DiskTier:
                  counted: Callable[[str], None],
                  router_of: Callable[[str], Router | None]) -> None:
         self.cfg = kv_disk
+        self._managed = {b.name: b for b in backends if isinstance(b, ManagedBackendConfig)}
         self.stores: list[SlotStore] = []
         self._of: dict[str, SlotStore] = {}
         for number, (path, names) in enumerate(directories(kv_disk, backends).items()):
@@ -70,6 +79,23 @@ class DiskTier:
     def of(self, backend: str) -> SlotStore | None:
         """The store of the directory ``backend`` reads (None: it has no disk tier)."""
         return self._of.get(backend)
+
+    def backend_ready(self, info: BackendInfo, router: Router) -> SlotStore | None:
+        """Backend ``info`` became ready (a new process, or an external server answering
+        again): ``router``, its pool's, learns whether a hand-off there carries a spill,
+        and the store of a managed one what the process just loaded. The store its saved
+        slots come back from (`restored_up`); None: it is routed now, as it is."""
+        store = self.of(info.name)
+        # (what a hand-off there carries for a spill: only where the tier saves slots)
+        router.disk.spills(info.name, store is not None and saves(info))
+        if store is None:
+            return None
+        if info.managed:
+            # what the process just loaded: only files of that model are restored into it
+            cfg = self._managed.get(info.name)
+            store.backend_ready(info.name, model_identity(cfg) if cfg is not None else None)
+        # (an external server is asked what it runs first)
+        return store if not info.managed or store.has(info.name) else None
 
     async def close(self) -> None:
         for store in self.stores:
@@ -90,3 +116,28 @@ class DiskTier:
 
 def _tokens(store: SlotStore) -> int:
     return sum(len(e.tokens) // 4 for e in store.saved.values())
+
+
+async def restored_up(store: SlotStore, info: BackendInfo, router: Router,
+                      route: Callable[[BackendInfo], None],
+                      still_ready: Callable[[], bool]) -> None:
+    """A backend (re)started: restore its saved slots, then ``route`` it (its health's
+    `backend_up`) while it is ``still_ready``, ``router`` told what its slots hold. An
+    external server is routed at once (it may be busy, and slow to say what it runs):
+    what it runs and its slots that are still empty follow (SlotStore.external_up)."""
+    if not info.managed:
+        route(info)
+    try:
+        if not info.managed:
+            await store.external_up(info)
+            return
+        restored = await store.restore(info)
+    except Exception:
+        # the restore is a head start, never a condition: routed with empty slots rather
+        # than not at all (what did come back is then unknown: mispredicted, not wrong)
+        get_logger().warning("slot.restore_crashed", backend=info.name, exc_info=True)
+        restored = []
+    if info.managed and still_ready():  # (not down again meanwhile)
+        route(info)
+        for slot, tokens in restored:
+            router.seed(info.name, slot, tokens)

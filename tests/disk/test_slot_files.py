@@ -28,15 +28,15 @@ from structlog.testing import capture_logs
 
 from backends.config import KvDiskConfig
 from backends.info import BackendInfo
+from proxy.disk.records import INDEX, MAGIC, QUARANTINE
+from proxy.disk.store import SlotStore
 from proxy.forwarding.health import capacity
-from proxy.forwarding.slot_records import INDEX, MAGIC, QUARANTINE
-from proxy.forwarding.slot_store import SlotStore
 from proxy.instance import DISK_FIX, InUse, lock
 from proxy.routing.router import Router
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL = "m1"  # a model identity (slot_identity's format does not matter here)
+MODEL = "m1"  # a model identity (proxy/disk/identity.py's format does not matter here)
 
 
 def ids(start: int, n: int) -> bytes:

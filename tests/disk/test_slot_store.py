@@ -29,7 +29,7 @@ from backends.config import KvDiskConfig
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
-from proxy.forwarding.slot_records import INDEX
+from proxy.disk.records import INDEX
 from proxy.observability.logging import configure_logging
 from proxy.server.keys import FORWARDER, ROUTER
 

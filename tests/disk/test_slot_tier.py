@@ -1,5 +1,5 @@
-"""Which directory of the disk tier each backend reads (slot_tier.directories), and a
-tier refused at start lets go of every directory it took."""
+"""Which directory of the disk tier each backend reads (proxy/disk/tier.py
+`directories`), and a tier refused at start lets go of every directory it took."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from backends.config import (
     ManagedBackendConfig,
 )
 from proxy.config.fields import ConfigError
-from proxy.forwarding.slot_store import SlotStore
-from proxy.forwarding.slot_tier import DiskTier, _same, directories
+from proxy.disk.store import SlotStore
+from proxy.disk.tier import DiskTier, _same, directories
 from proxy.instance import DISK_FIX, lock
 from proxy.routing.router import Router
 

@@ -33,7 +33,7 @@ from backends.process import free_port
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
-from proxy.forwarding.slot_records import INDEX
+from proxy.disk.records import INDEX
 from proxy.observability.logging import configure_logging
 from proxy.server.keys import FORWARDER
 

@@ -31,7 +31,7 @@ from backends.process import LlamaServerProcess, Ready, ServerSpec, free_port
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
-from proxy.forwarding.slot_records import INDEX
+from proxy.disk.records import INDEX
 from proxy.server.keys import FORWARDER, ROUTER
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,6 +1,6 @@
 """What a start keeps of a directory of the disk tier (`Starting.open`, a part of
-SlotFiles, slot_files.py): the directory taken, the index and the sidecars read, the files
-found, and the plan `reconcile` makes of them (slot_records.py) carried out, each change
+SlotFiles, files.py): the directory taken, the index and the sidecars read, the files
+found, and the plan `reconcile` makes of them (records.py) carried out, each change
 logged.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.config.fields import ConfigError
-from proxy.forwarding.slot_records import (
+from proxy.disk.records import (
     INDEX,
     PREFIX,
     QUARANTINE,
@@ -31,7 +31,7 @@ from proxy.forwarding.slot_records import (
 
 
 class Starting:
-    """SlotFiles's start (see slot_files.py for the state below)."""
+    """SlotFiles's start (see files.py for the state below)."""
 
     path: Path
     log: Any
@@ -59,7 +59,7 @@ class Starting:
             raise
 
     def load(self, budget: float) -> dict[int, Saved]:
-        """What a previous run left, reconciled with the directory (slot_files.py's
+        """What a previous run left, reconciled with the directory (files.py's
         docstring), within ``budget`` bytes; the files this start puts aside neither
         count toward it nor go for it (the operator has their warning first)."""
         index, unreadable = read_index(self.path / INDEX)

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from proxy.forwarding.slot_files import SlotFiles
-from proxy.forwarding.slot_records import INDEX, MAGIC, QUARANTINE, Saved, decode, encode
+from proxy.disk.files import SlotFiles
+from proxy.disk.records import INDEX, MAGIC, QUARANTINE, Saved, decode, encode
 
 pytestmark = pytest.mark.timeout(120)
 

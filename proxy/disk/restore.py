@@ -1,9 +1,9 @@
 """The disk tier's restores: a saved slot's file read back into a slot of a backend of
 the same model, for a request about to use that slot (`restore_into`), and into a backend
-that (re)started, before it is routed (`restore`). A mixin of SlotStore (slot_store.py),
+that (re)started, before it is routed (`restore`). A mixin of SlotStore (store.py),
 whose state it reads: what each side owns is told there.
 
-A file is judged before it is sent, by the rule a start judges it by (slot_records
+A file is judged before it is sent, by the rule a start judges it by (records.py
 `verdict`): one no server loads is dropped (truncated: the server aborts on it, a
 GGML_ASSERT in llama_state_seq_load_file, and every restart would die on it again), one
 whole but not what its record says is put aside, one that cannot be read is kept. A file
@@ -24,8 +24,8 @@ from typing import Any
 
 from backends.client import BackendClient, BackendDown, BadResponse
 from backends.info import BackendInfo
-from proxy.forwarding.slot_files import SlotFiles, server_error
-from proxy.forwarding.slot_records import Saved
+from proxy.disk.files import SlotFiles, server_error
+from proxy.disk.records import Saved
 from proxy.routing.router import Router
 
 # A restore reads its file whole into the server's KV, in the server's loop: allow the loop
@@ -44,7 +44,7 @@ _REFUSED_STATUS, _REFUSED = 400, "Unable to restore slot"
 
 
 class Restoring:
-    """SlotStore's restores (see slot_store.py for the state below)."""
+    """SlotStore's restores (see store.py for the state below)."""
 
     saved: dict[int, Saved]
     files: SlotFiles

@@ -2,9 +2,9 @@
 
 llama-server writes a slot's KV to a file in its `--slot-save-path` and reads it back
 into any slot of any server of the same model and build (`POST /slots/{id}?action=save|
-restore`). A SlotStore holds the files of one such directory (slot_files.py; its restores
-are slot_restore.py) for the backends that read it: kv_disk.path for the managed ones, a
-directory external servers declare (`slot_save_path`) for those (slot_tier.py). A slot
+restore`). A SlotStore holds the files of one such directory (files.py; its restores
+are restore.py) for the backends that read it: kv_disk.path for the managed ones, a
+directory external servers declare (`slot_save_path`) for those (tier.py). A slot
 that stays idle for `save_after_idle_s` after a turn (the agent is thinking, the user
 reading) is saved; a later save of the same conversation replaces the file, another
 conversation in that slot gets a file of its own. A request about to displace a slot's
@@ -21,14 +21,14 @@ since) has that file restored into the slot first (`Decision.restore`, or
 restarts it, an external one answers again, or kvroute itself restarts) each of its slots
 gets its last saved content back before requests are routed there.
 
-Each file carries its model's identity (slot_identity.py), and is restored only into a
+Each file carries its model's identity (identity.py), and is restored only into a
 backend that runs that model now and reads its directory. An external server may have
 been restarted with another model between two health probes: it is asked again before
 each save and restore (a restore into a server of another model is refused and counted
 `foreign`). A file of another model than its backend's is kept, for its own model (a
 configuration switched back finds it), within the budget (`max_gib`, per directory)
 that ages it out otherwise, and counted `foreign` when that backend starts. What a
-failed restore costs its file is slot_restore.py's to say. Events counted: saved, spilled,
+failed restore costs its file is restore.py's to say. Events counted: saved, spilled,
 save_failed, restored, restore_failed, restore_interrupted, foreign, index_failed. Each
 failed save, restore and removal is also a warning in the log, with its reason and the
 fix (the server's own error when it gave one; what kvroute sees of the directory:
@@ -50,10 +50,10 @@ from backends.client import BackendClient
 from backends.config import KvDiskConfig
 from backends.info import BackendInfo
 from proxy.config.disk import MAX_DIRECTORIES
-from proxy.forwarding.slot_files import SlotFiles
-from proxy.forwarding.slot_identity import reported_identity, reported_model
-from proxy.forwarding.slot_records import Saved
-from proxy.forwarding.slot_restore import STRIKE_WINDOW_S, Restoring
+from proxy.disk.files import SlotFiles
+from proxy.disk.identity import reported_identity, reported_model
+from proxy.disk.records import Saved
+from proxy.disk.restore import STRIKE_WINDOW_S, Restoring
 from proxy.routing.router import Router
 
 __all__ = ["SlotStore"]
@@ -110,7 +110,7 @@ class SlotStore(Restoring):
         self._asking: dict[str, asyncio.Task[None]] = {}  # external backend -> its ask
         self.identity_retry_s = _IDENTITY_RETRY_S
         self._offered: dict[int, frozenset[str]] = {}  # entry -> who the router offers it to
-        # entry -> when the server last went away during its restore (slot_restore)
+        # entry -> when the server last went away during its restore (restore.py)
         self._strikes: dict[int, float] = {}
         self.strike_window_s = STRIKE_WINDOW_S
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -122,7 +122,7 @@ class SlotStore(Restoring):
     def backend_ready(self, name: str, model: str | None, count: bool = True,
                       fresh: bool = True) -> None:
         """Backend ``name``, which reads this directory, became ready running ``model``
-        (slot_identity; None: unknown, and then nothing is saved from it or restored into
+        (identity.py; None: unknown, and then nothing is saved from it or restored into
         it); ``count``: its files of another model as ``foreign``; ``fresh``: a new
         process, whose slots start empty (its saves not made yet are dropped; not so for
         an external server whose model is learnt while it is routed: its turns since

@@ -32,11 +32,11 @@ from backends.info import BackendInfo
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
+from proxy.disk.identity import model_identity
+from proxy.disk.records import INDEX
+from proxy.disk.restore import RESTORE_BASE_S
+from proxy.disk.store import SlotStore
 from proxy.forwarding.health import capacity
-from proxy.forwarding.slot_identity import model_identity
-from proxy.forwarding.slot_records import INDEX
-from proxy.forwarding.slot_restore import RESTORE_BASE_S
-from proxy.forwarding.slot_store import SlotStore
 from proxy.routing.router import Router
 from proxy.server.keys import FORWARDER, METRICS, ROUTER
 

@@ -25,7 +25,7 @@ from texts import words
 from backends.config import KvDiskConfig
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
-from proxy.forwarding.slot_records import INDEX, QUARANTINE
+from proxy.disk.records import INDEX, QUARANTINE
 from proxy.observability.logging import configure_logging
 
 pytestmark = pytest.mark.timeout(240)

@@ -52,7 +52,7 @@ class Saved:
     slot: int
     tokens: bytes  # int32 token bytes the slot was known to hold when saved
     saved_at: float
-    model: str  # the identity of the model that computed it (see slot_identity)
+    model: str  # the identity of the model that computed it (see identity.py)
     size: int = 0  # bytes of the file as the server wrote it
     n: int = 0  # tokens the server said it saved (0: not known)
     count: int = 0  # the token count of the file's header (0: not known)

@@ -4,7 +4,7 @@ File names are kvroute's own (``kvroute-<id>.bin``: no client input reaches a pa
 so are the sidecar beside each (``kvroute-<id>.json``) and the index
 (``kvroute-index.json``): what each file holds (backend, slot, the token ids the router
 knew the slot to hold, the model that computed it, its size and token count as the server
-wrote it; slot_records.py). Every name kvroute writes starts with ``kvroute``, and
+wrote it; records.py). Every name kvroute writes starts with ``kvroute``, and
 nothing else of the directory is read or touched: a directory an operator's llama-server
 also uses keeps the operator's own files, an ``index.json`` of theirs too.
 
@@ -47,7 +47,7 @@ from typing import Any
 import structlog
 
 from backends.client import BackendDown, BadResponse
-from proxy.forwarding.slot_records import (
+from proxy.disk.records import (
     INDEX,
     QUARANTINE,
     Header,
@@ -59,7 +59,7 @@ from proxy.forwarding.slot_records import (
     verdict,
     write_whole,
 )
-from proxy.forwarding.slot_start import Starting
+from proxy.disk.start import Starting
 from proxy.instance import DISK_FIX, adopt, lock
 
 __all__ = ["SlotFiles", "server_error"]
@@ -70,7 +70,7 @@ _GIVEN_UP = "written by a save given up"
 
 class SlotFiles(Starting):
     """The files of ``path``; ``counted`` hears ``index_failed``. Its start (`open`,
-    `load`) is slot_start.py."""
+    `load`) is start.py."""
 
     def __init__(self, path: Path, counted: Callable[[str], None]) -> None:
         self.path, self.counted = path, counted

@@ -1,2 +1,0 @@
-"""What a backend's answer says about its cache (tokens reused, timings, slot), read
-back into the router."""
