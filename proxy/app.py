@@ -140,16 +140,7 @@ async def _pools_ctx(app: web.Application) -> AsyncIterator[None]:
     """What the pools share, each pool built whole, the other replicas' bus and the
     health probers; closed with the app."""
     s, config, metrics = app[SETTINGS], app[CONFIG], app[METRICS]
-    # The request path's own client (proxy/forwarding/upstream.py: aiohttp's costs 2-3x the CPU per
-    # request). No connection cap: llama-server queues itself, and the router bounds work
-    # per backend. Idle connections are dropped before llama-server's own 5 s keep-alive
-    # timeout (cpp-httplib) would close them under a request.
-    upstream = Upstream(connect_timeout=s.connect_timeout_s, read_timeout=s.read_timeout_s,
-                        keepalive_s=4.0)
-    # aiohttp for the health prober and /slots (off the request path). No cookie jar: a proxy must
-    # not keep one backend answer's cookies.
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=4),
-                                    cookie_jar=aiohttp.DummyCookieJar())
+    upstream, session = _clients(s)
     tracing = Tracing.start(s.otel)
     specs = config.pools()
     # made before the pools: the disk tier offers its files to every pool's router
@@ -172,13 +163,7 @@ async def _pools_ctx(app: web.Application) -> AsyncIterator[None]:
     except BaseException:
         # (a directory another kvroute holds, a model that does not load: this one does
         # not start, and lets go of what it took)
-        for pool in built:
-            pool.tok.pool.shutdown(wait=False, cancel_futures=True)
-        if disk is not None:
-            await disk.close()
-        await session.close()
-        await upstream.close()
-        await asyncio.to_thread(tracing.close)
+        await _let_go(built, disk, session, upstream, tracing)
         raise
     app[UPSTREAM], app[SESSION], app[TRACING] = upstream, session, tracing
     app[RECORDER] = shared.recorder
@@ -194,14 +179,34 @@ async def _pools_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     if bus is not None:
         await bus.close()
-    if disk is not None:
-        await disk.close()
     for prober in probers:
         prober.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await prober
     for pool in pools:
         await pool.fw.close()
+    await _let_go(list(pools), disk, session, upstream, tracing)
+
+
+def _clients(s: ProxySettings) -> tuple[Upstream, aiohttp.ClientSession]:
+    """The request path's own client to the backends (proxy/forwarding/upstream.py:
+    aiohttp's costs 2-3x the CPU per request), and aiohttp's for the health prober and
+    /slots (off the request path). No connection cap: llama-server queues itself, and the
+    router bounds work per backend. Idle connections are dropped before llama-server's own
+    5 s keep-alive timeout (cpp-httplib) would close them under a request. No cookie jar:
+    a proxy must not keep one backend answer's cookies."""
+    upstream = Upstream(connect_timeout=s.connect_timeout_s, read_timeout=s.read_timeout_s,
+                        keepalive_s=4.0)
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=4),
+                                    cookie_jar=aiohttp.DummyCookieJar())
+    return upstream, session
+
+
+async def _let_go(pools: list[Pool], disk: DiskTier | None, session: aiohttp.ClientSession,
+                  upstream: Upstream, tracing: Tracing) -> None:
+    """Close what the pools share, and their tokenizer threads."""
+    if disk is not None:
+        await disk.close()
     await session.close()
     await upstream.close()
     await asyncio.to_thread(tracing.close)  # (its exporter's last batch: a blocking send)

@@ -89,22 +89,40 @@ def backend_health(cfg: Config) -> list[dict[str, Any]]:
 
 
 def report(config_path: Path | None) -> dict[str, Any]:
-    from backends.binary import (
-        BinaryError,
-        cache_dir,
-        find_llama_server,
-        libllama_dir,
-    )
-    from backends.binary import llama_cpp_python_version as lcp_version
+    from backends.binary import cache_dir
     from backends.cpu import build_report
     from backends.demo_model import DemoModelParams, demo_model_path
-    from backends.version import version_warning
 
     report: dict[str, Any] = {"ok": True, "python": platform.python_version()}
     try:
         report["kvroute_version"] = importlib.metadata.version("kvroute")
     except importlib.metadata.PackageNotFoundError:
         report["kvroute_version"] = None
+    report["llama_cpp_python"] = lcp = _bindings()
+    report["cache_dir"] = str(cache_dir())
+    cfg, report["config"] = _config(config_path)
+    report["llama_server"] = srv = _server(cfg)
+    report["cpu"] = build_report(_recipe_of(srv["path"]))
+    params = cfg.demo_model if cfg else DemoModelParams()
+    model = demo_model_path(params)
+    report["demo_model"] = {"path": str(model), "exists": model.is_file(),
+                            "kv_bytes_per_token": params.kv_bytes_per_token}
+    report["backends"] = backend_health(cfg) if cfg else []
+    report["ok"] = (lcp["error"] is None and report["config"]["ok"] and not srv["error"]
+                    and not (cfg is not None and any(b.is_demo for b in cfg.managed())
+                             and not model.is_file())
+                    and not any(b.get("crash_loop") for b in report["backends"]))
+    # the tokenizer needs libllama: without it, said under llama_cpp_python
+    if cfg is not None and lcp["importable"]:
+        report["tokens"] = _tokens(cfg)
+    return report
+
+
+def _bindings() -> dict[str, Any]:
+    """llama-cpp-python: its version, whether it imports, the libllama it loads."""
+    from backends.binary import libllama_dir
+    from backends.binary import llama_cpp_python_version as lcp_version
+
     lcp: dict[str, Any] = {"version": lcp_version(), "importable": False, "error": None,
                            "libllama": str(d) if (d := libllama_dir()) else None}
     try:
@@ -113,10 +131,11 @@ def report(config_path: Path | None) -> dict[str, Any]:
         lcp["importable"] = True
     except Exception as e:  # any import failure is something to report, not crash on
         lcp["error"] = f"{type(e).__name__}: {e}"
-        report["ok"] = False
-    report["llama_cpp_python"] = lcp
-    report["cache_dir"] = str(cache_dir())
+    return lcp
 
+
+def _config(config_path: Path | None) -> tuple[Config | None, dict[str, Any]]:
+    """The config (None: none loads, even without its demo model) and its report."""
     cfg: Config | None = None
     conf: dict[str, Any] = {"path": str(config_path.resolve()) if config_path else None,
                             "ok": True, "error": None, "proxy_port_free": None}
@@ -124,7 +143,6 @@ def report(config_path: Path | None) -> dict[str, Any]:
         cfg = load_config(config_path, check_port=False)
     except ConfigError as e:
         conf["ok"], conf["error"] = False, str(e)
-        report["ok"] = False
         try:  # still report artifacts for a config whose only fault is a missing model
             cfg = load_config(config_path, check_port=False, allow_missing_demo=True)
         except ConfigError:
@@ -138,7 +156,13 @@ def report(config_path: Path | None) -> dict[str, Any]:
             conf["proxy_port_note"] = str(e)
         conf["proxy"] = {"host": cfg.proxy.host, "port": cfg.proxy.port,
                          "policy": cfg.proxy.policy}
-    report["config"] = conf
+    return cfg, conf
+
+
+def _server(cfg: Config | None) -> dict[str, Any]:
+    """The llama-server binary the config runs: where, which version, how it was had."""
+    from backends.binary import BinaryError, find_llama_server
+    from backends.version import version_warning
 
     srv: dict[str, Any] = {"path": None, "version": None, "source": None, "error": None,
                            "version_warning": None}
@@ -151,24 +175,7 @@ def report(config_path: Path | None) -> dict[str, Any]:
                        version_warning=version_warning(found.path, found.version))
     except BinaryError as e:
         srv["error"] = str(e)
-    if srv["error"]:
-        report["ok"] = False
-    report["llama_server"] = srv
-    report["cpu"] = build_report(_recipe_of(srv["path"]))
-
-    params = cfg.demo_model if cfg else DemoModelParams()
-    model = demo_model_path(params)
-    report["demo_model"] = {"path": str(model), "exists": model.is_file(),
-                            "kv_bytes_per_token": params.kv_bytes_per_token}
-    if cfg is not None and any(b.is_demo for b in cfg.managed()) and not model.is_file():
-        report["ok"] = False
-    report["backends"] = backend_health(cfg) if cfg else []
-    if any(b.get("crash_loop") for b in report["backends"]):
-        report["ok"] = False
-    # the tokenizer needs libllama: without it, said under llama_cpp_python
-    if cfg is not None and lcp["importable"]:
-        report["tokens"] = _tokens(cfg)
-    return report
+    return srv
 
 
 def _recipe_of(path: str | None) -> str | None:

@@ -300,3 +300,51 @@ def test_no_private_re_declarations() -> None:
              if path.is_relative_to(ROOT / "backends")
              for stub in _private_stubs(path.read_text())]
     assert not stubs
+
+
+# Declarations that are long by nature: one line per metric, read as a table.
+LONG_ALLOWED = frozenset({"proxy.observability.metrics.ProxyMetrics.__init__"})
+MAX_LINES, MAX_PARAMS = 60, 7
+
+
+def _functions(source: str, module: str) -> Iterator[tuple[str, int, int]]:
+    """(qualified name, lines, parameters) of each function in ``source``; ``self`` and
+    ``cls`` are not counted."""
+    def walk(node: ast.AST, prefix: str) -> Iterator[tuple[str, int, int]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                yield from walk(child, f"{prefix}.{child.name}")
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = child.args
+                params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (
+                    a.vararg, a.kwarg))]
+                if params and params[0].arg in ("self", "cls"):
+                    params = params[1:]
+                lines = (child.end_lineno or child.lineno) - child.lineno + 1
+                yield f"{prefix}.{child.name}", lines, len(params)
+                yield from walk(child, f"{prefix}.{child.name}")
+            else:
+                yield from walk(child, prefix)
+    yield from walk(ast.parse(source), module)
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ("def f(a, b):\n    return a\n", [("m.f", 2, 2)]),
+    ("class A:\n    def f(self, a):\n        pass\n", [("m.A.f", 2, 1)]),
+    ("class A:\n    @classmethod\n    def f(cls, *a, b, **k):\n        pass\n",
+     [("m.A.f", 2, 3)]),
+    ("def f():\n    def g(x):\n        pass\n", [("m.f", 3, 0), ("m.f.g", 2, 1)]),
+    ("async def f(a, /, b, *, c):\n    pass\n", [("m.f", 2, 3)]),
+])
+def test_function_measure(source: str, found: list[tuple[str, int, int]]) -> None:
+    assert list(_functions(source, "m")) == found
+
+
+def test_proxy_functions_are_short_and_take_few_parameters() -> None:
+    """proxy/: functions of at most 60 lines and 7 parameters (self aside); what takes
+    more is a value of its own (a NamedTuple or dataclass), or steps with names."""
+    over = [f"{name}: {lines} lines, {params} parameters"
+            for module, path in sorted(MODULES.items()) if module.startswith("proxy.")
+            for name, lines, params in _functions(path.read_text(), module)
+            if (lines > MAX_LINES and name not in LONG_ALLOWED) or params > MAX_PARAMS]
+    assert not over

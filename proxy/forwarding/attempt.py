@@ -66,6 +66,20 @@ class PendingPrompt:
     rest: asyncio.Task[array | None]  # the whole prompt's ids; None if they failed
 
 
+@dataclass(frozen=True)
+class Asked:
+    """The client's request, as each attempt forwards it."""
+
+    request: web.Request
+    endpoint: str
+    path: str
+    raw: bytes
+    body: JSON
+    relay: Relay
+    hint: str | None  # the session it names (see session_hint)
+    started: float  # perf_counter() when it came
+
+
 class Forwarding(Protocol):
     """What an attempt uses of the `Forwarder` that runs it."""
 
@@ -98,21 +112,19 @@ class Attempt:
     It hears its exchange as `send`'s `ExchangeEvents` (`sent`, `settle`, `data`,
     `first_token`) and tells the request's record; the prediction is the record's."""
 
-    def __init__(self, fw: Forwarding, request: web.Request, endpoint: str, path: str,
-                 raw: bytes, body: JSON, tokens: Sequence[int] | PendingPrompt,
-                 pending: PendingPrompt | None, relay: Relay, hint: str | None,
-                 started: float) -> None:
+    def __init__(self, fw: Forwarding, asked: Asked, tokens: Sequence[int] | PendingPrompt,
+                 pending: PendingPrompt | None) -> None:
         self.fw, self.router = fw, fw.router
         self.request, self.endpoint, self.path, self.raw, self.body = (
-            request, endpoint, path, raw, body)
-        self.tokens, self.pending, self.relay, self.hint = tokens, pending, relay, hint
-        self.started = started
+            asked.request, asked.endpoint, asked.path, asked.raw, asked.body)
+        self.relay, self.hint, self.started = asked.relay, asked.hint, asked.started
+        self.tokens, self.pending = tokens, pending
         self.whole = pending is None  # the model has the whole prompt
         # `cache_prompt: false`: the server reuses nothing (and caches the prompt as
         # usual: the model's state stays right); the prediction shown is 0
-        self.no_reuse = body.get("cache_prompt") is False
+        self.no_reuse = asked.body.get("cache_prompt") is False
         self.detached: asyncio.Future[web.StreamResponse] | None = None
-        self.among = fw.serving(path)
+        self.among = fw.serving(asked.path)
 
     async def run(self) -> web.StreamResponse:
         self.routed = await self.decide()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -21,7 +22,7 @@ from backends.info import BackendInfo
 from proxy.disk.store import SlotStore
 from proxy.disk.tier import DiskTier
 from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError, UpstreamTimeout
-from proxy.forwarding.attempt import Attempt, PendingPrompt, whole_prompt
+from proxy.forwarding.attempt import Asked, Attempt, PendingPrompt, whole_prompt
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import AS_IS, JSON, Exchange, Relay, Target, send, upstream_payload
 from proxy.forwarding.upstream import Upstream
@@ -50,6 +51,22 @@ def _printable(value: str) -> str:
     return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+@dataclass(frozen=True)
+class Services:
+    """What a pool's forwarder is given by the app (the same for every pool): the client
+    to the backends, the recorder, the session for /slots (None: not asked), the disk
+    tier (None: off), tracing; and the retry and first-byte limits."""
+
+    upstream: Upstream
+    recorder: Recorder
+    session: aiohttp.ClientSession | None = None
+    disk: DiskTier | None = None
+    tracing: Tracing | None = None
+    max_attempts: int = 3
+    first_byte_timeout: float | None = None
+    log_prompts: bool = False
+
+
 class Forwarder:
     """decide -> send with id_slot -> feedback: one routed request, start to finish.
 
@@ -59,15 +76,15 @@ class Forwarder:
     it. At most `max_attempts` backends are tried; the client never sees the failures.
     """
 
-    def __init__(self, upstream: Upstream, router: Router,
-                 backends: Mapping[str, BackendInfo], recorder: Recorder,
+    def __init__(self, services: Services, router: Router,
+                 backends: Mapping[str, BackendInfo],
                  tokenize_output: Callable[[str], Sequence[int]],
-                 health: BackendHealth | None = None, *, max_attempts: int = 3,
-                 first_byte_timeout: float | None = None, log_prompts: bool = False,
-                 session: aiohttp.ClientSession | None = None, disk: DiskTier | None = None,
-                 tracing: Tracing | None = None,
+                 health: BackendHealth | None = None, *,
                  user_starts: Callable[[bytes], tuple[int, ...]] | None = None,
                  why_down: Callable[[], Unavailable | None] = lambda: None) -> None:
+        upstream, recorder, session = services.upstream, services.recorder, services.session
+        max_attempts, first_byte_timeout = services.max_attempts, services.first_byte_timeout
+        log_prompts, disk, tracing = services.log_prompts, services.disk, services.tracing
         self.upstream = upstream
         self.router = router
         self.backends = backends        # live view of routable backends, kept by the app
@@ -145,11 +162,11 @@ class Forwarder:
         if self.log_prompts:
             self.recorder.log.debug("prompt", endpoint=endpoint,
                                     prompt=raw[:65536].decode("utf-8", "replace"))
+        asked = Asked(request, endpoint, path, raw, body, relay, hint, started)
         attempt = 1
         while True:
             try:
-                return await Attempt(self, request, endpoint, path, raw, body, tokens,
-                                      pending, relay, hint, started).run()
+                return await Attempt(self, asked, tokens, pending).run()
             except (UpstreamError, UpstreamTimeout, BackendLeft) as e:
                 # nothing reached the client: the backend is out (breaker), try another
                 if attempt >= self.max_attempts or not self.backends:

@@ -421,31 +421,16 @@ async def _first_output(events: AsyncIterator[list[bytes]], outcome: Outcome, re
 
 
 async def _relay_stream(ex: Exchange, head: _Head) -> web.StreamResponse:
-    request, upstream, events, first = ex.request, head.upstream, head.stream, head.first
-    target, outcome, relay, strip_usage = head.target, ex.outcome, ex.relay, ex.strip_usage
+    request, upstream, target, outcome, relay = (
+        ex.request, head.upstream, head.target, ex.outcome, ex.relay)
     health = ex.health
-    assert events is not None
     resp = web.StreamResponse(status=upstream.status, headers={
         **target.headers(), "Content-Type": "text/event-stream",
         "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     request[RESPONSE_STARTED] = resp
     try:
         await resp.prepare(request)
-        for chunk in first:
-            await resp.write(chunk)
-        async for ev in events:
-            if outcome.complete:
-                continue  # past the end ([DONE] again, stray events): read, not relayed
-            # forward each event whole, as soon as it is complete
-            for chunk in _translate_event(ev, outcome, relay, strip_usage):
-                await resp.write(chunk)
-        if not outcome.complete and not outcome.errored:
-            # ended without its end: the client must not take it for a whole answer
-            err = UpstreamError(f"backend {target.info.name} ended its stream before the "
-                                "answer did")
-            if health is not None:
-                health.failed(target.info.name, err.message)
-            await resp.write(sse_error_event(err, relay.error_format))
+        await _relay_events(resp, ex, head)
     except _CLIENT_GONE:
         upstream.close()
         return resp  # the client left; outcome.complete stays False -> abort
@@ -481,6 +466,27 @@ async def _relay_stream(ex: Exchange, head: _Head) -> web.StreamResponse:
     with contextlib.suppress(_CLIENT_GONE):
         await resp.write_eof()
     return resp
+
+
+async def _relay_events(resp: web.StreamResponse, ex: Exchange, head: _Head) -> None:
+    """Write the stream's events to the client as each comes whole; a stream that ends
+    before its answer does ends with an error event."""
+    outcome, relay, events = ex.outcome, ex.relay, head.stream
+    assert events is not None
+    for chunk in head.first:
+        await resp.write(chunk)
+    async for ev in events:
+        if outcome.complete:
+            continue  # past the end ([DONE] again, stray events): read, not relayed
+        for chunk in _translate_event(ev, outcome, relay, ex.strip_usage):
+            await resp.write(chunk)
+    if not outcome.complete and not outcome.errored:
+        # ended without its end: the client must not take it for a whole answer
+        name = head.target.info.name
+        err = UpstreamError(f"backend {name} ended its stream before the answer did")
+        if ex.health is not None:
+            ex.health.failed(name, err.message)
+        await resp.write(sse_error_event(err, relay.error_format))
 
 
 def _translate_event(lines: list[bytes], outcome: Outcome, relay: Relay,

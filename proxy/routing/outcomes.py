@@ -155,8 +155,8 @@ class RequestEnds:
         else:
             return slot
         if slot is not None:
-            cache.start(slot, f.prompt, *self._queue.lcps(cache, f.prompt), f.n, task=False,
-                        user_starts=f.user_starts)
+            cache.correct(slot, f.prompt, *self._queue.lcps(cache, f.prompt), f.n,
+                          user_starts=f.user_starts)
             st.occupy(slot, f.session)
         return slot
 

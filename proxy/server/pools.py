@@ -22,7 +22,7 @@ from proxy.config.pools import PoolSpec
 from proxy.config.settings import ProxySettings
 from proxy.disk.tier import DiskTier
 from proxy.errors import NotFound
-from proxy.forwarding.forwarder import Forwarder
+from proxy.forwarding.forwarder import Forwarder, Services
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.upstream import Upstream
 from proxy.observability.logging import get_logger
@@ -101,11 +101,11 @@ async def build_pool(spec: PoolSpec, router: Router, shared: Shared,
     # forwarder and the pool's own round robin
     routable: dict[str, BackendInfo] = {}
     health = BackendHealth(router, routable, metrics, s.health, get_logger())
+    services = Services(shared.upstream, shared.recorder, shared.session, shared.disk,
+                        shared.tracing, max_attempts=s.retry_attempts,
+                        first_byte_timeout=s.first_byte_timeout_s, log_prompts=s.log_prompts)
     fw = Forwarder(
-        shared.upstream, router, routable, shared.recorder, tok.output_tokens, health,
-        max_attempts=s.retry_attempts, first_byte_timeout=s.first_byte_timeout_s,
-        log_prompts=s.log_prompts, session=shared.session, disk=shared.disk,
-        tracing=shared.tracing, why_down=why_down,
+        services, router, routable, tok.output_tokens, health, why_down=why_down,
         user_starts=None if prompt is None else
         lambda ids, d=prompt.message_delimiters: user_starts(ids, d))
     pool = Pool(spec, router, routable, health, tok, fw)

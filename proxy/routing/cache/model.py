@@ -111,12 +111,9 @@ class BackendCache(CachePrediction):
         ram_lcp: dict[int, int],
         n_prompt: int,
         predicted: Placement | None = None,
-        task: bool = True,
         user_starts: Sequence[int] = (),
     ) -> Placement | None:
         """Apply a request starting now: the slot becomes busy and holds the prompt.
-        ``task`` False: a correction of the model (a request placed where the server
-        says it ran), not a task the server starts now (see `starts`).
 
         ``predicted``: what ``predict`` just returned for these same arguments (saves
         computing it again). ``user_starts``: where the prompt's user messages start (the
@@ -151,11 +148,20 @@ class BackendCache(CachePrediction):
         self.idle.remove(p.slot)
         self._clock += 1
         s.last_used = self._clock
-        if task:
-            self.starts += 1
+        self.starts += 1
         if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
             for i in self.idle:
                 self._save_idle_slot(i)
+        return p
+
+    def correct(self, slot: int, prompt: bytes, slot_lcp: dict[int, int],
+                ram_lcp: dict[int, int], n_prompt: int, user_starts: Sequence[int] = ()
+                ) -> Placement | None:
+        """A request placed where the server says it ran: a correction of the model, as
+        `start` applies it, but no task the server starts now (see `starts`)."""
+        p = self.start(slot, prompt, slot_lcp, ram_lcp, n_prompt, user_starts=user_starts)
+        if p is not None:
+            self.starts -= 1
         return p
 
     def _start_checkpoints(self, p: Placement, slot_lcp: dict[int, int],

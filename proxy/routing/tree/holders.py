@@ -3,7 +3,7 @@
 What the backend cache model asks before it moves KV around: which holders contain or
 are prefixes of a sequence, what two holders share, what nobody else keeps. Each is one
 walk up the parent pointers from a holder's end node (holder sets only grow towards the
-root). A mixin of :class:`~proxy.routing.tree.radix.RadixTree`, not a wrapper: these run for every
+root). The base class of :class:`~proxy.routing.tree.radix.RadixTree`, not a wrapper: these run for every
 prediction and an extra call level would cost on the router's hot path.
 """
 
@@ -15,10 +15,12 @@ from proxy.routing.tree.node import Holder, Node
 
 
 class HolderQueries:
-    """Holder relations over ``_end`` (holder -> deepest node it holds) and ``_root``."""
+    """Holder relations over ``_end`` (holder -> deepest node it holds) and ``_root``,
+    which it owns; the tree (its subclass) grows and prunes them."""
 
-    _end: dict[Holder, Node]
-    _root: Node
+    def __init__(self) -> None:
+        self._root = Node(b"", None, 0, 0)
+        self._end: dict[Holder, Node] = {}  # holder -> deepest node it holds
 
     def common_prefix(self, a: Holder, b: Holder) -> int:
         """Length of the common prefix of two holders' sequences (depth of their LCA)."""

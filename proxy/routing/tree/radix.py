@@ -42,8 +42,7 @@ class RadixTree(HolderQueries):
     """Radix tree of token sequences with per-holder prefix lengths. No I/O."""
 
     def __init__(self, max_resident: int | None = None) -> None:
-        self._root = Node(b"", None, 0, 0)
-        self._end: dict[Holder, Node] = {}  # holder -> deepest node it holds
+        super().__init__()
         self._resident = 0
         self._nodes = 0
         self._tick = 0
