@@ -8,6 +8,8 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from sortedcontainers import SortedList
+
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.waiters import WaiterTree
@@ -40,6 +42,8 @@ class BackendState:
     waiting: WaiterTree = field(default_factory=WaiterTree)
     # the RAM bytes saving a slot of each one's length would take (see predict_queued)
     waiting_bytes: int = 0
+    # the same requests by prompt length, shortest first: (tokens, request id)
+    waiting_by_size: SortedList = field(default_factory=SortedList)
     slot_free_at: dict[int, float] = field(default_factory=dict)  # busy slot -> expected end
     # slot -> session hint of the request last placed there (absent: none given)
     slot_session: dict[int, str] = field(default_factory=dict)
@@ -57,6 +61,7 @@ class BackendState:
         if slot is None:
             self.waiting.add(rid, prompt)
             self.waiting_bytes += self.cache.save_bytes(n)
+            self.waiting_by_size.add((n, rid))
         else:
             self.targets[rid] = slot
 
@@ -69,6 +74,8 @@ class BackendState:
         if rid not in self.targets:
             self.waiting.add(rid, prompt)
             self.waiting_bytes += self.cache.save_bytes(n) - self.cache.save_bytes(old.n)
+            self.waiting_by_size.remove((old.n, rid))
+            self.waiting_by_size.add((n, rid))
 
     def dequeue(self, rid: int) -> None:
         """``rid`` no longer waits (handed a slot, ended, or gone)."""
@@ -76,6 +83,7 @@ class BackendState:
         if old is not None and self.targets.pop(rid, None) is None:
             self.waiting.remove(rid)
             self.waiting_bytes -= self.cache.save_bytes(old.n)
+            self.waiting_by_size.remove((old.n, rid))
 
     def newest_waiting(self) -> Iterator[Queued]:
         """The requests waiting for any slot, newest first (lazily: few are read)."""

@@ -5,8 +5,8 @@
 lists them with their one-line descriptions (`describe`). A policy answers `choose`, and
 says what the router would otherwise have to ask by its name:
 
-- ``orders_waiters``: a freed slot goes to the waiter that reuses most of it
-  (proxy/routing/queue.py), not to the oldest (the server's own order);
+- ``orders_waiters``: a freed slot goes to the waiter of shortest expected prefill there,
+  with ageing (proxy/routing/queue.py), not to the oldest (the server's own order);
 - ``checks_head``: a choice made on the head of a prompt is checked against what the
   slots and RAM entries hold of it (`NeedWholePrompt`), as only a cache-aware choice can
   be.

@@ -23,10 +23,10 @@
   reuse is what the server will give it in the slot it gets when one frees
   (``BackendCache.predict_queued``): a queued request sharing a system prompt with the
   running ones reuses it, so queueing there is priced (and predicted) as such. The
-  proxy holds queued requests and hands a freed slot to the one that reuses the most
-  there (proxy/routing/queue.py), so one that would reuse at least ``wait_min_tokens``
-  here is priced as the next one served: its RAM entry is then loaded before the starts
-  of the requests queued ahead of it save their slots and evict it.
+  proxy holds queued requests and hands a freed slot to the one of shortest expected
+  prefill there, with ageing (proxy/routing/queue.py): one that would reuse at least
+  ``wait_min_tokens`` here is priced as the next one served: its RAM entry is then loaded
+  before the starts of the requests queued ahead of it save their slots and evict it.
 - Waiting for a busy slot: a slot running a request that holds at least
   ``wait_min_tokens`` of this prompt is an option too (an agent's summary sent with its
   session's next turn, a turn sent before the previous answer ended). The request is
@@ -146,8 +146,8 @@ class Candidate:
             behind, ahead_saved = (self.shared(q), q.n), st.waiting_bytes - later
         first = cache.predict_behind(self.slot_lcp, self.ram_lcp, k, behind, ahead_saved, n)
         if min_tokens is not None and k:
-            # the proxy hands a freed slot to the waiter that reuses the most there
-            # (QueuedRequests._next_waiter), not to the oldest: reusing at least
+            # the proxy hands a freed slot to the waiter of shortest expected prefill
+            # there (SlotQueue._next_waiter), not to the oldest: reusing at least
             # min_tokens, this one is served first, before the starts ahead of it save
             # their slots to RAM and evict the entry it would load
             alone = cache.predict_behind(self.slot_lcp, self.ram_lcp, 0, None, 0, n)

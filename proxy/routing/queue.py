@@ -7,8 +7,9 @@ handed a slot when one frees (see ``Handoff``): its record's prediction then say
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
+from itertools import islice
 from typing import Any
 
 from proxy.routing.backend_state import BackendState
@@ -23,8 +24,10 @@ from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.waiters import most_reuse
 
-# Waiters a freed slot's pick predicts one by one, at most (more: the index's search)
+# Waiters a freed slot's pick predicts one by one, at most (more: the candidates' search)
 _SCAN_AT_MOST = 8
+# Of a longer queue, the oldest waiters, and the shortest, whose start is predicted
+_CANDIDATES = 4
 
 
 class SlotQueue:
@@ -53,45 +56,65 @@ class SlotQueue:
             if not cache.slots[slot].busy:
                 out.append(self.hand(st, backend, rid, slot, now))
         while cache.idle and st.waiting:
-            out.append(self.hand(st, backend, self._next_waiter(st), None, now))
+            out.append(self.hand(st, backend, self._next_waiter(st, now), None, now))
         return out
 
-    def _next_waiter(self, st: BackendState) -> int:
-        """The waiter an idle slot goes to (see ``drain``): the one whose unpinned
-        start there (as ``_hand`` makes it) reuses the most, from a slot or from RAM;
-        the baseline policies keep the server's order.
+    def _next_waiter(self, st: BackendState, now: float) -> int:
+        """The waiter an idle slot goes to (see ``drain``): the one of shortest expected
+        prefill there (its prompt less what its unpinned start, as ``hand`` makes it,
+        reuses from a slot or from RAM), each second it has waited counting as
+        ``wait_ageing`` seconds of prefill less; the oldest of equals. Near saturation
+        the order decides the mean wait: the shortest first lowers it, as in any queue,
+        and the ageing keeps a long prompt from waiting without end behind short ones.
+        The baseline policies keep the server's order.
 
-        A start reuses what the idle slot the server picks holds, or a RAM entry: never
-        more than the waiter shares with one of the idle slots or RAM entries. So the
-        waiters are ranked by that (``WaiterTree.sharing`` of each), and only those that
-        could still beat the best one found are predicted: a few, however many wait."""
+        A short queue is scanned. A long one is searched among the waiters that can
+        win: the oldest, the shortest prompts, and the one reusing most there (at least
+        ``wait_min_tokens``: ``WaiterTree.sharing`` ranks them without predicting
+        each), ``_CANDIDATES`` of each: a few predictions, however many wait."""
         oldest = st.waiting.oldest()
         assert oldest is not None, "someone waits"
         if not self._policy.orders_waiters:
             return oldest
-        cache = st.cache
-        queued = st.queued
+        if len(st.waiting) <= _SCAN_AT_MOST:
+            cands: Iterable[int] = (r for r in st.queued if r not in st.targets)
+        else:
+            cands = self._candidates(st)
+        cache, queued, ageing = st.cache, st.queued, self._settings.wait_ageing
+        best, key = oldest, (float("inf"), 0.0)
+        for rid in cands:
+            q = queued[rid]
+            p = cache.predict(None, *self.lcps(cache, q.prompt), q.n)
+            if p is None:
+                continue
+            started = self._ledger[rid].started
+            k = ((q.n - p.reuse) / st.rate - ageing * (now - started), started)
+            if k < key:
+                best, key = rid, k
+        return best
+
+    def _candidates(self, st: BackendState) -> set[int]:
+        """The waiters of a long queue that can be the next one served (see
+        ``_next_waiter``)."""
+        targets = st.targets
+        out = set(islice((r for r in st.queued if r not in targets), _CANDIDATES))
+        out.update(rid for _, rid in islice(st.waiting_by_size, _CANDIDATES))
+        cache, queued = st.cache, st.queued
 
         def reuse(rid: int) -> int:
             q = queued[rid]
             p = cache.predict(None, *self.lcps(cache, q.prompt), q.n)
             return -1 if p is None else p.reuse
 
-        at_least = max(1, self._settings.wait_min_tokens)
-        if len(st.waiting) <= _SCAN_AT_MOST:
-            # a short queue: predicting each is cheaper than reading what RAM holds
-            best, most = oldest, at_least - 1
-            for rid in (r for r in queued if r not in st.targets):
-                if (got := reuse(rid)) > most:
-                    best, most = rid, got
-            return best
         slots = sorted(((n, cache.slot_holder(i)) for i in cache.idle
                         if (n := self._tree.held_len(cache.slot_holder(i)))), reverse=True)
         holders = heapq.merge(slots, cache.ram_by_size(), key=lambda x: -x[0])
         streams = ((n, self._sharing(st, h)) for n, h in holders)
         got = most_reuse(streams, lambda rid, shared: min(shared, queued[rid].n - 1), reuse,
-                         at_least)
-        return oldest if got is None else got
+                         max(1, self._settings.wait_min_tokens))
+        if got is not None:
+            out.add(got)
+        return out
 
     def _sharing(self, st: BackendState, holder: CacheHolder) -> Iterator[tuple[int, int]]:
         """(tokens shared, waiter) with what ``holder`` holds (see WaiterTree.sharing);

@@ -120,19 +120,41 @@ def test_most_reuse_is_the_scan(prompts: dict[int, list[int]], holders: list[lis
     assert got == best
 
 
-# ------------------------------------------------------- against the old scan
-def scan_next_waiter(r: Router, st: BackendState) -> int:
-    """The hand-off's choice as a scan of every waiter: the reference."""
+# ------------------------------------------------------- against the scan
+def scan_next_waiter(r: Router, st: BackendState, now: float) -> int:
+    """The hand-off's choice as a scan of every waiter: the reference. Of a queue longer
+    than the scan's bound, only the candidates count: the oldest and the shortest
+    (``_CANDIDATES`` of each) and the one reusing most, if at least wait_min_tokens."""
     waiting = [rid for rid in st.queued if rid not in st.targets]
-    best, most = waiting[0], r.settings.wait_min_tokens - 1
     if r.policy != "prefix":
-        return best
+        return waiting[0]
     cache = st.cache
-    for rid in waiting:
+
+    def landing(rid: int) -> Placement | None:
         f = r._ledger[rid]
-        p = cache.predict(None, *r._queue.lcps(cache, f.prompt), f.n)
-        if p is not None and p.reuse > most:
-            best, most = rid, p.reuse
+        return cache.predict(None, *r._queue.lcps(cache, f.prompt), f.n)
+
+    cands = waiting
+    if len(waiting) > queue_module._SCAN_AT_MOST:
+        k = queue_module._CANDIDATES
+        by_size = sorted(waiting, key=lambda rid: (st.queued[rid].n, rid))
+        cands = [*waiting[:k], *by_size[:k]]
+        most, top = max(1, r.settings.wait_min_tokens) - 1, None
+        for rid in waiting:
+            p = landing(rid)
+            if p is not None and p.reuse > most:
+                most, top = p.reuse, rid
+        cands += [] if top is None else [top]
+    best, key = waiting[0], (float("inf"), 0.0)
+    for rid in cands:
+        p = landing(rid)
+        if p is None:
+            continue
+        started = r._ledger[rid].started
+        k = ((st.queued[rid].n - p.reuse) / st.rate
+             - r.settings.wait_ageing * (now - started), started)
+        if k < key:
+            best, key = rid, k
     return best
 
 
@@ -216,9 +238,9 @@ class Drive:
         self.t = 0
         inner = self.r._queue._next_waiter
 
-        def checked(st: BackendState) -> int:
-            want = scan_next_waiter(self.r, st)
-            got = inner(st)
+        def checked(st: BackendState, now: float) -> int:
+            want = scan_next_waiter(self.r, st, now)
+            got = inner(st, now)
             assert got == want
             self.picks += 1
             self.not_oldest += got != st.waiting.oldest()
@@ -287,15 +309,16 @@ ROUTER_CASE = {
     "wait_min": st.sampled_from([1, 8, 40, 256]),
     "similarity": st.sampled_from([0.0, 0.1, 0.5]),
     "hybrid": st.booleans(),
+    "ageing": st.sampled_from([0.0, 0.001, 0.2]),
 }
 
 
 @settings(max_examples=300, deadline=None)
 @given(**ROUTER_CASE)
 def test_hand_offs_match_the_scan(ops: list[Op], slots: int, ram_tokens: int, wait_min: int,
-                                  similarity: float, hybrid: bool) -> None:
+                                  similarity: float, hybrid: bool, ageing: float) -> None:
     s = RouterSettings(wait_min_tokens=wait_min, slot_prompt_similarity=similarity,
-                       ram_entries_tracked=3, ram_track_min_tokens=100)
+                       ram_entries_tracked=3, ram_track_min_tokens=100, wait_ageing=ageing)
     scan_at_most = queue_module._SCAN_AT_MOST
     queue_module._SCAN_AT_MOST = 0  # the index's search, however short the queue
     try:
@@ -314,8 +337,9 @@ def test_long_random_runs_match_the_scan(seed: int, policy: str) -> None:
     ends. The prefix policy's picks do skip the oldest waiter, so the check is not
     vacuous."""
     rng = random.Random(seed)
+    # (prefills here take milliseconds: a small ageing lets the shortest go first)
     s = RouterSettings(wait_min_tokens=rng.choice([8, 40]), ram_entries_tracked=4,
-                       ram_track_min_tokens=150)
+                       ram_track_min_tokens=150, wait_ageing=rng.choice([0.0, 0.001]))
     run = Drive(rng.choice([1, 2]), rng.choice([150, 400, 1 << 17]),
                 rng.choice([DENSE, Memory(recurrent=True)]), s, policy)
     kinds = ["decide"] * 4 + ["head", "complete"]

@@ -68,3 +68,35 @@ def test_a_freed_slot_goes_to_the_waiter_that_loads_its_prefix_from_ram() -> Non
     got = r.complete(dy, Report(output_tokens=[7] * 4), now=2.0)
     assert [h.request_id for h in got] == [w2.request_id]
     assert got[0].predicted_cached == len(DOC)
+
+
+def _order(long_at: float, short_at: float, freed_at: float) -> list[str]:
+    """One slot, busy; a long prompt (3,000 tokens) and a short one (100) wait for it,
+    sharing nothing with anything: who gets the slot when it frees, then who next."""
+    r = Router()
+    r.add_backend(cap("a", ram=0))
+    busy = decide(r, list(range(900_000, 900_050)), now=0.0)
+    waiters = {"long": (long_at, list(range(300_000, 303_000))),
+               "short": (short_at, list(range(400_000, 400_100)))}
+    ids = {}
+    for name, (at, prompt) in sorted(waiters.items(), key=lambda w: w[1][0]):
+        d = decide(r, prompt, now=at)
+        assert d.queued
+        ids[d.request_id] = (name, d)
+    (first,) = r.complete(busy, Report(output_tokens=[7]), now=freed_at)
+    name, d = ids[first.request_id]
+    (second,) = r.complete(d, Report(output_tokens=[7]), now=freed_at + 1)
+    return [name, ids[second.request_id][0]]
+
+
+def test_the_shortest_expected_prefill_goes_first_and_an_old_waiter_is_not_passed_forever(
+) -> None:
+    # at the default 1,500 tokens/s the long prompt takes 2 s, the short one 0.07 s;
+    # each second waited counts as 0.2 s of prefill less (wait_ageing)
+    for long_at, short_at, freed_at, order in [
+        (0.5, 1.0, 2.0, ["short", "long"]),    # came later, served first
+        (0.5, 5.0, 6.0, ["short", "long"]),    # 4.5 s later: still (0.9 s < 1.93 s)
+        (0.5, 11.0, 12.0, ["long", "short"]),  # 10.5 s later: the long one has waited enough
+        (1.0, 0.5, 2.0, ["short", "long"]),    # first and shortest
+    ]:
+        assert _order(long_at, short_at, freed_at) == order, (long_at, short_at)
