@@ -152,9 +152,18 @@ class PeerView:
         return port is not None and port.router.peers.routes_slot(e.backend, e.slot)
 
     def heard(self, peer: str, now: float) -> None:
-        if peer not in self._seen:
-            self.log.info("replicas.peer_joined", peer=peer)
+        joined = peer not in self._seen
         self._seen[peer] = now
+        if joined:
+            self.log.info("replicas.peer_joined", peer=peer)
+            self._spread()
+
+    def _spread(self) -> None:
+        """Each replica takes the empty slots of a backend in an order of its own (its
+        rank among the replicas it knows: see Router.spread)."""
+        names = sorted({self.replica, *self._seen})
+        for port in self.pools.values():
+            port.router.spread(names.index(self.replica), len(names))
 
     def apply(self, e: Event, now: float) -> bool:
         """Apply a peer's event; False when it changes nothing here."""
@@ -268,6 +277,7 @@ class PeerView:
             # (one that said so left on purpose: not a fault)
             (self.log.info if why == BYE else self.log.warning)(
                 "replicas.peer_gone", peer=peer, why=why)
+            self._spread()
         for key in [k for k in self._told if k[0] == peer]:
             self._end(self._pop(key), now)  # type: ignore[arg-type]
 

@@ -45,6 +45,9 @@ class BackendState:
     # the same requests by prompt length, shortest first: (tokens, request id)
     waiting_by_size: SortedList = field(default_factory=SortedList)
     slot_free_at: dict[int, float] = field(default_factory=dict)  # busy slot -> expected end
+    # of the empty idle slots, the one from which this replica takes the first (the
+    # others' take theirs from elsewhere: see Router.spread)
+    empty_from: int = 0
     # slot -> session hint of the request last placed there (absent: none given)
     slot_session: dict[int, str] = field(default_factory=dict)
 

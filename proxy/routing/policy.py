@@ -213,10 +213,13 @@ def _idle_options(c: Candidate) -> list[int | None]:
     options: list[int | None] = []
     empty = cold = None
     cold_key = (0, 0)
+    n_slots, first = len(cache.slots), c.state.empty_from
     for i in cache.idle:
         sl = cache.slots[i]
         if sl.n_tokens == 0:
-            if empty is None:
+            # the first in this replica's order: replicas starting conversations at the
+            # same moment, unseen by each other, then take different empty slots
+            if empty is None or (i - first) % n_slots < (empty - first) % n_slots:
                 empty = i
         elif i in c.slot_lcp:
             options.append(i)

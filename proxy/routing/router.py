@@ -89,8 +89,18 @@ class Router:
         self.disk = DiskIndex(self.tree, s, self._backends)
         self.peers = PeerRequests(self._backends, self._ledger)
         self._queue = SlotQueue(self.tree, self._ledger, self._policy, self.disk, self.peers, s)
+        self._spread = (0, 1)  # (see spread)
         self._ends = RequestEnds(self._backends, self._ledger, self._deferred, self._queue,
                                  self.peers, s)
+
+    def spread(self, rank: int, replicas: int) -> None:
+        """This router is replica ``rank`` of ``replicas`` sharing the backends: of the
+        empty slots of a backend, it takes first those from ``rank / replicas`` of the
+        way along, so that replicas starting conversations at the same moment (neither
+        seeing the other's yet) take different ones."""
+        self._spread = (rank, max(1, replicas))
+        for st in self._backends.values():
+            st.empty_from = rank * len(st.cache.slots) // max(1, replicas)
 
     @property
     def policy(self) -> str:
@@ -110,7 +120,9 @@ class Router:
                              max_tracked=self.settings.ram_entries_tracked,
                              track_min_tokens=self.settings.ram_track_min_tokens)
         rate = peer_rate(self._backends.values(), self.settings.default_prefill_tps)
-        self._backends[cap.name] = BackendState(cache, rate=rate)
+        rank, replicas = self._spread
+        self._backends[cap.name] = BackendState(
+            cache, rate=rate, empty_from=rank * cap.n_slots // replicas)
 
     def remove_backend(self, name: str) -> None:
         """Forget everything a dead or unhealthy backend held."""

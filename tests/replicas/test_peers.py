@@ -446,3 +446,43 @@ def test_only_this_replicas_own_requests_count_as_completed_here() -> None:
     snap = b.router.snapshot()
     assert (snap["completed"], snap["completed_for_peers"]) == (1, 1)
     assert (a.router.completed, a.router.completed_for_peers) == (1, 0)
+
+
+def test_replicas_starting_conversations_at_once_take_different_empty_slots() -> None:
+    """A burst of new conversations over one system prompt, through two replicas that
+    know each other (each heard the other's ALIVE) but not, yet, each other's starts:
+    each takes the empty slots in an order of its own, so no two land in one slot (the
+    second would wait there, then cut the first one's history). Two backends x 2 slots,
+    two conversations per replica."""
+    system = list(range(500_000, 500_700))
+    for order in (("a", "b"), ("b", "a")):  # (which one is told of the other first)
+        reps = {n: Replica(n) for n in order}
+        for r in reps.values():
+            r.router.add_backend(BackendCapacity("y", 2, 8192, 0, 8192))
+        first, second = reps[order[0]], reps[order[1]]
+        first.view.heard(second.name, 0.0)
+        second.view.heard(first.name, 0.0)
+        placed = []
+        for k, r in enumerate(reps.values()):
+            for j in range(2):
+                task = [600_000 + 1000 * (2 * k + j) + i for i in range(250)]
+                d = r.router.decide([*system, *task], session=f"{r.name}{j}", now=0.0)
+                assert isinstance(d, Routed) and d.slot is not None
+                placed.append((d.backend, d.slot))
+        assert len(set(placed)) == 4, placed
+
+
+def test_a_lone_replica_takes_empty_slots_from_the_first() -> None:
+    a = Replica("a")
+    d = a.router.decide(conversation(1), now=0.0)
+    assert isinstance(d, Routed) and d.slot == 0
+    a.view.heard("b", 0.0)  # "a" < "b": still from the first
+    e = a.router.decide(conversation(2), now=0.0)
+    assert isinstance(e, Routed) and e.slot == 1
+    b = Replica("b")
+    b.view.heard("a", 0.0)  # second of two: from halfway along
+    f = b.router.decide(conversation(3), now=0.0)
+    assert isinstance(f, Routed) and f.slot == 1
+    b.view.left("a", 1.0, "bye")  # alone again: from the first
+    g = b.router.decide(conversation(4), now=1.0)
+    assert isinstance(g, Routed) and g.slot == 0
