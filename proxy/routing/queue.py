@@ -62,11 +62,12 @@ class SlotQueue:
     def _next_waiter(self, st: BackendState, now: float) -> int:
         """The waiter an idle slot goes to (see ``drain``): the one of shortest expected
         prefill there (its prompt less what its unpinned start, as ``hand`` makes it,
-        reuses from a slot or from RAM), each second it has waited counting as
-        ``wait_ageing`` seconds of prefill less; the oldest of equals. Near saturation
-        the order decides the mean wait: the shortest first lowers it, as in any queue,
-        and the ageing keeps a long prompt from waiting without end behind short ones.
-        The baseline policies keep the server's order.
+        reuses from a slot or from RAM), each one's divided by 1 + ``wait_ageing`` x the
+        seconds it has waited; one that has waited ``wait_starve_s`` goes first (the
+        oldest of those first). Near saturation the order decides the mean wait: the
+        shortest first lowers it, as in any queue; the ageing and the bound keep a long
+        prompt from waiting without end behind short ones. The baseline policies keep
+        the server's order.
 
         A short queue is scanned. A long one is searched among the waiters that can
         win: the oldest, the shortest prompts, and the one reusing most there (at least
@@ -80,7 +81,7 @@ class SlotQueue:
             cands: Iterable[int] = (r for r in st.queued if r not in st.targets)
         else:
             cands = self._candidates(st)
-        cache, queued, ageing = st.cache, st.queued, self._settings.wait_ageing
+        cache, queued, s = st.cache, st.queued, self._settings
         best, key = oldest, (float("inf"), 0.0)
         for rid in cands:
             q = queued[rid]
@@ -88,7 +89,9 @@ class SlotQueue:
             if p is None:
                 continue
             started = self._ledger[rid].started
-            k = ((q.n - p.reuse) / st.rate - ageing * (now - started), started)
+            waited = now - started
+            k = (-1.0 if waited >= s.wait_starve_s
+                 else (q.n - p.reuse) / st.rate / (1.0 + s.wait_ageing * waited), started)
             if k < key:
                 best, key = rid, k
         return best

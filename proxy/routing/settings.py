@@ -19,9 +19,11 @@ class RouterSettings:
     # a request may wait for a busy slot holding at least this many of its tokens (and
     # is handed a freed slot first when it reuses that many there; see queue.py)
     wait_min_tokens: int = 256
-    # a freed slot goes to the waiter of shortest expected prefill there, each second a
-    # waiter has waited counting as this many seconds of prefill less (see queue.py)
-    wait_ageing: float = 0.2
+    # a freed slot goes to the waiter of shortest expected prefill there, a waiter's
+    # prefill divided by 1 + this x the seconds it has waited; one that has waited
+    # wait_starve_s goes first, the oldest of those first (see queue.py)
+    wait_ageing: float = 0.5
+    wait_starve_s: float = 30.0
     # a waiter gives up and is routed again once its slot is this late (or as late again
     # as its expected wait, if longer): a bound for generations far longer than learned,
     # loose because early estimates (default rate, no decode time yet) are rough
@@ -88,6 +90,7 @@ class RouterSettings:
             "min_rate_sample_tokens": self.min_rate_sample_tokens,
             "wait_min_tokens": self.wait_min_tokens,
             "wait_ageing": self.wait_ageing,
+            "wait_starve_s": self.wait_starve_s,
             "disk_min_gain_tokens": self.disk_min_gain_tokens,
             "wait_grace_s": self.wait_grace_s,
             "ram_track_min_tokens": self.ram_track_min_tokens,

@@ -151,8 +151,9 @@ def scan_next_waiter(r: Router, st: BackendState, now: float) -> int:
         if p is None:
             continue
         started = r._ledger[rid].started
-        k = ((st.queued[rid].n - p.reuse) / st.rate
-             - r.settings.wait_ageing * (now - started), started)
+        waited, rs = now - started, r.settings
+        k = (-1.0 if waited >= rs.wait_starve_s else
+             (st.queued[rid].n - p.reuse) / st.rate / (1 + rs.wait_ageing * waited), started)
         if k < key:
             best, key = rid, k
     return best
@@ -309,16 +310,19 @@ ROUTER_CASE = {
     "wait_min": st.sampled_from([1, 8, 40, 256]),
     "similarity": st.sampled_from([0.0, 0.1, 0.5]),
     "hybrid": st.booleans(),
-    "ageing": st.sampled_from([0.0, 0.001, 0.2]),
+    "ageing": st.sampled_from([0.0, 0.5]),
+    "starve": st.sampled_from([0.3, 30.0]),
 }
 
 
 @settings(max_examples=300, deadline=None)
 @given(**ROUTER_CASE)
 def test_hand_offs_match_the_scan(ops: list[Op], slots: int, ram_tokens: int, wait_min: int,
-                                  similarity: float, hybrid: bool, ageing: float) -> None:
+                                  similarity: float, hybrid: bool, ageing: float,
+                                  starve: float) -> None:
     s = RouterSettings(wait_min_tokens=wait_min, slot_prompt_similarity=similarity,
-                       ram_entries_tracked=3, ram_track_min_tokens=100, wait_ageing=ageing)
+                       ram_entries_tracked=3, ram_track_min_tokens=100, wait_ageing=ageing,
+                       wait_starve_s=starve)
     scan_at_most = queue_module._SCAN_AT_MOST
     queue_module._SCAN_AT_MOST = 0  # the index's search, however short the queue
     try:
@@ -337,9 +341,9 @@ def test_long_random_runs_match_the_scan(seed: int, policy: str) -> None:
     ends. The prefix policy's picks do skip the oldest waiter, so the check is not
     vacuous."""
     rng = random.Random(seed)
-    # (prefills here take milliseconds: a small ageing lets the shortest go first)
     s = RouterSettings(wait_min_tokens=rng.choice([8, 40]), ram_entries_tracked=4,
-                       ram_track_min_tokens=150, wait_ageing=rng.choice([0.0, 0.001]))
+                       ram_track_min_tokens=150, wait_ageing=rng.choice([0.0, 0.5]),
+                       wait_starve_s=30.0)
     run = Drive(rng.choice([1, 2]), rng.choice([150, 400, 1 << 17]),
                 rng.choice([DENSE, Memory(recurrent=True)]), s, policy)
     kinds = ["decide"] * 4 + ["head", "complete"]

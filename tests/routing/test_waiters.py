@@ -92,11 +92,12 @@ def _order(long_at: float, short_at: float, freed_at: float) -> list[str]:
 def test_the_shortest_expected_prefill_goes_first_and_an_old_waiter_is_not_passed_forever(
 ) -> None:
     # at the default 1,500 tokens/s the long prompt takes 2 s, the short one 0.07 s;
-    # each second waited counts as 0.2 s of prefill less (wait_ageing)
+    # each one's divided by 1 + 0.5 x the seconds it has waited (wait_ageing); one that
+    # has waited 30 s (wait_starve_s) goes first
     for long_at, short_at, freed_at, order in [
         (0.5, 1.0, 2.0, ["short", "long"]),    # came later, served first
-        (0.5, 5.0, 6.0, ["short", "long"]),    # 4.5 s later: still (0.9 s < 1.93 s)
-        (0.5, 11.0, 12.0, ["long", "short"]),  # 10.5 s later: the long one has waited enough
+        (0.5, 20.0, 21.0, ["short", "long"]),  # 0.18 s against 0.04 s: still
+        (0.5, 30.0, 31.0, ["long", "short"]),  # the long one has waited 30 s
         (1.0, 0.5, 2.0, ["short", "long"]),    # first and shortest
     ]:
         assert _order(long_at, short_at, freed_at) == order, (long_at, short_at)
