@@ -3,8 +3,9 @@
 What the backend cache model asks before it moves KV around: which holders contain or
 are prefixes of a sequence, what two holders share, what nobody else keeps. Each is one
 walk up the parent pointers from a holder's end node (holder sets only grow towards the
-root). The base class of :class:`~proxy.routing.tree.radix.RadixTree`, not a wrapper: these run for every
-prediction and an extra call level would cost on the router's hot path.
+root). The base class of :class:`~proxy.routing.tree.radix.RadixTree`, not a wrapper:
+these run for every prediction and an extra call level would cost on the router's hot
+path.
 """
 
 from __future__ import annotations
