@@ -34,12 +34,9 @@ point for them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
-import threading
-import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,9 +44,8 @@ from typing import Any
 import structlog
 
 from backends.client import BackendDown, BadResponse
+from proxy.disk.directory import Index, Quarantine, Tally, diagnose
 from proxy.disk.records import (
-    INDEX,
-    QUARANTINE,
     Header,
     Saved,
     encode,
@@ -59,7 +55,7 @@ from proxy.disk.records import (
     verdict,
     write_whole,
 )
-from proxy.disk.start import Starting
+from proxy.disk.start import Start
 from proxy.instance import DISK_FIX, adopt, lock
 
 __all__ = ["SlotFiles", "server_error"]
@@ -68,25 +64,38 @@ _GAVE_UP_KEPT = 4096  # names of saves given up, remembered for the sweep
 _GIVEN_UP = "written by a save given up"
 
 
-class SlotFiles(Starting):
-    """The files of ``path``; ``counted`` hears ``index_failed``. Its start (`open`,
-    `load`) is start.py."""
+class SlotFiles:
+    """The files of ``path``; ``counted`` hears ``index_failed``. Its account of this run,
+    its quarantine and its index are directory.py's; its start (`open`, `load`) is
+    start.py's."""
 
     def __init__(self, path: Path, counted: Callable[[str], None]) -> None:
-        self.path, self.counted = path, counted
+        self.path = path
         self.log = structlog.get_logger()
         self._lock: int | None = None
-        self._index_order = asyncio.Lock()  # index writes, in the order they are asked
-        # A write whose caller was cancelled runs on in its thread: the next one waits for
-        # it there, or an older index could be renamed over a newer one
-        self._index_write = threading.Lock()
-        self._writes: set[asyncio.Future[OSError | None]] = set()  # index writes under way
+        self.tally = Tally(path)
+        self.aside = Quarantine(path, self.tally)
+        self.index = Index(path, self.tally, counted)
         self._gave_up: dict[str, None] = {}  # saves given up: the server may write later
         self.highest = 0  # the highest id the directory's names or its index carry
-        self.quarantined = 0  # files in the quarantine now
-        self.tally = dict.fromkeys(("saved", "save_failed", "restore_failed", "removed",
-                                    "remove_failed", "index_failed"), 0)
-        self.last_failure: dict[str, Any] | None = None
+
+    def open(self, budget: float) -> dict[int, Saved]:
+        """Take the directory (`claim`: before the index is read, which another kvroute
+        may be writing), then `load` it; a load that fails lets the directory go."""
+        self.claim()
+        try:
+            return self.load(budget)
+        except BaseException:
+            self.release()
+            raise
+
+    def load(self, budget: float) -> dict[int, Saved]:
+        """What a previous run left, reconciled with the directory, within ``budget``
+        bytes (start.py)."""
+        start = Start(self)
+        kept = start.load(budget)
+        self.highest = start.highest
+        return kept
 
     def claim(self) -> None:
         """Take the directory for this process (see the module's docstring), or adopt
@@ -103,8 +112,7 @@ class SlotFiles(Starting):
     async def close(self) -> None:
         """Let the directory go once no index write is under way (one left running by a
         cancelled caller would otherwise write into a directory another kvroute owns)."""
-        while self._writes:
-            await asyncio.wait(set(self._writes))
+        await self.index.settle()
         self.release()
 
     def _size(self, file: str) -> int:
@@ -126,44 +134,18 @@ class SlotFiles(Starting):
     # ------------------------------------------------------------ what is told
     def count(self, what: str) -> None:
         """One more ``what`` (a key of the status) in this run."""
-        self.tally[what] += 1
+        self.tally.count(what)
 
     def failed(self, what: str, reason: str, fix: str, **fields: Any) -> None:
         """A save, restore or removal that failed: one warning, and the status's last
         failure."""
-        if f"{what}_failed" in self.tally:
-            self.tally[f"{what}_failed"] += 1
-        self.last_failure = {"what": what, "reason": reason, "fix": fix,
-                             "at": round(time.time(), 3), **fields}
-        self.log.warning(f"slot.{what}_failed", path=str(self.path), reason=reason,
-                         fix=fix, **fields)
+        self.tally.failed(what, reason, fix, **fields)
 
     def status(self) -> dict[str, Any]:
         """This run's saves, failures and removals, the files in the quarantine now, and
         the last failure (what, reason, fix, at)."""
-        return {**self.tally, "quarantined": self.quarantined,
-                "last_failure": self.last_failure}
-
-    def diagnose(self, file: str, need: int = 0) -> tuple[str, str] | None:
-        """What in the directory keeps ``file`` (``need`` bytes) from being written there,
-        as kvroute sees it, and the fix (None: nothing seen; a server of another user
-        may see it otherwise)."""
-        where = self.path / file
-        if not self.path.is_dir():
-            return (f"directory missing: {self.path}", f"create {self.path}, or declare "
-                    "the directory the server writes to (its --slot-save-path)")
-        if not os.access(self.path, os.W_OK | os.X_OK):
-            return (f"directory not writable: {self.path}", "give the user llama-server "
-                    f"and kvroute run as write access to {self.path}")
-        if where.exists() and not where.is_file():
-            return (f"not a file in the way: {where}", f"remove {where}")
-        with contextlib.suppress(OSError):
-            st = os.statvfs(self.path)
-            free = st.f_bavail * st.f_frsize
-            if free < max(need, 1 << 20):
-                return (f"disk full: {free >> 20} MiB free in {self.path}",
-                        "free space there, or lower kv_disk.max_gib")
-        return None
+        return {**self.tally.counts, "quarantined": self.aside.count,
+                "last_failure": self.tally.last_failure}
 
     def saved_as(self, got: object, held: bool, e: Saved, need: int, spilled: bool
                  ) -> tuple[str, str] | None:
@@ -177,7 +159,7 @@ class SlotFiles(Starting):
             return (f"no answer: {got.reason}", f"a faster disk for {self.path}" if
                     got.timed_out else "see the server's log (it went away)")
         if isinstance(got, BadResponse):
-            seen = self.diagnose(e.file, need)
+            seen = diagnose(self.path, e.file, need)
             return (f"server: {server_error(got)}" + (f"; {seen[0]}" if seen else ""),
                     seen[1] if seen else "give the user llama-server runs write "
                     f"access to {self.path} (its --slot-save-path), with free space; "
@@ -232,7 +214,7 @@ class SlotFiles(Starting):
             return
         if (n := numbered(file)) is not None:
             self.unlink(file_name(n[0], "json"))
-        self.tally["removed"] += 1
+        self.tally.count("removed")
         (self.log.warning if warn else self.log.info)(
             "slot.file_removed", path=str(self.path), file=file, reason=reason)
 
@@ -256,7 +238,7 @@ class SlotFiles(Starting):
             (self.path / file).unlink()
         except OSError:  # (not written, or not yet: the sweep looks again)
             return
-        self.tally["removed"] += 1
+        self.tally.count("removed")
         self.log.info("slot.file_removed", path=str(self.path), file=file,
                       reason=_GIVEN_UP)
 
@@ -266,13 +248,13 @@ class SlotFiles(Starting):
         first (oldest first), but for ``spare`` (names in the quarantine), which neither
         count nor go; the entries to drop, oldest first."""
         by_age = sorted(saved, key=lambda e: e.saved_at)
-        aside = sorted((q for q in self._quarantined() if q[0].name not in spare),
+        aside = sorted((q for q in self.aside.files() if q[0].name not in spare),
                        key=lambda q: q[1])
         total = sum(self._size(e.file) for e in by_age) + sum(s for _, _, s in aside)
         for path, _, size in aside:
             if total <= budget:
                 break
-            if self._remove_aside(path, "over the budget"):
+            if self.aside.remove(path, "over the budget"):
                 total -= size
         out: list[int] = []
         while by_age and total > budget:
@@ -281,60 +263,9 @@ class SlotFiles(Starting):
             out.append(oldest.id)
         return out
 
-    def _quarantined(self) -> list[tuple[Path, float, int]]:
-        """(path, mtime, size) of each file in the quarantine."""
-        out = []
-        with contextlib.suppress(OSError):
-            for f in (self.path / QUARANTINE).iterdir():
-                with contextlib.suppress(OSError):
-                    st = f.lstat()
-                    if f.is_file():
-                        out.append((f, st.st_mtime, st.st_size))
-        return out
-
-    def _remove_aside(self, path: Path, reason: str) -> bool:
-        """Remove ``path``, in the quarantine: a warning, as kvroute could not say what it
-        held; whether it is gone."""
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as err:
-            self.failed("remove", f"{err.strerror}: {path}", "give the user kvroute runs "
-                        f"write access to {path.parent}", file=f"{QUARANTINE}/{path.name}")
-            return False
-        else:
-            self.tally["removed"] += 1
-            self.log.warning("slot.file_removed", path=str(self.path), reason=reason,
-                             file=f"{QUARANTINE}/{path.name}", was=str(path))
-        self.quarantined -= ".bin" in path.name
-        return True
-
     def quarantine(self, file: str, reason: str) -> list[str]:
-        """Move ``file`` (and its sidecar) aside: kept, never sent to a server; the names
-        they have in the quarantine."""
-        aside, moved = self.path / QUARANTINE, []
-        n = numbered(file)
-        try:
-            aside.mkdir(mode=0o700, exist_ok=True)
-            for name in (file, file_name(n[0], "json")) if n else (file,):
-                if (self.path / name).is_file():
-                    to, k = aside / name, 0
-                    while to.exists():
-                        k += 1
-                        to = aside / f"{name}.{k}"
-                    os.replace(self.path / name, to)
-                    moved.append(to.name)
-                    self.quarantined += name == file
-        except OSError as err:
-            self.failed("remove", f"cannot move {file} to {aside}: {err.strerror}",
-                        f"give the user kvroute runs write access to {self.path}",
-                        file=file)
-            return moved
-        self.log.warning("slot.file_quarantined", path=str(self.path), file=file,
-                         reason=reason, to=str(aside), fix="see what the file is; "
-                         "remove it when done (it counts toward kv_disk.max_gib)")
-        return moved
+        """Move ``file`` (and its sidecar) to the quarantine (`Quarantine.put`)."""
+        return self.aside.put(file, reason)
 
     # ------------------------------------------------------------ writing
     def describe(self, e: Saved) -> str | None:
@@ -345,44 +276,9 @@ class SlotFiles(Starting):
             return f"{err.strerror}: {self.path / e.sidecar}"
         return None
 
-    def _write(self, saved: list[Saved]) -> OSError | None:
-        """Write the index of ``saved`` (in a worker thread: it touches nothing the event
-        loop reads); why it could not be."""
-        doc = json.dumps([encode(e) for e in saved]).encode()
-        try:
-            with self._index_write:
-                write_whole(self.path, INDEX, doc)
-        except OSError as err:
-            return err
-        return None
-
-    def _index_failed(self, err: OSError | None) -> None:
-        """Tell of an index write that failed (on the event loop). A full disk, the
-        directory removed: the files serve this run all the same, and the next start
-        finds them by their sidecars."""
-        if err is None:
-            return
-        seen = self.diagnose(INDEX + ".tmp")
-        self.counted("index_failed")
-        self.failed("index", f"{err.strerror}: {self.path / INDEX}",
-                    seen[1] if seen else "free space in the directory",
-                    note="the files are described by their sidecars meanwhile")
-
     async def commit(self, saved: Mapping[int, Saved]) -> None:
-        """Write the index of ``saved`` as it is when the write starts, in a thread (an
-        fsync would hold up every request), after those asked for before. A caller
-        cancelled leaves the write to finish (`close` waits for it)."""
-        async with self._index_order:
-            write = asyncio.get_running_loop().run_in_executor(
-                None, self._write, list(saved.values()))
-            self._writes.add(write)
-            write.add_done_callback(self._written_index)
-            await asyncio.shield(write)
-
-    def _written_index(self, write: asyncio.Future[OSError | None]) -> None:
-        self._writes.discard(write)
-        if not write.cancelled() and write.exception() is None:
-            self._index_failed(write.result())
+        """Write the index of ``saved`` (`Index.commit`)."""
+        await self.index.commit(saved)
 
 
 def server_error(got: BadResponse) -> str:

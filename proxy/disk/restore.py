@@ -1,7 +1,8 @@
 """The disk tier's restores: a saved slot's file read back into a slot of a backend of
 the same model, for a request about to use that slot (`restore_into`), and into a backend
-that (re)started, before it is routed (`restore`). A mixin of SlotStore (store.py),
-whose state it reads: what each side owns is told there.
+that (re)started, before it is routed (`restore`): a `Restorer`, a part of SlotStore
+(store.py), reading the directory's files through its catalog (catalog.py) and what each
+backend runs through its identities (identity.py).
 
 A file is judged before it is sent, by the rule a start judges it by (records.py
 `verdict`): one no server loads is dropped (truncated: the server aborts on it, a
@@ -13,20 +14,23 @@ while it loads a model, a 5xx) says nothing of the file, nor does no answer (dow
 restarting, hung, a timeout on a busy server): the file is kept for the server's next
 start. But a server that goes away (its connection refused, reset or closed) during the
 same file's restore twice within `STRIKE_WINDOW_S` is taken to be brought down by it, and
-the file is dropped.
+the file is dropped (`Strikes`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
+
+import aiohttp
+import structlog
 
 from backends.client import BackendClient, BackendDown, BadResponse
 from backends.info import BackendInfo
+from proxy.disk.catalog import Catalog
 from proxy.disk.files import SlotFiles, server_error
+from proxy.disk.identity import Identities
 from proxy.disk.records import Saved
-from proxy.routing.router import Router
 
 # A restore reads its file whole into the server's KV, in the server's loop: allow the loop
 # this long to take the task, and the file's size at a hard disk's speed. Past that the
@@ -43,30 +47,45 @@ STRIKE_WINDOW_S = 900.0
 _REFUSED_STATUS, _REFUSED = 400, "Unable to restore slot"
 
 
-class Restoring:
-    """SlotStore's restores (see store.py for the state below)."""
+class Strikes:
+    """The restores of each file (by its entry's id) that the server went away during:
+    the second within ``window_s`` of the one before is the file's doing."""
 
-    saved: dict[int, Saved]
-    files: SlotFiles
-    models: dict[str, str]
-    counted: Callable[[str], None]
-    log: Any
-    _strikes: dict[int, float]
-    strike_window_s: float
-    _model_of: Callable[[BackendInfo], Awaitable[str | None]]  # (SlotStore)
-    _client: Callable[[BackendInfo, float], BackendClient]  # (SlotStore)
-    _drop: Callable[[int, str, bool, bool], None]  # (SlotStore)
-    router_of: Callable[[str], Router | None]
+    def __init__(self, window_s: float = STRIKE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._last: dict[int, float] = {}  # entry -> the last restore it went away during
 
-    def has(self, backend: str) -> bool:
-        """Are there files to restore into ``backend`` (of the model it runs)?"""
-        model = self.models.get(backend)
-        return any(e.backend == backend and e.model == model for e in self.saved.values())
+    def strike(self, entry_id: int, got: object, now: float) -> bool:
+        """A restore of ``entry_id`` answered ``got`` at ``now``: is it the second the
+        server went away during within ``window_s``? A timeout is no strike (a busy or
+        hung server), nor a refused connection (the restore never reached the server)."""
+        if not isinstance(got, BackendDown) or got.timed_out or got.refused:
+            return False
+        last = self._last.get(entry_id)
+        # (older strikes count no more: forgotten, those of files dropped since too)
+        self._last = {i: t for i, t in self._last.items() if now - t <= self.window_s}
+        self._last[entry_id] = now
+        return last is not None and now - last <= self.window_s
 
-    def _latest(self, backend: str, slot: int, model: str) -> Saved | None:
-        mine = [e for e in self.saved.values()
-                if (e.backend, e.slot, e.model) == (backend, slot, model)]
-        return max(mine, key=lambda e: e.saved_at, default=None)
+    def clear(self, entry_id: int) -> None:
+        """``entry_id`` was restored, or dropped: its strikes count no more."""
+        self._last.pop(entry_id, None)
+
+
+class Restorer:
+    """The restores of ``catalog``'s files (of ``files``'s directory) into the backends
+    that run their model (``identities``), through ``session``; ``counted`` hears
+    restored, restore_failed, restore_interrupted and foreign."""
+
+    def __init__(self, files: SlotFiles, catalog: Catalog, identities: Identities,
+                 session: aiohttp.ClientSession, counted: Callable[[str], None]) -> None:
+        self.files, self.catalog, self.identities = files, catalog, identities
+        self.session, self.counted = session, counted
+        self.log = structlog.get_logger()
+        self.strikes = Strikes()
+
+    def _client(self, info: BackendInfo, timeout: float) -> BackendClient:
+        return BackendClient(self.session, info.url, info.api_key, timeout=timeout)
 
     async def _restore(self, info: BackendInfo, slot: int, e: Saved) -> bool | None:
         """Restore ``e`` into ``info``'s ``slot``: True; False: not restored (refused, or
@@ -79,25 +98,15 @@ class Restoring:
         timeout = RESTORE_BASE_S + e.size / RESTORE_BYTES_PER_S
         got = await self._client(info, timeout).slot_file(slot, "restore", e.file)
         if isinstance(got, int) and got >= len(e.tokens) // 4:
-            self._strikes.pop(e.id, None)
+            self.strikes.clear(e.id)
             self.counted("restored")
             return True
         if isinstance(got, int) or refused(got):
             self._failed(info, slot, e, restore_trouble(got, len(e.tokens) // 4, False))
             return False
-        kept = not self._struck(e, got)
+        kept = not self.strikes.strike(e.id, got, time.monotonic())
         self._failed(info, slot, e, restore_trouble(got, len(e.tokens) // 4, kept), kept)
         return None
-
-    def _struck(self, e: Saved, got: object) -> bool:
-        """Is this the second restore of ``e`` the server went away during within
-        ``strike_window_s``? A timeout is no strike (a busy or hung server), nor a refused
-        connection (the restore never reached the server)."""
-        if not isinstance(got, BackendDown) or got.timed_out or got.refused:
-            return False
-        now, last = time.monotonic(), self._strikes.get(e.id)
-        self._strikes[e.id] = now
-        return last is not None and now - last <= self.strike_window_s
 
     def _unusable(self, info: BackendInfo, slot: int, e: Saved, kind: str, why: str) -> None:
         """``e``'s file judged not to be sent (`SlotFiles.judge`): ``kind`` "remove" (no
@@ -117,7 +126,8 @@ class Restoring:
         self.files.failed("restore", *trouble, backend=info.name, slot=slot, file=e.file)
         self.counted("restore_interrupted" if kept else "restore_failed")
         if not kept:
-            self._drop(e.id, f"restore failed: {trouble[0]}", True, aside)
+            self.strikes.clear(e.id)
+            self.catalog.drop(e.id, f"restore failed: {trouble[0]}", True, aside)
 
     async def restore_into(self, info: BackendInfo, slot: int, file: str) -> bool:
         """Restore ``file`` into ``info``'s ``slot`` (a request is about to be sent there,
@@ -127,8 +137,8 @@ class Restoring:
         another model was not sent, and the slot holds what it held: reused, if at all,
         beyond prediction).
         """
-        e = next((e for e in self.saved.values() if e.file == file), None)
-        model = None if e is None else await self._model_of(info)
+        e = self.catalog.named(file)
+        model = None if e is None else await self.identities.model_of(info)
         if e is None or e.model != model:
             # dropped since the decision (budget, a refusal), or of another model than the
             # one the server runs now (an external one restarted with another, unseen)
@@ -137,8 +147,8 @@ class Restoring:
             self.log.info("slot.restore_skipped", backend=info.name, slot=slot, file=file)
             return False
         done = await self._restore(info, slot, e)
-        if e.id not in self.saved:
-            await self.files.commit(self.saved)
+        if e.id not in self.catalog.saved:
+            await self.catalog.commit()
         return bool(done)
 
     async def restore(self, info: BackendInfo, routed: bool = False
@@ -151,14 +161,14 @@ class Restoring:
         router gets its file (one in use holds what is newer, and a busy one would have
         the server defer the restore past its request), and the router is told of each
         as it comes back."""
-        model = self.models.get(info.name)
+        model = self.identities.models.get(info.name)
         out: list[tuple[int, bytes]] = []
         if model is None:
             return out
-        slots = {e.slot for e in self.saved.values()
+        slots = {e.slot for e in self.catalog.saved.values()
                  if e.backend == info.name and e.model == model}
         for slot in sorted(s for s in slots if s < info.n_slots):
-            entry = self._latest(info.name, slot, model)
+            entry = self.catalog.latest(info.name, slot, model)
             assert entry is not None
             if routed and not await self._vacant(info, slot):
                 continue
@@ -167,12 +177,12 @@ class Restoring:
                 break
             if done:
                 out.append((slot, entry.tokens))
-                if routed and (r := self.router_of(info.name)) is not None:
+                if routed and (r := self.catalog.router_of(info.name)) is not None:
                     r.seed(info.name, slot, entry.tokens)  # (refused: a request took it)
         if out:
             self.log.info("slot.restored", backend=info.name,
                           slots=[(s, len(t) // 4) for s, t in out])
-        await self.files.commit(self.saved)
+        await self.catalog.commit()
         return out
 
     async def _vacant(self, info: BackendInfo, slot: int) -> bool:
@@ -189,8 +199,9 @@ class Restoring:
             if isinstance(got, list) else None
         if state is None or state.is_processing or state.n_prompt_tokens:
             return False
-        r = self.router_of(info.name)
+        r = self.catalog.router_of(info.name)
         return r is not None and r.vacant(info.name, slot)
+
 
 
 def refused(got: object) -> bool:

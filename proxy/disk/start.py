@@ -1,18 +1,20 @@
-"""What a start keeps of a directory of the disk tier (`Starting.open`, a part of
-SlotFiles, files.py): the directory taken, the index and the sidecars read, the files
-found, and the plan `reconcile` makes of them (records.py) carried out, each change
-logged.
+"""What a start keeps of a directory of the disk tier (`Start`, for SlotFiles.load,
+files.py): the index and the sidecars read, the files found, and the plan `reconcile`
+makes of them (records.py) carried out, each change logged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Protocol
+
+import structlog
 
 from proxy.config.fields import ConfigError
+from proxy.disk.directory import Index, Quarantine
 from proxy.disk.records import (
     INDEX,
     PREFIX,
@@ -30,33 +32,31 @@ from proxy.disk.records import (
 )
 
 
-class Starting:
-    """SlotFiles's start (see files.py for the state below)."""
+class Directory(Protocol):
+    """What a start does with a directory's files (SlotFiles, files.py)."""
 
     path: Path
-    log: Any
-    highest: int
-    quarantined: int
-    remove: Callable[..., None]
-    quarantine: Callable[[str, str], list[str]]
-    describe: Callable[[Saved], str | None]
-    trim: Callable[[Iterable[Saved], float, Collection[str]], list[int]]
-    unlink: Callable[[str], None]
-    _quarantined: Callable[[], list[tuple[Path, float, int]]]
-    _write: Callable[[list[Saved]], OSError | None]
-    _index_failed: Callable[[OSError | None], None]
-    claim: Callable[[], None]
-    release: Callable[[], None]
+    aside: Quarantine
+    index: Index
 
-    def open(self, budget: float) -> dict[int, Saved]:
-        """Take the directory (`claim`: before the index is read, which another kvroute
-        may be writing), then `load` it; a load that fails lets the directory go."""
-        self.claim()
-        try:
-            return self.load(budget)
-        except BaseException:
-            self.release()
-            raise
+    def remove(self, file: str, reason: str, warn: bool = False) -> None: ...
+
+    def describe(self, e: Saved) -> str | None: ...
+
+    def trim(self, saved: Iterable[Saved], budget: float,
+             spare: Collection[str] = ()) -> list[int]: ...
+
+    def unlink(self, file: str) -> None: ...
+
+
+class Start:
+    """The start of ``files``'s directory: `load` once; ``highest``, the highest id its
+    names (the quarantine's too) or its index carry, once loaded."""
+
+    def __init__(self, files: Directory) -> None:
+        self.files, self.path = files, files.path
+        self.log = structlog.get_logger()
+        self.highest = 0
 
     def load(self, budget: float) -> dict[int, Saved]:
         """What a previous run left, reconciled with the directory (files.py's
@@ -68,16 +68,16 @@ class Starting:
         aside = self._apply(plan, index)
         for i in sidecars:
             if not (self.path / file_name(i)).exists():
-                self.unlink(file_name(i, "json"))  # (its file is gone)
-        self.quarantined = sum(".bin" in p.name for p, _, _ in self._quarantined())
+                self.files.unlink(file_name(i, "json"))  # (its file is gone)
+        self.files.aside.recount()
         if unreadable or (index is None and found):
             self.log.warning("slot.index_rebuilt", path=str(self.path),
                              reason=unreadable or "no index", kept=len(plan.keep),
                              quarantined=len(plan.quarantine), removed=len(plan.remove))
-        for i in self.trim(plan.keep.values(), budget, aside):
-            self.remove(plan.keep.pop(i).file, "over the budget")
+        for i in self.files.trim(plan.keep.values(), budget, aside):
+            self.files.remove(plan.keep.pop(i).file, "over the budget")
         if plan.keep != (index or {}) or unreadable:
-            self._index_failed(self._write(list(plan.keep.values())))
+            self.files.index.write_now(list(plan.keep.values()))
         return plan.keep
 
     def _apply(self, plan: Plan, index: Mapping[int, Saved] | None) -> set[str]:
@@ -86,10 +86,10 @@ class Starting:
             self.log.warning("slot.entry_dropped", path=str(self.path), file=file,
                              reason=why)
         for file, why in plan.remove:
-            self.remove(file, why, warn=True)
-        aside = {n for file, why in plan.quarantine for n in self.quarantine(file, why)}
+            self.files.remove(file, why, warn=True)
+        aside = {n for file, why in plan.quarantine for n in self.files.aside.put(file, why)}
         for i in plan.describe:
-            if (why := self.describe(plan.keep[i])) is not None:
+            if (why := self.files.describe(plan.keep[i])) is not None:
                 self.log.warning("slot.sidecar_failed", path=str(self.path),
                                  file=plan.keep[i].file, reason=why)
         for i in sorted(plan.keep.keys() - index.keys()) if index is not None else ():
@@ -116,7 +116,7 @@ class Starting:
         for name in names:
             n = numbered(name)
             if name.startswith(PREFIX) and name.endswith(".tmp"):
-                self.unlink(name)
+                self.files.unlink(name)
             elif n is not None and n[1] == "json":
                 sidecars.add(n[0])
             elif name.startswith(PREFIX) and name.endswith(".bin") and \

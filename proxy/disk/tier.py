@@ -23,7 +23,8 @@ from backends.config import (
 )
 from backends.info import BackendInfo
 from proxy.disk.identity import model_identity
-from proxy.disk.store import SlotStore, saves
+from proxy.disk.save import saves
+from proxy.disk.store import SlotStore
 from proxy.observability.logging import get_logger
 from proxy.routing.router import Router
 

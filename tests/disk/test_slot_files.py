@@ -139,7 +139,7 @@ async def test_a_file_the_server_dies_on_twice_is_dropped(tmp_path: Path,
     """The server goes away during a restore (its process died): the file is kept, it may
     not be the file's doing. The same again on that file: the file is taken to bring the
     server down, and dropped; else every restart of the backend would die on it. Not so
-    when the two are further apart than `strike_window_s` (``apart``: two deaths hours
+    when the two are further apart than `Strikes.window_s` (``apart``: two deaths hours
     apart say nothing of the file)."""
     (tmp_path / INDEX).write_text(json.dumps([entry(1)]))
     (tmp_path / "kvroute-1.bin").write_bytes(state_file(ids(100, 50)))
@@ -152,7 +152,7 @@ async def test_a_file_the_server_dies_on_twice_is_dropped(tmp_path: Path,
     async with slots_server(dies) as url, aiohttp.ClientSession() as session:
         store = SlotStore(KvDiskConfig(tmp_path), session, Router(), events.append)
         if apart:
-            store.strike_window_s = 0.0
+            store.restorer.strikes.window_s = 0.0
         store.backend_ready("a", MODEL)
         assert await store.restore(info_at(url)) == []
         assert events == ["restore_interrupted"] and slot_files(tmp_path) == {"kvroute-1.bin"}

@@ -165,7 +165,7 @@ async def test_a_server_that_does_not_say_its_model_is_asked_again(
         pool_config: Callable[..., Config], demo_model: Path, tmp_path: Path) -> None:
     """The server's `/v1/models` fails when it becomes ready: `slot.model_unknown` is logged
     with the reason and the fix, it is routed, and its turns are not saved (what computed
-    them is unknown); asked again (at the next save once `identity_retry_s` passed) while
+    them is unknown); asked again (at the next save once `Identities.retry_s` passed) while
     it still fails, still nothing. Once it answers, the next turn's save learns the model
     and is made."""
     out = io.StringIO()
@@ -186,7 +186,7 @@ async def test_a_server_that_does_not_say_its_model_is_asked_again(
                     assert routed(client) == ["x"]
                     store = client.server.app[FORWARDER].slot_store("x")
                     assert store is not None
-                    store.identity_retry_s = 0.0  # (every save asks)
+                    store.identities.retry_s = 0.0  # (every save asks)
                     asked = front.asked["/v1/models"]
                     await chat(client, turn(1))
                     await until(lambda: front.asked["/v1/models"] > asked, 30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.disk.store import SPILL_MAX_S, SPILL_SHARE, spill_estimate
+from proxy.disk.save import SPILL_MAX_S, SPILL_SHARE, spill_estimate
 
 MB = 1 << 20
 KV = 8192  # bytes of KV per token (the demo model's order)
