@@ -121,25 +121,6 @@ class ExchangeEvents(Protocol):
     def first_token(self) -> None: ...
 
 
-class Unheard:
-    """Events nobody listens to (an unrouted call)."""
-
-    def sent(self) -> None:
-        pass
-
-    async def settle(self, target: Target) -> Target:
-        return target
-
-    def data(self) -> None:
-        pass
-
-    def first_token(self) -> None:
-        pass
-
-
-UNHEARD = Unheard()
-
-
 @dataclass(frozen=True)
 class Exchange:
     """One upstream exchange: what is sent where, and how its answer reaches the client.
@@ -215,9 +196,9 @@ def _is_usage_only(obj: JSON) -> bool:
     return "usage" in obj and not obj.get("choices")
 
 
-async def send(ex: Exchange, events: ExchangeEvents = UNHEARD) -> web.StreamResponse:
+async def send(ex: Exchange, events: ExchangeEvents | None = None) -> web.StreamResponse:
     """Send `ex.payload` to `ex.target` at `ex.path` and answer `ex.request` with what
-    comes back, telling `events` as it goes.
+    comes back, telling `events` (if any: an unrouted call has none) as it goes.
 
     Until the client has received its first byte (a whole body, or a stream's first
     event), failures raise `UpstreamError` / `UpstreamTimeout`: the caller may retry
@@ -225,7 +206,7 @@ async def send(ex: Exchange, events: ExchangeEvents = UNHEARD) -> web.StreamResp
     trips the backend (a hung backend).
     """
     outcome = ex.outcome
-    if events is not UNHEARD:
+    if events is not None:
         outcome.on_first_token = events.first_token
     outcome.started = time.perf_counter()
     head = await _answer_head(ex, events)
@@ -261,12 +242,12 @@ class _Head(NamedTuple):
     assembled: bool
 
 
-async def _answer_head(ex: Exchange, events: ExchangeEvents) -> _Head:
+async def _answer_head(ex: Exchange, events: ExchangeEvents | None) -> _Head:
     """Send the request and read the answer up to what the client is first written."""
     target, outcome, health = ex.target, ex.outcome, ex.health
     name = target.info.name
     sent = None
-    if events is not UNHEARD:
+    if events is not None:
         def sent(r: Response) -> None:
             r.on_data = events.data  # (the answer's parts arrive after this)
             events.sent()
@@ -277,7 +258,7 @@ async def _answer_head(ex: Exchange, events: ExchangeEvents) -> _Head:
                 upstream = await ex.client.request(ex.method, target.info.url, ex.path,
                                                    ex.payload, backend_headers(target.info),
                                                    sent=sent)
-                if events is not UNHEARD:
+                if events is not None:
                     target = await events.settle(target)
                 outcome.status = upstream.status
                 ctype = upstream.headers.get("content-type", "application/json").lower()

@@ -41,9 +41,9 @@ class SlotQueue:
     def drain(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
         """A slot freed. A request waiting for that very slot gets it, pinned (the first
         of its waiters); otherwise a request waiting for any slot gets the one the
-        server would give it unpinned: the waiter that would reuse the most there, at
-        least ``wait_min_tokens`` (its conversation's next turn in the freed slot, or
-        an entry of the RAM tier), else the oldest. The proxy holds them, so it need not
+        server would give it unpinned: the waiter of shortest expected prefill there
+        (see ``_next_waiter``; a waiter whose conversation's next turn the freed slot or
+        a RAM entry holds has little left to prefill). The proxy holds them, so it need not
         hand slots out in arrival order as the server's queue does: a turn that came
         while its slot was busy would otherwise take whichever slot freed first and
         leave its history to the waiter behind it, which recomputes it again; and each
@@ -77,37 +77,43 @@ class SlotQueue:
         assert oldest is not None, "someone waits"
         if not self._policy.orders_waiters:
             return oldest
+        landed: dict[int, int] = {}  # waiter -> its predicted reuse (-1: no landing)
         if len(st.waiting) <= _SCAN_AT_MOST:
             cands: Iterable[int] = (r for r in st.queued if r not in st.targets)
         else:
-            cands = self._candidates(st)
-        cache, queued, s = st.cache, st.queued, self._settings
+            cands = self._candidates(st, landed)
+        queued, s = st.queued, self._settings
         best, key = oldest, (float("inf"), 0.0)
         for rid in cands:
-            q = queued[rid]
-            p = cache.predict(None, *self.lcps(cache, q.prompt), q.n)
-            if p is None:
+            reuse = landed[rid] if rid in landed else self._reuse(st, rid)
+            if reuse < 0:
                 continue
             started = self._ledger[rid].started
             waited = now - started
             k = (-1.0 if waited >= s.wait_starve_s
-                 else (q.n - p.reuse) / st.rate / (1.0 + s.wait_ageing * waited), started)
+                 else (queued[rid].n - reuse) / st.rate / (1.0 + s.wait_ageing * waited),
+                 started)
             if k < key:
                 best, key = rid, k
         return best
 
-    def _candidates(self, st: BackendState) -> set[int]:
+    def _reuse(self, st: BackendState, rid: int) -> int:
+        """What waiter ``rid``'s unpinned start on ``st`` reuses (-1: it cannot start)."""
+        q = st.queued[rid]
+        p = st.cache.predict(None, *self.lcps(st.cache, q.prompt), q.n)
+        return -1 if p is None else p.reuse
+
+    def _candidates(self, st: BackendState, landed: dict[int, int]) -> set[int]:
         """The waiters of a long queue that can be the next one served (see
-        ``_next_waiter``)."""
+        ``_next_waiter``); the reuse of those the search predicted goes into ``landed``."""
         targets = st.targets
         out = set(islice((r for r in st.queued if r not in targets), _CANDIDATES))
         out.update(rid for _, rid in islice(st.waiting_by_size, _CANDIDATES))
         cache, queued = st.cache, st.queued
 
         def reuse(rid: int) -> int:
-            q = queued[rid]
-            p = cache.predict(None, *self.lcps(cache, q.prompt), q.n)
-            return -1 if p is None else p.reuse
+            landed[rid] = got = self._reuse(st, rid)
+            return got
 
         slots = sorted(((n, cache.slot_holder(i)) for i in cache.idle
                         if (n := self._tree.held_len(cache.slot_holder(i)))), reverse=True)

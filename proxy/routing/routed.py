@@ -2,8 +2,8 @@
 
 `Router.decide` returns a `Routed`; the forwarder holds it for the request's life and
 tells it what happens: `placed()` once the request is written, `extend(ids)` when the rest
-of a prompt decided on its head is tokenized, `handed(h)` when a queued request is given
-its slot, `first_token()`, and `complete(...)` or `abort(...)` at the end. `prediction` is
+of a prompt decided on its head is tokenized, `first_token()`, and `complete(...)` or
+`abort(...)` at the end. `prediction` is
 read when the answer's headers are written and when its log line is: the router keeps it
 current (the deferred slot model update, another replica's request run first, the whole
 prompt, a hand-off, a failed restore), so no caller keeps or revises a copy.
