@@ -11,14 +11,16 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from loadtest.trace import TRACES
 from proxy.routing.cache.checkpoints import Memory
 
-DEFAULT_TRACE = str(Path(__file__).resolve().parent / "traces" / "mooncake_synthetic_trace.jsonl")
+DEFAULT_TRACE = str(TRACES["synthetic"])
+TRACE_HELP = f"Mooncake JSONL trace (.xz too), or a kept one: {', '.join(TRACES)}"
 
 
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("simulate", help="discrete-event replay with the real router")
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    p.add_argument("--trace", default=DEFAULT_TRACE, help=TRACE_HELP)
     p.add_argument("--limit", type=int, default=0, help="use only the first N requests")
     p.add_argument("--backends", type=int, default=4)
     p.add_argument(

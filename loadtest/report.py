@@ -93,6 +93,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "requests": len(res), "ok": len(ok), "errors": len(res) - len(ok),
         "cut": run.outcome.cut, "skipped": run.outcome.skipped,
         "first_errors": sorted({r.error or "" for r in res if not r.ok})[:3],
+        "ttft_mean": sum(ttft) / len(ttft) if ttft else None,
         "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90), "ttft_p99": pct(ttft, 99),
         "e2e_p50": pct(e2e, 50), "e2e_p90": pct(e2e, 90), "e2e_p99": pct(e2e, 99),
         "throughput_rps": len(ok) / wall if wall else None,
@@ -117,13 +118,13 @@ def _pc(v: object) -> str:
     return "-" if v is None else f"{100 * float(v):.1f}%"  # type: ignore[arg-type]
 
 
-_COLUMNS = ("run", "ok/sent", "TTFT p50", "p90", "p99", "e2e p50", "p90", "req/s",
+_COLUMNS = ("run", "ok/sent", "TTFT mean", "p50", "p90", "p99", "e2e p50", "p90", "req/s",
             "reused", "pred. err (tok)", "pred. exact", "requests per backend")
 
 
 def _rows(summaries: Sequence[dict[str, Any]]) -> list[list[str]]:
-    return [[s["label"], f"{s['ok']}/{s['requests']}", _f(s["ttft_p50"]), _f(s["ttft_p90"]),
-             _f(s["ttft_p99"]), _f(s["e2e_p50"]), _f(s["e2e_p90"]),
+    return [[s["label"], f"{s['ok']}/{s['requests']}", _f(s["ttft_mean"]), _f(s["ttft_p50"]),
+             _f(s["ttft_p90"]), _f(s["ttft_p99"]), _f(s["e2e_p50"]), _f(s["e2e_p90"]),
              _f(s["throughput_rps"], "{:.2f}"), _pc(s["reused_ratio"]),
              _f(s["prediction_error_mean"], "{:.0f}"), _pc(s["prediction_exact"]),
              " ".join(f"{k}:{v}" for k, v in s["requests_per_backend"].items())]

@@ -42,6 +42,7 @@ from loadtest.fleet import (
     terminate,
 )
 from loadtest.report import PolicyRun
+from loadtest.trace import TRACES
 from proxy.routing.policies import POLICIES
 
 DEFAULT_POLICIES = "prefix,round_robin,least_loaded,direct"
@@ -307,7 +308,8 @@ def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
     g.add_argument("--system-tokens", type=int, default=2000)
     g.add_argument("--question-tokens", type=int, default=100)
     g = p.add_argument_group("trace")
-    g.add_argument("--trace", default=default_trace)
+    g.add_argument("--trace", default=default_trace,
+                   help=f"Mooncake JSONL trace (.xz too), or a kept one: {', '.join(TRACES)}")
     g.add_argument("--requests", type=int, default=100)
     g.add_argument("--block", type=int, default=32, help="tokens per hash id (trace: 512)")
     g = p.add_argument_group("cluster and bounds")

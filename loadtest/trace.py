@@ -9,13 +9,19 @@ run of ids share that prefix. Token ids are derived from the id alone, so any pr
 from __future__ import annotations
 
 import json
+import lzma
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 BLOCK = 512
 # NOTE: the demo vocabulary has 151,936 ids with special tokens from 151,643: stay below
 VOCAB_LO = 1000
 VOCAB_HI = 150_000
+_DIR = Path(__file__).resolve().parent / "traces"
+# The traces kept in the repository (traces/README.md), by the name --trace accepts
+TRACES = {"synthetic": _DIR / "mooncake_synthetic_trace.jsonl",
+          "conversation": _DIR / "mooncake_conversation_trace.jsonl.xz"}
 _STRIDE = 7919  # prime, coprime with the span: distinct block starts for ids < span
 
 
@@ -27,10 +33,23 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
+def trace_path(name_or_path: str | Path) -> Path:
+    """A trace kept here by its name (``TRACES``), else the path given."""
+    return TRACES.get(str(name_or_path), Path(name_or_path))
+
+
+def _open(path: Path) -> IO[str]:
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def load_mooncake(path: str | Path) -> list[TraceRequest]:
-    """Read a Mooncake JSONL trace, sorted by timestamp (stable)."""
+    """Read a Mooncake JSONL trace (xz-compressed if its name ends in .xz, or one of
+    ``TRACES`` by name), sorted by timestamp (stable)."""
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
+    path = trace_path(path)
+    with _open(path) as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue

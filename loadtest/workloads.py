@@ -204,14 +204,32 @@ def shared_prefix(*, groups: int = 4, prompts: int = 8, system_tokens: int = 200
     return Workload("shared-prefix", tuple(out), params)
 
 
+def shared_depth(trace: Sequence[TraceRequest]) -> int:
+    """How many leading hash ids every request of ``trace`` shares (a system prompt all
+    its conversations start with): a conversation is told by the id after them."""
+    if not trace:
+        return 0
+    first = trace[0].hash_ids
+    n = min(len(first), *(len(r.hash_ids) for r in trace))
+    for r in trace:
+        n = next((i for i in range(n) if r.hash_ids[i] != first[i]), n)
+    return n
+
+
+def group_of(r: TraceRequest, depth: int) -> int:
+    """``r``'s conversation: its first hash id past the ``depth`` all share (-1: none)."""
+    return r.hash_ids[depth] if len(r.hash_ids) > depth else -1
+
+
 def sample_groups(trace: Sequence[TraceRequest], requests: int,
                   seed: int) -> list[TraceRequest]:
-    """Whole prefix groups (requests sharing their first hash id) in seeded random order
-    until ``requests`` are taken: a request's ancestors come along, so its reuse does too.
-    Returned in trace (timestamp) order."""
+    """Whole conversations (requests sharing their first hash id past those every request
+    shares) in seeded random order until ``requests`` are taken: a request's ancestors
+    come along, so its reuse does too. Returned in trace (timestamp) order."""
+    depth = shared_depth(trace)
     groups: dict[int, list[int]] = {}
     for i, r in enumerate(trace):
-        groups.setdefault(r.hash_ids[0] if r.hash_ids else -1, []).append(i)
+        groups.setdefault(group_of(r, depth), []).append(i)
     keys = sorted(groups)
     random.Random(seed).shuffle(keys)
     keep: list[int] = []
@@ -247,12 +265,13 @@ def trace(*, path: str, requests: int = 100, rate: float = 1.0, block: int = 32,
     params = dict(locals())
     if api == "anthropic":
         raise ValueError("trace replay sends token ids: --api llama or openai")
-    picked = [scale_request(r, block) for r in sample_groups(load_mooncake(path), requests,
-                                                               seed)]
+    whole = load_mooncake(path)
+    depth = shared_depth(whole)
+    picked = [scale_request(r, block) for r in sample_groups(whole, requests, seed)]
     if not picked:
         return Workload("trace", (), params, 0.0)
     out = []
-    for i, r, at, root, turn in _replay(picked, rate):
+    for i, r, at, root, turn in _replay(picked, rate, depth):
         prompt = trace_prompt(r, block)
         body: dict[str, Any] = {"prompt": prompt}
         out_n = max(1, min(r.output_length, max_tokens))
@@ -267,10 +286,10 @@ def trace(*, path: str, requests: int = 100, rate: float = 1.0, block: int = 32,
     return Workload("trace", tuple(out), params, oracle_hit_ratio(picked, block), blocks)
 
 
-def _replay(picked: Sequence[TraceRequest], rate: float
+def _replay(picked: Sequence[TraceRequest], rate: float, depth: int
             ) -> Iterator[tuple[int, TraceRequest, float, int, int]]:
     """Each request with its index, arrival (s: the trace's relative spacing at a mean
-    ``rate`` per s), group (first hash id) and turn within that group."""
+    ``rate`` per s), conversation (``group_of``) and turn within it."""
     if not picked:
         return
     t0 = picked[0].timestamp_ms
@@ -278,7 +297,7 @@ def _replay(picked: Sequence[TraceRequest], rate: float
     scale = (len(picked) - 1) / rate / span_s if span_s > 0 and rate > 0 else 0.0
     turns: dict[int, int] = {}
     for i, r in enumerate(picked):
-        root = r.hash_ids[0] if r.hash_ids else -1
+        root = group_of(r, depth)
         turns[root] = turns.get(root, -1) + 1
         yield i, r, (r.timestamp_ms - t0) / 1000 * scale, root, turns[root]
 
@@ -295,9 +314,10 @@ def chat_trace(*, path: str, requests: int = 200, rate: float = 2.0, block: int 
     user message (the trace's ``input_length`` only says how many blocks: the last one
     is whole)."""
     params = dict(locals())
-    picked = sample_groups(load_mooncake(path), requests, seed)
+    full = load_mooncake(path)
+    picked = sample_groups(full, requests, seed)
     out = []
-    for i, r, at, root, turn in _replay(picked, rate):
+    for i, r, at, root, turn in _replay(picked, rate, shared_depth(full)):
         n_blocks = max(1, min(len(r.hash_ids), math.ceil(r.input_length / BLOCK)))
         text = " ".join(block_text(h, block) for h in r.hash_ids[:n_blocks])
         body = {"model": model, "max_tokens": max(1, min(r.output_length, max_tokens)),

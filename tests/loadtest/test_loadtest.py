@@ -110,6 +110,7 @@ async def test_tiny_live_ab_run(tmp_path: Path, llama_server_bin: Path,
     for s in doc["runs"]:
         assert s["ok"] == s["requests"] == len(workload.requests()) == 4
         assert 0 < s["ttft_p50"] <= s["ttft_p90"] <= s["e2e_p90"] < 60
+        assert 0 < s["ttft_mean"] < 60
         # turn 1 repeats turn 0's prompt: most of it must come back from the cache
         assert s["reused_ratio_per_turn"]["1"] > 0.6, s["policy"]
     prefix = doc["runs"][0]
