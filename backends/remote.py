@@ -64,8 +64,8 @@ class RemoteFleet(Protocol):
     """Where reports go (the Supervisor)."""
 
     def remote(self, report: Reported) -> None: ...
-    def remote_down(self, name: str, error: str) -> None: ...
-    def forget(self, name: str) -> None: ...
+    def remote_down(self, agent: str, name: str, error: str) -> None: ...
+    def forget(self, agent: str, name: str) -> None: ...
 
 
 def _get(item: Mapping[str, Any], key: str, kind: type | tuple[type, ...],
@@ -193,7 +193,7 @@ class AgentWatch:
             self.outage = None
         names = {r.cfg.name for r in got}
         for gone in sorted(self.known - names):
-            self.fleet.forget(gone)
+            self.fleet.forget(self.link.name, gone)
         for report in got:
             self.fleet.remote(report)
         self.known = names
@@ -206,4 +206,5 @@ class AgentWatch:
                         error=error, backends_down=len(self.known))
         self.outage = error
         for name in sorted(self.known):
-            self.fleet.remote_down(name, f"agent {self.link.name} unreachable: {error}")
+            self.fleet.remote_down(self.link.name, name,
+                                   f"agent {self.link.name} unreachable: {error}")

@@ -146,20 +146,25 @@ class Supervisor(Generic[C]):
             return
         b.reported(report)
 
-    def remote_down(self, name: str, error: str) -> None:
-        """Its agent does not answer: down until it says otherwise."""
+    def _of_agent(self, agent: str, name: str) -> RemoteBackend | None:
+        """``agent``'s backend ``name`` (None: none, or a configured one of that name)."""
         b = self._backends.get(name)
+        return b if isinstance(b, RemoteBackend) and b.agent == agent else None
+
+    def remote_down(self, agent: str, name: str, error: str) -> None:
+        """Its agent does not answer: down until it says otherwise."""
+        b = self._of_agent(agent, name)
         if b is None:
             return
         b.standing.down()
         b.standing.become("down", error)
 
-    def forget(self, name: str) -> None:
+    def forget(self, agent: str, name: str) -> None:
         """Its agent no longer lists it."""
-        b = self._backends.pop(name, None)
+        b = self._of_agent(agent, name)
         if b is None:
             return
-        log.info("backend.gone", backend=name, agent=b.agent if isinstance(b, RemoteBackend)
-                 else None)
+        del self._backends[name]
+        log.info("backend.gone", backend=name, agent=agent)
         b.standing.down()
         self._listeners.write()

@@ -137,3 +137,9 @@ def test_a_configured_backend_keeps_its_name(tmp_path: Path) -> None:
     w, events = watch(sup)
     w.apply(parse_answer(LINK, answer(READY)))
     assert events == [] and sup.statuses()[0]["agent"] is None
+    # the agent away, then no longer listing it: the configured backend is not its own
+    w.apply("/backends: ClientConnectorError")
+    w.apply(parse_answer(LINK, answer()))
+    assert events == []
+    assert [(s["name"], s["agent"]) for s in sup.statuses()] == [("box1/a", None)]
+    assert sup.statuses()[0]["last_error"] is None
