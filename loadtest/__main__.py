@@ -7,12 +7,18 @@ and ``soak`` the same way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from loadtest.trace import TRACES
+from loadtest.fleet import policy_variant, split_policies
+from loadtest.trace import TRACES, TraceRequest
 from proxy.routing.cache.checkpoints import Memory
+
+if TYPE_CHECKING:
+    from loadtest.simulate import SimBackend, SimResult
 
 DEFAULT_TRACE = str(TRACES["synthetic"])
 TRACE_HELP = f"Mooncake JSONL trace (.xz too), or a kept one: {', '.join(TRACES)}"
@@ -24,7 +30,8 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--limit", type=int, default=0, help="use only the first N requests")
     p.add_argument("--backends", type=int, default=4)
     p.add_argument(
-        "--policies", default="prefix,round_robin,least_loaded,random", help="comma-separated"
+        "--policies", default="prefix,round_robin,least_loaded,random",
+        help="comma-separated; one may carry routing settings: prefix[wait_starve_s=0]"
     )
     p.add_argument("--slots", type=int, default=8, help="slots per backend")
     p.add_argument("--ram-tokens", type=int, default=4_000_000, help="RAM cache per backend")
@@ -65,9 +72,24 @@ def _memory(kind: str, window: int) -> Memory:
     return Memory(recurrent=True) if kind == "hybrid" else DENSE
 
 
+def _simulate_one(spec: str, trace: Sequence[TraceRequest], be: SimBackend,
+                  args: argparse.Namespace, prompts: Sequence[bytes] | None,
+                  starts: Sequence[tuple[int, ...]] | None) -> SimResult:
+    """One policy's replay; ``spec`` may carry routing settings (``policy_variant``)."""
+    from loadtest.simulate import simulate
+    from proxy.routing.settings import RouterSettings
+
+    policy, routing = policy_variant(spec)
+    settings = RouterSettings(**{"default_prefill_tps": be.prefill_tps, **routing})
+    got = simulate(trace, policy, args.backends, be, settings=settings,
+                   time_scale=args.time_scale, seed=args.seed, prompts=prompts,
+                   user_starts=starts)
+    return dataclasses.replace(got, policy=spec)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from loadtest.bounds import oracle_hit_ratio
-    from loadtest.simulate import SimBackend, format_table, plan_capacity, simulate
+    from loadtest.simulate import SimBackend, format_table, plan_capacity
     from loadtest.trace import load_mooncake
 
     prompts = starts = None
@@ -108,12 +130,8 @@ def _simulate(args: argparse.Namespace) -> int:
             return 1
         print(f"{n} backends meet p90 TTFT <= {args.plan_p90} s")
         return 0
-    results = [
-        simulate(trace, pol.strip(), args.backends, be, time_scale=args.time_scale,
-                 seed=args.seed, prompts=prompts, user_starts=starts)
-        for pol in args.policies.split(",")
-        if pol.strip()
-    ]
+    results = [_simulate_one(spec, trace, be, args, prompts, starts)
+               for spec in split_policies(args.policies)]
     print(f"{len(trace)} requests, {args.backends} backends x {args.slots} slots")
     print(format_table(results, oracle))
     return 0
@@ -155,7 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_run(sub)
     _add_soak(sub)
     args = parser.parse_args(argv)
-    return _COMMANDS[args.command](args)
+    try:
+        return _COMMANDS[args.command](args)
+    except ValueError as e:  # what was asked cannot be run as given (the message says why)
+        print(f"loadtest: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -28,6 +29,7 @@ import yaml
 from backends.binary import ensure_llama_server
 from backends.demo_model import ensure_demo_model
 from backends.process import LlamaServerProcess, ServerSpec, free_port
+from proxy.routing.settings import RouterSettings
 
 PEERS = ("smg",)
 
@@ -45,6 +47,44 @@ class Cluster:
     model: str = "demo"
     kv_disk: bool = False  # managed backends' slots saved to disk (kv_disk in the config)
     startup_timeout_s: float = 180.0
+
+
+def policy_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``prefix[wait_starve_s=0,wait_ageing=1]`` -> ("prefix", {"wait_starve_s": 0, ...}):
+    a kvroute policy with routing settings of its own (config ``routing:``), so that two
+    settings of one policy are compared in one run. Values read as YAML scalars."""
+    name, sep, rest = spec.partition("[")
+    if not sep:
+        return spec, {}
+    if not rest.endswith("]"):
+        raise ValueError(f"policy {spec!r}: expected name[key=value,...]")
+    out: dict[str, Any] = {}
+    for item in filter(None, rest[:-1].split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"policy {spec!r}: {item!r} is not key=value")
+        out[key.strip()] = yaml.safe_load(value)
+    try:
+        RouterSettings(**out)
+    except TypeError as e:
+        raise ValueError(f"policy {spec!r}: {e} (the keys are those of routing: in the "
+                         "config, docs/configuration.md)") from None
+    return name, out
+
+
+def split_policies(text: str) -> list[str]:
+    """``"prefix,prefix[a=1,b=2],smg:cache_aware"`` -> its three policies (commas inside
+    brackets belong to a policy's settings)."""
+    out, depth, cur = [], 0, ""
+    for ch in text + ",":
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            if cur.strip():
+                out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return out
 
 
 def split_router(name: str) -> tuple[str, str]:
@@ -80,14 +120,18 @@ async def fresh_servers(cluster: Cluster, log_dir: Path) -> AsyncIterator[list[s
 
 def external_config(path: Path, cluster: Cluster, urls: list[str], policy: str) -> Path:
     """A kvroute config with ``urls`` as external backends and the demo model's GGUF as
-    the tokenizer (the servers' model, as an operator would name it)."""
-    cfg = {
+    the tokenizer (the servers' model, as an operator would name it); ``policy`` may
+    carry settings (``policy_variant``)."""
+    policy, routing = policy_variant(policy)
+    cfg: dict[str, Any] = {
         "proxy": {"host": "127.0.0.1", "port": free_port(), "policy": policy,
                   "tokenizer": str(ensure_demo_model(kind=cluster.model))},
         "log_dir": str(path.parent / "logs" / path.stem),
         "backends": [{"name": chr(ord("a") + i), "url": u,
                       "cache_ram_mib": cluster.cache_ram_mib} for i, u in enumerate(urls)],
     }
+    if routing:
+        cfg["routing"] = routing
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import re
 import signal
 import subprocess
 import sys
@@ -37,7 +38,9 @@ from loadtest.fleet import (
     external_config,
     find_smg,
     fresh_servers,
+    policy_variant,
     smg_router,
+    split_policies,
     split_router,
     terminate,
 )
@@ -49,7 +52,10 @@ DEFAULT_POLICIES = "prefix,round_robin,least_loaded,direct"
 
 
 def write_config(path: Path, cluster: Cluster, n_backends: int, policy: str) -> Path:
-    cfg = {
+    """A config of ``n_backends`` managed backends; ``policy`` may carry settings
+    (``policy_variant``)."""
+    policy, routing = policy_variant(policy)
+    cfg: dict[str, Any] = {
         "proxy": {"host": "127.0.0.1", "port": free_port(), "policy": policy},
         "log_dir": str(path.parent / "logs" / path.stem),
         "supervision": {"startup_timeout_s": cluster.startup_timeout_s},
@@ -58,6 +64,8 @@ def write_config(path: Path, cluster: Cluster, n_backends: int, policy: str) -> 
                       "threads": cluster.threads, "cache_ram_mib": cluster.cache_ram_mib}
                      for i in range(n_backends)],
     }
+    if routing:
+        cfg["routing"] = routing
     if cluster.kv_disk:  # a directory of its own per run: the index starts empty
         cfg["kv_disk"] = {"path": str(path.parent / "slots" / path.stem)}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -221,11 +229,11 @@ async def run_one(policy: str, workload: wl.Workload, cluster: Cluster, work_dir
             outcome = await LoadClient(url, key, label="direct", **client_kw).run(workload)
         return PolicyRun(policy, rate, outcome, {}, started)
     peer, pol = split_router(policy)
-    tag = tag.replace(":", "-")
+    tag = re.sub(r"[^\w.-]+", "-", tag).strip("-")
 
     async def through_kvroute(cfg: Path) -> PolicyRun:
-        async with kvroute_serve(cfg, pol, cluster.backends, cluster.startup_timeout_s,
-                                 args.serve_log_level) as url:
+        async with kvroute_serve(cfg, policy_variant(pol)[0], cluster.backends,
+                                 cluster.startup_timeout_s, args.serve_log_level) as url:
             started = time.monotonic() - t0
             outcome = await LoadClient(url, **client_kw).run(workload)
             metrics = await scrape_metrics(url)
@@ -254,13 +262,12 @@ async def run_all(args: argparse.Namespace,
     if task is not None:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGTERM, task.cancel)
-    policies = ["target"] if args.target else [p.strip() for p in args.policies.split(",")
-                                               if p.strip()]
+    policies = ["target"] if args.target else split_policies(args.policies)
     for p in policies:
         peer, _ = split_router(p)
-        if p not in (*POLICIES, "direct", "target") and peer not in PEERS:
+        if policy_variant(p)[0] not in (*POLICIES, "direct", "target") and peer not in PEERS:
             raise ValueError(f"unknown policy {p!r}: {DEFAULT_POLICIES},random,"
-                             "smg:<smg policy>")
+                             "smg:<smg policy>, or one with settings: prefix[key=value,...]")
     rates: list[float | None] = ([float(x) for x in args.rates.split(",")] if args.rates
                                  else [None])
     work_dir = Path(args.out) / "runs"
@@ -281,7 +288,9 @@ async def run_all(args: argparse.Namespace,
 def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
     a = p.add_argument
     a("--workload", choices=wl.WORKLOADS, default="agentic")
-    a("--policies", default=DEFAULT_POLICIES, help="comma-separated; direct = 1 backend")
+    a("--policies", default=DEFAULT_POLICIES,
+      help="comma-separated; direct = 1 backend; a kvroute policy may carry routing "
+           "settings: 'prefix,prefix[wait_starve_s=0]'")
     a("--target", help="measure this OpenAI-compatible loopback URL instead")
     a("--target-key", help="API key for --target")
     a("--external", action="store_true",

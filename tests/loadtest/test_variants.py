@@ -1,0 +1,65 @@
+"""A kvroute policy with routing settings of its own (``prefix[key=value,...]``), so two
+settings of one policy are compared in one run, live or simulated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from loadtest.__main__ import main
+from loadtest.fleet import Cluster, policy_variant, split_policies
+from loadtest.runner import write_config
+
+
+@pytest.mark.parametrize("text, policies", [
+    ("prefix", ["prefix"]),
+    ("prefix,round_robin", ["prefix", "round_robin"]),
+    ("prefix, prefix[wait_starve_s=0,wait_ageing=1] ,smg:cache_aware",
+     ["prefix", "prefix[wait_starve_s=0,wait_ageing=1]", "smg:cache_aware"]),
+    ("prefix,,", ["prefix"]),
+])
+def test_policies_split_outside_brackets(text: str, policies: list[str]) -> None:
+    assert split_policies(text) == policies
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("prefix", ("prefix", {})),
+    ("prefix[wait_starve_s=0]", ("prefix", {"wait_starve_s": 0})),
+    ("prefix[wait_ageing=1.5, wait_starve_s=10]",
+     ("prefix", {"wait_ageing": 1.5, "wait_starve_s": 10})),
+])
+def test_a_variant_is_its_policy_and_settings(spec: str, want: tuple[str, Any]) -> None:
+    assert policy_variant(spec) == want
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("prefix[wait_starve_s=0", "expected name[key=value"),
+    ("prefix[wait_starve_s]", "is not key=value"),
+    ("prefix[no_such_knob=1]", "no_such_knob"),
+])
+def test_a_wrong_variant_says_why(spec: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says.replace("[", r"\[")):
+        policy_variant(spec)
+
+
+def test_a_variants_settings_go_into_the_config_it_runs(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "v.yaml", Cluster(), 2, "prefix[wait_starve_s=0]")
+    cfg = yaml.safe_load(path.read_text())
+    assert cfg["proxy"]["policy"] == "prefix"
+    assert cfg["routing"] == {"wait_starve_s": 0}
+    plain = yaml.safe_load(write_config(tmp_path / "p.yaml", Cluster(), 2, "prefix")
+                           .read_text())
+    assert "routing" not in plain
+
+
+def test_the_simulator_compares_a_variant_beside_its_policy(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--limit", "300", "--backends", "2", "--slots", "1",
+                 "--policies", "prefix,prefix[wait_starve_s=0]"]) == 0
+    head = capsys.readouterr().out.splitlines()[1].split()
+    assert head == ["metric", "prefix", "prefix[wait_starve_s=0]"]
+    assert main(["simulate", "--policies", "prefix[nope=1]"]) == 2
+    assert "nope" in capsys.readouterr().err
