@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from faults import until
+from faults import busy_slots, until
 from proxy_client import proxy
 from proxy_client import slot_files_counted as counted
 from test_slot_shared import one_server, other_model, start_server
@@ -53,7 +53,8 @@ async def test_an_identity_check_cut_short_is_asked_again_whole(
                 # a long prefill holds the server's loop: /lora-adapters waits for it
                 long = asyncio.create_task(session.post(url + "/completion", json={
                     "prompt": words(5000, 41), "n_predict": 1}))
-                await asyncio.sleep(0.5)
+                # (its prefill under way: a busy machine may take long to tokenize it)
+                await until(lambda: busy_slots(info), 30, step=0.02)
                 with pytest.raises(TimeoutError):  # (the request went away meanwhile)
                     await asyncio.wait_for(store.restore_into(info, 0, entry.file), 0.5)
                 (await long).release()
