@@ -17,8 +17,9 @@ import contextlib
 import shutil
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,21 @@ def external_config(path: Path, cluster: Cluster, urls: list[str], policy: str) 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+@contextlib.contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    """``n`` processes spinning a core each for as long as the block runs: the machine
+    kept busy by another program, as a shared host is (killed on the way out)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(max(0, n))]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def find_smg(configured: str | None) -> str:

@@ -35,6 +35,7 @@ from loadtest.client import LoadClient, check_loopback
 from loadtest.fleet import (
     PEERS,
     Cluster,
+    busy_loops,
     external_config,
     find_smg,
     fresh_servers,
@@ -272,16 +273,26 @@ async def run_all(args: argparse.Namespace,
                                  else [None])
     work_dir = Path(args.out) / "runs"
     runs: list[PolicyRun] = []
-    for rate in rates:
-        workload = build_workload(args, rate)
-        cluster = Cluster(backends=args.backends, slots=args.slots, threads=args.threads,
-                          ctx_per_slot=args.ctx or needed_ctx(workload, args.max_tokens),
-                          cache_ram_mib=args.cache_ram_mib, kv_disk=args.kv_disk,
-                          model=args.model)
-        for p in policies:
-            runs.append(await run_one(p, workload, cluster, work_dir, args, rate))
-            if on_run is not None:
-                on_run(runs)
+    with busy_loops(args.contend):
+        for rate in rates:
+            runs += await _at_rate(args, rate, policies, work_dir, runs, on_run)
+    return runs
+
+
+async def _at_rate(args: argparse.Namespace, rate: float | None, policies: list[str],
+                   work_dir: Path, done: list[PolicyRun],
+                   on_run: Callable[[list[PolicyRun]], None] | None) -> list[PolicyRun]:
+    """Every policy's run at one rate (``done``: the runs before, for ``on_run``)."""
+    runs: list[PolicyRun] = []
+    workload = build_workload(args, rate)
+    cluster = Cluster(backends=args.backends, slots=args.slots, threads=args.threads,
+                      ctx_per_slot=args.ctx or needed_ctx(workload, args.max_tokens),
+                      cache_ram_mib=args.cache_ram_mib, kv_disk=args.kv_disk,
+                      model=args.model)
+    for p in policies:
+        runs.append(await run_one(p, workload, cluster, work_dir, args, rate))
+        if on_run is not None:
+            on_run([*done, *runs])
     return runs
 
 
@@ -333,6 +344,8 @@ def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
                    help="managed backends save idle slots to disk (kv_disk) and restore them")
     g.add_argument("--max-requests", type=int, default=500, help="per policy run")
     g.add_argument("--time-limit", type=float, default=300.0, help="s per policy run")
+    g.add_argument("--contend", type=int, default=0, metavar="N",
+                   help="N busy-loop processes for the whole run (the machine kept busy)")
     g.add_argument("--request-timeout", type=float, default=120.0)
     g.add_argument("--serve-log-level", default="info",
                    choices=["debug", "info", "warning", "error"],

@@ -1,8 +1,11 @@
-"""A kvroute policy with routing settings of its own (``prefix[key=value,...]``), so two
-settings of one policy are compared in one run, live or simulated."""
+"""Options of a comparison: a kvroute policy with routing settings of its own
+(``prefix[key=value,...]``), so two settings of one policy are compared in one run, live
+or simulated; and the machine kept busy for a run (``--contend``)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +13,7 @@ import pytest
 import yaml
 
 from loadtest.__main__ import main
-from loadtest.fleet import Cluster, policy_variant, split_policies
+from loadtest.fleet import Cluster, busy_loops, policy_variant, split_policies
 from loadtest.runner import write_config
 
 
@@ -63,3 +66,21 @@ def test_the_simulator_compares_a_variant_beside_its_policy(
     assert head == ["metric", "prefix", "prefix[wait_starve_s=0]"]
     assert main(["simulate", "--policies", "prefix[nope=1]"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def _spinning() -> list[int]:
+    """This process's children spinning a busy loop (from /proc)."""
+    me, out = str(os.getpid()), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes()
+            if fields[1] == me and b"while True: pass" in cmd and fields[0] in "RSD":
+                out.append(int(stat.parent.name))
+    return out
+
+
+def test_busy_loops_spin_for_the_block_and_stop() -> None:
+    with busy_loops(2):
+        assert len(_spinning()) == 2
+    assert _spinning() == []
