@@ -54,6 +54,7 @@ from proxy.observability.metrics import ProxyMetrics
 from proxy.observability.recent import RecentActivity
 from proxy.observability.tracing import Tracing
 from proxy.replicas.bus import ReplicaBus
+from proxy.replicas.claims import Claims
 from proxy.replicas.peers import PeerView, PoolPort, Teller
 from proxy.reporting.recorder import Recorder
 from proxy.responses import routes as responses
@@ -220,8 +221,10 @@ async def _replicas(app: web.Application) -> ReplicaBus | None:
     if cfg is None:
         return None
     pools, metrics = app[POOLS], app[METRICS]
-    view = PeerView(cfg.replica, {p.spec.name: PoolPort(p.router, p.fw.waits.hand_off)
-                                  for p in pools})
+    claims = {p.spec.name: Claims(cfg.replica, cfg.claim_window_s,
+                                  lambda: bus.connected and bool(view.peers)) for p in pools}
+    view = PeerView(cfg.replica, {p.spec.name: PoolPort(
+        p.router, p.fw.waits.hand_off, claims[p.spec.name].heard) for p in pools})
     bus = app[REPLICAS] = ReplicaBus(cfg.nats, cfg.replica, view,
                                      lambda e: metrics.child(metrics.replica_events, e).inc())
     for pool in pools:
@@ -229,6 +232,8 @@ async def _replicas(app: web.Application) -> ReplicaBus | None:
         bus.tellers.append(teller)
         pool.router.peers.listener = teller
         pool.fw.on_sent = teller.started
+        claims[pool.spec.name].tell = teller.claimed
+        pool.fw.claims = claims[pool.spec.name]
     await bus.start()
     return bus
 

@@ -63,12 +63,20 @@ class RoutingConfig:
         return RouterSettings(**self.settings)
 
 
+# (the broker's one-way latency is ~1 ms on one host, less on a LAN: the window must
+# exceed it and the replicas' clock skew, and adds itself to a new conversation's wait)
+CLAIM_WINDOW_S = 0.005
+
+
 @dataclass(frozen=True)
 class ReplicasConfig:
     """Replicas sharing their view of the backends (proxy/replicas/bus.py)."""
 
     nats: str  # the broker, e.g. nats://10.0.0.9:4222
     replica: str  # this replica's name among them (default: host name and port)
+    # a new conversation's request is held this long for another replica's claim of its
+    # slot (proxy/replicas/claims.py); 0: sent at once
+    claim_window_s: float = CLAIM_WINDOW_S
 
 
 @dataclass(frozen=True)
@@ -214,12 +222,13 @@ def _replicas(raw: object, port: int) -> ReplicasConfig | None:
         raise ConfigError(f"replicas.nats: expected a nats:// URL, got {_show(url)} "
                           "(fix: e.g. nats: nats://127.0.0.1:4222)")
     replica = sec.get_str("id", f"{socket.gethostname()}:{port}", "kvroute-1")
-    sec.finish(["nats", "id"])
+    window = sec.get_num("claim_window_s", CLAIM_WINDOW_S, zero=True)
+    sec.finish(["nats", "id", "claim_window_s"])
     if importlib.util.find_spec("nats") is None:
         raise ConfigError("replicas: the NATS client is not installed "
                           "(fix: pip install 'kvroute[replicas]')")
     assert replica is not None
-    return ReplicasConfig(url, replica)
+    return ReplicasConfig(url, replica, window)
 
 
 def check_port_free(cfg: Config) -> None:

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import time
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,6 +80,19 @@ class Asked:
     started: float  # perf_counter() when it came
 
 
+# a request that claims its slot moves at most this often (each move costs a claim's
+# window); then it is sent where it was last decided
+MAX_MOVES = 3
+
+
+class Contest(Protocol):
+    """The claims of this replica's requests on their slots, against the other replicas'
+    (proxy/replicas/claims.py `Claims`)."""
+
+    async def hold(self, routed: Routed, prompt: Callable[[], Awaitable[bytes]]) -> bool:
+        """False: a peer's request won the slot; it must move."""
+
+
 class Forwarding(Protocol):
     """What an attempt uses of the `Forwarder` that runs it."""
 
@@ -93,6 +106,7 @@ class Forwarding(Protocol):
     tracing: Tracing
     waits: SlotWaits
     on_sent: Callable[[str, int, int, bytes], None] | None
+    claims: Contest | None
     user_starts: Callable[[bytes], tuple[int, ...]] | None
 
     def serving(self, path: str) -> frozenset[str] | None: ...
@@ -104,7 +118,8 @@ class Forwarding(Protocol):
 
 class Attempt:
     """One routed request on one backend, in named steps: `decide` (on the head while
-    the rest of a pending prompt is tokenized), `claim` the backend, then `exchange`
+    the rest of a pending prompt is tokenized), `contest` its slot with the other
+    replicas (if any, and it claims one), `claim` the backend, then `exchange`
     (held for a slot if queued, sent pinned, the prediction `settle`d once the whole
     prompt is known) and `feedback`. The slot claim `decide` makes is released however it
     ends: `complete` on a normal answer, `abort` on errors, cancellation, disconnects.
@@ -130,6 +145,7 @@ class Attempt:
         self.routed = await self.decide()
         if self.pending is not None:
             self.pending.rest.add_done_callback(self.take_rest)
+        await self.contest()
         self.info = self.claim()
         self.outcome = Outcome(started=self.started)
         self.fw.recorder.begin(self.info.name)
@@ -159,7 +175,7 @@ class Attempt:
     async def decide(self) -> Routed:
         # NOTE: defer: the slot model's update runs once the request is written (`placed`)
         pending = self.pending
-        if pending is None:
+        if pending is None or self.whole:
             tokens: Sequence[int] = self.tokens  # type: ignore[assignment]
             got = self.router.decide(tokens, session=self.hint, now=time.monotonic(),
                                      defer=True, user_starts=self.user_starts(tokens),
@@ -179,6 +195,38 @@ class Attempt:
             raise _no_backend_error(got, self.fw)
         assert not isinstance(got, NeedWholePrompt), "only ever for a head"
         return got
+
+    async def contest(self) -> None:
+        """Hold a request that claims its slot while another replica may claim it too
+        (proxy/replicas/claims.py); one whose claim lost moves: it is withdrawn (never
+        sent) and decided again, with the winner's request in that slot now."""
+        claims = self.fw.claims
+        if claims is None:
+            return
+        for _ in range(MAX_MOVES):
+            try:
+                kept = await claims.hold(self.routed, self.told_prompt)
+            except BaseException:
+                # (the client left, or its prompt's rest failed: it was never sent)
+                self.fw.waits.hand_off(self.routed.withdraw(now=time.monotonic()))
+                raise
+            if kept:
+                return
+            d = self.routed.prediction
+            self.fw.recorder.log.debug("slot_claim_lost", request_id=d.request_id,
+                                       backend=d.backend, slot=d.slot)
+            self.fw.waits.hand_off(self.routed.withdraw(now=time.monotonic()))
+            self.routed = await self.decide()
+
+    async def told_prompt(self) -> bytes:
+        """The prompt the other replicas are told of a claim: the whole once its rest
+        is tokenized (the head if that failed)."""
+        pending = self.pending
+        if pending is not None and not self.whole:
+            await asyncio.wait({pending.rest})
+            self.take_rest(pending.rest)
+        ids = self.tokens if self.whole or pending is None else pending.head
+        return to_token_bytes(ids)  # type: ignore[arg-type]
 
     def claim(self) -> BackendInfo:
         info = self.fw.backends.get(self.routed.backend)

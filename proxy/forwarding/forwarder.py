@@ -22,7 +22,7 @@ from backends.info import BackendInfo
 from proxy.disk.store import SlotStore
 from proxy.disk.tier import DiskTier
 from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError, UpstreamTimeout
-from proxy.forwarding.attempt import Asked, Attempt, PendingPrompt, whole_prompt
+from proxy.forwarding.attempt import Asked, Attempt, Contest, PendingPrompt, whole_prompt
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import AS_IS, JSON, Exchange, Relay, Target, send, upstream_payload
 from proxy.forwarding.upstream import Upstream
@@ -102,6 +102,9 @@ class Forwarder:
         # the other replicas (proxy/replicas/peers.py `Teller`), if any: they subscribe
         # once their bus is up, which needs the pools (and their forwarders) first
         self.on_sent: Callable[[str, int, int, bytes], None] | None = None
+        # the claims of its requests on their slots, against the other replicas'
+        # (proxy/replicas/claims.py), if any
+        self.claims: Contest | None = None
         # where a chat prompt's user messages start, as the server finds them (its
         # template's message delimiters): it checkpoints there on sliding-window and
         # hybrid models; None when the template is not known here

@@ -4,7 +4,9 @@
   with this prompt: the slot is busy, and its prefill loads the backend; on the wire,
   the prompt may be the first ``keep`` tokens of a prompt an earlier start told that
   slot (or the slot ``base_from`` names) to hold (``base``: their digest, see bases.py)
-  then ``tokens``;
+  then ``tokens``; with ``at``, it claims a slot it does not go on from, as of that
+  wall-clock time, and is not sent yet (claims.py);
+- ``moved``: that claim lost: the request was not sent there (its start is void);
 - ``first``: that request's first token came (its prefill is over);
 - ``end``: it left the slot, holding the first ``keep`` tokens of its prompt then
   ``tokens`` (its answer, typically); nothing kept and no tokens: not known;
@@ -39,6 +41,7 @@ DIGEST = 8  # bytes of a start's base digest
 
 class Kind(StrEnum):
     START = "start"
+    MOVED = "moved"
     FIRST = "first"
     END = "end"
     HELD = "held"
@@ -49,7 +52,7 @@ class Kind(StrEnum):
 
 
 _KINDS = frozenset(k.value for k in Kind)
-_OF_A_SLOT = (Kind.START, Kind.FIRST, Kind.END, Kind.HELD)  # name a pool, backend, slot
+_OF_A_SLOT = (Kind.START, Kind.MOVED, Kind.FIRST, Kind.END, Kind.HELD)  # name a slot
 _WITH_TOKENS = (Kind.START, Kind.HELD)  # carry at least two tokens
 
 
@@ -64,7 +67,8 @@ class Event:
     tokens: bytes = b""  # int32 token bytes
     keep: int = 0  # (end) tokens of the request's prompt its slot still holds; (start) of
     # the sequence ``base`` names, that the prompt starts with
-    at: float = 0.0  # (held) when the slot last changed, as far as the sender knows
+    at: float = 0.0  # (held) when the slot last changed, as far as the sender knows; (start)
+    # when its claim was told (0: not a claim)
     live: tuple[int, ...] = ()  # (alive) the sender's requests in flight in the pool
     base: bytes = b""  # (start) the digest of the ``keep`` tokens it starts with
     base_from: tuple[str, int] | None = None  # (start) their slot, if another (backend, slot)
@@ -112,10 +116,11 @@ def decode(data: bytes) -> Event | None:
     base = _base(obj.get("h"), kind == Kind.START and keep)
     if tokens is None or base is None \
             or (kind in _WITH_TOKENS and len(tokens) + 4 * keep < 8) \
-            or (kind == Kind.FIRST and (tokens or keep)) or (kind == Kind.HELD and keep) \
+            or (kind in (Kind.FIRST, Kind.MOVED) and (tokens or keep)) \
+            or (kind == Kind.HELD and keep) \
             or (kind == Kind.START and len(tokens) + 4 * keep > MAX_TOKENS * 4) \
             or not isinstance(at, float | int) or isinstance(at, bool) \
-            or not 0 <= at < 1e11 or (kind != Kind.HELD and at):
+            or not 0 <= at < 1e11 or (kind not in (Kind.HELD, Kind.START) and at):
         return None
     return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep, float(at),
                  base=base[0], base_from=base[1])

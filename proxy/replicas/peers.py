@@ -5,7 +5,8 @@ router's `SlotListener`, and the forwarder's word when a request is sent). An an
 end names how many tokens of the prompt its slot kept and sends only the rest: every
 peer has the prompt from the start.
 
-`PeerView`: the others' events applied to this replica's routers. A peer's request
+`PeerView`: the others' events applied to this replica's routers (a start also to the
+claims held here, claims.py; a peer's claim that moved is withdrawn). A peer's request
 keeps its slot busy and loads its backend here until its end comes; the end settles
 what the slot holds. A peer not heard for `PEER_TIMEOUT_S` (gone, or cut off), a
 request whose end never comes, and every peer's requests when the broker is lost, end
@@ -57,11 +58,27 @@ class Teller:
 
     def started(self, backend: str, slot: int, request: int, prompt: bytes) -> None:
         """``request`` was sent to ``backend``'s ``slot`` with ``prompt``."""
+        told = self._sent.get(request)
+        if told is not None and (told.backend, told.slot, told.prompt) == (
+                backend, slot, prompt):
+            return  # (told as its claim)
+        self.claimed(backend, slot, request, prompt, 0.0)
+
+    def claimed(self, backend: str, slot: int, request: int, prompt: bytes,
+                at: float) -> None:
+        """``request`` claims ``backend``'s ``slot`` as of ``at`` (claims.py), and is
+        sent there unless it moves (0: it is sent there)."""
         self.touched(self.pool, backend, slot)
         self._sent[request] = _Sent(backend, slot, prompt)
         if len(self._sent) > MAX_LIVE:
             self._sent.popitem(last=False)
-        self.send(Event(self.replica, Kind.START, self.pool, backend, slot, request, prompt))
+        self.send(Event(self.replica, Kind.START, self.pool, backend, slot, request, prompt,
+                        at=at))
+
+    def withdrawn(self, backend: str, request: int) -> None:
+        """``request`` was not sent where its claim said: it moves (its start is void)."""
+        if (sent := self._sent.pop(request, None)) is not None:
+            self.send(Event(self.replica, Kind.MOVED, self.pool, backend, sent.slot, request))
 
     def alive(self) -> Event:
         """Said every second: this replica's requests in flight in the pool."""
@@ -111,11 +128,13 @@ class _Told:
 
 @dataclass(frozen=True)
 class PoolPort:
-    """What the view drives in one pool: its router, and the forwarder's hand-offs of
-    requests waiting for a slot that a peer's request freed."""
+    """What the view drives in one pool: its router, the forwarder's hand-offs of
+    requests waiting for a slot that a peer's request freed, and the claims held here
+    (claims.py) that a peer's start may beat."""
 
     router: Router
     hand_off: Callable[[list[Handoff]], None]
+    heard_start: Callable[[Event], None] = lambda e: None
 
 
 _Key = tuple[str, str, int]  # (peer, pool, its id of the request)
@@ -186,7 +205,13 @@ class PeerView:
             self._changed[key] = e.at
             return True
         told_key = e.replica, e.pool, e.request
+        if e.kind == Kind.MOVED:
+            if (told := self._pop(told_key)) is None:
+                return False
+            port.hand_off(port.router.withdraw(told.decision, now=now))
+            return True
         if e.kind == Kind.START:
+            port.heard_start(e)
             old = self._told.get(told_key)
             if old is not None and (old.backend, old.slot, old.prompt) == (
                     e.backend, e.slot, e.tokens):

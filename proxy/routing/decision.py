@@ -27,6 +27,10 @@ class Decision:
     queued: bool = False
     # a file of the disk tier to restore into ``slot`` before sending (see SlotStore)
     restore: str | None = None
+    # it takes a slot whose content it does not go on from (an empty one, or another
+    # conversation's): replicas that chose that slot at once settle who keeps it
+    # (proxy/replicas/claims.py)
+    claims: bool = False
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ class SlotListener(Protocol):
     def freed(self, backend: str, slot: int, request: int, held: bytes | None) -> None:
         """The request left ``slot``, which holds ``held`` (None: not known)."""
 
+    def withdrawn(self, backend: str, request: int) -> None:
+        """The request is not sent where it was decided (it never reached the server)."""
+
 
 class PeerRequests:
     """Others' requests in the model: what a listener hears of this replica's, and what
@@ -72,6 +75,10 @@ class PeerRequests:
             return
         st = self._backends.get(f.backend)  # (None: removed: what it holds is not known)
         self.listener.freed(f.backend, slot, rid, None if st is None else st.cache.held(slot))
+
+    def told_withdrawn(self, f: Inflight, rid: int) -> None:
+        if self.listener is not None and not f.observed:
+            self.listener.withdrawn(f.backend, rid)
 
     def held_slots(self, backend: str) -> list[tuple[int, bytes]]:
         """What each idle slot of ``backend`` holds (told to a replica that joins)."""

@@ -179,12 +179,13 @@ class RequestEnds:
         return True
 
     def abort(self, routed: Routed, *, now: float = 0.0, prefilled: bool = False,
-              held: int | None = None) -> list[Handoff]:
+              held: int | None = None, sent: bool = True) -> list[Handoff]:
         """The request failed or was cancelled: free its slot, forget its content, or
         with ``prefilled`` (it had produced output: the server keeps a cancelled slot's
         state) keep its prompt there; ``held``: the slot holds that many of the prompt's
-        tokens (its server said so once done with it). Returns the queued requests
-        handed a slot as a result (as ``complete``)."""
+        tokens (its server said so once done with it). Without ``sent``, it never
+        reached the server: the listener hears it withdrawn. Returns the queued
+        requests handed a slot as a result (as ``complete``)."""
         self._deferred.apply()
         f, decision = routed.entry, routed.prediction
         st = self._backends.get(f.backend)
@@ -192,9 +193,12 @@ class RequestEnds:
             return []
         self._ledger.end(decision.request_id)
         st.release(f.work, now)
+        if not sent:
+            self._peers.told_withdrawn(f, decision.request_id)
         if f.slot is None:
             st.dequeue(decision.request_id)
-            self._peers.told_freed(f, None, decision.request_id)
+            if sent:
+                self._peers.told_freed(f, None, decision.request_id)
             return []
         if prefilled:
             # NOTE: an agent's interrupted turn: its next one resends that history
@@ -204,5 +208,14 @@ class RequestEnds:
             st.cache.finish(f.slot, f.prompt[:4 * n], n)
         else:
             st.cache.finish(f.slot, None, 0)
-        self._peers.told_freed(f, f.slot, decision.request_id)
+        if sent:
+            self._peers.told_freed(f, f.slot, decision.request_id)
         return self._queue.drain(st, decision.backend, now)
+
+    def withdraw(self, routed: Routed, *, now: float = 0.0) -> list[Handoff]:
+        """The request is not sent where it was decided (another replica's request won
+        its slot: see `Decision.claims`): the slot keeps what it shared with the
+        prompt, and goes to the requests waiting for it (their hand-offs returned)."""
+        d = routed.prediction
+        kept = d.predicted_cached if d.tier == "slot" else None
+        return self.abort(routed, now=now, held=kept, sent=False)

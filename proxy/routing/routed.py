@@ -3,7 +3,7 @@
 `Router.decide` returns a `Routed`; the forwarder holds it for the request's life and
 tells it what happens: `placed()` once the request is written, `extend(ids)` when the rest
 of a prompt decided on its head is tokenized, `first_token()`, and `complete(...)` or
-`abort(...)` at the end. `prediction` is
+`abort(...)` at the end (`withdraw()` instead of sending it: it moves). `prediction` is
 read when the answer's headers are written and when its log line is: the router keeps it
 current (the deferred slot model update, another replica's request run first, the whole
 prompt, a hand-off, a failed restore), so no caller keeps or revises a copy.
@@ -106,6 +106,8 @@ class Owner(Protocol):
     def abort(self, routed: Routed, *, now: float = 0.0, prefilled: bool = False,
               held: int | None = None) -> list[Handoff]: ...
 
+    def withdraw(self, routed: Routed, *, now: float = 0.0) -> list[Handoff]: ...
+
 
 class Routed:
     """One routed request, as the router sees it now (see the module doc)."""
@@ -189,6 +191,11 @@ class Routed:
               held: int | None = None) -> list[Handoff]:
         """It failed or was cancelled (see `Router.abort`): the hand-offs it made."""
         return self._router.abort(self, now=now, prefilled=prefilled, held=held)
+
+    def withdraw(self, *, now: float = 0.0) -> list[Handoff]:
+        """It is not sent where it was decided (see `Router.withdraw`): the hand-offs
+        it made."""
+        return self._router.withdraw(self, now=now)
 
     def __repr__(self) -> str:
         return f"Routed({self.entry.prediction!r})"

@@ -74,6 +74,7 @@ class _Prompt(NamedTuple):
     now: float
     session: str | None
     user_starts: tuple[int, ...]
+    claims: bool = False  # it takes a slot it does not go on from (see Decision.claims)
 
 
 class Router:
@@ -188,7 +189,8 @@ class Router:
         if choice.placement is not None and choice.slot is not None and not head \
                 and self.disk:
             restore = self.disk.gain(held, choice.placement, n, choice.backend)
-        r = _Prompt(rid, q, n, head, now, session, user_starts)
+        claims = _claims(choice, cand, session, len(q) // 4 if head else None)
+        r = _Prompt(rid, q, n, head, now, session, user_starts, claims)
         placed, beyond = self._place(r, choice, cand, defer, restore)
         return self._record(r, choice, cand, placed, beyond,
                             restore[0] if restore is not None else None)
@@ -300,6 +302,7 @@ class Router:
             reasons=reasons,
             queued=queued,
             restore=restore,
+            claims=r.claims and placed is not None,
         )
         return Routed(self, f)
 
@@ -345,6 +348,9 @@ class Router:
     def abort(self, routed: Routed, *, now: float = 0.0, prefilled: bool = False,
               held: int | None = None) -> list[Handoff]:
         return self._ends.abort(routed, now=now, prefilled=prefilled, held=held)
+
+    def withdraw(self, routed: Routed, *, now: float = 0.0) -> list[Handoff]:
+        return self._ends.withdraw(routed, now=now)
 
     @property
     def mispredictions(self) -> int:
@@ -457,6 +463,28 @@ class Router:
             "mispredictions": self.mispredictions,
             "backends": {name: st.snapshot() for name, st in self._backends.items()},
         }
+
+
+def _claims(choice: Choice, cand: Candidate, session: str | None, known: int | None
+            ) -> bool:
+    """Does the choice pin a slot whose content it does not go on from: an empty one, or
+    another conversation's, of which it shares a prefix at most (a system prompt)? A
+    request that goes on from the whole sequence the slot holds (its conversation's
+    next turn), or from a slot its own session used last (a side call), does not.
+    ``known``: only that head of the prompt is known (the last answer may be past it)."""
+    p = choice.placement
+    if p is None or choice.slot is None:
+        return False
+    if p.tier != "slot":
+        return True
+    lcp = cand.slot_lcp.get(p.slot, 0)
+    # NOTE: the server may not keep the last generated token(s): a few may differ
+    goes_on = (known is not None and lcp >= known) \
+        or cand.state.cache.slots[p.slot].n_tokens - lcp <= _CONTINUATION_SLACK
+    return not goes_on and (session is None or cand.state.slot_session.get(p.slot) != session)
+
+
+_CONTINUATION_SLACK = 4
 
 
 def _most_kv(held: dict[Any, int]) -> int:

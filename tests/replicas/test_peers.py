@@ -6,11 +6,13 @@ come in, nothing raises and nothing stays busy once every peer's request is over
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.replicas.claims import Claims
 from proxy.replicas.events import Event, Kind, decode, encode
 from proxy.replicas.peers import PEER_TIMEOUT_S, PeerView, PoolPort, Teller
 from proxy.routing.cache.predict import BackendCapacity
@@ -34,10 +36,13 @@ class Replica:
 
     def __post_init__(self) -> None:
         self.router.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
-        self.view = PeerView(self.name, {POOL: PoolPort(self.router, self.hand_off)},
+        self.claims = Claims(self.name, 0.2, clock=lambda: CLOCK[0])
+        self.view = PeerView(self.name, {POOL: PoolPort(self.router, self.hand_off,
+                                                        self.claims.heard)},
                              clock=lambda: CLOCK[0])
         self.teller = Teller(self.name, POOL, self.sent.append, self.view.touched)
         self.router.peers.listener = self.teller
+        self.claims.tell = self.teller.claimed
 
     def hand_off(self, handoffs: list[Handoff]) -> None:
         self.handed.extend(h.request_id for h in handoffs)
@@ -486,3 +491,65 @@ def test_a_lone_replica_takes_empty_slots_from_the_first() -> None:
     b.view.left("a", 1.0, "bye")  # alone again: from the first
     g = b.router.decide(conversation(4), now=1.0)
     assert isinstance(g, Routed) and g.slot == 0
+
+
+async def _claim(r: Replica, d: Routed, prompt: list[int]) -> asyncio.Task[bool]:
+    """``d``'s claim held at ``r``, told (its start sent) once this returns."""
+    async def whole() -> bytes:
+        return to_token_bytes(prompt)
+    task = asyncio.ensure_future(r.claims.hold(d, whole))
+    await asyncio.sleep(0)
+    assert r.sent[-1].kind == Kind.START and r.sent[-1].at == CLOCK[0]
+    return task
+
+
+async def test_two_replicas_claiming_one_slot_at_once_the_later_moves() -> None:
+    """a and b, neither having heard of the other, start a new conversation each in
+    slot 0 (both rank 0 of 1): each tells its claim and holds its request. Whichever
+    replica claimed first, and whichever claim reaches the other first, both agree: the
+    earlier keeps slot 0, the later is withdrawn (its peer hears it moved) and, decided
+    again, lands in the empty slot 1; both models end with each request where it runs."""
+    for first, second in (("a", "b"), ("b", "a")):
+        for delivered_first in (first, second):
+            reps = {n: Replica(n) for n in (first, second)}
+            prompts = {n: conversation(k + 1) for k, n in enumerate(reps)}
+            decided = {n: r.router.decide(prompts[n], now=0.0) for n, r in reps.items()}
+            assert all(isinstance(d, Routed) and d.slot == 0 and d.prediction.claims
+                       for d in decided.values())
+            tasks = {}
+            for n in (first, second):
+                CLOCK[0] += 0.001
+                tasks[n] = await _claim(reps[n], decided[n], prompts[n])  # type: ignore[arg-type]
+            other = second if delivered_first == first else first
+            reps[delivered_first].deliver(reps[other])
+            reps[other].deliver(reps[delivered_first])
+            assert await tasks[first] and not await tasks[second]
+            winner, loser = reps[first], reps[second]
+            loser.hand_off(decided[second].withdraw(now=0.1))  # type: ignore[union-attr]
+            again = loser.router.decide(prompts[second], now=0.1)
+            assert isinstance(again, Routed) and again.slot == 1
+            assert [e.kind for e in loser.sent] == [Kind.MOVED]
+            loser.teller.started(again.backend, 1, again.request_id,
+                                 to_token_bytes(prompts[second]))
+            assert loser.deliver(winner) == [True, True]
+            for r in reps.values():  # (each request once, where it runs)
+                assert r.router.snapshot()["inflight"] == 2
+                assert r.router.held("x", 0) is None and r.router.held("x", 1) is None
+            assert winner.router.place(decided[first]).slot == 0  # type: ignore[arg-type]
+            assert not winner.handed and loser.handed  # (the winner's, in the loser's model)
+
+
+async def test_a_start_that_is_no_claim_beats_a_claim_held_for_its_slot() -> None:
+    """A peer's request sent to the slot (it goes on from its history there, so it was
+    not held) wins over a claim held here, told earlier or not; one for another slot
+    does not touch it."""
+    a = Replica("a")
+    prompt = conversation(1)
+    d = a.router.decide(prompt, now=0.0)
+    assert isinstance(d, Routed) and d.prediction.claims
+    task = await _claim(a, d, prompt)
+    other = to_token_bytes(conversation(2))
+    a.view.apply(Event("b", Kind.START, POOL, "x", 1, 7, other), 0.0)
+    assert not task.done()
+    a.view.apply(Event("b", Kind.START, POOL, "x", 0, 8, other), 0.0)
+    assert not await task

@@ -57,6 +57,8 @@ NEEDS_NATS = pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get in
     Event("a", Kind.START, "", "x", 1, 3, b"\x02\x00\x00\x00", 900, base=bytes(range(8))),
     Event("a", Kind.START, "", "x", 1, 3, b"", 2, base=bytes(8)),
     Event("a", Kind.START, "", "x", 1, 3, b"", 2, base=bytes(8), base_from=("y", 0)),
+    Event("a", Kind.START, "", "x", 1, 3, bytes(8), at=1.7e9),
+    Event("a", Kind.MOVED, "", "x", 1, 3),
     Event("b", Kind.HELLO), Event("b", Kind.RESYNC), Event("b", Kind.ALIVE),
     Event("b", Kind.BYE),
 ])
@@ -216,6 +218,62 @@ async def test_a_replica_that_joins_during_a_request_reads_its_end(
             held = a.server.app[ROUTER].held
             await until(lambda: held("a", slot) is not None, 20)
             await until(lambda: b.server.app[ROUTER].held("a", slot) == held("a", slot), 20)
+
+
+async def _slot_turn(client: TestClient[Any, Any], messages: list[dict[str, str]]
+                     ) -> tuple[int, int, int]:
+    """(slot, reused, prompt tokens) of one turn; a fixed answer goes in the history."""
+    async with client.post("/v1/chat/completions", json={
+            "model": "kvroute-demo", "max_tokens": 4, "messages": messages}) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        slot = int(r.headers["X-Kvroute-Slot"])
+    messages.append({"role": "assistant", "content": "Noted."})
+    t = body["timings"]
+    return slot, t["cache_n"], t["cache_n"] + t["prompt_n"]
+
+
+@NEEDS_NATS
+async def test_new_conversations_at_two_replicas_in_one_slot_at_once_the_later_moves(
+        pool_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both replicas take empty slots from the first (as if each were alone), and a new
+    conversation reaches each at the same instant: both choose slot 0. The later claim
+    moves to slot 1, so neither cuts the other's history: each conversation's next turn
+    reuses its whole last prompt."""
+    monkeypatch.setattr(PeerView, "_spread", lambda self: None)
+    cfg = pool_config(n=1, slots=2, cache_ram_mib=0)
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with broker() as url, replica(cfg, sup, url, "r1") as a, \
+                replica(cfg, sup, url, "r2") as b:
+            for c in (a, b):
+                await until(lambda c=c: _peers(c), 20)
+            convs = [[{"role": "user", "content": words(300, 990 + k)}] for k in (0, 1)]
+            first = await asyncio.gather(_slot_turn(a, convs[0]), _slot_turn(b, convs[1]))
+            for c in (a, b):
+                await until(lambda c=c: _settled(c), 20)
+            for conv, k in zip(convs, (992, 993), strict=True):
+                conv.append({"role": "user", "content": words(20, k)})
+            second = [await _slot_turn(a, convs[0]), await _slot_turn(b, convs[1])]
+    finally:
+        await sup.stop()
+    assert {slot for slot, _, _ in first} == {0, 1}, first
+    for (_, _, prompt), (_, reused, _) in zip(first, second, strict=True):
+        assert reused >= 0.9 * prompt, (first, second)
+
+
+async def _peers(client: TestClient[Any, Any]) -> bool:
+    async with client.get("/kvroute/status") as r:
+        return bool((await r.json())["replicas"]["peers"])
+
+
+async def _settled(client: TestClient[Any, Any]) -> bool:
+    """No peer's request in flight, and none of its own in the router."""
+    async with client.get("/kvroute/status") as r:
+        replicas = (await r.json())["replicas"]
+    return not replicas["peers_in_flight"] and not client.server.app[ROUTER].snapshot()[
+        "inflight"]
 
 
 async def _in_flight(client: TestClient[Any, Any]) -> bool:

@@ -83,6 +83,9 @@ class Heard:
     def freed(self, backend: str, slot: int, request: int, held: bytes | None) -> None:
         self.events.append(("freed", backend, slot, request))
 
+    def withdrawn(self, backend: str, request: int) -> None:
+        self.events.append(("withdrawn", backend, request))
+
 
 def test_peers_tell_the_listener_of_this_replica_s_requests_only() -> None:
     led = Ledger()

@@ -666,3 +666,42 @@ def test_a_request_goes_only_among_the_backends_that_serve_it() -> None:
     assert isinstance(again, Routed) and again.backend == "b"
     assert again.predicted_cached == 0
     assert isinstance(r.decide(prompt, among=frozenset(), now=3.0), NoBackend)
+
+
+def test_a_decision_claims_a_slot_it_does_not_go_on_from() -> None:
+    """An empty slot, or another conversation's past a shared prefix: claimed (replicas
+    settle who keeps it). The next turn of the conversation a slot holds, or a side call
+    of the session that used it last: not."""
+    r = Router("prefix")
+    r.add_backend(BackendCapacity("x", 1, 8192, 0, 8192))
+    system = list(range(10_000, 10_400))
+    first = r.decide([*system, *range(1, 200)], session="s", now=0.0)
+    assert isinstance(first, Routed) and first.prediction.claims
+    r.complete(first, Report(output_tokens=[7, 8]), now=1.0)
+    turn = r.decide([*system, *range(1, 200), 7, 8, 9, 10], session="t", now=2.0)
+    assert isinstance(turn, Routed) and not turn.prediction.claims
+    r.complete(turn, Report(output_tokens=[5]), now=3.0)
+    side = r.decide([*system, *range(1, 150), 42], session="t", now=4.0)
+    assert isinstance(side, Routed) and not side.prediction.claims
+    r.complete(side, Report(output_tokens=[5]), now=5.0)
+    other = r.decide([*system, *range(500, 700)], session="u", now=6.0)
+    assert isinstance(other, Routed) and other.slot == 0 and other.prediction.claims
+
+
+def test_a_withdrawn_request_leaves_its_slot_what_it_shared_with_it() -> None:
+    """Never sent: the slot keeps what it held of the prompt (here the system prompt the
+    last conversation left), and a request waiting for the slot is handed it."""
+    r = Router("prefix")
+    r.add_backend(BackendCapacity("x", 1, 8192, 0, 8192))
+    system = list(range(10_000, 10_400))
+    first = r.decide([*system, *range(1, 200)], now=0.0)
+    assert isinstance(first, Routed)
+    r.complete(first, Report(output_tokens=[7]), now=1.0)
+    claim = r.decide([*system, *range(500, 700)], now=2.0)
+    assert isinstance(claim, Routed) and claim.predicted_cached == len(system)
+    waiter = r.decide([*system, *range(900, 950)], now=2.1)
+    assert isinstance(waiter, Routed) and waiter.queued
+    assert [h.request_id for h in claim.withdraw(now=3.0)] == [waiter.request_id]
+    assert waiter.predicted_cached == len(system)
+    r.complete(waiter, Report(output_tokens=[5]), now=4.0)
+    assert r.snapshot()["inflight"] == 0
