@@ -10,7 +10,8 @@ import pytest
 
 from proxy.routing.cache.predict import BackendCapacity
 from proxy.routing.decision import Handoff, Report
-from proxy.routing.router import Routed, Router
+from proxy.routing.routed import Routed
+from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
 
 CONV = list(range(100_000, 101_000))  # a conversation slot 1 holds
