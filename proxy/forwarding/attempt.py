@@ -263,6 +263,7 @@ class Attempt:
             held_at = time.perf_counter()
             displaced = (await self.fw.waits.hold(self.routed, self.info)).displaced
             self.fw.recorder.slot_waited(self.info.name, time.perf_counter() - held_at)
+        await self.fw.waits.after(self.routed)
         d = self.routed.prediction
         store = self.fw.slot_store(self.info.name)
         if store is not None and d.slot is not None:
@@ -333,6 +334,9 @@ class Attempt:
         self.routed.first_token()
 
     async def settle(self, target: Target) -> Target:
+        # the answer's head came: the server has posted the task (a stream's head comes
+        # once its slot is launched), so requests held for it go (see SlotWaits.after)
+        self.fw.waits.posted(self.routed)
         # the answer is coming: the model takes the whole prompt before the headers
         # (with the prediction) are written and before any feedback
         if not self.whole:
@@ -357,6 +361,7 @@ class Attempt:
         # in its final write, after the backend finished; an abort there would forget
         # what the slot now holds (its next turn then predicted 0).
         outcome, decision, whole = self.outcome, self.routed.prediction, self.whole
+        self.fw.waits.posted(self.routed)  # (ended or failed: nothing waits for it)
         if outcome.complete and 0 < outcome.status < 400 and whole:
             self._complete(outcome, check=not self.no_reuse)
         elif whole and outcome.cancelled and outcome.status == 200 \

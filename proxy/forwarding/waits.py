@@ -20,6 +20,12 @@ from proxy.routing.router import Router
 # A slot whose client left during its prefill is watched until its server is done with
 # it, for at most FREE_WAIT_MARGIN_S + twice the rest of the prefill.
 FREE_WAIT_MARGIN_S = 10.0
+# A request held until the request whose start creates the RAM entry it loads is known
+# posted (see `SlotWaits.after`) is sent anyway after this long (or first_byte_timeout)
+AFTER_WAIT_S = 10.0
+# ... and checks this often whether the router still has that request unposted (it may
+# have ended, or its backend left, without its attempt telling)
+AFTER_CHECK_S = 0.5
 
 
 class BackendLeft(NoBackendAvailable):
@@ -38,6 +44,8 @@ class SlotWaits:
         # slot: see `hold`
         self._held: dict[int, asyncio.Future[Handoff]] = {}
         self._freeing: set[asyncio.Task[None]] = set()
+        # request id -> resolved once that request is known posted (see `after`)
+        self._posting: dict[int, asyncio.Future[None]] = {}
 
     async def hold(self, routed: Routed, info: BackendInfo) -> Handoff:
         """Keep a queued request here until the router hands it a freed slot, then send
@@ -61,6 +69,43 @@ class SlotWaits:
                                       "long", retry_after=1)
         finally:
             self._held.pop(routed.request_id, None)
+
+    async def after(self, routed: Routed) -> None:
+        """Hold a request predicted to load a RAM entry that another request's start
+        creates until that request is known posted on the server (`posted`): the server
+        launches tasks in the order its HTTP threads post them, and a long prompt's
+        tokenization there posts it after a short one sent a moment later, whose lookup
+        would then come before the entry exists. Released at once if that request ends
+        or its backend leaves; sent anyway after AFTER_WAIT_S (or first_byte_timeout)."""
+        creator = routed.prediction.after
+        if creator is None or not self.router.unposted(creator):
+            return
+        loop = asyncio.get_running_loop()
+        limit = AFTER_WAIT_S if self.first_byte_timeout is None \
+            else min(AFTER_WAIT_S, self.first_byte_timeout)
+        began = loop.time()
+        fut = self._posting.get(creator)
+        if fut is None:
+            fut = self._posting[creator] = loop.create_future()
+        while not fut.done() and self.router.unposted(creator):
+            left = began + limit - loop.time()
+            if left <= 0:
+                break
+            await asyncio.wait({fut}, timeout=min(left, AFTER_CHECK_S))
+        posted = fut.done() or not self.router.unposted(creator)
+        if posted:
+            self._posting.pop(creator, None)
+        self.recorder.log.debug("waited_for_posting", request_id=routed.request_id,
+                                after=creator, posted=posted,
+                                seconds=round(loop.time() - began, 4))
+
+    def posted(self, routed: Routed) -> None:
+        """`routed`'s request is known posted on its server (its answer's head came), or
+        it ended: the requests held for it (`after`) go."""
+        routed.posted()
+        fut = self._posting.pop(routed.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def hand_off(self, handoffs: list[Handoff]) -> None:
         for h in handoffs:

@@ -31,6 +31,9 @@ class Decision:
     # conversation's): replicas that chose that slot at once settle who keeps it
     # (proxy/replicas/claims.py)
     claims: bool = False
+    # the request whose start creates the RAM entry this one loads, while it is not known
+    # posted on the server: send this one only once it is (proxy/routing/posting.py)
+    after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,8 @@ class Handoff:
     request is placed only now, so only now can the router tell the slot will not hold
     its prefix while a file does). ``displaced``: what the slot held when handed over
     (None: empty, or the request's own continuation): the slot's last turn may have
-    ended a moment ago, and the disk tier saves it before the request replaces it."""
+    ended a moment ago, and the disk tier saves it before the request replaces it.
+    ``after``: as ``Decision.after``."""
 
     request_id: int
     backend: str
@@ -61,6 +65,7 @@ class Handoff:
     tier: str = "slot"
     restore: str | None = None
     displaced: bytes | None = field(default=None, compare=False, repr=False)
+    after: int | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.predict import Placement, from_disk
+from proxy.routing.posting import Unposted
 from proxy.routing.routed import Ledger
 
 
@@ -37,8 +38,9 @@ class Deferred:
     save to RAM evicting other entries than modelled), which the request's record then
     says, and which its backend's load is charged for."""
 
-    def __init__(self, backends: Mapping[str, BackendState], ledger: Ledger) -> None:
-        self._backends, self._ledger = backends, ledger
+    def __init__(self, backends: Mapping[str, BackendState], ledger: Ledger,
+                 unposted: Unposted) -> None:
+        self._backends, self._ledger, self._unposted = backends, ledger, unposted
         self._waiting: Unplaced | None = None
 
     def defer(self, u: Unplaced) -> None:
@@ -71,6 +73,8 @@ class Deferred:
             p = st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n, u.predicted,
                                user_starts=u.user_starts)
         assert p is not None and p.slot == f.slot, "placed where predicted"
+        f.wait_for(self._unposted.creator(u.request_id, u.backend, p.ram_entry))
+        self._unposted.started(u.request_id, u.backend, st.cache.created)
         if (p.reuse, p.tier) != (u.predicted.reuse, u.predicted.tier):
             more = u.predicted.reuse - p.reuse  # tokens to prefill beyond the prediction
             st.work += more

@@ -17,6 +17,7 @@ from proxy.routing.backend_state import BackendState, share_rate
 from proxy.routing.decision import Handoff, Report
 from proxy.routing.deferred import Deferred
 from proxy.routing.observed import PeerRequests
+from proxy.routing.posting import Unposted
 from proxy.routing.queue import SlotQueue
 from proxy.routing.routed import Inflight, Ledger, Routed
 from proxy.routing.settings import RouterSettings
@@ -28,9 +29,10 @@ class RequestEnds:
 
     def __init__(self, backends: Mapping[str, BackendState], ledger: Ledger,
                  deferred: Deferred, queue: SlotQueue, peers: PeerRequests,
-                 settings: RouterSettings) -> None:
+                 settings: RouterSettings, unposted: Unposted) -> None:
         self._backends, self._ledger, self._deferred = backends, ledger, deferred
         self._queue, self._peers, self._settings = queue, peers, settings
+        self._unposted = unposted
         self.mispredictions = 0  # completions whose reported reuse differed from ours
         self.completed = 0  # this replica's own requests
         self.completed_for_peers = 0  # other replicas' (see PeerRequests)
@@ -113,6 +115,7 @@ class RequestEnds:
         if not f.live or st is None:
             return []  # backend was removed meanwhile: nothing to learn
         self._ledger.end(decision.request_id)
+        self._unposted.posted(decision.request_id)
         st.release(f.work, now)
         st.learn(self._settings, now - f.started, report.prompt_ms, report.prompt_n)
         if st.rate_learned:
@@ -192,6 +195,7 @@ class RequestEnds:
         if not f.live or st is None:
             return []
         self._ledger.end(decision.request_id)
+        self._unposted.posted(decision.request_id)
         st.release(f.work, now)
         if not sent:
             self._peers.told_withdrawn(f, decision.request_id)

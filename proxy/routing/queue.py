@@ -19,6 +19,7 @@ from proxy.routing.decision import Handoff
 from proxy.routing.disk import DiskIndex
 from proxy.routing.observed import PeerRequests
 from proxy.routing.policies import Policy
+from proxy.routing.posting import Unposted
 from proxy.routing.routed import Ledger
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
@@ -34,9 +35,10 @@ class SlotQueue:
     """Hand-offs of queued requests: who gets a slot that frees, and what it reuses."""
 
     def __init__(self, tree: RadixTree, ledger: Ledger, policy: Policy, disk: DiskIndex,
-                 peers: PeerRequests, settings: RouterSettings) -> None:
+                 peers: PeerRequests, settings: RouterSettings, unposted: Unposted) -> None:
         self._tree, self._ledger, self._policy = tree, ledger, policy
         self._disk, self._peers, self._settings = disk, peers, settings
+        self._unposted = unposted
 
     def drain(self, st: BackendState, backend: str, now: float) -> list[Handoff]:
         """A slot freed. A request waiting for that very slot gets it, pinned (the first
@@ -153,6 +155,9 @@ class SlotQueue:
             if had is not None and restore[1].startswith(had):
                 had = None  # (the file holds it already: an earlier point of its conversation)
         assert p is not None
+        after = None if f.observed else self._unposted.creator(rid, backend, p.ram_entry)
+        if not f.observed:  # (a peer's request: sent by its replica, its posting not seen)
+            self._unposted.started(rid, backend, cache.created)
         f.slot = p.slot
         st.occupy(p.slot, f.session)
         f.started = max(f.started, now)  # its duration counts from here, not its wait
@@ -161,9 +166,9 @@ class SlotQueue:
         file = restore[0] if restore is not None else None
         if f.prediction is not None:  # (what the request is sent with, pinned)
             f.prediction = replace(f.prediction, slot=p.slot, predicted_cached=p.reuse,
-                                   tier=p.tier, restore=file)
+                                   tier=p.tier, restore=file, after=after)
         return Handoff(rid, backend, p.slot, p.reuse, p.tier, file,
-                       had if had is not None and len(had) // 4 > kept else None)
+                       had if had is not None and len(had) // 4 > kept else None, after)
 
     def lcps(self, cache: BackendCache, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
         """What of prompt ``q`` ``cache``'s slots and RAM entries hold."""

@@ -1,12 +1,14 @@
 """The live record of one routed request (`Routed`), and the router's entry behind it.
 
 `Router.decide` returns a `Routed`; the forwarder holds it for the request's life and
-tells it what happens: `placed()` once the request is written, `extend(ids)` when the rest
+tells it what happens: `placed()` once the request is written, `posted()` once its
+answer's head came (the server has posted it), `extend(ids)` when the rest
 of a prompt decided on its head is tokenized, `first_token()`, and `complete(...)` or
 `abort(...)` at the end (`withdraw()` instead of sending it: it moves). `prediction` is
-read when the answer's headers are written and when its log line is: the router keeps it
-current (the deferred slot model update, another replica's request run first, the whole
-prompt, a hand-off, a failed restore), so no caller keeps or revises a copy.
+read before it is sent (``after``), when the answer's headers are written and when its
+log line is: the router keeps it current (the deferred slot model update, another
+replica's request run first, the whole prompt, a hand-off, a failed restore), so no
+caller keeps or revises a copy.
 
 The router keeps the entries of the requests in flight by id too, for the events that
 come by id (another replica's, a backend leaving); the record's own calls need no lookup.
@@ -49,6 +51,13 @@ class Inflight:
             self.prediction = replace(d, predicted_cached=reuse, tier=tier,
                                       reasons={**d.reasons, "reuse": reuse, "tier": tier})
 
+    def wait_for(self, creator: int | None) -> None:
+        """The RAM entry it loads is created by ``creator``'s start, not known posted yet
+        (None: no such request; see ``Decision.after``)."""
+        d = self.prediction
+        if d is not None and d.after != creator:
+            self.prediction = replace(d, after=creator)
+
 
 class Ledger:
     """The requests in flight by id, this replica's and those other replicas told of: for
@@ -90,6 +99,8 @@ class Owner(Protocol):
     """What a record asks of the router that owns it (`Router`)."""
 
     def place(self, routed: Routed) -> Routed: ...
+
+    def posted(self, routed: Routed) -> None: ...
 
     def extend(self, routed: Routed, tokens: Sequence[int] | array | bytes,
                user_starts: tuple[int, ...] = ()) -> Routed: ...
@@ -166,6 +177,11 @@ class Routed:
         `decide` runs now (if nothing ran it before). Returns the prediction."""
         self._router.place(self)
         return self.prediction
+
+    def posted(self) -> None:
+        """The request is known posted on its server: its answer's head came (see
+        `Router.posted`)."""
+        self._router.posted(self)
 
     def extend(self, tokens: Sequence[int] | array | bytes,
                user_starts: tuple[int, ...] = ()) -> None:

@@ -41,6 +41,7 @@ from proxy.routing.observed import PeerRequests
 from proxy.routing.outcomes import RequestEnds
 from proxy.routing.policies import Ask, make_policy
 from proxy.routing.policy import Candidate, Choice
+from proxy.routing.posting import Unposted
 from proxy.routing.queue import SlotQueue
 from proxy.routing.routed import Inflight, Ledger, Routed
 from proxy.routing.settings import RouterSettings
@@ -86,13 +87,15 @@ class Router:
         self.tree = RadixTree(max_resident=s.max_resident_tokens)
         self._backends: dict[str, BackendState] = {}
         self._ledger = Ledger()
-        self._deferred = Deferred(self._backends, self._ledger)
+        self._unposted = Unposted()
+        self._deferred = Deferred(self._backends, self._ledger, self._unposted)
         self.disk = DiskIndex(self.tree, s, self._backends)
         self.peers = PeerRequests(self._backends, self._ledger)
-        self._queue = SlotQueue(self.tree, self._ledger, self._policy, self.disk, self.peers, s)
+        self._queue = SlotQueue(self.tree, self._ledger, self._policy, self.disk, self.peers, s,
+                                self._unposted)
         self._spread = (0, 1)  # (see spread)
         self._ends = RequestEnds(self._backends, self._ledger, self._deferred, self._queue,
-                                 self.peers, s)
+                                 self.peers, s, self._unposted)
 
     def spread(self, rank: int, replicas: int) -> None:
         """This router is replica ``rank`` of ``replicas`` sharing the backends: of the
@@ -134,6 +137,7 @@ class Router:
         st.cache.clear()
         for rid, f in self._ledger.on(name):
             self._ledger.end(rid)
+            self._unposted.posted(rid)
             self.peers.told_freed(f, f.slot, rid)
 
     @property
@@ -245,8 +249,10 @@ class Router:
                                               ram_lcp, n, placed, sequence, user_starts))
                 return placed, None
             st.cache.restore(placed.slot, sequence)
-            return from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
-                                             user_starts=user_starts)), None
+            p = from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
+                                         user_starts=user_starts))
+            self._unposted.started(rid, choice.backend, st.cache.created)
+            return p, None
         beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
                               len(q)) if r.head else None
         if defer:
@@ -255,8 +261,10 @@ class Router:
                                           user_starts=user_starts))
             return choice.placement, beyond
         # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
-        return st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement,
-                              user_starts=user_starts), beyond
+        p = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement,
+                           user_starts=user_starts)
+        self._unposted.started(rid, choice.backend, st.cache.created)
+        return p, beyond
 
     def _record(self, r: _Prompt, choice: Choice, cand: Candidate, placed: Placement | None,
                 beyond: bytes | None, restore: str | None) -> Routed:
@@ -303,6 +311,8 @@ class Router:
             queued=queued,
             restore=restore,
             claims=r.claims and placed is not None,
+            after=self._unposted.creator(rid, choice.backend, placed.ram_entry)
+            if placed is not None else None,
         )
         return Routed(self, f)
 
@@ -326,6 +336,19 @@ class Router:
         so change what it loads (the record's prediction then says so)."""
         self._deferred.apply()
         return routed
+
+    def posted(self, routed: Routed) -> None:
+        """The request is known posted on its server (its answer's head came): the server
+        launches it before any request sent after now, so those may load what its start
+        saves to RAM."""
+        self._deferred.apply()
+        self._unposted.posted(routed.request_id)
+
+    def unposted(self, request_id: int) -> bool:
+        """Is ``request_id`` a request some prediction may wait for: its start created RAM
+        entries, and it is not known posted yet (see ``Decision.after``)?"""
+        self._deferred.apply()
+        return self._unposted.pending(request_id)
 
     # what a record tells (see RequestEnds)
     def extend(self, routed: Routed, tokens: Sequence[int] | array | bytes,
@@ -395,6 +418,7 @@ class Router:
         placed, _ = self._place(r, choice, cand, False, None)
         routed = self._record(r, choice, cand, placed, None, None)
         routed.entry.observed = True
+        self._unposted.posted(rid)  # (sent by its replica: its posting is not seen here)
         return routed
 
     def observe(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0

@@ -11,6 +11,7 @@ from proxy.routing.cache.predict import DISK, SLOT, BackendCapacity, Placement
 from proxy.routing.deferred import Deferred, Unplaced
 from proxy.routing.disk import DiskIndex
 from proxy.routing.observed import PeerRequests
+from proxy.routing.posting import Unposted
 from proxy.routing.routed import Inflight, Ledger
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
@@ -114,7 +115,7 @@ def test_a_deferred_update_runs_once_and_only_for_a_live_entry() -> None:
     tree = RadixTree()
     st = state(tree)
     led = Ledger()
-    deferred = Deferred({"a": st}, led)
+    deferred = Deferred({"a": st}, led, Unposted())
     q = to_token_bytes(range(40))
     p = st.cache.predict(0, {}, {}, 40)
     assert p is not None

@@ -101,6 +101,9 @@ class BackendCache(CachePrediction):
         self._next_entry = 0
         self._clock = 0
         self.starts = 0  # tasks started so far (see `saved_idle`)
+        # the RAM entries the last `start` created (still in RAM): the server creates
+        # them only when it launches that task (see proxy/routing/posting.py)
+        self.created: tuple[int, ...] = ()
 
     # ---------------------------------------------------------------- effects
     def start(
@@ -121,6 +124,7 @@ class BackendCache(CachePrediction):
         p = predicted or self.predict(slot, slot_lcp, ram_lcp, n_prompt)
         if p is None:
             return None
+        first = self._next_entry
         s = self.slots[p.slot]
         if p.saved:
             gone = self._save(p.slot)
@@ -152,6 +156,7 @@ class BackendCache(CachePrediction):
         if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
             for i in self.idle:
                 self._save_idle_slot(i)
+        self.created = tuple(e for e in range(first, self._next_entry) if e in self.ram)
         return p
 
     def correct(self, slot: int, prompt: bytes, slot_lcp: dict[int, int],

@@ -1,0 +1,49 @@
+"""The RAM entries created by starts whose requests are not known posted on their
+server yet (`Unposted`).
+
+llama-server posts a task only once its HTTP thread has templated and tokenized the
+request; its main loop then launches tasks in the order they were posted. A start that
+saves a slot to RAM (its own, or an idle one: --cache-idle-slots) creates that entry only
+when the server launches it. A request sent a moment after it and posted first (a short
+prompt behind a long one) would launch first and find no entry to load: so a request
+predicted to load such an entry names its creator (``Decision.after``), and the proxy
+sends it only once the creator is known posted (its answer's head came, or it ended).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class Unposted:
+    """Of the requests started in the model and not known posted, the RAM entries their
+    starts created."""
+
+    def __init__(self) -> None:
+        self._creator: dict[tuple[str, int], int] = {}  # (backend, entry) -> request id
+        self._created: dict[int, list[tuple[str, int]]] = {}  # request id -> its entries
+
+    def started(self, rid: int, backend: str, entries: Iterable[int]) -> None:
+        """``rid`` started on ``backend`` in the model, its start creating ``entries``."""
+        keys = [(backend, e) for e in entries]
+        if keys:
+            self._created.setdefault(rid, []).extend(keys)
+            for k in keys:
+                self._creator[k] = rid
+
+    def creator(self, rid: int, backend: str, entry: int | None) -> int | None:
+        """The request, other than ``rid``, whose start creates ``backend``'s RAM entry
+        ``entry`` and which is not known posted yet (None: none such)."""
+        if entry is None:
+            return None
+        got = self._creator.get((backend, entry))
+        return None if got == rid else got
+
+    def pending(self, rid: int) -> bool:
+        """Did ``rid``'s start create entries while it is not known posted?"""
+        return rid in self._created
+
+    def posted(self, rid: int) -> None:
+        """``rid`` is known posted on its server, or it ended (or its backend left)."""
+        for k in self._created.pop(rid, ()):
+            self._creator.pop(k, None)

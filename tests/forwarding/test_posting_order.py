@@ -1,0 +1,70 @@
+"""Two requests sent back to back where the second loads what the first one's start
+saves to RAM: the server posts a task only once its HTTP thread has tokenized it, so a
+long first prompt would be posted, and launched, after a short second one, whose RAM
+lookup then finds nothing. The second is held until the first is known posted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from faults import until
+from proxy_client import proxy
+from texts import words
+
+from proxy.server.keys import ROUTER
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def chat(text: str) -> dict[str, Any]:
+    return {"model": "kvroute-demo", "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": text}]}
+
+
+async def ask(client: Any, text: str) -> tuple[int, int, str]:
+    """(predicted, reported reuse, tier predicted) of one request."""
+    async with client.post("/v1/chat/completions", json=chat(text)) as r:
+        assert r.status == 200, await r.text()
+        body = await r.text()
+        predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+        tier = r.headers["X-Kvroute-Tier"]
+    usage = [json.loads(line[6:]) for line in body.splitlines()
+             if line.startswith("data: {")][-1]["usage"]
+    return predicted, usage["prompt_tokens_details"]["cached_tokens"], tier
+
+
+async def test_a_load_of_what_a_long_start_saves_waits_for_its_posting(
+        backend_pool: Any) -> None:
+    """Slot 0 holds OTHER, slot 1 CONV (the last to run: no start saved it as an idle
+    slot). LONG (unrelated, ~60 KB of text) takes slot 1, its start saving CONV to RAM;
+    CONV's next turn, sent as soon as LONG is decided, takes slot 0 and loads CONV from
+    RAM. Sent at once, the turn overtook LONG on the server (LONG was still being
+    tokenized there), found no CONV in RAM and reused nothing. Both cores are kept busy
+    (a slower tokenization there)."""
+    sup = await backend_pool(n=1, slots=2, ctx_per_slot=16384, cache_ram_mib=256,
+                             fresh=True)
+    conv = words(1000, 1)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        async with proxy(sup) as client:
+            router = client.server.app[ROUTER]
+            await ask(client, words(2000, 2))
+            await ask(client, conv)
+            long = asyncio.create_task(ask(client, words(10000, 3)))
+            await until(lambda: router.snapshot()["inflight"] == 1, 30, step=0.001)
+            turn = await ask(client, conv + " " + words(20, 4))
+            got = await long
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    predicted, reported, tier = turn
+    assert tier == "ram" and predicted >= 1000, turn
+    assert reported == predicted, (turn, got)
+    assert got[0] == got[1], got
