@@ -9,6 +9,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import itertools
 import random
 import shutil
 import socket
@@ -222,15 +223,9 @@ async def test_a_replica_that_joins_during_a_request_reads_its_end(
 
 async def _slot_turn(client: TestClient[Any, Any], messages: list[dict[str, str]]
                      ) -> tuple[int, int, int]:
-    """(slot, reused, prompt tokens) of one turn; a fixed answer goes in the history."""
-    async with client.post("/v1/chat/completions", json={
-            "model": "kvroute-demo", "max_tokens": 4, "messages": messages}) as r:
-        body = await r.json()
-        assert r.status == 200, body
-        slot = int(r.headers["X-Kvroute-Slot"])
-    messages.append({"role": "assistant", "content": "Noted."})
-    t = body["timings"]
-    return slot, t["cache_n"], t["cache_n"] + t["prompt_n"]
+    """(slot, reused, prompt tokens) of one turn (see `_placed_turn`)."""
+    (_, slot), reused, prompt = await _placed_turn(client, messages)
+    return slot, reused, prompt
 
 
 @NEEDS_NATS
@@ -534,3 +529,53 @@ async def test_without_its_broker_a_replica_serves_on_its_own_view(
             assert status["id"] == "alone" and status["connected"] is False
     finally:
         await sup.stop()
+
+
+@NEEDS_NATS
+@pytest.mark.timeout(240)
+async def test_a_burst_of_new_conversations_over_one_prompt_through_two_replicas(
+        pool_config: Callable[..., Config]) -> None:
+    """Four new conversations over one system prompt reach two replicas at once (two
+    each), 2 servers x 2 slots: enough slots for all. Each takes a slot of its own, so
+    no next turn, sent to the other replica, loses its history (as through one)."""
+    cfg = pool_config(n=2, slots=2, cache_ram_mib=0)
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with broker() as url, replica(cfg, sup, url, "r1") as a, \
+                replica(cfg, sup, url, "r2") as b:
+            for c in (a, b):
+                await until(lambda c=c: _peers(c), 20)
+            system = words(700, 980)
+            convs = [[{"role": "system", "content": system},
+                      {"role": "user", "content": words(250, 981 + k)}] for k in range(4)]
+            via = [a, b, a, b]
+            turns = [await asyncio.gather(*(_placed_turn(via[k], convs[k])
+                                            for k in range(4)))]
+            for n in range(2):
+                for c in (a, b):
+                    await until(lambda c=c: _settled(c), 20)
+                for k, conv in enumerate(convs):
+                    conv.append({"role": "user", "content": words(20, 990 + 4 * n + k)})
+                via = via[1:] + via[:1]  # each conversation's next turn: the other replica
+                turns.append(await asyncio.gather(*(_placed_turn(via[k], convs[k])
+                                                    for k in range(4))))
+    finally:
+        await sup.stop()
+    assert len({where for where, _, _ in turns[0]}) == 4, turns[0]
+    for before, after in itertools.pairwise(turns):
+        for (_, _, prompt), (_, reused, _) in zip(before, after, strict=True):
+            assert reused >= 0.9 * prompt, turns
+
+
+async def _placed_turn(client: TestClient[Any, Any], messages: list[dict[str, str]]
+                       ) -> tuple[tuple[str, int], int, int]:
+    """((backend, slot), reused, prompt tokens) of one turn (see `_slot_turn`)."""
+    async with client.post("/v1/chat/completions", json={
+            "model": "kvroute-demo", "max_tokens": 4, "messages": messages}) as r:
+        body = await r.json()
+        assert r.status == 200, body
+        where = (r.headers["X-Kvroute-Backend"], int(r.headers["X-Kvroute-Slot"]))
+    messages.append({"role": "assistant", "content": "Noted."})
+    t = body["timings"]
+    return where, t["cache_n"], t["cache_n"] + t["prompt_n"]
