@@ -185,7 +185,7 @@ class Router:
             p = choice.placement or choice.queued  # (a queued choice predicts its landing)
             assert p is not None
             most = _most_kv(held)
-            if p.reuse < most:
+            if p.reuse < most or self._undecided(held, len(q) // 4):
                 return NeedWholePrompt(most, p.reuse)
         rid = self._ledger.new_id()
         cand = next(c for c in cands if c.name == choice.backend)
@@ -198,6 +198,15 @@ class Router:
         placed, beyond = self._place(r, choice, cand, defer, restore)
         return self._record(r, choice, cand, placed, beyond,
                             restore[0] if restore is not None else None)
+
+    def _undecided(self, held: dict[Any, int], n_head: int) -> bool:
+        """Do holders of the whole head go on from it differently? Then only the rest
+        of the prompt tells which one it goes on from (conversations over one system
+        prompt, when the head is that prompt): decided on the head, it would take any
+        of them. (A slot and its copy in RAM go on alike.)"""
+        nexts = {self.tree.tokens_of(h)[4 * n_head:4 * (n_head + _AHEAD)]
+                 for h, got in held.items() if got >= n_head}
+        return len(nexts) >= 2
 
     def _candidates(self, q: bytes, n: int, head: bool, among: Collection[str] | None
                     ) -> tuple[list[Candidate], dict[Any, int]] | NoBackend | NeedWholePrompt:
@@ -509,6 +518,10 @@ def _claims(choice: Choice, cand: Candidate, session: str | None, known: int | N
 
 
 _CONTINUATION_SLACK = 4
+
+
+# tokens past a head compared to tell whether its holders go on alike
+_AHEAD = 16
 
 
 def _most_kv(held: dict[Any, int]) -> int:

@@ -552,6 +552,30 @@ def test_not_moved_off_its_history_on_the_head_alone() -> None:
     assert ds.predicted_cached == len(head) + len(tool) - 2
 
 
+def test_a_head_that_two_conversations_hold_waits_for_the_whole_prompt() -> None:
+    """Two conversations over one system prompt, each in its own slot: a next turn's head
+    (the system prompt) is held whole by both, so the head cannot tell where it goes on:
+    the router asks for the whole prompt, which goes back to its own conversation."""
+    r = Router()
+    r.add_backend(cap("a", slots=2))
+    system = list(range(1_000, 1_700))
+    convs = [[*system, *range(5_000 + 1_000 * k, 5_250 + 1_000 * k)] for k in (0, 1)]
+    firsts = [decide(r, c) for c in convs]
+    assert {d.slot for d in firsts} == {0, 1}
+    for d in firsts:
+        r.complete(d, Report(output_tokens=[7]), now=1)
+    whole = [*convs[1], 7, *range(9_000, 9_020)]
+    got = r.decide(system, n_prompt=len(whole), now=2)
+    assert isinstance(got, NeedWholePrompt), got
+    assert r.snapshot()["inflight"] == 0  # nothing recorded
+    d = decide(r, whole, now=2)
+    assert d.slot == firsts[1].slot and d.predicted_cached == len(convs[1]) + 1
+    one = Router()  # one holder of the whole head: decided on it
+    one.add_backend(cap("a", slots=1))
+    one.complete(decide(one, convs[0]), Report(output_tokens=[7]), now=1)
+    assert isinstance(one.decide(system, n_prompt=len(whole), now=2), Routed)
+
+
 def test_extend_after_the_request_ended_or_with_another_prompt_changes_nothing() -> None:
     r = Router()
     r.add_backend(cap("a"))
