@@ -169,7 +169,13 @@ def simulate(
         for i in range(n_backends)
     ]
     s = settings or RouterSettings(default_prefill_tps=be.prefill_tps)
+    if policy == "smg_like":
+        from loadtest.smg_like import register
+
+        register()
     router = Router(policy, settings=s, seed=seed)
+    # a baseline after a router that holds nothing: what has no slot waits in the server
+    server_queues = getattr(router._policy, "server_queues", False)
     truth_tree = RadixTree()
     servers: dict[str, _Server] = {}
     for cap in caps:
@@ -252,7 +258,7 @@ def simulate(
                 n = len(q) // 4
                 req = _Req(idx, now, q, n, r.output_length, d, d.slot, users,
                            held=min(truth_tree.match(q).matched, n - 1))
-                if d.queued:
+                if d.queued and not server_queues:
                     held[d.request_id] = req  # the proxy holds it until its Handoff
                     continue
                 srv = servers[d.backend]
@@ -276,6 +282,8 @@ def simulate(
                 srv.waiting = deque(w for w in srv.waiting if not try_start(srv, w, now))
             # then the proxy sends the requests it held, pinned to the slots handed them
             for h in handoffs:
+                if server_queues:
+                    continue  # (sent already: it waits in the server's queue)
                 w = held.pop(h.request_id)
                 w.slot = h.slot  # (its record's prediction says so too)
                 hsrv = servers[h.backend]
