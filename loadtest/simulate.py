@@ -9,7 +9,9 @@ decode:
 - decode runs in the slot at ``decode_tps`` per slot after the first token;
 - a request the router queued (no idle slot, or waiting for a busy one) is held, as the
   proxy holds it, until the router hands it a slot (``Handoff``), then sent pinned there;
-  one the server cannot place waits in the server's queue (FIFO) until a slot frees.
+  one the server cannot place waits in the server's queue (FIFO) until a slot frees;
+- ``smg_like`` (loadtest/smg_like.py, a simulation baseline after SGLang's smg router)
+  holds nothing: what it queues waits unpinned in the server's queue.
 
 The real :class:`~proxy.routing.router.Router` decides every request and gets the truth back in
 ``complete()`` (reused tokens, prompt timings, slot), exactly as the live proxy would.
