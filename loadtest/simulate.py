@@ -9,7 +9,9 @@ decode:
 - decode runs in the slot at ``decode_tps`` per slot after the first token;
 - a request the router queued (no idle slot, or waiting for a busy one) is held, as the
   proxy holds it, until the router hands it a slot (``Handoff``), then sent pinned there;
-  one the server cannot place waits in the server's queue (FIFO) until a slot frees.
+  one the server cannot place waits in the server's queue (FIFO) until a slot frees;
+- ``smg_like`` (loadtest/smg_like.py, a simulation baseline after SGLang's smg router)
+  holds nothing: what it queues waits unpinned in the server's queue.
 
 The real :class:`~proxy.routing.router.Router` decides every request and gets the truth back in
 ``complete()`` (reused tokens, prompt timings, slot), exactly as the live proxy would.
@@ -169,7 +171,13 @@ def simulate(
         for i in range(n_backends)
     ]
     s = settings or RouterSettings(default_prefill_tps=be.prefill_tps)
+    if policy == "smg_like":
+        from loadtest.smg_like import register
+
+        register()
     router = Router(policy, settings=s, seed=seed)
+    # a baseline after a router that holds nothing: what has no slot waits in the server
+    server_queues = getattr(router._policy, "server_queues", False)
     truth_tree = RadixTree()
     servers: dict[str, _Server] = {}
     for cap in caps:
@@ -252,7 +260,7 @@ def simulate(
                 n = len(q) // 4
                 req = _Req(idx, now, q, n, r.output_length, d, d.slot, users,
                            held=min(truth_tree.match(q).matched, n - 1))
-                if d.queued:
+                if d.queued and not server_queues:
                     held[d.request_id] = req  # the proxy holds it until its Handoff
                     continue
                 srv = servers[d.backend]
@@ -276,6 +284,8 @@ def simulate(
                 srv.waiting = deque(w for w in srv.waiting if not try_start(srv, w, now))
             # then the proxy sends the requests it held, pinned to the slots handed them
             for h in handoffs:
+                if server_queues:
+                    continue  # (sent already: it waits in the server's queue)
                 w = held.pop(h.request_id)
                 w.slot = h.slot  # (its record's prediction says so too)
                 hsrv = servers[h.backend]
