@@ -66,6 +66,7 @@ def test_a_follower_waits_behind_its_queued_leader_and_is_handed_its_slot() -> N
     assert nxt.predicted_cached == len(TURN)
     got = r.complete(first, Report(output_tokens=[7] * 4), now=3.0)
     assert [h.request_id for h in got] == [lead.request_id]
+    assert r._backends[lead.backend].targets == {nxt.request_id: lead.slot}
     assert r.complete(second, Report(output_tokens=[7] * 4), now=3.5) == []
     got = r.complete(lead, Report(output_tokens=[7] * 4, reported_cached=got[0].predicted_cached),
                      now=5.0)
