@@ -20,6 +20,7 @@ class Queued(NamedTuple):
 
     n: int  # prompt tokens
     prompt: bytes  # int32 token bytes (the head, when decided on its head)
+    session: str | None = None  # the client's session hint
 
 
 @dataclass
@@ -38,6 +39,11 @@ class BackendState:
     queued: OrderedDict[int, Queued] = field(default_factory=OrderedDict)
     # queued request id -> the busy slot it waits for (see _best_option)
     targets: dict[int, int] = field(default_factory=dict)
+    # queued request id -> the waiter it follows: it waits for the slot that waiter is
+    # handed, then becomes its target (see policy._follow, SlotQueue.hand)
+    leader_of: dict[int, int] = field(default_factory=dict)
+    # a waiter -> the requests following it, oldest first
+    followers: dict[int, list[int]] = field(default_factory=dict)
     # the queued requests waiting for any slot (not in targets), by prompt
     waiting: WaiterTree = field(default_factory=WaiterTree)
     # the RAM bytes saving a slot of each one's length would take (see predict_queued)
@@ -58,41 +64,75 @@ class BackendState:
         else:
             self.slot_session[slot] = session
 
-    def enqueue(self, rid: int, n: int, prompt: bytes, slot: int | None) -> None:
-        """``rid`` waits for a slot: ``slot`` once it frees, or any (None)."""
-        self.queued[rid] = Queued(n, prompt)
-        if slot is None:
-            self.waiting.add(rid, prompt)
-            self.waiting_bytes += self.cache.save_bytes(n)
-            self.waiting_by_size.add((n, rid))
+    def enqueue(self, rid: int, n: int, prompt: bytes, slot: int | None, *,
+                session: str | None = None, leader: int | None = None) -> None:
+        """``rid`` waits for a slot: ``slot`` once it frees, or any (None), or, with
+        ``leader``, the one that waiter is handed."""
+        self.queued[rid] = Queued(n, prompt, session)
+        if leader is not None:
+            self.leader_of[rid] = leader
+            self.followers.setdefault(leader, []).append(rid)
+        elif slot is None:
+            self._wait_any(rid, n, prompt)
         else:
             self.targets[rid] = slot
+
+    def waits_any(self, rid: int) -> bool:
+        """Does queued ``rid`` wait for any slot (neither a target nor a follower)?"""
+        return rid not in self.targets and rid not in self.leader_of
+
+    def _wait_any(self, rid: int, n: int, prompt: bytes) -> None:
+        self.waiting.add(rid, prompt)
+        self.waiting_bytes += self.cache.save_bytes(n)
+        self.waiting_by_size.add((n, rid))
+
+    def follow_to(self, leader: int, slot: int | None) -> list[int]:
+        """Waiter ``leader`` no longer waits: its followers wait for ``slot``, the one it
+        was handed, or, None (it ended unserved), for any slot. Returns them."""
+        behind = self.followers.pop(leader, [])
+        for rid in behind:
+            del self.leader_of[rid]
+            if slot is None:
+                q = self.queued[rid]
+                self._wait_any(rid, q.n, q.prompt)
+            else:
+                self.targets[rid] = slot
+        return behind
 
     def requeue(self, rid: int, n: int, prompt: bytes) -> None:
         """Queued ``rid``'s whole prompt is known: ``prompt`` of ``n`` tokens."""
         old = self.queued.get(rid)
         if old is None:
             return
-        self.queued[rid] = Queued(n, prompt)  # (an existing key keeps its place)
-        if rid not in self.targets:
+        self.queued[rid] = old._replace(n=n, prompt=prompt)  # (a key keeps its place)
+        if self.waits_any(rid):
             self.waiting.add(rid, prompt)
             self.waiting_bytes += self.cache.save_bytes(n) - self.cache.save_bytes(old.n)
             self.waiting_by_size.remove((old.n, rid))
             self.waiting_by_size.add((n, rid))
 
-    def dequeue(self, rid: int) -> None:
-        """``rid`` no longer waits (handed a slot, ended, or gone)."""
+    def dequeue(self, rid: int, release: bool = True) -> list[int]:
+        """``rid`` no longer waits (handed a slot, ended, or gone). With ``release``,
+        its followers wait for any slot then: returns them (else ``follow_to`` is due)."""
         old = self.queued.pop(rid, None)
-        if old is not None and self.targets.pop(rid, None) is None:
+        if old is None:
+            return []
+        leader = self.leader_of.pop(rid, None)
+        if leader is not None:
+            behind = self.followers[leader]
+            behind.remove(rid)
+            if not behind:
+                del self.followers[leader]
+        elif self.targets.pop(rid, None) is None:
             self.waiting.remove(rid)
             self.waiting_bytes -= self.cache.save_bytes(old.n)
             self.waiting_by_size.remove((old.n, rid))
+        return self.follow_to(rid, None) if release else []
 
     def newest_waiting(self) -> Iterator[Queued]:
         """The requests waiting for any slot, newest first (lazily: few are read)."""
-        targets = self.targets
         for rid in reversed(self.queued):
-            if rid not in targets:
+            if self.waits_any(rid):
                 yield self.queued[rid]
 
     def learn(self, s: RouterSettings, took: float, prompt_ms: float | None,

@@ -200,10 +200,11 @@ class RequestEnds:
         if not sent:
             self._peers.told_withdrawn(f, decision.request_id)
         if f.slot is None:
-            st.dequeue(decision.request_id)
+            released = st.dequeue(decision.request_id)
             if sent:
                 self._peers.told_freed(f, None, decision.request_id)
-            return []
+            # its followers wait for any slot now: an idle one is theirs
+            return self._queue.drain(st, decision.backend, now) if released else []
         if prefilled:
             # NOTE: an agent's interrupted turn: its next one resends that history
             st.cache.finish_generated(f.slot, b"")

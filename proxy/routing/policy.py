@@ -42,6 +42,12 @@
   elsewhere, or lands in another session's slot and destroys that history; and requests
   over one document sent together (the Mooncake replay's siblings: one prefix, another
   question) would each recompute it and each leave a copy of it in the small RAM tier.
+- Following a waiter: a request sharing at least ``wait_min_tokens`` with a request
+  the proxy holds, more than any slot or RAM entry holds (a turn sent while the
+  previous one waits, an agent's side call over it), may queue behind it: it is handed
+  that request's slot once that request ends (``_follow``). Elsewhere it would prefill
+  the history a second time. Priced as the queue's wait, one service time for the
+  leader and each follower ahead, then the rest of the prompt; chosen by score.
 - The choice minimises ``ttft + queue_cost_weight x (prompt - reuse) / rate(b)``: the
   uncached prefill also delays every request that queues behind it on that backend, so
   recomputing a long prefix elsewhere to save a little of this request's ttft is a bad
@@ -105,6 +111,7 @@ class Choice(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower
     placement: Placement | None  # predicted landing (None: queued, no idle slot)
     reasons: dict[str, object]
     queued: Placement | None = None  # when queued: predicted landing once a slot frees
+    follows: int | None = None  # queued behind this waiter, for its slot (see _follow)
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ is ~4x slower
@@ -178,6 +185,7 @@ class Option(NamedTuple):
     placement: Placement | None
     pin: int | None  # the slot to pin, or the busy slot to wait for (None: the server's)
     queued: bool  # it waits (for a busy slot, or in the server's queue)
+    leader: int | None = None  # the waiter it follows (see _follow)
 
 
 class Evaluated(NamedTuple):
@@ -190,18 +198,21 @@ class Evaluated(NamedTuple):
     work: int  # the backend's in-flight work after taking the request
     queued: bool
     ttft: float
+    leader: int | None = None
 
 
 def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None
-                 ) -> tuple[Option, Option | None]:
-    """Cheapest way to run on backend ``c`` now or in the server's queue, and cheapest
-    way waiting for one of its busy slots (None: no such slot).
+                 ) -> tuple[Option, Option | None, Option | None]:
+    """Cheapest way to run on backend ``c`` now or in the server's queue, cheapest
+    way waiting for one of its busy slots (None: no such slot), and following the
+    waiter that shares most of the prompt (None: none worth it, see ``_follow``).
 
     The score adds the displacement and destruction penalties to the ttft, so that
     between otherwise equal backends a new conversation lands where it evicts the least
     (spreading content) and never wipes out history it could have left alone."""
     backlog = max(0.0, c.state.busy_until - now)
-    return _plain_option(c, n, s, now, backlog), _wait_option(c, n, s, now, session, backlog)
+    return (_plain_option(c, n, s, now, backlog), _wait_option(c, n, s, now, session, backlog),
+            _follow(c, n, s, session, backlog))
 
 
 def _idle_options(c: Candidate) -> list[int | None]:
@@ -335,6 +346,43 @@ def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: 
     return (ttft + _penalty(p, s, rate), ttft, st.cache.slots[slot].last_used), p, slot
 
 
+# A follower's placement names no slot: its leader's, not known until it is handed one
+_FOLLOWS = -1
+
+
+def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlog: float
+            ) -> Option | None:
+    """Following the waiter of ``c`` that shares the most of the prompt, at least
+    ``wait_min_tokens`` (None: none does): the request waits for the slot that waiter
+    is handed, and is handed it once that waiter ends, finding its prompt there.
+
+    A conversation's next turn, or an agent's side call over its history, sent while
+    the previous request still waits here: that request is in no slot, so no holder
+    shows the history, and landing elsewhere would prefill it a second time (and keep
+    two copies of it). Expected ttft: the queue's expected wait (as for the server's
+    queue), one service time for the leader and one for each follower already behind
+    it, then the rest of the prompt; the leader's prompt beyond the shared part is
+    truncated then (charged as destroyed, as for ``_behind_waiter``). Whether it beats
+    an idle slot elsewhere is the choice's to say, by score: the prefill it saves is
+    charged ``queue_cost_weight`` over there. Never behind another named session's
+    request, whose history it would truncate. (Other replicas' waiters wait for a given
+    slot: they are no leaders.)"""
+    st = c.state
+    shared, leader = next(st.waiting.sharing(c.prompt), (0, -1))
+    shared = min(shared, n - 1)
+    if shared < s.wait_min_tokens:
+        return None
+    ahead = st.queued[leader]
+    if session is not None and (ahead.session or session) != session:
+        return None
+    service = st.service_s or s.default_service_s
+    behind = len(st.followers.get(leader, ()))
+    wait = backlog + service / len(st.cache.slots) + (1 + behind) * service
+    p = Placement(_FOLLOWS, shared, "slot", None, 0, False, max(0, ahead.n - shared))
+    ttft = _ttft(wait, p, n, st.rate, s)
+    return Option(ttft + _penalty(p, s, st.rate), ttft, p, None, True, leader)
+
+
 def _ttft(wait: float, p: Placement, n: int, rate: float, s: RouterSettings) -> float:
     """Expected time to first token: waiting, then the uncached prefill (and a RAM load)."""
     ttft = wait + (n - p.reuse) / rate
@@ -351,7 +399,7 @@ def _penalty(p: Placement, s: RouterSettings, rate: float) -> float:
 def _continues(c: Candidate, p: Placement | None, min_tokens: int, known: int | None) -> bool:
     """Does placement `p` extend the whole sequence its slot (or RAM entry) holds?
     ``known``: only that head of the prompt is known (see ``Router.decide``)."""
-    if p is None or p.reuse < min_tokens:
+    if p is None or p.reuse < min_tokens or p.slot == _FOLLOWS:
         return False
     if p.tier == "ram" and p.ram_entry is not None:
         held = c.state.cache.ram.get(p.ram_entry, 0)
@@ -395,23 +443,24 @@ def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
            session: str | None) -> _Field:
     evals: list[Evaluated] = []
     waits: list[Evaluated] = []
+    follows: list[Evaluated] = []
     ttfts: dict[str, float] = {}
     matched: dict[str, int] = {}
     total, total_rate = 0, 0.0
     for c in cands:
         st = c.state
-        plain, wait = _best_option(c, n, s, now, session)
+        plain, wait, follow = _best_option(c, n, s, now, session)
         ttfts[c.name] = round(plain.ttft, 4)
         matched[c.name] = c.matched()
-        for opt in (plain, wait):
+        for opt, into in ((plain, evals), (wait, waits), (follow, follows)):
             if opt is None:
                 continue
             uncached = n - (opt.placement.reuse if opt.placement is not None else 0)
             # NOTE: the uncached prefill also delays every request queued behind it
             score = opt.score + s.queue_cost_weight * uncached / st.rate
             work = st.work + uncached + s.request_overhead_tokens
-            (evals if opt is plain else waits).append(
-                Evaluated(c, score, opt.placement, opt.pin, work, opt.queued, opt.ttft))
+            into.append(Evaluated(c, score, opt.placement, opt.pin, work, opt.queued,
+                                  opt.ttft, opt.leader))
         total += st.work
         total_rate += st.rate
     # A wait must be faster for this request than running now anywhere, not only cheaper
@@ -419,7 +468,30 @@ def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
     # the first one's slot instead of spreading over idle backends.
     fastest = min(e.ttft for e in evals)
     evals += [e for e in waits if e.ttft < fastest]
+    _add_follows(evals, follows, max(matched.values()))
     return _Field(evals, ttfts, matched, total, total_rate)
+
+
+def _add_follows(evals: list[Evaluated], follows: list[Evaluated], most: int) -> None:
+    """Add the follows whose leader shares more than ``most``, what any holder anywhere
+    holds (else waiting for that holder, or running on it, reuses as much); by score
+    only, unlike a wait: the holder of that prefix is not running yet, so nothing else
+    reuses it, and a burst of new sessions over it is priced by the service times of
+    those following already. A follow replaces its backend's plain option when that is
+    the queue for any slot predicted to reuse as much (from the leader's prompt, in the
+    server's order): it does so only if it starts after the leader, in its slot, which
+    following makes sure of (the proxy, not the server, orders its waiters)."""
+    for f in follows:
+        assert f.placement is not None
+        if f.placement.reuse <= most:
+            continue
+        i = next(i for i, e in enumerate(evals) if e.cand is f.cand)
+        e = evals[i]
+        if e.queued and e.pin is None and e.placement is not None \
+                and e.placement.reuse >= f.placement.reuse:
+            evals[i] = f
+        else:
+            evals.append(f)
 
 
 def _within_bound(f: _Field, k: int, s: RouterSettings, session: str | None,
@@ -432,13 +504,15 @@ def _within_bound(f: _Field, k: int, s: RouterSettings, session: str | None,
     ~19k tokens for ~100 new); it stays unless the TTFT says otherwise (the backlog term
     still moves it off a swamped backend). So does a request of the session whose
     history the slot holds (a side call): that the client names its session tells it
-    from a new conversation over a shared prompt. An idle backend is always within the
+    from a new conversation over a shared prompt; and a follower (see ``_follow``),
+    whose history only its leader's slot will hold. An idle backend is always within the
     bound: with k backends and one request in flight, the mean is 1/k of it, and a long
     prompt would be "over" everywhere."""
     slack = s.load_slack_tokens + s.load_slack_s * f.total_rate / k
     return [e for e in f.evals
             if not (work := e.cand.state.work)
             or e.work <= s.load_factor * (f.total + e.work - work) / k + slack
+            or e.leader is not None
             or _continues(e.cand, e.placement, s.continuation_min_tokens, known)
             or _own_history(e.cand, e.placement, session, s.continuation_min_tokens)]
 
@@ -459,7 +533,7 @@ def choose_prefix(
     def key(e: Evaluated) -> tuple[float, int]:
         return (e.score, _hash_rank(session, e.cand.name) if session else 0)
 
-    c, _, p, pin, _, queued, _ = min(allowed, key=key)
+    c, _, p, pin, _, queued, _, leader = min(allowed, key=key)
     if len(allowed) < len(f.evals) and why == "lowest expected ttft":
         best_any = min(f.evals, key=key)
         if best_any.cand.name != c.name:
@@ -474,6 +548,8 @@ def choose_prefix(
         "work": {e.cand.name: e.cand.state.work for e in f.evals},
         "eligible": list(dict.fromkeys(e.cand.name for e in allowed)),
     }
-    if queued:  # pin: the busy slot it waits for, None: the server's queue
-        return Choice(c.name, pin, None, reasons, queued=p)
+    if leader is not None:
+        reasons["follows"] = leader
+    if queued:  # pin: the busy slot it waits for, None: the server's queue or its leader's
+        return Choice(c.name, pin, None, reasons, queued=p, follows=leader)
     return Choice(c.name, pin if p is not None else None, p, reasons)

@@ -65,11 +65,12 @@ class SlotQueue:
         """The waiter an idle slot goes to (see ``drain``): the one of shortest expected
         prefill there (its prompt less what its unpinned start, as ``hand`` makes it,
         reuses from a slot or from RAM), each one's divided by 1 + ``wait_ageing`` x the
-        seconds it has waited; one that has waited ``wait_starve_s`` goes first (the
-        oldest of those first). Near saturation the order decides the mean wait: the
-        shortest first lowers it, as in any queue; the ageing and the bound keep a long
-        prompt from waiting without end behind short ones. The baseline policies keep
-        the server's order.
+        seconds it has waited, and by 1 + its followers (their shared prefix is prefilled
+        once, by it); one that has waited ``wait_starve_s`` goes first (the oldest of
+        those first). Near saturation the order decides the mean wait: the shortest
+        first lowers it, as in any queue; the ageing and the bound keep a long prompt
+        from waiting without end behind short ones (or behind followed ones). The
+        baseline policies keep the server's order.
 
         A short queue is scanned. A long one is searched among the waiters that can
         win: the oldest, the shortest prompts, and the one reusing most there (at least
@@ -81,10 +82,10 @@ class SlotQueue:
             return oldest
         landed: dict[int, int] = {}  # waiter -> its predicted reuse (-1: no landing)
         if len(st.waiting) <= _SCAN_AT_MOST:
-            cands: Iterable[int] = (r for r in st.queued if r not in st.targets)
+            cands: Iterable[int] = (r for r in st.queued if st.waits_any(r))
         else:
             cands = self._candidates(st, landed)
-        queued, s = st.queued, self._settings
+        queued, s, followers = st.queued, self._settings, st.followers
         best, key = oldest, (float("inf"), 0.0)
         for rid in cands:
             reuse = landed[rid] if rid in landed else self._reuse(st, rid)
@@ -93,8 +94,8 @@ class SlotQueue:
             started = self._ledger[rid].started
             waited = now - started
             k = (-1.0 if waited >= s.wait_starve_s
-                 else (queued[rid].n - reuse) / st.rate / (1.0 + s.wait_ageing * waited),
-                 started)
+                 else (queued[rid].n - reuse) / st.rate / (1.0 + s.wait_ageing * waited)
+                 / (1 + len(followers.get(rid, ()))), started)
             if k < key:
                 best, key = rid, k
         return best
@@ -108,8 +109,7 @@ class SlotQueue:
     def _candidates(self, st: BackendState, landed: dict[int, int]) -> set[int]:
         """The waiters of a long queue that can be the next one served (see
         ``_next_waiter``); the reuse of those the search predicted goes into ``landed``."""
-        targets = st.targets
-        out = set(islice((r for r in st.queued if r not in targets), _CANDIDATES))
+        out = set(islice((r for r in st.queued if st.waits_any(r)), _CANDIDATES))
         out.update(rid for _, rid in islice(st.waiting_by_size, _CANDIDATES))
         cache, queued = st.cache, st.queued
 
@@ -135,7 +135,7 @@ class SlotQueue:
     def hand(self, st: BackendState, backend: str, rid: int, slot: int | None,
               now: float) -> Handoff:
         f = self._ledger[rid]
-        st.dequeue(rid)
+        st.dequeue(rid, release=False)  # (its followers wait for its slot: see below)
         cache = st.cache
         held = self._tree.match(f.prompt).held
         slot_lcp, ram_lcp = self.split(cache, held)
@@ -159,6 +159,7 @@ class SlotQueue:
         if not f.observed:  # (a peer's request: sent by its replica, its posting not seen)
             self._unposted.started(rid, backend, cache.created)
         f.slot = p.slot
+        st.follow_to(rid, p.slot)  # handed it pinned when rid ends: see drain
         st.occupy(p.slot, f.session)
         f.started = max(f.started, now)  # its duration counts from here, not its wait
         st.expect_free(p.slot, now)

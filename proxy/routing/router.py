@@ -286,8 +286,9 @@ class Router:
             # queued on the server (unpinned): predict what it gets when a slot frees,
             # before recording it (it would share its whole prompt with itself)
             pq = choice.queued or cand.predict_queued(n, None)[0]
-            # choice.slot: it waits for that busy slot (see _drain_queue)
-            st.enqueue(rid, n, q, choice.slot)
+            # choice.slot: it waits for that busy slot (see SlotQueue.drain); follows:
+            # for the slot that waiter is handed
+            st.enqueue(rid, n, q, choice.slot, session=session, leader=choice.follows)
             reuse, tier, slot = pq.reuse, pq.tier, None
         else:
             reuse, tier, slot = placed.reuse, placed.tier, placed.slot

@@ -125,7 +125,7 @@ def scan_next_waiter(r: Router, st: BackendState, now: float) -> int:
     """The hand-off's choice as a scan of every waiter: the reference. Of a queue longer
     than the scan's bound, only the candidates count: the oldest and the shortest
     (``_CANDIDATES`` of each) and the one reusing most, if at least wait_min_tokens."""
-    waiting = [rid for rid in st.queued if rid not in st.targets]
+    waiting = [rid for rid in st.queued if st.waits_any(rid)]
     if r.policy != "prefix":
         return waiting[0]
     cache = st.cache
@@ -153,7 +153,8 @@ def scan_next_waiter(r: Router, st: BackendState, now: float) -> int:
         started = r._ledger[rid].started
         waited, rs = now - started, r.settings
         k = (-1.0 if waited >= rs.wait_starve_s else
-             (st.queued[rid].n - p.reuse) / st.rate / (1 + rs.wait_ageing * waited), started)
+             (st.queued[rid].n - p.reuse) / st.rate / (1 + rs.wait_ageing * waited)
+             / (1 + len(st.followers.get(rid, ()))), started)
         if k < key:
             best, key = rid, k
     return best
@@ -201,7 +202,7 @@ def check_landings(r: Router, tokens: list[int]) -> None:
     for c in found[0]:
         st = c.state
         ahead = [(lcp(_ints(q.prompt), tokens), q.n) for rid, q in st.queued.items()
-                 if rid not in st.targets]
+                 if st.waits_any(rid)]
         want = landing_reference(st.cache, c.slot_lcp, c.ram_lcp, ahead, len(tokens))
         assert Candidate.predict_queued(c, len(tokens), None) == (want, None)
 
