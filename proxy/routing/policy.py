@@ -79,6 +79,9 @@
   their slots (the chat replay of BENCHMARKS.md, simulated: best at 0.1 of 0 to 1).
   A ``session`` hint breaks remaining ties by rendezvous hash, so new conversations of
   one session stick together while distinct sessions spread.
+- A prompt sharing fewer than 16 tokens with all a backend holds (a chat template's
+  opening) takes an empty slot there if one is idle: the near tie would otherwise be
+  decided by timing.
 - ``max_resident_tokens`` caps the router's token tree (LRU leaves evicted first);
   ``slot_prompt_similarity``, ``keep_threshold``, ``ram_min_share``, ``cache_idle_slots``
   and ``kv_unified`` mirror the server's settings (see proxy/routing/cache/model.py) and must
@@ -215,6 +218,11 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
             _follow(c, n, s, session, backlog))
 
 
+# A prompt sharing fewer tokens with a backend's slots and RAM entries (a chat template's
+# opening) is unrelated to what they hold
+_RELATED_TOKENS = 16
+
+
 def _idle_options(c: Candidate) -> list[int | None]:
     """The idle slots worth pricing (None: unpinned, where an empty slot loads from RAM).
     Empty idle slots are interchangeable, and idle slots sharing nothing with the prompt
@@ -236,6 +244,10 @@ def _idle_options(c: Candidate) -> list[int | None]:
             options.append(i)
         elif cold is None or (sl.n_tokens, sl.last_used) < cold_key:
             cold, cold_key = i, (sl.n_tokens, sl.last_used)
+    if empty is not None and c.matched() < _RELATED_TOKENS:
+        # nothing here holds more than a template's opening of it: taking a slot would
+        # save those few tokens and displace content an empty slot leaves alone
+        return [empty]
     ram_match = bool(c.ram_lcp)
     # without a RAM match, displacing an unrelated slot only costs: the empty one wins
     if cold is not None and (empty is None or ram_match):

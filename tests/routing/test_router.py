@@ -729,3 +729,19 @@ def test_a_withdrawn_request_leaves_its_slot_what_it_shared_with_it() -> None:
     assert waiter.predicted_cached == len(system)
     r.complete(waiter, Report(output_tokens=[5]), now=4.0)
     assert r.snapshot()["inflight"] == 0
+
+
+@pytest.mark.parametrize(("shared", "empty_slot"), [(1, True), (3, True), (15, True),
+                                                    (200, False)])
+def test_a_slot_sharing_only_a_templates_opening_is_not_taken_over_an_empty_one(
+        shared: int, empty_slot: bool) -> None:
+    """A new prompt sharing a few tokens (a chat template's opening) with what an idle
+    slot holds goes to an empty slot: taking the other would save those few tokens and
+    displace its content, a near tie that timing would otherwise decide."""
+    r = Router()
+    r.add_backend(cap("a", slots=2))
+    first = decide(r, [*range(1, 1 + shared), *range(5_000, 5_009)])
+    r.complete(first, Report(), now=1)
+    d = decide(r, [*range(1, 1 + shared), *range(9_000, 10_500)], now=2)
+    assert (d.slot not in (first.slot, None)) is empty_slot, d.reasons
+    assert d.predicted_cached == (0 if empty_slot else shared)
