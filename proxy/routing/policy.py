@@ -220,7 +220,7 @@ def _best_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
 
 # A prompt sharing fewer tokens with a backend's slots and RAM entries (a chat template's
 # opening) is unrelated to what they hold
-_RELATED_TOKENS = 16
+RELATED_TOKENS = 16
 
 
 def _idle_options(c: Candidate) -> list[int | None]:
@@ -244,7 +244,7 @@ def _idle_options(c: Candidate) -> list[int | None]:
             options.append(i)
         elif cold is None or (sl.n_tokens, sl.last_used) < cold_key:
             cold, cold_key = i, (sl.n_tokens, sl.last_used)
-    if empty is not None and c.matched() < _RELATED_TOKENS:
+    if empty is not None and c.matched() < RELATED_TOKENS:
         # nothing here holds more than a template's opening of it: taking a slot would
         # save those few tokens and displace content an empty slot leaves alone
         return [empty]

@@ -40,7 +40,7 @@ from proxy.routing.disk import DiskIndex
 from proxy.routing.observed import PeerRequests
 from proxy.routing.outcomes import RequestEnds
 from proxy.routing.policies import Ask, make_policy
-from proxy.routing.policy import Candidate, Choice
+from proxy.routing.policy import RELATED_TOKENS, Candidate, Choice
 from proxy.routing.posting import Unposted
 from proxy.routing.queue import SlotQueue
 from proxy.routing.routed import Inflight, Ledger, Routed
@@ -185,7 +185,10 @@ class Router:
             p = choice.placement or choice.queued  # (a queued choice predicts its landing)
             assert p is not None
             most = _most_kv(held)
-            if p.reuse < most or self._undecided(held, len(q) // 4):
+            # (below RELATED_TOKENS the holders share a template's opening, no more:
+            # the rest cannot match them further, and an empty slot is taken)
+            if (p.reuse < most and most >= RELATED_TOKENS) \
+                    or self._undecided(held, len(q) // 4):
                 return NeedWholePrompt(most, p.reuse)
         rid = self._ledger.new_id()
         cand = next(c for c in cands if c.name == choice.backend)

@@ -745,3 +745,16 @@ def test_a_slot_sharing_only_a_templates_opening_is_not_taken_over_an_empty_one(
     d = decide(r, [*range(1, 1 + shared), *range(9_000, 10_500)], now=2)
     assert (d.slot not in (first.slot, None)) is empty_slot, d.reasons
     assert d.predicted_cached == (0 if empty_slot else shared)
+
+
+def test_a_new_prompt_sharing_only_a_templates_opening_is_decided_on_its_head() -> None:
+    """Nothing here holds more than its first 3 tokens: the rest cannot match further,
+    so it is routed on its head (to an empty slot), not held for its whole prompt."""
+    r = Router()
+    r.add_backend(cap("a", slots=2))
+    first = decide(r, [1, 2, 3, *range(5_000, 5_009)])
+    r.complete(first, Report(), now=1)
+    head = [1, 2, 3, *range(9_000, 9_500)]
+    got = r.decide(head, n_prompt=2_000, now=2)
+    assert isinstance(got, Routed), got
+    assert got.slot not in (first.slot, None) and got.predicted_cached == 0
