@@ -71,7 +71,9 @@
   shared prefix, each visit recomputes its own tail and truncates the next one's. So a
   second conversation sharing only a prefix with the first goes to an empty slot when
   one exists, while sessions whose own part is small next to the shared prefix (a big
-  system prompt and short turns) still reuse it: the charge is proportional.
+  system prompt and short turns) still reuse it: the charge is proportional. With no
+  empty slot idle on any candidate, every option takes something: destroyed tokens are
+  then charged once their prefill time, what their owner pays on return.
 - Among equal-cost options, the slot whose content is least valuable to lose wins:
   ``displace_weight`` x displaced tokens / rate is added (empty and short slots first),
   then least recently used. A tenth of their prefill time: content displaced into a
@@ -95,7 +97,8 @@ baselines: they choose only the backend and let the server pick the slot.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import NamedTuple
 
 from proxy.routing.backend_state import BackendState, Queued
@@ -529,12 +532,36 @@ def _within_bound(f: _Field, k: int, s: RouterSettings, session: str | None,
             or _own_history(e.cand, e.placement, session, s.continuation_min_tokens)]
 
 
+# Destroyed tokens cost their owner one recomputation when it returns. ``destroy_weight``
+# charges more to keep a second conversation out of a slot whose history it would
+# truncate while an empty slot can take it; with no empty slot idle anywhere, the
+# alternative displaces some slot's content too, and the surcharge only moves the damage:
+# the plain cost remains (simulated on both traces: reuse and mean TTFT equal or better)
+_DESTROY_WEIGHT_NO_EMPTY = 1.0
+
+
+@lru_cache(maxsize=8)
+def _with_no_empty_slot(s: RouterSettings) -> RouterSettings:
+    return replace(s, destroy_weight=_DESTROY_WEIGHT_NO_EMPTY)
+
+
+def _any_empty(cands: list[Candidate]) -> bool:
+    """Does any candidate have an idle empty slot?"""
+    for c in cands:
+        slots = c.state.cache.slots
+        if any(slots[i].n_tokens == 0 for i in c.state.cache.idle):
+            return True
+    return False
+
+
 def choose_prefix(
     cands: list[Candidate], n: int, s: RouterSettings, now: float, session: str | None,
     known: int | None = None,
 ) -> Choice:
     """``n``: the prompt's length; ``known``: when only its first ``known`` tokens are
     known (the rest is being tokenized), that head's length."""
+    if not _any_empty(cands) and s.destroy_weight > _DESTROY_WEIGHT_NO_EMPTY:
+        s = _with_no_empty_slot(s)
     f = _price(cands, n, s, now, session)
     allowed = _within_bound(f, len(cands), s, session, known)
     why = "lowest expected ttft"

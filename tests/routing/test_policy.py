@@ -240,6 +240,28 @@ def test_second_conversation_spares_the_firsts_history(
     assert (b.predicted_cached >= shared) == packs
 
 
+@pytest.mark.parametrize(("shared", "own"), [(800, 300), (2000, 1000), (1000, 900)])
+@pytest.mark.parametrize(("slots", "packs"), [(2, True), (3, False)])
+def test_a_sibling_is_charged_its_tail_once_when_no_slot_is_empty(
+    shared: int, own: int, slots: int, packs: bool
+) -> None:
+    """A (a shared prompt and its own tail) and an unrelated U fill two slots; B, over
+    A's shared prompt, truncates A's tail rather than recompute the shared part in U's
+    slot: the surcharge that keeps B off A's history while an empty slot exists (3 slots)
+    would only move the damage to U. Idle slots are not saved to RAM here, so A's tail is
+    held nowhere else."""
+    r = cluster(n=1, slots=slots, cache_idle_slots=False)
+    prefix = list(range(500_000, 500_000 + shared))
+    a = decide(r, prefix + list(range(1_000_000, 1_000_000 + own)))
+    r.complete(a, Report(output_tokens=[9] * 12), now=1.0)
+    u = decide(r, list(range(3_000_000, 3_000_000 + own)), now=2.0)
+    r.complete(u, Report(output_tokens=[9] * 12), now=3.0)
+    assert u.slot != a.slot
+    b = decide(r, prefix + list(range(2_000_000, 2_000_000 + own)), now=4.0)
+    assert (b.slot == a.slot) == packs, b.reasons
+    assert b.slot != u.slot, b.reasons
+
+
 @pytest.mark.parametrize(("n", "slots"), [(2, 2), (1, 4), (1, 3), (3, 1)])
 def test_conversations_return_to_their_own_prefix(n: int, slots: int) -> None:
     """A, B, C share an 800-token prefix and own 300 tokens each, visited A B C A B C
