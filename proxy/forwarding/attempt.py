@@ -328,7 +328,7 @@ class Attempt:
     def data(self) -> None:
         # NOTE: as the bytes come, not when they are read: another answer read first
         # may hand a queued request a slot meanwhile (see BackendCache.saved_idle)
-        self.outcome.starts_at_end = self.router.starts(self.routed.backend)
+        self.outcome.read(self.router.starts(self.routed.backend))
 
     def first_token(self) -> None:
         self.routed.first_token()
@@ -389,7 +389,7 @@ class Attempt:
                         reported_cached=outcome.reported_cached if check else None,
                         prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
                         reported_slot=outcome.reported_slot,
-                        starts_at_end=outcome.starts_at_end)
+                        starts_before_end=outcome.starts_before_end)
         self.fw.waits.hand_off(self.routed.complete(report, now=time.monotonic()))
         info = self.fw.backends.get(decision.backend)
         slot = outcome.reported_slot if outcome.reported_slot is not None else decision.slot

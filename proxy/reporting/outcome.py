@@ -36,7 +36,11 @@ class Outcome:
     errored: bool = False               # ... or its stream said why not (an error event)
     cancelled: bool = False             # the client left before the answer began
     on_first_token: Callable[[], None] | None = None  # called once, with the first text
-    starts_at_end: int | None = None    # Router.starts(backend) as the last bytes came
+    # Router.starts(backend) as the last bytes came; as the last read that brought
+    # generated text came, and the read before it (see `starts_before_end`)
+    starts_at_end: int | None = None
+    _starts_at_text: tuple[int | None, int | None] = (None, None)
+    _text_seen: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -50,6 +54,30 @@ class Outcome:
         if self.finished_at is not None and self.predicted_ms is not None:
             return max(0.0, self.finished_at - self.started - self.predicted_ms / 1000)
         return None
+
+    def read(self, starts: int) -> None:
+        """Bytes of the answer were read, ``starts`` tasks having started on its backend
+        (in the model) so far."""
+        before, self.starts_at_end = self.starts_at_end, starts
+        if len(self.text) > self._text_seen:
+            self._text_seen = len(self.text)
+            self._starts_at_text = (before, starts)
+
+    @property
+    def starts_before_end(self) -> int | None:
+        """Tasks started on the backend (in the model) by the last read of bytes the
+        server sent before the step that ended this answer: a task started after it
+        reached the server after that step began, and the server launched it after the
+        request's slot was freed (its main loop takes new tasks between steps).
+
+        A stream sends its head at launch, then a chunk per generated token: one that
+        stopped at its length sent its last token in its last step (the read before
+        that token's is the reference), one that stopped on an end-of-generation token
+        or a stop word sent its last text a step before. Answers read whole (or without
+        text) give the last read: starts after the end was read."""
+        before_last, last = self._starts_at_text
+        ref = before_last if self.finish_reason == "length" else last
+        return ref if ref is not None else self.starts_at_end
 
     @property
     def output_text(self) -> str:

@@ -73,15 +73,16 @@ class Report:
     """What the backend reported of a request that ended with an answer (for
     ``complete``): the ids it generated (the slot holds them after the prompt), the
     prompt tokens it reused and evaluated and how long that took, the slot it ran in;
-    ``starts_at_end``: ``Router.starts(backend)`` when the answer's end reached the proxy
-    (see ``BackendCache.saved_idle``)."""
+    ``starts_before_end``: ``Router.starts(backend)`` when the proxy last read what the
+    server sent before the step that ended the request: tasks started later were
+    launched after its slot was freed (see ``BackendCache.saved_idle``)."""
 
     output_tokens: Sequence[int] | array | bytes = ()
     reported_cached: int | None = None
     prompt_ms: float | None = None
     prompt_n: int | None = None
     reported_slot: int | None = None
-    starts_at_end: int | None = None
+    starts_before_end: int | None = None
 
 
 @dataclass(frozen=True)

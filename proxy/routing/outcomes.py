@@ -131,8 +131,8 @@ class RequestEnds:
         slot = self._ended_in(st, f, decision.request_id, report.reported_slot)
         if slot is not None:
             cache.finish_generated(slot, out)
-            at_end = report.starts_at_end
-            if at_end is not None and cache.starts > at_end:
+            before = report.starts_before_end
+            if before is not None and cache.starts > before:
                 cache.saved_idle(slot)
         self._peers.told_freed(f, slot if slot is not None else f.slot, decision.request_id)
         return self._queue.drain(st, decision.backend, now)

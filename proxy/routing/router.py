@@ -472,6 +472,7 @@ class Router:
 
     def starts(self, backend: str) -> int:
         """Tasks the model has started on `backend` so far (0 if it is not routed)."""
+        self._deferred.apply()  # (a request sent is a task started)
         st = self._backends.get(backend)
         return 0 if st is None else st.cache.starts
 

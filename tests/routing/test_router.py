@@ -607,7 +607,7 @@ def test_a_slot_ended_before_a_hand_off_was_saved_by_it() -> None:
     a_end = r.starts("x")  # A's end reached the proxy (its answer not yet read)
     h = r.complete(db, Report(output_tokens=toks(8, 29)))  # B's read first: Q gets slot 1
     assert [x.slot for x in h] == [db.slot]
-    r.complete(da, Report(output_tokens=a_out, starts_at_end=a_end))
+    r.complete(da, Report(output_tokens=a_out, starts_before_end=a_end))
     # a side call keeps slot 0 (shares 2600 of its 3332 tokens: truncated, not saved)
     dt = r.place(r.decide([*a[:2600], *toks(4, 30)], session="side", defer=True))
     assert dt.slot == da.slot
@@ -633,7 +633,8 @@ def test_a_correction_of_the_model_is_no_task_start() -> None:
     assert isinstance(d, Routed) and d.slot is None  # round robin: the server's pick
     busy = [x["id"] for x in r.snapshot()["backends"]["a"]["slots"] if x["busy"]]  # type: ignore[index]
     starts = r.starts("a")
-    r.complete(d, Report(output_tokens=[5, 6, 7], reported_slot=1 - busy[0], starts_at_end=starts))
+    r.complete(d, Report(output_tokens=[5, 6, 7], reported_slot=1 - busy[0],
+                         starts_before_end=starts))
     assert r.starts("a") == starts
     assert r.snapshot()["backends"]["a"]["ram_entries"] == []  # type: ignore[index]
 

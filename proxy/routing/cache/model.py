@@ -231,8 +231,9 @@ class BackendCache(CachePrediction):
     def saved_idle(self, slot: int) -> None:
         """A task started on the server after the request in ``slot`` ended there, but
         the model heard of that end later (two slots ending in one server step: the
-        first answer read hands a queued request the other slot): the server saved this
-        slot as an idle one at that start (--cache-idle-slots), so the model does now."""
+        first answer read hands a queued request the other slot; a request sent while
+        the answer's last step ran): the server saved this slot as an idle one at that
+        start (--cache-idle-slots), so the model does now."""
         if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
             self._save_idle_slot(slot)
 
