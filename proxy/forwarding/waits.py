@@ -44,8 +44,9 @@ class SlotWaits:
         # slot: see `hold`
         self._held: dict[int, asyncio.Future[Handoff]] = {}
         self._freeing: set[asyncio.Task[None]] = set()
-        # request id -> resolved once that request is known posted (see `after`)
-        self._posting: dict[int, asyncio.Future[None]] = {}
+        # request id -> resolved once that request is known posted, and how many wait
+        # for it (see `after`)
+        self._posting: dict[int, tuple[asyncio.Future[None], int]] = {}
 
     async def hold(self, routed: Routed, info: BackendInfo) -> Handoff:
         """Keep a queued request here until the router hands it a freed slot, then send
@@ -77,35 +78,46 @@ class SlotWaits:
         tokenization there posts it after a short one sent a moment later, whose lookup
         would then come before the entry exists. Released at once if that request ends
         or its backend leaves; sent anyway after AFTER_WAIT_S (or first_byte_timeout)."""
-        creator = routed.prediction.after
-        if creator is None or not self.router.unposted(creator):
+        creator = self.router.held_for(routed)
+        if creator is None:
             return
         loop = asyncio.get_running_loop()
         limit = AFTER_WAIT_S if self.first_byte_timeout is None \
             else min(AFTER_WAIT_S, self.first_byte_timeout)
         began = loop.time()
-        fut = self._posting.get(creator)
-        if fut is None:
-            fut = self._posting[creator] = loop.create_future()
-        while not fut.done() and self.router.unposted(creator):
-            left = began + limit - loop.time()
-            if left <= 0:
-                break
-            await asyncio.wait({fut}, timeout=min(left, AFTER_CHECK_S))
+        fut, waiting = self._posting.get(creator) or (loop.create_future(), 0)
+        self._posting[creator] = (fut, waiting + 1)
+        try:
+            while not fut.done() and self.router.unposted(creator):
+                left = began + limit - loop.time()
+                if left <= 0:
+                    break
+                await asyncio.wait({fut}, timeout=min(left, AFTER_CHECK_S))
+        finally:
+            self._unwait(creator, fut)
         posted = fut.done() or not self.router.unposted(creator)
-        if posted:
-            self._posting.pop(creator, None)
         self.recorder.log.debug("waited_for_posting", request_id=routed.request_id,
                                 after=creator, posted=posted,
                                 seconds=round(loop.time() - began, 4))
+
+    def _unwait(self, creator: int, fut: asyncio.Future[None]) -> None:
+        """One waiter for ``creator`` is done: the last one takes its future away (the
+        creator may end without `posted`: withdrawn, aborted by its replica)."""
+        got = self._posting.get(creator)
+        if got is None or got[0] is not fut:
+            return
+        if got[1] <= 1:
+            del self._posting[creator]
+        else:
+            self._posting[creator] = (fut, got[1] - 1)
 
     def posted(self, routed: Routed) -> None:
         """`routed`'s request is known posted on its server (its answer's head came), or
         it ended: the requests held for it (`after`) go."""
         routed.posted()
-        fut = self._posting.pop(routed.request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        got = self._posting.pop(routed.request_id, None)
+        if got is not None and not got[0].done():
+            got[0].set_result(None)
 
     def hand_off(self, handoffs: list[Handoff]) -> None:
         for h in handoffs:

@@ -219,8 +219,27 @@ class RequestEnds:
 
     def withdraw(self, routed: Routed, *, now: float = 0.0) -> list[Handoff]:
         """The request is not sent where it was decided (another replica's request won
-        its slot: see `Decision.claims`): the slot keeps what it shared with the
-        prompt, and goes to the requests waiting for it (their hand-offs returned)."""
-        d = routed.prediction
-        kept = d.predicted_cached if d.tier == "slot" else None
-        return self.abort(routed, now=now, held=kept, sent=False)
+        its slot: see `Decision.claims`): nothing its start did in the model happened
+        on the server. The slot holds what it held before (a claim's slot: else what it
+        shared with the prompt), the RAM entries its start created are forgotten (those
+        its saves evicted stay gone: the model then claims less than the server holds,
+        the safe error), and the slot goes to the requests waiting for it (their
+        hand-offs returned)."""
+        self._deferred.apply()
+        f, d = routed.entry, routed.prediction
+        st = self._backends.get(f.backend)
+        if not f.live or st is None or f.slot is None or f.prior is None:
+            kept = d.predicted_cached if d.tier == "slot" else None
+            return self.abort(routed, now=now, held=kept, sent=False)
+        made = self._unposted.created(d.request_id)
+        self._ledger.end(d.request_id)
+        self._unposted.posted(d.request_id)
+        st.release(f.work, now)
+        self._peers.told_withdrawn(f, d.request_id)
+        sequence, session = f.prior
+        st.cache.finish(f.slot, None, 0)
+        if sequence:
+            st.cache.restore(f.slot, sequence)
+        st.cache.forget_ram(made)
+        st.occupy(f.slot, session)
+        return self._queue.drain(st, d.backend, now)

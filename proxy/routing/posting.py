@@ -39,6 +39,10 @@ class Unposted:
         got = self._creator.get((backend, entry))
         return None if got == rid else got
 
+    def created(self, rid: int) -> list[int]:
+        """The RAM entries ``rid``'s start created, while it is not known posted."""
+        return [e for _, e in self._created.get(rid, ())]
+
     def pending(self, rid: int) -> bool:
         """Did ``rid``'s start create entries while it is not known posted?"""
         return rid in self._created

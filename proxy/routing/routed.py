@@ -43,6 +43,9 @@ class Inflight:
     prediction: Decision | None = None  # what the caller shows: set as it is decided
     live: bool = True  # False once it ended, or its backend left the model
     observed: bool = False  # another replica's request (see ObservedRequests)
+    # a claim (see Decision.claims): what its slot held before (None: empty or unknown)
+    # and the session last there, given back if it is withdrawn (never sent)
+    prior: tuple[bytes | None, str | None] | None = None
 
     def revise(self, reuse: int, tier: str) -> None:
         """The model found another reuse (and tier) for it than it predicted."""

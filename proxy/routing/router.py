@@ -76,6 +76,8 @@ class _Prompt(NamedTuple):
     session: str | None
     user_starts: tuple[int, ...]
     claims: bool = False  # it takes a slot it does not go on from (see Decision.claims)
+    # a claim's slot before it: what it held (None: empty or unknown), its last session
+    prior: tuple[bytes | None, str | None] | None = None
 
 
 class Router:
@@ -197,7 +199,9 @@ class Router:
                 and self.disk:
             restore = self.disk.gain(held, choice.placement, n, choice.backend)
         claims = _claims(choice, cand, session, len(q) // 4 if head else None)
-        r = _Prompt(rid, q, n, head, now, session, user_starts, claims)
+        prior = (cand.state.cache.held(choice.slot), cand.state.slot_session.get(choice.slot)) \
+            if claims and choice.slot is not None else None
+        r = _Prompt(rid, q, n, head, now, session, user_starts, claims, prior)
         placed, beyond = self._place(r, choice, cand, defer, restore)
         return self._record(r, choice, cand, placed, beyond,
                             restore[0] if restore is not None else None)
@@ -304,6 +308,7 @@ class Router:
         f = self._ledger.add(rid, Inflight(choice.backend, slot, q, n, work, now, beyond,
                                            session, user_starts=r.user_starts))
         if placed is not None:
+            f.prior = r.prior
             st.occupy(placed.slot, session)
         reasons = dict(choice.reasons)
         reasons.update({"chosen": choice.backend, "slot": slot, "tier": tier, "reuse": reuse})
@@ -356,6 +361,14 @@ class Router:
         saves to RAM."""
         self._deferred.apply()
         self._unposted.posted(routed.request_id)
+
+    def held_for(self, routed: Routed) -> int | None:
+        """The request ``routed`` is sent after (``Decision.after``) while that one is not
+        known posted, else None; read with ``routed``'s own model update applied (a save
+        its start makes may change the RAM entry it loads)."""
+        self._deferred.apply()
+        creator = routed.prediction.after
+        return creator if creator is not None and self._unposted.pending(creator) else None
 
     def unposted(self, request_id: int) -> bool:
         """Is ``request_id`` a request some prediction may wait for: its start created RAM

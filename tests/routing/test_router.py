@@ -732,6 +732,27 @@ def test_a_withdrawn_request_leaves_its_slot_what_it_shared_with_it() -> None:
     assert r.snapshot()["inflight"] == 0
 
 
+@pytest.mark.parametrize(("slots", "ram"), [(1, 0), (1, 1 << 30), (2, 1 << 30)])
+def test_a_withdrawn_claim_leaves_the_model_as_the_server_has_it(slots: int, ram: int) -> None:
+    """Never sent, a claim changed nothing on the server: the conversation in the slot
+    it took keeps its whole history (its next turn reuses all of it), and no RAM entry
+    its start saved (its slot's, idle slots') is left in the model."""
+    r = Router("prefix")
+    r.add_backend(BackendCapacity("x", slots, 8192, ram, 8192))
+    system = list(range(10_000, 10_400))
+    first = r.decide([*system, *range(1, 200)], now=0.0)
+    assert isinstance(first, Routed)
+    r.complete(first, Report(output_tokens=[7, 8]), now=1.0)
+    before = r.snapshot()["backends"]["x"]
+    claim = r.decide([*system, *range(500, 700)], now=2.0)
+    assert isinstance(claim, Routed) and claim.prediction.claims
+    r.place(claim)  # (its start applied in the model)
+    assert claim.withdraw(now=3.0) == []
+    assert r.snapshot()["backends"]["x"] == before
+    turn = r.decide([*system, *range(1, 200), 7, 8, 9], now=4.0)
+    assert isinstance(turn, Routed) and turn.predicted_cached == len(system) + 199 + 2
+
+
 @pytest.mark.parametrize(("shared", "empty_slot"), [(1, True), (3, True), (15, True),
                                                     (200, False)])
 def test_a_slot_sharing_only_a_templates_opening_is_not_taken_over_an_empty_one(

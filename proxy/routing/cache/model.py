@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from sortedcontainers import SortedList
 
@@ -227,6 +227,13 @@ class BackendCache(CachePrediction):
         s.n_tokens = len(sequence) // 4
         s.ram_copy = None
         s.checkpoints, s.floor = (), loaded_floor(self.cap.memory, s.n_tokens)
+
+    def forget_ram(self, entries: Iterable[int]) -> None:
+        """These RAM entries were never made: the start that created them in the model
+        never reached the server (see Router.withdraw)."""
+        for e in entries:
+            if e in self.ram:
+                self._drop_entry(e)
 
     def saved_idle(self, slot: int) -> None:
         """A task started on the server after the request in ``slot`` ended there, but
