@@ -263,6 +263,9 @@ class Attempt:
             held_at = time.perf_counter()
             displaced = (await self.fw.waits.hold(self.routed, self.info)).displaced
             self.fw.recorder.slot_waited(self.info.name, time.perf_counter() - held_at)
+        # the others hear of its slot now: the waits below may last (a posting, a disk
+        # restore), and a peer's request must not take that slot meanwhile
+        self._tell_start()
         await self.fw.waits.after(self.routed)
         d = self.routed.prediction
         store = self.fw.slot_store(self.info.name)
@@ -317,11 +320,15 @@ class Attempt:
     # ExchangeEvents: what `send` tells of the exchange
     def sent(self) -> None:
         # the request is written: the model's bookkeeping runs while the backend works
-        d = self.routed.placed()
+        self.routed.placed()
+        self._tell_start()
+
+    def _tell_start(self) -> None:
+        # the other replicas learn the prompt's place before the answer is over: a
+        # client's next turn may reach one of them as soon as it has it (told once)
+        d = self.routed.prediction
         tell = self.fw.on_sent
         if tell is not None and self.whole and d.slot is not None:
-            # the other replicas learn the prompt's place now, not only once the answer
-            # is over: a client's next turn may reach one of them as soon as it has it
             tell(d.backend, d.slot, d.request_id,
                  to_token_bytes(self.tokens))  # type: ignore[arg-type]
 

@@ -55,7 +55,9 @@ class Claims:
         """Tell ``routed``'s claim and hold it for the window: False when a peer's
         request won its slot meanwhile (it must move). ``prompt``: its prompt as the
         others are told it (a prompt decided on its head: once its rest is tokenized).
-        A request that claims nothing, a window of 0, or no peer to hear: True at once."""
+        A request that claims nothing, a window of 0, or no peer to hear: True at once;
+        one whose whole prompt shows it claims nothing after all (decided on a head that
+        ends inside the slot's sequence): True once that prompt is known."""
         d = routed.prediction
         if not d.claims or d.slot is None or self.window_s <= 0 or self.tell is None \
                 or not self.others():
@@ -65,6 +67,8 @@ class Claims:
         self._held[d.request_id] = claim  # (before any await: a start heard now counts)
         try:
             whole = await prompt()
+            if not routed.prediction.claims:
+                return True  # its whole prompt goes on from the slot's sequence
             if not claim.lost.done():
                 claim.at = self.clock()
                 self.tell(d.backend, d.slot, d.request_id, whole, claim.at)

@@ -46,6 +46,7 @@ class _Sent:
     slot: int
     prompt: bytes
     prefilled: bool = False
+    claim: bool = False  # told as a claim (with its time), not yet as sent
 
 
 class Teller:
@@ -57,23 +58,28 @@ class Teller:
         self._sent: OrderedDict[int, _Sent] = OrderedDict()  # started, not yet ended
 
     def started(self, backend: str, slot: int, request: int, prompt: bytes) -> None:
-        """``request`` was sent to ``backend``'s ``slot`` with ``prompt``."""
+        """``request`` is sent (or about to be) to ``backend``'s ``slot`` with ``prompt``.
+        Told again if it was told as a claim: a replica of a version that knows no
+        claims drops a start with a claim's time, and would miss it."""
+        self.touched(self.pool, backend, slot)
         told = self._sent.get(request)
-        if told is not None and (told.backend, told.slot, told.prompt) == (
-                backend, slot, prompt):
-            return  # (told as its claim)
-        self.claimed(backend, slot, request, prompt, 0.0)
+        if told is not None and not told.claim and (told.backend, told.slot, told.prompt) \
+                == (backend, slot, prompt):
+            return  # (told already)
+        self._tell(_Sent(backend, slot, prompt), request, 0.0)
 
     def claimed(self, backend: str, slot: int, request: int, prompt: bytes,
                 at: float) -> None:
         """``request`` claims ``backend``'s ``slot`` as of ``at`` (claims.py), and is
-        sent there unless it moves (0: it is sent there)."""
-        self.touched(self.pool, backend, slot)
-        self._sent[request] = _Sent(backend, slot, prompt)
+        sent there unless it moves. Its slot changes only once it is sent (`started`)."""
+        self._tell(_Sent(backend, slot, prompt, claim=True), request, at)
+
+    def _tell(self, sent: _Sent, request: int, at: float) -> None:
+        self._sent[request] = sent
         if len(self._sent) > MAX_LIVE:
             self._sent.popitem(last=False)
-        self.send(Event(self.replica, Kind.START, self.pool, backend, slot, request, prompt,
-                        at=at))
+        self.send(Event(self.replica, Kind.START, self.pool, sent.backend, sent.slot,
+                        request, sent.prompt, at=at))
 
     def withdrawn(self, backend: str, request: int) -> None:
         """``request`` was not sent where its claim said: it moves (its start is void)."""

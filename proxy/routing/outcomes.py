@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from proxy.routing.backend_state import BackendState, share_rate
+from proxy.routing.cache.predict import CONTINUATION_SLACK
 from proxy.routing.decision import Handoff, Report
 from proxy.routing.deferred import Deferred
 from proxy.routing.observed import PeerRequests
@@ -52,9 +53,14 @@ class RequestEnds:
         d = routed.prediction
         n = len(q) // 4
         reuse = min(d.predicted_cached, n - 1)
+        claims = d.claims
         if f.beyond is not None:
             more = common_len(f.beyond, q, len(f.prompt))
             reuse = min(len(f.prompt) // 4 + more, n - 1)
+            # it goes on from the whole sequence its slot holds: no claim (see _claims)
+            if claims and f.slot is not None and d.tier == "slot" \
+                    and 4 * (more + CONTINUATION_SLACK) >= len(f.beyond):
+                claims = False
         if f.slot is not None:
             st.cache.extend_prompt(f.slot, q, user_starts)
         else:
@@ -64,7 +70,7 @@ class RequestEnds:
         st.busy_until += ((n - reuse) - (f.n - d.predicted_cached)) / st.rate
         f.prompt, f.n, f.work, f.beyond = q, n, work, None
         f.user_starts = user_starts
-        f.prediction = replace(d, prompt_tokens=n, predicted_cached=reuse)
+        f.prediction = replace(d, prompt_tokens=n, predicted_cached=reuse, claims=claims)
         return routed
 
     def restore_failed(self, routed: Routed) -> Routed:

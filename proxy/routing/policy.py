@@ -102,7 +102,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from proxy.routing.backend_state import BackendState, Queued
-from proxy.routing.cache.predict import Placement
+from proxy.routing.cache.predict import CONTINUATION_SLACK, Placement
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import common_len
 
@@ -428,11 +428,7 @@ def _continues(c: Candidate, p: Placement | None, min_tokens: int, known: int | 
     # last answer is in the untokenized rest): holding the whole head is all it can show
     if known is not None and lcp >= known:
         return True
-    # NOTE: the server may not keep the last generated token(s): a few may differ
-    return held - lcp <= _CONTINUATION_SLACK
-
-
-_CONTINUATION_SLACK = 4
+    return held - lcp <= CONTINUATION_SLACK
 
 
 def _own_history(c: Candidate, p: Placement | None, session: str | None,

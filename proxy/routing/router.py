@@ -26,7 +26,14 @@ from typing import Any, NamedTuple
 
 from proxy.routing.backend_state import BackendState, peer_rate
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity, Placement, from_disk
+from proxy.routing.cache.predict import (
+    CONTINUATION_SLACK,
+    RAM,
+    SLOT,
+    BackendCapacity,
+    Placement,
+    from_disk,
+)
 from proxy.routing.decision import (
     Decision,
     Handoff,
@@ -198,7 +205,7 @@ class Router:
         if choice.placement is not None and choice.slot is not None and not head \
                 and self.disk:
             restore = self.disk.gain(held, choice.placement, n, choice.backend)
-        claims = _claims(choice, cand, session, len(q) // 4 if head else None)
+        claims = _claims(choice, cand, session)
         prior = (cand.state.cache.held(choice.slot), cand.state.slot_session.get(choice.slot)) \
             if claims and choice.slot is not None else None
         r = _Prompt(rid, q, n, head, now, session, user_starts, claims, prior)
@@ -516,26 +523,25 @@ class Router:
         }
 
 
-def _claims(choice: Choice, cand: Candidate, session: str | None, known: int | None
-            ) -> bool:
+def _claims(choice: Choice, cand: Candidate, session: str | None) -> bool:
     """Does the choice pin a slot whose content it does not go on from: an empty one, or
     another conversation's, of which it shares a prefix at most (a system prompt)? A
     request that goes on from the whole sequence the slot holds (its conversation's
     next turn), or from a slot its own session used last (a side call), does not.
-    ``known``: only that head of the prompt is known (the last answer may be past it)."""
+    Matching no further than what other holders share with the slot (a system prompt)
+    shows no conversation of its own: every new conversation over that prompt matches
+    as much. Decided on a head that ends inside the slot's sequence, it is a claim until
+    its whole prompt shows it goes on (``RequestEnds.extend``)."""
     p = choice.placement
     if p is None or choice.slot is None:
         return False
     if p.tier != "slot":
         return True
     lcp = cand.slot_lcp.get(p.slot, 0)
-    # NOTE: the server may not keep the last generated token(s): a few may differ
-    goes_on = (known is not None and lcp >= known) \
-        or cand.state.cache.slots[p.slot].n_tokens - lcp <= _CONTINUATION_SLACK
+    cache = cand.state.cache
+    goes_on = cache.slots[p.slot].n_tokens - lcp <= CONTINUATION_SLACK \
+        and lcp > cache.common_part(p.slot)
     return not goes_on and (session is None or cand.state.slot_session.get(p.slot) != session)
-
-
-_CONTINUATION_SLACK = 4
 
 
 # tokens past a head compared to tell whether its holders go on alike

@@ -553,3 +553,43 @@ async def test_a_start_that_is_no_claim_beats_a_claim_held_for_its_slot() -> Non
     assert not task.done()
     a.view.apply(Event("b", Kind.START, POOL, "x", 0, 8, other), 0.0)
     assert not await task
+
+
+async def test_a_claim_sent_is_told_again_as_a_plain_start() -> None:
+    """Its claim told (with its time) and won, the request is told again once sent,
+    without the time: a replica of a version that drops a start carrying a claim's time
+    still hears it, and one that took the claim changes nothing."""
+    a, b = Replica("a"), Replica("b")
+    prompt = conversation(1)
+    d = a.router.decide(prompt, now=0.0)
+    assert isinstance(d, Routed) and d.prediction.claims
+    assert await (await _claim(a, d, prompt))
+    a.send(d, prompt)
+    a.send(d, prompt)  # (the forwarder's word again as the answer's head comes: once)
+    assert [(e.kind, e.at) for e in a.sent] == [(Kind.START, CLOCK[0]), (Kind.START, 0.0)]
+    old = Replica("old")
+    old.view.apply(a.sent[1], 0.0)  # (what a replica that drops the first one hears)
+    assert old.router.snapshot()["inflight"] == 1
+    assert a.deliver(b) == [True, False]
+
+
+async def test_a_claim_given_up_leaves_its_slot_as_it_was() -> None:
+    """A claim whose client left before it was sent changed nothing in its slot: the
+    slot's content and when it last changed are what a joiner is sent, as before."""
+    a = Replica("a")
+    for seed in (3, 5):  # (both slots hold a conversation: the claim takes one)
+        d = a.router.decide(conversation(seed), now=0.0)
+        assert isinstance(d, Routed)
+        a.send(d, conversation(seed))
+        a.router.complete(d, Report(output_tokens=[5, 6]), now=0.5)
+    CLOCK[0] += 1.0
+    before = a.view.snapshot()
+    assert len(before) == 2
+    CLOCK[0] += 1.0
+    prompt = conversation(4)
+    d = a.router.decide(prompt, now=1.0)
+    assert isinstance(d, Routed) and d.prediction.claims
+    task = await _claim(a, d, prompt)
+    task.cancel()
+    d.withdraw(now=1.0)
+    assert a.view.snapshot() == before

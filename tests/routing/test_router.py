@@ -713,6 +713,48 @@ def test_a_decision_claims_a_slot_it_does_not_go_on_from() -> None:
     assert isinstance(other, Routed) and other.slot == 0 and other.prediction.claims
 
 
+SYSTEM_PROMPT = list(range(10_000, 10_400))
+
+
+@pytest.mark.parametrize(("prompt", "head", "claims"), [
+    # a new conversation over the system prompt, decided on its head (that prompt)
+    ([*SYSTEM_PROMPT, *range(500, 700)], len(SYSTEM_PROMPT), True),
+    # the same, whole: it shares the system prompt only
+    ([*SYSTEM_PROMPT, *range(500, 700)], None, True),
+    # A's next turn, whole or decided on a head that reaches into A's own part
+    ([*SYSTEM_PROMPT, *range(1, 200), 7, 8, 9], None, False),
+    ([*SYSTEM_PROMPT, *range(1, 200), 7, 8, 9], len(SYSTEM_PROMPT) + 100, False),
+])
+def test_a_claim_is_told_by_what_the_slot_holds_of_its_own(
+        prompt: list[int], head: int | None, claims: bool) -> None:
+    """One slot holds conversation A over a system prompt. Only a request that goes on
+    from all of A does not claim the slot; decided on a head, that is known once its
+    whole prompt is."""
+    r = Router("prefix")
+    r.add_backend(BackendCapacity("x", 1, 8192, 0, 8192))
+    a = decide(r, [*SYSTEM_PROMPT, *range(1, 200)])
+    r.complete(a, Report(output_tokens=[7, 8]), now=1.0)
+    d = r.decide(prompt if head is None else prompt[:head], now=2.0,
+                 n_prompt=None if head is None else len(prompt))
+    assert isinstance(d, Routed) and d.slot == a.slot
+    if head is not None:  # its head ends inside A's sequence: a claim until known whole
+        assert d.prediction.claims
+        d.extend(prompt)
+    assert d.prediction.claims == claims
+
+
+def test_a_slot_holding_only_a_shared_prompt_is_claimed() -> None:
+    """A slot that holds just the system prompt other slots hold too (a conversation cut
+    back to it) is one any new conversation over that prompt would take: a claim."""
+    r = Router("prefix")
+    r.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
+    a = decide(r, [*SYSTEM_PROMPT, *range(1, 200)])
+    r.complete(a, Report(output_tokens=[7, 8]), now=1.0)
+    assert r.observe("x", 1 - a.slot, to_token_bytes(SYSTEM_PROMPT), now=1.5)
+    d = decide(r, [*SYSTEM_PROMPT, *range(500, 700)], now=2.0)
+    assert d.slot == 1 - a.slot and d.prediction.claims
+
+
 def test_a_withdrawn_request_leaves_its_slot_what_it_shared_with_it() -> None:
     """Never sent: the slot keeps what it held of the prompt (here the system prompt the
     last conversation left), and a request waiting for the slot is handed it."""

@@ -205,6 +205,18 @@ class BackendCache(CachePrediction):
             return None
         return self.tree.tokens_of(h)
 
+    def common_part(self, slot: int) -> int:
+        """Leading tokens of ``slot``'s sequence that another holder has too (its own copy
+        in RAM and disk files aside): a system prompt other conversations share. Past
+        them, the sequence is the conversation's own."""
+        copy = None if self.slots[slot].ram_copy is None \
+            else self.ram_holder(self.slots[slot].ram_copy)
+
+        def ignore(h: object) -> bool:
+            return h == copy or h[0] == ""  # type: ignore[index]
+
+        return self.tree.shared_len(self.slot_holder(slot), ignore)
+
     def seed(self, slot: int, sequence: bytes) -> bool:
         """An empty idle slot was given ``sequence`` by a restore from disk (no task ran:
         nothing is saved to RAM). False, and nothing changes, if the slot is in use."""

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 SLOT = 0
 RAM = 1
 DISK = 3  # a slot saved to disk (router-level: the backends of its model may restore it)
+# The server may not keep the last generated token(s): a prompt that matches a slot's
+# sequence to within this many tokens of its end goes on from it
+CONTINUATION_SLACK = 4
 
 CacheHolder = tuple[str, int, int]  # a tree holder of this model: (backend, kind, index)
 
