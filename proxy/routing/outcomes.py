@@ -20,7 +20,7 @@ from proxy.routing.deferred import Deferred
 from proxy.routing.observed import PeerRequests
 from proxy.routing.posting import Unposted
 from proxy.routing.queue import SlotQueue
-from proxy.routing.routed import Inflight, Ledger, Routed
+from proxy.routing.routed import Inflight, Ledger, Prior, Routed
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import common_len, to_token_bytes
 
@@ -53,14 +53,10 @@ class RequestEnds:
         d = routed.prediction
         n = len(q) // 4
         reuse = min(d.predicted_cached, n - 1)
-        claims = d.claims
         if f.beyond is not None:
             more = common_len(f.beyond, q, len(f.prompt))
             reuse = min(len(f.prompt) // 4 + more, n - 1)
-            # it goes on from the whole sequence its slot holds: no claim (see _claims)
-            if claims and f.slot is not None and d.tier == "slot" \
-                    and 4 * (more + CONTINUATION_SLACK) >= len(f.beyond):
-                claims = False
+        claims = d.claims and not _goes_on(f.prior, q)
         if f.slot is not None:
             st.cache.extend_prompt(f.slot, q, user_starts)
         else:
@@ -242,10 +238,20 @@ class RequestEnds:
         self._unposted.posted(d.request_id)
         st.release(f.work, now)
         self._peers.told_withdrawn(f, d.request_id)
-        sequence, session = f.prior
+        sequence, session, _ = f.prior
         st.cache.finish(f.slot, None, 0)
         if sequence:
             st.cache.restore(f.slot, sequence)
         st.cache.forget_ram(made)
         st.occupy(f.slot, session)
         return self._queue.drain(st, d.backend, now)
+
+
+def _goes_on(prior: Prior | None, prompt: bytes) -> bool:
+    """Does ``prompt`` go on from the whole sequence its claim's slot held, past what
+    other holders share with it? (Then it is no claim: see router._claims.)"""
+    if prior is None or prior.sequence is None:
+        return False
+    held = len(prior.sequence) // 4
+    lcp = common_len(prior.sequence, prompt, 0)
+    return held - lcp <= CONTINUATION_SLACK and lcp > prior.common

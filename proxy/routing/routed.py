@@ -19,9 +19,18 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from proxy.routing.decision import Decision, Handoff, Report
+
+
+class Prior(NamedTuple):
+    """What the slot a claim takes held before it: given back if it is withdrawn (never
+    sent), and compared with its whole prompt when it was decided on a head."""
+
+    sequence: bytes | None  # (None: empty, or not known)
+    session: str | None  # the session hint of the request last placed there
+    common: int  # its leading tokens other holders have too (BackendCache.common_part)
 
 
 @dataclass
@@ -43,9 +52,7 @@ class Inflight:
     prediction: Decision | None = None  # what the caller shows: set as it is decided
     live: bool = True  # False once it ended, or its backend left the model
     observed: bool = False  # another replica's request (see ObservedRequests)
-    # a claim (see Decision.claims): what its slot held before (None: empty or unknown)
-    # and the session last there, given back if it is withdrawn (never sent)
-    prior: tuple[bytes | None, str | None] | None = None
+    prior: Prior | None = None  # a claim's slot before it (see Decision.claims)
 
     def revise(self, reuse: int, tier: str) -> None:
         """The model found another reuse (and tier) for it than it predicted."""

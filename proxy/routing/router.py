@@ -50,7 +50,7 @@ from proxy.routing.policies import Ask, make_policy
 from proxy.routing.policy import RELATED_TOKENS, Candidate, Choice
 from proxy.routing.posting import Unposted
 from proxy.routing.queue import SlotQueue
-from proxy.routing.routed import Inflight, Ledger, Routed
+from proxy.routing.routed import Inflight, Ledger, Prior, Routed
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.token_bytes import to_token_bytes
@@ -83,8 +83,7 @@ class _Prompt(NamedTuple):
     session: str | None
     user_starts: tuple[int, ...]
     claims: bool = False  # it takes a slot it does not go on from (see Decision.claims)
-    # a claim's slot before it: what it held (None: empty or unknown), its last session
-    prior: tuple[bytes | None, str | None] | None = None
+    prior: Prior | None = None  # a claim's slot before it
 
 
 class Router:
@@ -206,8 +205,11 @@ class Router:
                 and self.disk:
             restore = self.disk.gain(held, choice.placement, n, choice.backend)
         claims = _claims(choice, cand, session)
-        prior = (cand.state.cache.held(choice.slot), cand.state.slot_session.get(choice.slot)) \
-            if claims and choice.slot is not None else None
+        prior = None
+        if claims and choice.slot is not None:
+            cache = cand.state.cache
+            prior = Prior(cache.held(choice.slot), cand.state.slot_session.get(choice.slot),
+                          cache.common_part(choice.slot))
         r = _Prompt(rid, q, n, head, now, session, user_starts, claims, prior)
         placed, beyond = self._place(r, choice, cand, defer, restore)
         return self._record(r, choice, cand, placed, beyond,

@@ -743,16 +743,22 @@ def test_a_claim_is_told_by_what_the_slot_holds_of_its_own(
     assert d.prediction.claims == claims
 
 
-def test_a_slot_holding_only_a_shared_prompt_is_claimed() -> None:
+@pytest.mark.parametrize("head", [None, 300])
+def test_a_slot_holding_only_a_shared_prompt_is_claimed(head: int | None) -> None:
     """A slot that holds just the system prompt other slots hold too (a conversation cut
-    back to it) is one any new conversation over that prompt would take: a claim."""
+    back to it) is one any new conversation over that prompt would take: a claim, its
+    whole prompt known or not."""
     r = Router("prefix")
     r.add_backend(BackendCapacity("x", 2, 8192, 0, 8192))
     a = decide(r, [*SYSTEM_PROMPT, *range(1, 200)])
     r.complete(a, Report(output_tokens=[7, 8]), now=1.0)
     assert r.observe("x", 1 - a.slot, to_token_bytes(SYSTEM_PROMPT), now=1.5)
-    d = decide(r, [*SYSTEM_PROMPT, *range(500, 700)], now=2.0)
-    assert d.slot == 1 - a.slot and d.prediction.claims
+    prompt = [*SYSTEM_PROMPT, *range(500, 700)]
+    d = r.decide(prompt if head is None else prompt[:head], now=2.0,
+                 n_prompt=None if head is None else len(prompt))
+    assert isinstance(d, Routed) and d.slot == 1 - a.slot and d.prediction.claims
+    d.extend(prompt)
+    assert d.prediction.claims
 
 
 def test_a_withdrawn_request_leaves_its_slot_what_it_shared_with_it() -> None:
