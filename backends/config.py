@@ -44,6 +44,9 @@ class ManagedBackendConfig:
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     is_demo: bool = False  # model is the demo model (prepare can build it)
+    # what it offloads to: names `llama-server --list-devices` gives, or CUDA indices
+    # (backends/devices.py); none: the build's default (all it finds)
+    devices: tuple[str | int, ...] = ()
 
 
 # what an external backend is

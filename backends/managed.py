@@ -35,6 +35,7 @@ import structlog
 
 from backends.config import ManagedBackendConfig, SupervisionConfig
 from backends.crash_loop import Death, Restarts
+from backends.devices import list_devices, problem
 from backends.health import HealthCheck
 from backends.info import BackendInfo
 from backends.memory import gguf_kv_bytes_per_token
@@ -67,7 +68,7 @@ class Launcher:
             slots=cfg.slots, ctx_per_slot=cfg.ctx_per_slot, threads=cfg.threads,
             api_key=secrets.token_urlsafe(24), cache_ram_mib=cfg.cache_ram_mib,
             alias=cfg.alias, extra_args=cfg.extra_args, env=cfg.env,
-            slot_save_path=self._slot_save_path,
+            slot_save_path=self._slot_save_path, devices=cfg.devices,
         )
         self._proc = LlamaServerProcess(spec, self.log_path)
         return self._proc
@@ -141,6 +142,11 @@ class ManagedBackend:
                                     crash_loop=self._restarts.report())
 
     async def _run(self, health: HealthCheck, binary: Path | None) -> None:
+        if binary is not None and self.cfg.devices:
+            listed = await asyncio.to_thread(list_devices, binary)
+            if (why := problem(self.cfg.devices, listed)) is not None:
+                self._fail(why)
+                return
         kv = await asyncio.to_thread(gguf_kv_bytes_per_token, self.cfg.model)
         while not self._stopping:
             proc = self._spawn(binary)

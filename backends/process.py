@@ -24,6 +24,8 @@ from pathlib import Path
 import aiohttp
 import structlog
 
+from backends.devices import DeviceRef, launch
+
 log = structlog.get_logger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -68,6 +70,7 @@ class ServerSpec:
     slot_save_path: Path | None = None  # --slot-save-path: slots saved and restored there
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    devices: tuple[DeviceRef, ...] = ()  # (backends/devices.py)
 
     def argv(self) -> list[str]:
         args = [
@@ -88,7 +91,7 @@ class ServerSpec:
             args += ["-a", self.alias]
         if self.slot_save_path is not None:
             args += ["--slot-save-path", str(self.slot_save_path)]
-        return [*args, *self.extra_args]
+        return [*args, *launch(self.devices)[0], *self.extra_args]
 
     @property
     def url(self) -> str:
@@ -127,7 +130,7 @@ class LlamaServerProcess:
         """Start the process (non-blocking). Call from the event loop thread (see module doc)."""
         assert self._proc is None, "spawn() called twice"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.spec.env}
+        env = {**os.environ, **launch(self.spec.devices)[1], **self.spec.env}
         # the key goes in the environment, not argv: argv is world-readable via ps
         env.pop("LLAMA_API_KEY", None)
         if self.spec.api_key:

@@ -165,6 +165,7 @@ class Standing:
             # dense, swa or hybrid: the last two reuse a prefix only up to a context
             # checkpoint, and get no disk tier (a restored slot has no checkpoints)
             "memory": info.memory.name if info else None,
+            "devices": list(cfg.devices) if isinstance(cfg, ManagedBackendConfig) else None,
             # what died, its log's tail, its command line and the likely fix
             "crash_loop": crash_loop,
         }

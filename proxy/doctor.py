@@ -108,7 +108,10 @@ def report(config_path: Path | None) -> dict[str, Any]:
     report["demo_model"] = {"path": str(model), "exists": model.is_file(),
                             "kv_bytes_per_token": params.kv_bytes_per_token}
     report["backends"] = backend_health(cfg) if cfg else []
+    if cfg is not None:
+        _devices(cfg, srv["path"], report["backends"])
     report["ok"] = (lcp["error"] is None and report["config"]["ok"] and not srv["error"]
+                    and not any(b.get("devices_error") for b in report["backends"])
                     and not (cfg is not None and any(b.is_demo for b in cfg.managed())
                              and not model.is_file())
                     and not any(b.get("crash_loop") for b in report["backends"]))
@@ -157,6 +160,19 @@ def _config(config_path: Path | None) -> tuple[Config | None, dict[str, Any]]:
         conf["proxy"] = {"host": cfg.proxy.host, "port": cfg.proxy.port,
                          "policy": cfg.proxy.policy}
     return cfg, conf
+
+
+def _devices(cfg: Config, binary: str | None, entries: list[dict[str, Any]]) -> None:
+    """Each managed backend's devices, checked against what the llama-server lists."""
+    from backends.devices import list_devices, problem
+
+    for b, entry in zip(cfg.backends, entries, strict=True):
+        devices = getattr(b, "devices", ())
+        if not devices:
+            continue
+        entry["devices"] = list(devices)
+        entry["devices_error"] = ("no llama-server to ask" if binary is None
+                                  else problem(devices, list_devices(Path(binary))))
 
 
 def _server(cfg: Config | None) -> dict[str, Any]:
@@ -258,6 +274,9 @@ def print_report(r: dict[str, Any]) -> None:
         m = "-- " if b["managed"] and b["url"] is None else mark(b["healthy"])
         print(f"[{m}] backend {b['name']} ({kind}) "
               f"{b['url'] or ''} {b['detail']}")
+        if b.get("devices"):
+            print(f"[{mark(not b['devices_error'])}]   devices {', '.join(map(str, b['devices']))}"
+                  + (f": {b['devices_error']}" if b["devices_error"] else ""))
         if b.get("crash_loop"):
             _print_crash_loop(b["crash_loop"])
     tok = r.get("tokens")

@@ -248,6 +248,17 @@ def test_doctor_names_each_pools_tokenizer(tmp_path: Path, llama_server_bin: Pat
     assert v["healthy"] is False and "Cannot connect" in v["detail"]
 
 
+def test_doctor_checks_a_backends_devices(tmp_path: Path, llama_server_bin: Path) -> None:
+    """A device the build does not list (this CPU build lists none) is a BAD line."""
+    extra = {"backends": [{"name": "a", "model": "demo", "devices": "Vulkan0"}]}
+    config, _ = write_config(tmp_path, llama_server_bin, **extra)
+    r = subprocess.run([*KVROUTE, "doctor", "--config", str(config)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "[BAD]   devices Vulkan0: device Vulkan0: not one this llama-server lists " \
+        "(none: a CPU build)" in r.stdout, r.stdout
+
+
 def test_doctor_json(tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     extra = {"backends": [{"name": "a", "model": "demo"}, {"name": "far", "url": dead}]}

@@ -94,9 +94,29 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
         aliases=sec.get_str_list("aliases"),
         extra_args=sec.get_str_list("extra_args"),
         env=sec.get_str_map("env"),
+        devices=_devices(sec, where),
     )
     sec.finish([f.name for f in fields(ManagedBackendConfig) if f.name != "is_demo"])
     return b
+
+
+def _devices(sec: _Section, where: str) -> tuple[str | int, ...]:
+    """``devices: Vulkan0``, ``[CUDA0, CUDA1]``, or CUDA indices ``[0, 1]``
+    (backends/devices.py)."""
+    v = sec.get_raw("devices")
+    if v is None:
+        return ()
+    items = v if isinstance(v, list) else [v]
+
+    def ok(x: object) -> bool:
+        return (isinstance(x, str) and x.isidentifier()) or \
+            (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1024)
+
+    if not items or not all(ok(x) for x in items) or len(set(items)) != len(items):
+        raise ConfigError(f"{where}devices: expected a device name or a list of distinct "
+                          "names or CUDA indices, got " + repr(v) + " (fix: e.g. devices: "
+                          "Vulkan0, or devices: [0, 1]; names: `llama-server --list-devices`)")
+    return tuple(items)
 
 
 def _kind(sec: _Section, where: str) -> str:

@@ -80,6 +80,10 @@ class _Section:
             )
         return v
 
+    def get_raw(self, key: str) -> object:
+        """The value as written (None: absent), for a caller that checks it itself."""
+        return self._get(key)
+
     def get_str_list(self, key: str) -> tuple[str, ...]:
         v = self._get(key)
         if v is None:

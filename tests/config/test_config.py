@@ -273,3 +273,23 @@ def test_each_set_of_demo_sizes_has_its_own_file() -> None:
     paths = {demo_model_path(p) for p in [base, *others]}
     assert len(paths) == 1 + len(others)
     assert "-C" not in demo_model_path(base).name
+
+
+@pytest.mark.parametrize(("devices", "want"), [
+    (None, ()),
+    ("Vulkan0", ("Vulkan0",)),
+    (["CUDA0", "CUDA1"], ("CUDA0", "CUDA1")),
+    ([0, 1], (0, 1)),
+    ([], "devices: expected a device name"),
+    ([0, 0], "distinct"),
+    (["Vulkan 0"], "devices: expected"),
+    ([True], "devices: expected"),
+    ([-1], "devices: expected"),
+])
+def test_a_managed_backends_devices(tmp_path: Path, demo_model: Path, devices: Any,
+                                    want: tuple[str | int, ...] | str) -> None:
+    data = {"backends": [managed() if devices is None else managed(devices=devices)]}
+    if isinstance(want, str):
+        assert want in error_of(tmp_path, data, allow_missing_demo=True)
+    else:
+        assert load(tmp_path, data, allow_missing_demo=True).backends[0].devices == want

@@ -31,8 +31,7 @@ def multi_gpu(tmp_path: Path) -> tuple[ManagedBackendConfig, ...]:
 
 
 def test_multi_gpu_has_one_backend_per_gpu(multi_gpu: tuple[ManagedBackendConfig, ...]) -> None:
-    assert [dict(b.env) for b in multi_gpu] == [{"CUDA_VISIBLE_DEVICES": "0"},
-                                                 {"CUDA_VISIBLE_DEVICES": "1"}]
+    assert [b.devices for b in multi_gpu] == [(0,), (1,)]
     for b in multi_gpu:
         args = " ".join(b.extra_args)
         assert "-ngl 99" in args and "-fa on" in args
