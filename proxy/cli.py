@@ -210,6 +210,31 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from backends.binary import BinaryError, find_llama_server
+    from backends.detect import NotAModel, machine, model_facts
+    from backends.init_plan import DoesNotFit, plan, render
+
+    out: Path = args.out
+    if out.exists() and not args.force:
+        print(f"kvroute init: {out} exists (fix: --out another path, or --force)",
+              file=sys.stderr)
+        return 2
+    try:
+        found = find_llama_server(args.llama_server)
+        facts = model_facts(args.model)
+        p = plan(facts, machine(found.path if found else None))
+    except (BinaryError, NotAModel, DoesNotFit) as e:
+        print(f"kvroute init: {e}", file=sys.stderr)
+        return 2
+    for line in p.why:
+        print(line, file=sys.stderr)
+    out.write_text(render(p, facts, args.alias))
+    print(f"wrote {out}: {len(p.backends)} backend(s); run `kvroute serve --config {out}`",
+          file=sys.stderr)
+    return 0
+
+
 _CONFIG_HELP = "config file (default: ./config.yaml, else the built-in one)"
 
 
@@ -241,6 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--config", type=Path, help=_CONFIG_HELP)
     d.add_argument("--json", action="store_true", help="stable JSON output for scripts")
     d.set_defaults(func=cmd_doctor)
+    i = sub.add_parser("init", help="write a config for this machine's devices and a model",
+                       description="Exit status 2: the model is not a GGUF file, it does "
+                       "not fit, or the output exists.")
+    i.add_argument("model", type=Path, help="the model's .gguf file")
+    i.add_argument("--out", type=Path, default=Path("config.yaml"),
+                   help="where to write it (default: ./config.yaml)")
+    i.add_argument("--force", action="store_true", help="overwrite --out")
+    i.add_argument("--alias", help="the model name clients send (default: the file's name)")
+    i.add_argument("--llama-server", help="the build whose devices count when nvidia-smi "
+                   "finds no GPU (default: the one `kvroute serve` runs)")
+    i.set_defaults(func=cmd_init)
     args = ap.parse_args(argv)
     return int(args.func(args))
 
