@@ -166,13 +166,17 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": _simulate, "run": _run, "soak": _soak}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest")
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest")
+    sub = p.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
     _add_run(sub)
     _add_soak(sub)
-    args = parser.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
     except ValueError as e:  # what was asked cannot be run as given (the message says why)

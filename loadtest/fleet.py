@@ -48,6 +48,15 @@ class Cluster:
     model: str = "demo"
     kv_disk: bool = False  # managed backends' slots saved to disk (kv_disk in the config)
     startup_timeout_s: float = 180.0
+    # one device per backend (a CUDA index or a --list-devices name), every layer on it;
+    # none: the build's default
+    devices: tuple[str | int, ...] = ()
+
+    def offload(self, i: int) -> tuple[tuple[str | int, ...], tuple[str, ...]]:
+        """Backend ``i``'s devices and the flags that put every layer there."""
+        if not self.devices:
+            return (), ()
+        return (self.devices[i],), ("-ngl", "all")
 
 
 def policy_variant(spec: str) -> tuple[str, dict[str, Any]]:
@@ -103,7 +112,9 @@ async def fresh_servers(cluster: Cluster, log_dir: Path) -> AsyncIterator[list[s
     procs = [LlamaServerProcess(ServerSpec(binary, model, free_port(), cluster.slots,
                                            cluster.ctx_per_slot, cluster.threads,
                                            cache_ram_mib=cluster.cache_ram_mib,
-                                           alias="kvroute-demo"),
+                                           alias="kvroute-demo",
+                                           devices=cluster.offload(i)[0],
+                                           extra_args=cluster.offload(i)[1]),
                                 log_dir / f"{chr(ord('a') + i)}.log")
              for i in range(cluster.backends)]
     try:

@@ -62,7 +62,8 @@ def write_config(path: Path, cluster: Cluster, n_backends: int, policy: str) -> 
         "supervision": {"startup_timeout_s": cluster.startup_timeout_s},
         "backends": [{"name": chr(ord("a") + i), "model": cluster.model,
                       "slots": cluster.slots, "ctx_per_slot": cluster.ctx_per_slot,
-                      "threads": cluster.threads, "cache_ram_mib": cluster.cache_ram_mib}
+                      "threads": cluster.threads, "cache_ram_mib": cluster.cache_ram_mib,
+                      **_offload(cluster, i)}
                      for i in range(n_backends)],
     }
     if routing:
@@ -72,6 +73,11 @@ def write_config(path: Path, cluster: Cluster, n_backends: int, policy: str) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def _offload(cluster: Cluster, i: int) -> dict[str, Any]:
+    devices, flags = cluster.offload(i)
+    return {"devices": list(devices), "extra_args": list(flags)} if devices else {}
 
 
 async def _wait_health(url: str, n: int, proc: subprocess.Popen[bytes],
@@ -288,7 +294,7 @@ async def _at_rate(args: argparse.Namespace, rate: float | None, policies: list[
     cluster = Cluster(backends=args.backends, slots=args.slots, threads=args.threads,
                       ctx_per_slot=args.ctx or needed_ctx(workload, args.max_tokens),
                       cache_ram_mib=args.cache_ram_mib, kv_disk=args.kv_disk,
-                      model=args.model)
+                      model=args.model, devices=_devices(args.devices, args.backends))
     for p in policies:
         runs.append(await run_one(p, workload, cluster, work_dir, args, rate))
         if on_run is not None:
@@ -342,6 +348,10 @@ def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
                    help="demo model: plain attention, sliding window, or hybrid")
     g.add_argument("--kv-disk", action="store_true",
                    help="managed backends save idle slots to disk (kv_disk) and restore them")
+    g.add_argument("--devices", default="",
+                   help="one per backend, comma-separated: CUDA indices (0,1) or names "
+                   "from `llama-server --list-devices` (Vulkan0,Vulkan1); every layer "
+                   "is offloaded there (-ngl all)")
     g.add_argument("--max-requests", type=int, default=500, help="per policy run")
     g.add_argument("--time-limit", type=float, default=300.0, help="s per policy run")
     g.add_argument("--contend", type=int, default=0, metavar="N",
@@ -407,3 +417,13 @@ def main_run(args: argparse.Namespace) -> int:
     print(report.console_table(runs, workload.oracle_reuse, bound), file=sys.stderr)
     return 0 if all(r.outcome.results for r in runs) else 1
 
+
+def _devices(spec: str, backends: int) -> tuple[str | int, ...]:
+    """``--devices``: one per backend (indices as ints: CUDA_VISIBLE_DEVICES)."""
+    if not spec:
+        return ()
+    got = tuple(int(d) if d.isdigit() else d for d in spec.split(","))
+    if len(got) != backends:
+        raise SystemExit(f"--devices {spec}: {len(got)} device(s) for {backends} backends "
+                         "(fix: one per backend, or --backends to match)")
+    return got

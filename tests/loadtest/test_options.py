@@ -84,3 +84,26 @@ def test_busy_loops_spin_for_the_block_and_stop() -> None:
     with busy_loops(2):
         assert len(_spinning()) == 2
     assert _spinning() == []
+
+
+@pytest.mark.parametrize(("spec", "backends", "devices"), [
+    ("", 2, ()),
+    ("0,1", 2, (0, 1)),
+    ("Vulkan0,Vulkan1", 2, ("Vulkan0", "Vulkan1")),
+    ("0", 2, "1 device(s) for 2 backends"),
+])
+def test_devices_are_one_per_backend_with_every_layer_there(
+        tmp_path: Path, spec: str, backends: int, devices: tuple[object, ...] | str) -> None:
+    from loadtest.runner import _devices
+
+    if isinstance(devices, str):
+        with pytest.raises(SystemExit, match=devices.replace("(", r"\(").replace(")", r"\)")):
+            _devices(spec, backends)
+        return
+    got = _devices(spec, backends)
+    assert got == devices
+    cfg = yaml.safe_load(write_config(tmp_path / "d.yaml", Cluster(devices=got), backends,
+                                      "prefix").read_text())
+    for i, b in enumerate(cfg["backends"]):
+        assert b.get("devices") == ([devices[i]] if devices else None)
+        assert b.get("extra_args") == (["-ngl", "all"] if devices else None)
