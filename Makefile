@@ -39,7 +39,7 @@ CLAUDE_CODE_VERSION ?= 2.1.331
 CLAUDE_CODE_DIR := $(HOME)/.cache/kvroute/npm
 CLAUDE_CODE_PKG := $(CLAUDE_CODE_DIR)/node_modules/@anthropic-ai/claude-code/package.json
 
-.PHONY: run test lint artifacts claude-code system-packages test-setup python-setup bench clean
+.PHONY: run test lint artifacts claude-code system-packages vulkan-packages test-setup python-setup bench clean
 
 # llama-cpp-python is installed without its libllama: llama-server's build (make
 # artifacts) is the same llama.cpp and serves the tokenizer too (backends/binary.py,
@@ -59,8 +59,20 @@ $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install -e '.[dev]'
 	@touch $(DEV_STAMP)
 
-artifacts: $(STAMP)
+artifacts: $(STAMP) $(if $(filter vulkan,$(GPU)),vulkan-packages)
 	$(PY) -m backends prepare $(CONFIG_ARG)
+
+# GPU=vulkan: glslc, the Vulkan loader and Mesa's drivers (lavapipe runs Vulkan on the
+# CPU where no GPU is), installed with apt when missing and this is root. Headers newer
+# than the system's come from the Debian archive at the build (backends/vulkan_sdk.py).
+vulkan-packages:
+	@{ command -v glslc >/dev/null && ls /usr/share/vulkan/icd.d/lvp_icd* >/dev/null 2>&1; } \
+	|| { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+	  && echo "==> installing glslc, the Vulkan loader and Mesa's Vulkan drivers" \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	     glslc libvulkan-dev mesa-vulkan-drivers >/dev/null; } \
+	|| echo "WARNING: could not install glslc, libvulkan-dev and mesa-vulkan-drivers: \
+	the Vulkan build names what it lacks"
 
 run: artifacts
 	$(VENV)/bin/kvroute serve $(CONFIG_ARG)

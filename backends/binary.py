@@ -50,6 +50,7 @@ from backends.gpu import (
 )
 from backends.vendor_patch import PatchError, applied, apply_all
 from backends.vendor_patch import digest as patches_digest
+from backends.vulkan_sdk import SUITE, NoSdk, debian_sdk
 
 # NOTE: used only when llama-cpp-python is not installed (e.g. doctor in a broken venv);
 # must match the pin in pyproject.toml.
@@ -269,6 +270,15 @@ def _configure(build: Path, gpu: str, progress: Progress, log: Path) -> None:
     if gpu != "cpu" and compiler is None:
         raise BinaryError(missing_toolchain(gpu))  # before any download: fail at once
     headers = vulkan_headers_problem() if gpu == "vulkan" else None
+    if headers and not os.environ.get("VULKAN_SDK"):
+        # the system's are too old: newer ones from the Debian archive (vulkan_sdk.py)
+        progress(f"==> {headers.split(' (fix')[0]}: fetching {SUITE}'s into the cache")
+        try:
+            os.environ["VULKAN_SDK"] = str(debian_sdk(cache_dir()))
+        except NoSdk as e:
+            raise BinaryError(f"a vulkan build of llama-server (GPU=vulkan): {headers}; "
+                              f"and newer ones could not be had: {e}") from e
+        headers = vulkan_headers_problem()
     if headers:
         raise BinaryError(f"a vulkan build of llama-server (GPU=vulkan): {headers}")
     source = _patchable_source(progress)
