@@ -88,10 +88,9 @@ class Report:
 @dataclass(frozen=True)
 class NeedWholePrompt:
     """Decided on the head of its prompt (``Router.decide(n_prompt=...)``), the request
-    would reuse less of it than a slot or RAM entry holds: the rest may match that
-    holder further (a summary whose tool result its turn just put in the slot), so it is
-    not moved off its history on the head's word. Nothing was recorded: decide again
-    with the whole prompt."""
+    may go on from a holder further than the choice reuses, which only the rest of the
+    prompt shows (proxy/routing/head.py), so it is not moved off its history on the
+    head's word. Nothing was recorded: decide again with the whole prompt."""
 
     most_held: int  # tokens of the head the best holder has
     reuse: int  # what the head-based choice would have reused

@@ -379,10 +379,15 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlo
     it, then the rest of the prompt; the leader's prompt beyond the shared part is
     truncated then (charged as destroyed, as for ``_behind_waiter``). Whether it beats
     an idle slot elsewhere is the choice's to say, by score: the prefill it saves is
-    charged ``queue_cost_weight`` over there. Never behind another named session's
-    request, whose history it would truncate. (Other replicas' waiters wait for a given
-    slot: they are no leaders.)"""
+    charged ``queue_cost_weight`` over there. A request naming its session never follows
+    another named session's request, whose history it would truncate; one naming none
+    follows any: nothing tells it from that conversation's next turn (from a client
+    that names no session), and sharing more with the waiter than any holder has, it
+    most likely is one. (Other replicas' waiters wait for a given slot: no leaders.)"""
     st = c.state
+    # the top sharer only: it reuses the most, and any other shares a part of its prompt
+    # at most: when it is another named session's, that part is a prompt sessions share
+    # (a system prompt), not this conversation's history, which following is for
     shared, leader = next(st.waiting.sharing(c.prompt), (0, -1))
     shared = min(shared, n - 1)
     if shared < s.wait_min_tokens:

@@ -44,10 +44,11 @@ from proxy.routing.decision import (
 )
 from proxy.routing.deferred import Deferred, Unplaced
 from proxy.routing.disk import DiskIndex
+from proxy.routing.head import most_held, rest_may_change
 from proxy.routing.observed import PeerRequests
 from proxy.routing.outcomes import RequestEnds
 from proxy.routing.policies import Ask, make_policy
-from proxy.routing.policy import RELATED_TOKENS, Candidate, Choice
+from proxy.routing.policy import Candidate, Choice
 from proxy.routing.posting import Unposted
 from proxy.routing.queue import SlotQueue
 from proxy.routing.routed import Inflight, Ledger, Prior, Routed
@@ -192,12 +193,8 @@ class Router:
         if head and self._policy.checks_head:
             p = choice.placement or choice.queued  # (a queued choice predicts its landing)
             assert p is not None
-            most = _most_kv(held)
-            # (below RELATED_TOKENS the holders share a template's opening, no more:
-            # the rest cannot match them further, and an empty slot is taken)
-            if (p.reuse < most and most >= RELATED_TOKENS) \
-                    or self._undecided(held, len(q) // 4):
-                return NeedWholePrompt(most, p.reuse)
+            if rest_may_change(self.tree, held, len(q) // 4, p.reuse):
+                return NeedWholePrompt(most_held(held), p.reuse)
         rid = self._ledger.new_id()
         cand = next(c for c in cands if c.name == choice.backend)
         restore = None
@@ -214,15 +211,6 @@ class Router:
         placed, beyond = self._place(r, choice, cand, defer, restore)
         return self._record(r, choice, cand, placed, beyond,
                             restore[0] if restore is not None else None)
-
-    def _undecided(self, held: dict[Any, int], n_head: int) -> bool:
-        """Do holders of the whole head go on from it differently? Then only the rest
-        of the prompt tells which one it goes on from (conversations over one system
-        prompt, when the head is that prompt): decided on the head, it would take any
-        of them. (A slot and its copy in RAM go on alike.)"""
-        nexts = {self.tree.tokens_of(h)[4 * n_head:4 * (n_head + _AHEAD)]
-                 for h, got in held.items() if got >= n_head}
-        return len(nexts) >= 2
 
     def _candidates(self, q: bytes, n: int, head: bool, among: Collection[str] | None
                     ) -> tuple[list[Candidate], dict[Any, int]] | NoBackend | NeedWholePrompt:
@@ -243,7 +231,7 @@ class Router:
         if head and any(self._backends[b].cache.checkpointed for b in names):
             # a checkpointed slot gives all it shares only to a prompt that goes on past
             # its end (else: up to a checkpoint): only the whole prompt can tell
-            return NeedWholePrompt(_most_kv(held), 0)
+            return NeedWholePrompt(most_held(held), 0)
         # per backend: slot -> lcp, RAM entry -> lcp
         per: dict[str, tuple[dict[int, int], dict[int, int]]] = {b: ({}, {}) for b in names}
         for (b, kind, idx), got in held.items():  # type: ignore[misc]
@@ -544,12 +532,3 @@ def _claims(choice: Choice, cand: Candidate, session: str | None) -> bool:
     goes_on = cache.slots[p.slot].n_tokens - lcp <= CONTINUATION_SLACK \
         and lcp > cache.common_part(p.slot)
     return not goes_on and (session is None or cand.state.slot_session.get(p.slot) != session)
-
-
-# tokens past a head compared to tell whether its holders go on alike
-_AHEAD = 16
-
-
-def _most_kv(held: dict[Any, int]) -> int:
-    """The most tokens of a prompt any holder of KV has (every holder of the tree is)."""
-    return max(held.values(), default=0)

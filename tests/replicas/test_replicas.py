@@ -138,6 +138,22 @@ async def first_replica(cfg: Config
         await sup.stop()
 
 
+@asynccontextmanager
+async def two_replicas(cfg: Config, ready: Callable[[TestClient[Any, Any]], Awaitable[bool]]
+                       ) -> AsyncIterator[tuple[TestClient[Any, Any], TestClient[Any, Any]]]:
+    """``cfg``'s llama-servers, a broker, and replicas r1 and r2 on it, both ``ready``."""
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        async with broker() as url, replica(cfg, sup, url, "r1") as a, \
+                replica(cfg, sup, url, "r2") as b:
+            for c in (a, b):
+                await until(lambda c=c: ready(c), 20)
+            yield a, b
+    finally:
+        await sup.stop()
+
+
 async def turn(client: TestClient[Any, Any], messages: list[dict[str, str]]
                ) -> tuple[int, int, int]:
     """(predicted, reused, prompt tokens) of one turn; a fixed answer goes in the history."""
@@ -155,25 +171,17 @@ async def turn(client: TestClient[Any, Any], messages: list[dict[str, str]]
 async def test_a_conversation_moves_between_replicas_predicted_exactly(
         pool_config: Callable[..., Config]) -> None:
     cfg = pool_config(n=1, slots=2, cache_ram_mib=0)
-    sup = Supervisor(cfg)
-    await sup.start()
-    try:
-        async with broker() as url, replica(cfg, sup, url, "r1") as a, \
-                replica(cfg, sup, url, "r2") as b:
-            for c in (a, b):
-                await until(lambda c=c: _connected(c), 20)
-            conv = [{"role": "system", "content": words(400, 950)},
-                    {"role": "user", "content": words(30, 951)}]
-            _, _, first = await turn(a, conv)
-            held = a.server.app[ROUTER].held
-            await until(lambda: any(b.server.app[ROUTER].held("a", s) == held("a", s)
-                                    and held("a", s) for s in (0, 1)), 20)
-            conv.append({"role": "user", "content": words(20, 952)})
-            predicted, reused, _ = await turn(b, conv)
-            async with b.get("/metrics") as r:
-                metrics = await r.text()
-    finally:
-        await sup.stop()
+    async with two_replicas(cfg, _connected) as (a, b):
+        conv = [{"role": "system", "content": words(400, 950)},
+                {"role": "user", "content": words(30, 951)}]
+        _, _, first = await turn(a, conv)
+        held = a.server.app[ROUTER].held
+        await until(lambda: any(b.server.app[ROUTER].held("a", s) == held("a", s)
+                                and held("a", s) for s in (0, 1)), 20)
+        conv.append({"role": "user", "content": words(20, 952)})
+        predicted, reused, _ = await turn(b, conv)
+        async with b.get("/metrics") as r:
+            metrics = await r.text()
     assert reused >= 0.9 * first and abs(predicted - reused) <= 1, (predicted, reused, first)
     # a's prompt as it was sent, then what its answer left: b applied both
     assert 'kvroute_replica_events_total{event="applied"} 2.0' in metrics
@@ -237,22 +245,14 @@ async def test_new_conversations_at_two_replicas_in_one_slot_at_once_the_later_m
     reuses its whole last prompt."""
     monkeypatch.setattr(PeerView, "_spread", lambda self: None)
     cfg = pool_config(n=1, slots=2, cache_ram_mib=0)
-    sup = Supervisor(cfg)
-    await sup.start()
-    try:
-        async with broker() as url, replica(cfg, sup, url, "r1") as a, \
-                replica(cfg, sup, url, "r2") as b:
-            for c in (a, b):
-                await until(lambda c=c: _peers(c), 20)
-            convs = [[{"role": "user", "content": words(300, 990 + k)}] for k in (0, 1)]
-            first = await asyncio.gather(_slot_turn(a, convs[0]), _slot_turn(b, convs[1]))
-            for c in (a, b):
-                await until(lambda c=c: _settled(c), 20)
-            for conv, k in zip(convs, (992, 993), strict=True):
-                conv.append({"role": "user", "content": words(20, k)})
-            second = [await _slot_turn(a, convs[0]), await _slot_turn(b, convs[1])]
-    finally:
-        await sup.stop()
+    async with two_replicas(cfg, _peers) as (a, b):
+        convs = [[{"role": "user", "content": words(300, 990 + k)}] for k in (0, 1)]
+        first = await asyncio.gather(_slot_turn(a, convs[0]), _slot_turn(b, convs[1]))
+        for c in (a, b):
+            await until(lambda c=c: _settled(c), 20)
+        for conv, k in zip(convs, (992, 993), strict=True):
+            conv.append({"role": "user", "content": words(20, k)})
+        second = [await _slot_turn(a, convs[0]), await _slot_turn(b, convs[1])]
     assert {slot for slot, _, _ in first} == {0, 1}, first
     for (_, _, prompt), (_, reused, _) in zip(first, second, strict=True):
         assert reused >= 0.9 * prompt, (first, second)
@@ -539,29 +539,21 @@ async def test_a_burst_of_new_conversations_over_one_prompt_through_two_replicas
     each), 2 servers x 2 slots: enough slots for all. Each takes a slot of its own, so
     no next turn, sent to the other replica, loses its history (as through one)."""
     cfg = pool_config(n=2, slots=2, cache_ram_mib=0)
-    sup = Supervisor(cfg)
-    await sup.start()
-    try:
-        async with broker() as url, replica(cfg, sup, url, "r1") as a, \
-                replica(cfg, sup, url, "r2") as b:
+    async with two_replicas(cfg, _peers) as (a, b):
+        system = words(700, 980)
+        convs = [[{"role": "system", "content": system},
+                  {"role": "user", "content": words(250, 981 + k)}] for k in range(4)]
+        via = [a, b, a, b]
+        turns = [await asyncio.gather(*(_placed_turn(via[k], convs[k])
+                                        for k in range(4)))]
+        for n in range(2):
             for c in (a, b):
-                await until(lambda c=c: _peers(c), 20)
-            system = words(700, 980)
-            convs = [[{"role": "system", "content": system},
-                      {"role": "user", "content": words(250, 981 + k)}] for k in range(4)]
-            via = [a, b, a, b]
-            turns = [await asyncio.gather(*(_placed_turn(via[k], convs[k])
-                                            for k in range(4)))]
-            for n in range(2):
-                for c in (a, b):
-                    await until(lambda c=c: _settled(c), 20)
-                for k, conv in enumerate(convs):
-                    conv.append({"role": "user", "content": words(20, 990 + 4 * n + k)})
-                via = via[1:] + via[:1]  # each conversation's next turn: the other replica
-                turns.append(await asyncio.gather(*(_placed_turn(via[k], convs[k])
-                                                    for k in range(4))))
-    finally:
-        await sup.stop()
+                await until(lambda c=c: _settled(c), 20)
+            for k, conv in enumerate(convs):
+                conv.append({"role": "user", "content": words(20, 990 + 4 * n + k)})
+            via = via[1:] + via[:1]  # each conversation's next turn: the other replica
+            turns.append(await asyncio.gather(*(_placed_turn(via[k], convs[k])
+                                                for k in range(4))))
     assert len({where for where, _, _ in turns[0]}) == 4, turns[0]
     for before, after in itertools.pairwise(turns):
         for (_, _, prompt), (_, reused, _) in zip(before, after, strict=True):

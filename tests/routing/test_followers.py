@@ -36,16 +36,24 @@ def learned(r: Router) -> None:
         r.complete(w, Report(prompt_ms=200.0, prompt_n=300), now=0.3)
 
 
-def leader_waiting() -> tuple[Router, Routed, Routed, Routed]:
-    """Two backends of two slots, all busy; TURN waits on one of them, then the other's
-    slots free: (the router, TURN, the requests running where TURN waits)."""
+def two_backends() -> Router:
+    """Two backends of two slots, their rate and service time learned."""
     r = Router()
     r.add_backend(cap("a", 2))
     r.add_backend(cap("b", 2))
     learned(r)
+    return r
+
+
+def leader_waiting(r: Router | None = None, prompt: list[int] | None = None,
+                   session: str | None = None) -> tuple[Router, Routed, Routed, Routed]:
+    """``r`` (else `two_backends`) with its four slots busy; ``prompt`` (TURN), of
+    ``session``, waits on one backend, then the other's slots free: (the router, the
+    waiter, the requests running where it waits)."""
+    r = r or two_backends()
     busy = [decide(r, list(range(200_000 + 10_000 * i, 200_500 + 10_000 * i)), now=0.5)
             for i in range(4)]
-    lead = decide(r, TURN, now=1.0)
+    lead = decide(r, prompt or TURN, now=1.0, session=session)
     assert lead.queued and "follows" not in lead.reasons
     for d in busy:
         if d.backend != lead.backend:
@@ -114,16 +122,7 @@ OTHER = list(range(700_000, 700_100))
 ])
 def test_who_follows(why: str, prompt: list[int], session: str | None,
                      follows: bool) -> None:
-    r = Router()
-    r.add_backend(cap("a", 2))
-    r.add_backend(cap("b", 2))
-    learned(r)
-    busy = [decide(r, list(range(200_000 + 10_000 * i, 200_500 + 10_000 * i)), now=0.5)
-            for i in range(4)]
-    lead = decide(r, TURN, now=1.0, session="s1")
-    for d in busy:
-        if d.backend != lead.backend:
-            r.complete(d, Report(output_tokens=[7] * 4), now=1.5)
+    r, _, _, _ = leader_waiting(session="s1")
     d = decide(r, prompt, now=1.6, session=session)
     assert ("follows" in d.reasons) == follows, why
     if not follows:
@@ -133,19 +132,10 @@ def test_who_follows(why: str, prompt: list[int], session: str | None,
 def test_no_follower_when_a_holder_has_as_much() -> None:
     """A RAM entry holds as much of the prompt as the waiter shares: nothing to gain by
     following it (running where that entry is, or waiting there, reuses as much)."""
-    r = Router()
-    r.add_backend(cap("a", 2))
-    r.add_backend(cap("b", 2))
-    learned(r)
+    r = two_backends()
     old = decide(r, [*TURN, 1], now=0.4)
     r.complete(old, Report(output_tokens=[7] * 4), now=0.45)
-    busy = [decide(r, list(range(200_000 + 10_000 * i, 200_500 + 10_000 * i)), now=0.5)
-            for i in range(4)]
-    lead = decide(r, [*TURN, 2], now=1.0)
-    assert lead.queued
-    for d in busy:
-        if d.backend != lead.backend:
-            r.complete(d, Report(output_tokens=[7] * 4), now=1.5)
+    leader_waiting(r, [*TURN, 2])
     d = decide(r, NEXT, now=1.6)
     assert "follows" not in d.reasons
 
