@@ -66,12 +66,12 @@ artifacts: $(STAMP) $(if $(filter vulkan,$(GPU)),vulkan-packages)
 # CPU where no GPU is), installed with apt when missing and this is root. Headers newer
 # than the system's come from the Debian archive at the build (backends/vulkan_sdk.py).
 vulkan-packages:
-	@{ command -v glslc >/dev/null && ls /usr/share/vulkan/icd.d/lvp_icd* >/dev/null 2>&1; } \
+	@{ command -v glslc >/dev/null && ls /usr/share/vulkan/icd.d/lvp_icd* /usr/share/cmake/SPIRV-Headers >/dev/null 2>&1; } \
 	|| { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
 	  && echo "==> installing glslc, the Vulkan loader and Mesa's Vulkan drivers" \
 	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	     glslc libvulkan-dev mesa-vulkan-drivers >/dev/null; } \
-	|| echo "WARNING: could not install glslc, libvulkan-dev and mesa-vulkan-drivers: \
+	     glslc libvulkan-dev spirv-headers mesa-vulkan-drivers >/dev/null; } \
+	|| echo "WARNING: could not install glslc, libvulkan-dev, spirv-headers and mesa-vulkan-drivers: \
 	the Vulkan build names what it lacks"
 
 run: artifacts
