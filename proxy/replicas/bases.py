@@ -75,7 +75,11 @@ class Bases:
         """``e`` (a whole start) went out, or was read: its slot was told its prompt;
         ``everyone``: every peer was (not only this replica, joining), as of ``epoch``
         (the current one if None; a start sent: the one it was made in). The caller
-        keeps only slots its replica routes (a peer cannot make it hold others)."""
+        keeps only slots its replica routes (a peer cannot make it hold others). A claim
+        (a start with its time, claims.py) is none: a replica of a version that knows no
+        claims drops it, and reads the start told again once it is sent."""
+        if e.at:
+            return
         key = e.pool, e.backend, e.slot
         base = _Base(e.tokens, self._epoch(everyone, epoch), (e.replica, e.request))
         bases = self._slots.get(key)

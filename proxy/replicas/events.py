@@ -5,8 +5,11 @@
   the prompt may be the first ``keep`` tokens of a prompt an earlier start told that
   slot (or the slot ``base_from`` names) to hold (``base``: their digest, see bases.py)
   then ``tokens``; with ``at``, it claims a slot it does not go on from, as of that
-  wall-clock time, and is not sent yet (claims.py);
-- ``moved``: that claim lost: the request was not sent there (its start is void);
+  wall-clock time, and is not sent yet (claims.py): a replica of a version before
+  claims drops it (it reads ``at`` on a ``held`` only), so a claim is told again
+  without ``at`` once sent, and is no base for another start;
+- ``moved``: that claim lost: the request was not sent there (its start is void; such a
+  replica drops the unknown kind, never having read the claim);
 - ``first``: that request's first token came (its prefill is over);
 - ``end``: it left the slot, holding the first ``keep`` tokens of its prompt then
   ``tokens`` (its answer, typically); nothing kept and no tokens: not known;

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import nats
+import old_events
 import pytest
 from aiohttp.test_utils import TestClient
 from faults import until
@@ -571,3 +572,46 @@ async def _placed_turn(client: TestClient[Any, Any], messages: list[dict[str, st
     messages.append({"role": "assistant", "content": "Noted."})
     t = body["timings"]
     return where, t["cache_n"], t["cache_n"] + t["prompt_n"]
+
+
+@NEEDS_NATS
+async def test_a_replica_from_before_claims_reads_every_request_sent() -> None:
+    """A rolling upgrade: a replica of the version before claims (its decoder kept
+    verbatim, old_events.py) beside this one. It drops a claim (a start with its time)
+    and a move, reads the rest as this version's b does, and reads each start told
+    again once sent whole: a claim is no base the next start goes against."""
+    rng = random.Random(11)
+    history, answer, more = ([rng.randrange(150_000) for _ in range(n)]
+                             for n in (400, 50, 30))
+    turn = to_token_bytes([*history, *answer, *more])
+    got: list[old_events.Event | None] = []
+
+    async def tapped(msg: Any) -> None:
+        got.append(old_events.decode(msg.data))
+
+    async with broker() as url, two_buses(url, 2) as (buses, counts):
+        a, b = buses["a"], buses["b"]
+        teller = Teller("a", "p", a.publish, a.view.touched)
+        tap = await nats.connect(url)
+        try:
+            await tap_on(tap, SUBJECT, tapped)
+            teller.started("x", 0, 0, to_token_bytes(history))
+            teller.freed("x", 0, 0, to_token_bytes([*history, *answer]))
+            teller.claimed("x", 1, 1, turn, 1.7e9)  # (won: then sent)
+            teller.started("x", 1, 1, turn)
+            teller.claimed("x", 0, 2, turn, 1.7e9)  # (lost: it moves)
+            teller.withdrawn("x", 2)
+            await until(lambda: len(got) == 6 and counts["b"]["applied"] == 5, 20)
+            assert b.view._told["a", "p", 1].prompt == turn and b.view.in_flight == 1
+        finally:
+            await tap.close()
+    assert [None if e is None else e.kind.value for e in got] == [
+        "start", "end", None, "start", None, None]
+    old = Bases()  # (as the old replica reads them: unchanged since)
+    read = []
+    for e in (e for e in got if e is not None):
+        new = Event(**{**dataclasses.asdict(e), "kind": Kind(e.kind.value)})
+        if (whole := old.whole(new)) is not None:
+            (old.told if new.kind == Kind.START else old.ended)(whole)
+        read.append(whole)
+    assert read[2] is not None and read[2].tokens == turn, read

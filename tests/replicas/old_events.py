@@ -1,0 +1,150 @@
+"""The events as a kvroute replica from before claims reads them: its decoder, kept
+verbatim (proxy/replicas/events.py as it was then; it knows no ``moved``, and reads
+``at`` on a ``held`` only). A rolling upgrade runs such replicas beside this version's:
+what they drop, and what they read, is tested against it."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import zlib
+from dataclasses import dataclass
+from enum import StrEnum
+
+import orjson
+
+MAX_TOKENS = 1 << 22  # a slot's context at most (the largest models': ~10^6)
+MAX_EVENT_BYTES = 8 << 20  # what a peer may send in one event
+_MAX_NAME = 256
+_MAX_ID = 1 << 62
+MAX_LIVE = 4096  # requests in flight one replica names in an `alive`
+DIGEST = 8  # bytes of a start's base digest
+
+
+class Kind(StrEnum):
+    START = "start"
+    FIRST = "first"
+    END = "end"
+    HELD = "held"
+    HELLO = "hello"
+    RESYNC = "resync"
+    ALIVE = "alive"
+    BYE = "bye"
+
+
+_KINDS = frozenset(k.value for k in Kind)
+_OF_A_SLOT = (Kind.START, Kind.FIRST, Kind.END, Kind.HELD)  # name a pool, backend, slot
+_WITH_TOKENS = (Kind.START, Kind.HELD)  # carry at least two tokens
+
+
+@dataclass(frozen=True)
+class Event:
+    replica: str  # who sends it
+    kind: Kind
+    pool: str = ""  # the model pool (its name; "" for an unnamed one)
+    backend: str = ""
+    slot: int = 0
+    request: int = 0  # the sender's id of the request (start, first, end)
+    tokens: bytes = b""  # int32 token bytes
+    keep: int = 0  # (end) tokens of the request's prompt its slot still holds; (start) of
+    # the sequence ``base`` names, that the prompt starts with
+    at: float = 0.0  # (held) when the slot last changed, as far as the sender knows
+    live: tuple[int, ...] = ()  # (alive) the sender's requests in flight in the pool
+    base: bytes = b""  # (start) the digest of the ``keep`` tokens it starts with
+    base_from: tuple[str, int] | None = None  # (start) their slot, if another (backend, slot)
+
+
+def encode(e: Event) -> bytes:
+    obj: dict[str, object] = {"r": e.replica, "k": e.kind.value}
+    if e.kind == Kind.ALIVE:
+        obj.update(p=e.pool, l=e.live)
+    if e.kind in _OF_A_SLOT:
+        obj.update(p=e.pool, b=e.backend, s=e.slot, i=e.request)
+    if e.keep:
+        obj["n"] = e.keep
+    if e.at:
+        obj["w"] = e.at
+    if e.base:
+        obj["h"] = [e.base.hex(), *(e.base_from or ())]
+    if e.tokens:
+        obj["t"] = base64.b64encode(zlib.compress(e.tokens, 1)).decode()
+    return orjson.dumps(obj)
+
+
+def decode(data: bytes) -> Event | None:
+    """The event in ``data``; None when it is not one (or too large)."""
+    if len(data) > MAX_EVENT_BYTES:
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not _name(obj.get("r")) \
+            or not isinstance(obj.get("k"), str) or obj["k"] not in _KINDS:
+        return None
+    kind = Kind(obj["k"])
+    if kind == Kind.ALIVE:
+        return _alive(obj)
+    if kind not in _OF_A_SLOT:
+        return None if len(obj) != 2 else Event(obj["r"], kind)
+    pool, backend, slot, request = obj.get("p"), obj.get("b"), obj.get("s"), obj.get("i")
+    keep, packed, at = obj.get("n", 0), obj.get("t"), obj.get("w", 0.0)
+    if not (_name(pool) and _name(backend) and _count(slot, 1 << 16)
+            and _count(request, _MAX_ID) and _count(keep, MAX_TOKENS + 1)):
+        return None
+    tokens = b"" if packed is None else _unpack(packed)
+    base = _base(obj.get("h"), kind == Kind.START and keep)
+    if tokens is None or base is None \
+            or (kind in _WITH_TOKENS and len(tokens) + 4 * keep < 8) \
+            or (kind == Kind.FIRST and (tokens or keep)) or (kind == Kind.HELD and keep) \
+            or (kind == Kind.START and len(tokens) + 4 * keep > MAX_TOKENS * 4) \
+            or not isinstance(at, float | int) or isinstance(at, bool) \
+            or not 0 <= at < 1e11 or (kind != Kind.HELD and at):
+        return None
+    return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep, float(at),
+                 base=base[0], base_from=base[1])
+
+
+def _base(v: object, wanted: object) -> tuple[bytes, tuple[str, int] | None] | None:
+    """A start's ``base`` digest (DIGEST bytes) and slot: there exactly when wanted."""
+    if v is None:
+        return None if wanted else (b"", None)
+    if not wanted or not isinstance(v, list) or len(v) not in (1, 3) \
+            or not isinstance(v[0], str) or len(v[0]) != 2 * DIGEST:
+        return None
+    if len(v) == 3 and not (_name(v[1]) and _count(v[2], 1 << 16)):
+        return None
+    try:
+        digest = bytes.fromhex(v[0])
+    except ValueError:
+        return None
+    return digest, (v[1], v[2]) if len(v) == 3 else None
+
+
+def _alive(obj: dict[str, object]) -> Event | None:
+    pool, live = obj.get("p"), obj.get("l")
+    if len(obj) != 4 or not _name(pool) or not isinstance(live, list) \
+            or len(live) > MAX_LIVE or not all(_count(i, _MAX_ID) for i in live):
+        return None
+    return Event(obj["r"], Kind.ALIVE, pool, live=tuple(live))  # type: ignore[arg-type]
+
+
+def _name(v: object) -> bool:
+    return isinstance(v, str) and len(v) <= _MAX_NAME
+
+
+def _count(v: object, below: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < below
+
+
+def _unpack(packed: object) -> bytes | None:
+    if not isinstance(packed, str):
+        return None
+    try:
+        z = zlib.decompressobj()
+        tokens = z.decompress(base64.b64decode(packed, validate=True), MAX_TOKENS * 4)
+    except (binascii.Error, ValueError, zlib.error):
+        return None
+    if z.unconsumed_tail or not z.eof or len(tokens) % 4 or not tokens:
+        return None  # (cut, truncated, or not int32s)
+    return tokens
