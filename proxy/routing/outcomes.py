@@ -184,18 +184,21 @@ class RequestEnds:
         return True
 
     def abort(self, routed: Routed, *, now: float = 0.0, prefilled: bool = False,
-              held: int | None = None, sent: bool = True) -> list[Handoff]:
+              held: int | None = None, sent: bool = True, prior: Prior | None = None
+              ) -> list[Handoff]:
         """The request failed or was cancelled: free its slot, forget its content, or
         with ``prefilled`` (it had produced output: the server keeps a cancelled slot's
         state) keep its prompt there; ``held``: the slot holds that many of the prompt's
-        tokens (its server said so once done with it). Without ``sent``, it never
-        reached the server: the listener hears it withdrawn. Returns the queued
-        requests handed a slot as a result (as ``complete``)."""
+        tokens (its server said so once done with it); ``prior``: it holds that again
+        (see ``withdraw``). Without ``sent``, it never reached the server: the listener
+        hears it withdrawn. Returns the queued requests handed a slot as a result (as
+        ``complete``)."""
         self._deferred.apply()
         f, decision = routed.entry, routed.prediction
         st = self._backends.get(f.backend)
         if not f.live or st is None:
             return []
+        made = self._unposted.created(decision.request_id) if prior is not None else []
         self._ledger.end(decision.request_id)
         self._unposted.posted(decision.request_id)
         st.release(f.work, now)
@@ -207,7 +210,13 @@ class RequestEnds:
                 self._peers.told_freed(f, None, decision.request_id)
             # its followers wait for any slot now: an idle one is theirs
             return self._queue.drain(st, decision.backend, now) if released else []
-        if prefilled:
+        if prior is not None:
+            st.cache.finish(f.slot, None, 0)
+            if prior.sequence:
+                st.cache.restore(f.slot, prior.sequence)
+            st.cache.forget_ram(made)
+            st.occupy(f.slot, prior.session)
+        elif prefilled:
             # NOTE: an agent's interrupted turn: its next one resends that history
             st.cache.finish_generated(f.slot, b"")
         elif held is not None and held > 0:
@@ -227,24 +236,9 @@ class RequestEnds:
         its saves evicted stay gone: the model then claims less than the server holds,
         the safe error), and the slot goes to the requests waiting for it (their
         hand-offs returned)."""
-        self._deferred.apply()
-        f, d = routed.entry, routed.prediction
-        st = self._backends.get(f.backend)
-        if not f.live or st is None or f.slot is None or f.prior is None:
-            kept = d.predicted_cached if d.tier == "slot" else None
-            return self.abort(routed, now=now, held=kept, sent=False)
-        made = self._unposted.created(d.request_id)
-        self._ledger.end(d.request_id)
-        self._unposted.posted(d.request_id)
-        st.release(f.work, now)
-        self._peers.told_withdrawn(f, d.request_id)
-        sequence, session, _ = f.prior
-        st.cache.finish(f.slot, None, 0)
-        if sequence:
-            st.cache.restore(f.slot, sequence)
-        st.cache.forget_ram(made)
-        st.occupy(f.slot, session)
-        return self._queue.drain(st, d.backend, now)
+        d = routed.prediction
+        kept = d.predicted_cached if d.tier == "slot" else None
+        return self.abort(routed, now=now, held=kept, sent=False, prior=routed.entry.prior)
 
 
 def _goes_on(prior: Prior | None, prompt: bytes) -> bool:
