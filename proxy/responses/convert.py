@@ -137,7 +137,9 @@ def _add_item(item: Any, messages: list[JSON]) -> None:
     itype = item.get("type") if isinstance(item, dict) else None
     if _is(item, "content", list) and role in _INPUT_ROLES and isinstance(role, str):
         messages.append(_input_message(item))
-    elif role == "assistant" and itype == "message":
+    elif role == "assistant" and itype in ("message", None):
+        # the short form without "type" (what the OpenAI API and its SDKs' users send
+        # back) reads as the message it means; llama-server alone refuses it
         content = _output_content(item)
         if merge:
             prev = messages[-1]

@@ -97,6 +97,20 @@ def test_reasoning_items_and_assistant_merges() -> None:
                          {"image_url": {"url": "data:x"}, "type": "image_url"}]}]})
 
 
+def test_the_short_form_of_an_assistant_message_is_that_message() -> None:
+    # what OpenAI SDK users append to `input` after a turn: role and content, no type
+    short = {"input": [{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": "hello"},
+                       {"role": "user", "content": "again"}]}
+    typed = {"input": [{"role": "user", "content": "hi"},
+                       {"type": "message", "role": "assistant",
+                        "content": [{"type": "output_text", "text": "hello"}]},
+                       {"role": "user", "content": "again"}]}
+    assert dumped(responses_to_chat(short)) == dumped(responses_to_chat(typed))
+    assert responses_to_chat(short)["messages"][1] == {
+        "role": "assistant", "content": [{"text": "hello", "type": "text"}]}
+
+
 def test_odd_values_the_server_reads_leniently() -> None:
     chat = responses_to_chat({"input": [], "instructions": 5, "reasoning": "high",
                               "tools": [{"type": "web_search"}, "x"]})
@@ -106,7 +120,7 @@ def test_odd_values_the_server_reads_leniently() -> None:
 @pytest.mark.parametrize(("body", "message"), [  # llama-server's own messages
     ({}, "'input' is required"),
     ({"input": 5}, "'input' must be a string or array of objects"),
-    ({"input": [{"role": "assistant", "content": "x"}]}, "Cannot determine type of 'item'"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "Cannot determine type of 'item'"),
     ({"input": [3]}, "Cannot determine type of 'item'"),
     ({"input": [{"type": "reasoning", "summary": [], "content": []}]},
      "item['content'] is empty"),
