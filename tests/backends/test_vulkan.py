@@ -42,7 +42,8 @@ DEVICE = "Vulkan0"
 def _unavailable(why: str) -> None:
     if os.environ.get(REQUIRE_ENV, "").strip() not in ("", "0"):
         pytest.fail(f"{why}, and ${REQUIRE_ENV} asks for the Vulkan tests (fix: `make "
-                    "vulkan-packages`, then `GPU=vulkan make artifacts`, as .ci/run does)")
+                    "artifacts GPU=vulkan`, as .ci/run does: as root it installs glslc "
+                    "and Mesa's lavapipe with apt)")
     pytest.skip(why)
 
 
