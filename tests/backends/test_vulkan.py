@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -59,6 +60,13 @@ def vulkan_bin() -> Path:
     return found.path
 
 
+def on_device(log: str) -> None:
+    """Every layer and the KV cache in DEVICE's memory, as the server logged them."""
+    layers = re.search(r"offloaded (\d+)/(\d+) layers", log)
+    assert layers is not None and layers[1] == layers[2], layers
+    assert f"{DEVICE} KV buffer size" in log
+
+
 Pool = Callable[..., contextlib.AbstractAsyncContextManager[Supervisor]]
 
 
@@ -76,13 +84,16 @@ def vulkan_pool(vulkan_bin: Path, pool_config: Callable[..., Config]) -> Pool:
         backends = []
         for b in cfg.backends:
             assert isinstance(b, ManagedBackendConfig)
-            backends.append(dataclasses.replace(
-                b, devices=(DEVICE,), extra_args=("-ngl", "all"), model=model or b.model))
+            backends.append(dataclasses.replace(  # (-lv 4: where the buffers are)
+                b, devices=(DEVICE,), extra_args=("-ngl", "all", "-lv", "4"),
+                model=model or b.model))
         sup = Supervisor(dataclasses.replace(cfg, backends=tuple(backends), kv_disk=kv_disk,
                                              llama_server=str(vulkan_bin)))
         await sup.start()
         try:
             assert len(sup.ready()) == len(backends), sup.statuses()
+            for status in sup.statuses():
+                on_device(Path(str(status["log"])).read_text())
             yield sup
         finally:
             await sup.stop()
@@ -102,8 +113,6 @@ def test_the_build_lists_its_device_and_says_what_shows_it(vulkan_bin: Path) -> 
 async def test_a_backend_on_a_vulkan_device_serves_and_reuses_its_slot(
         vulkan_pool: Pool) -> None:
     async with vulkan_pool(n=1, slots=2, ctx_per_slot=2048) as sup, proxy(sup) as client:
-        log = Path(str(sup.statuses()[0]["log"])).read_text()
-        assert f"--device {DEVICE} -ngl all" in log
         acc = Accuracy()
         messages = [{"role": "system", "content": words(60, 1)}]
         previous = 0
@@ -179,6 +188,8 @@ async def test_sliding_window_and_hybrid_models_run_offloaded(vulkan_pool: Pool,
     model = ensure_demo_model(kind=kind)
     async with vulkan_pool(n=1, slots=1, ctx_per_slot=2048, model=model) as sup, \
             proxy(sup) as client:
+        if kind == "demo-hybrid":  # the recurrent layers' state too
+            assert f"{DEVICE} RS buffer size" in Path(str(sup.statuses()[0]["log"])).read_text()
         acc = Accuracy()
         messages = [{"role": "user", "content": words(60, 41)}]
         for turn in range(2):
