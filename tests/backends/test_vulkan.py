@@ -17,6 +17,7 @@ import re
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 from faults import FAST_HEALTH, until
@@ -40,7 +41,7 @@ REQUIRE_ENV = "KVROUTE_REQUIRE_VULKAN"
 DEVICE = "Vulkan0"
 
 
-def _unavailable(why: str) -> None:
+def _unavailable(why: str) -> NoReturn:
     if os.environ.get(REQUIRE_ENV, "").strip() not in ("", "0"):
         pytest.fail(f"{why}, and ${REQUIRE_ENV} asks for the Vulkan tests (fix: `make "
                     "artifacts GPU=vulkan`, as .ci/run does: as root it installs glslc "
@@ -53,7 +54,6 @@ def vulkan_bin() -> Path:
     found = find_llama_server(gpu="vulkan")
     if found is None:
         _unavailable("no Vulkan build of llama-server (GPU=vulkan make run builds one)")
-    assert found is not None
     if not listing(found.path).devices:
         _unavailable(f"{found.path} lists no Vulkan device (fix: Mesa's lavapipe, apt "
                      "install mesa-vulkan-drivers, or a GPU's driver)")
@@ -103,7 +103,7 @@ def vulkan_pool(vulkan_bin: Path, pool_config: Callable[..., Config]) -> Pool:
 
 def test_the_build_lists_its_device_and_says_what_shows_it(vulkan_bin: Path) -> None:
     """ggml lists a CPU-type device (lavapipe) only when GGML_VK_VISIBLE_DEVICES names it:
-    the listing names it, and so does a server started on it."""
+    the listing says so, and the servers of the backends naming it get that setting."""
     got = listing(vulkan_bin)
     assert got.devices[0].name == DEVICE, got
     if "llvmpipe" in got.devices[0].description and VISIBLE_ENV not in os.environ:
