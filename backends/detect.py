@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from backends.demo_model import read_gguf_metadata
-from backends.devices import list_devices
+from backends.devices import listing
 from backends.init_plan import GPU, Machine, ModelFacts
 from backends.memory import gguf_memory
 
@@ -65,10 +65,13 @@ def machine(binary: Path | None) -> Machine:
     gpus = nvidia_gpus()
     if gpus:
         return Machine(gpus, ram, cpus, "nvidia-smi")
-    listed = list_devices(binary) if binary is not None else ()
-    if listed:
-        return Machine(tuple(GPU(d.name, d.description, d.total_mib) for d in listed),
-                       ram, cpus, f"{binary} --list-devices")
+    if binary is None:
+        return Machine((), ram, cpus, "no GPU found")
+    listed = listing(binary)
+    if listed.devices:
+        shown = "".join(f"{k}={v} " for k, v in listed.env)  # what made them listed
+        return Machine(tuple(GPU(d.name, d.description, d.total_mib) for d in listed.devices),
+                       ram, cpus, f"{shown}{binary} --list-devices")
     return Machine((), ram, cpus, "no GPU found")
 
 

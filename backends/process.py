@@ -130,7 +130,7 @@ class LlamaServerProcess:
         """Start the process (non-blocking). Call from the event loop thread (see module doc)."""
         assert self._proc is None, "spawn() called twice"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **launch(self.spec.devices)[1], **self.spec.env}
+        env = {**os.environ, **launch(self.spec.devices, self.spec.binary)[1], **self.spec.env}
         # the key goes in the environment, not argv: argv is world-readable via ps
         env.pop("LLAMA_API_KEY", None)
         if self.spec.api_key:

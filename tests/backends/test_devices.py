@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from backends.devices import Device, launch, list_devices, parse_listed, problem
+from backends.devices import (
+    VISIBLE_ENV,
+    Device,
+    launch,
+    list_devices,
+    listing,
+    parse_listed,
+    problem,
+)
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 
@@ -59,6 +67,43 @@ def test_problem(devices: tuple[str | int, ...], listed: str, fails: str | None)
     assert (got is None) == (fails is None), got
     if fails is not None:
         assert fails in got  # type: ignore[operator]
+
+
+# ggml's behaviour, as a script: GPUs listed by themselves; CPU-type devices only when
+# GGML_VK_VISIBLE_DEVICES names them, the whole list refused for an index not there
+FAKE = """#!/bin/sh
+gpus="{gpus}"; cpus={cpus}; echo "Available devices:"
+if [ -z "${{GGML_VK_VISIBLE_DEVICES+x}}" ]; then
+  i=0; for g in $gpus; do echo "  Vulkan$i: $g (8192 MiB, 8000 MiB free)"; i=$((i+1)); done
+  exit 0
+fi
+n=0; for i in $(echo "$GGML_VK_VISIBLE_DEVICES" | tr , ' '); do
+  [ "$i" -lt "$cpus" ] || {{ echo "Invalid device index $i" >&2; exit 0; }}; n=$((n+1))
+done
+i=0; while [ $i -lt $n ]; do echo "  Vulkan$i: llvmpipe (2048 MiB, 2048 MiB free)"; i=$((i+1)); done
+"""
+
+
+@pytest.mark.parametrize(("gpus", "cpus", "preset", "names", "env"), [
+    ("", 1, None, ["Vulkan0"], {VISIBLE_ENV: "0"}),
+    ("", 2, None, ["Vulkan0", "Vulkan1"], {VISIBLE_ENV: "0,1"}),
+    ("", 0, None, [], {}),
+    ("A100", 1, None, ["Vulkan0"], {}),  # a GPU: the build's own choice stands
+    ("", 1, "", [], {}),  # the operator's choice stands
+])
+def test_a_build_that_lists_nothing_by_itself_is_shown_its_cpu_devices(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: str, cpus: int,
+        preset: str | None, names: list[str], env: dict[str, str]) -> None:
+    fake = tmp_path / "llama-server"
+    fake.write_text(FAKE.format(gpus=gpus, cpus=cpus))
+    fake.chmod(0o755)
+    if preset is not None:
+        monkeypatch.setenv(VISIBLE_ENV, preset)
+    else:
+        monkeypatch.delenv(VISIBLE_ENV, raising=False)
+    got = listing(fake)
+    assert ([d.name for d in got.devices], dict(got.env)) == (names, env)
+    assert launch(("Vulkan0",), fake) == (["--device", "Vulkan0"], env)
 
 
 def test_this_cpu_build_lists_no_device(llama_server_bin: Path) -> None:
