@@ -15,12 +15,13 @@ The file is cached by its sizes and seed, as the demo models are.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from backends.binary import Progress, _print, cache_dir, cache_lock
-from backends.demo_gguf import Weights
+from backends.demo_gguf import ModelShape, Weights
 
 PROJECTOR = "mlp"  # clip.projector_type: llava 1.5's two-layer MLP
 DEMO_MMPROJ = "demo"  # `mmproj: demo` in config.yaml
@@ -58,10 +59,26 @@ class DemoMmprojParams:
                 f"-H{self.n_head}-F{self.n_ff}-T{self.n_embd_text}-s{self.seed}")
 
 
+def for_model(text: ModelShape) -> DemoMmprojParams:
+    """The projector that fits a demo text model of these sizes (llama-server refuses
+    one whose output width is not the text model's)."""
+    return DemoMmprojParams(n_embd_text=text.n_embd)
+
+
 def demo_mmproj_path(params: DemoMmprojParams | None = None) -> Path:
     """Where the demo projector of these sizes lives (may not exist)."""
     params = params or DemoMmprojParams()
     return cache_dir() / "models" / f"kvroute-mmproj-{PROJECTOR}-{params.tag()}.gguf"
+
+
+def ensure_if_used(text: ModelShape, mmprojs: Iterable[Path | None],
+                   progress: Progress = _print) -> Path | None:
+    """The demo projector for these text sizes, built if it is among ``mmprojs`` (the
+    managed backends'): what `prepare` and `serve` build for a config."""
+    params = for_model(text)
+    if demo_mmproj_path(params) not in set(mmprojs):
+        return None
+    return ensure_demo_mmproj(params, progress)
 
 
 def _add_keys(w: Any, p: DemoMmprojParams) -> None:

@@ -19,6 +19,7 @@ from backends.config import (
     ManagedBackendConfig,
     SupervisionConfig,
 )
+from backends.demo_mmproj import DEMO_MMPROJ, demo_mmproj_path, for_model
 from backends.demo_model import DEMO_KINDS, DemoModelParams, demo_model_path
 from proxy.config.disk import slot_save_path
 from proxy.config.fields import ConfigError, _path, _Section, _show, unique_names
@@ -40,7 +41,8 @@ def demo_params(raw: object) -> DemoModelParams:
 
 
 def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
-             allow_missing_demo: bool) -> BackendConfig:
+             demo_mmproj: Path, allow_missing_demo: bool) -> BackendConfig:
+    """One entry of `backends:`; ``demos``: the demo models' files by name."""
     where = f"backends[{i}]."
     sec = _Section(raw, where)
     name = sec.get_str("name", f"backend{i}", "gpu0")
@@ -95,9 +97,34 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
         extra_args=sec.get_str_list("extra_args"),
         env=sec.get_str_map("env"),
         devices=_devices(sec, where),
+        mmproj=_mmproj(sec, where, base, demo_mmproj if is_demo else None,
+                       allow_missing_demo),
     )
     sec.finish([f.name for f in fields(ManagedBackendConfig) if f.name != "is_demo"])
     return b
+
+
+def _mmproj(sec: _Section, where: str, base: Path, demo: Path | None,
+            allow_missing_demo: bool) -> Path | None:
+    """``mmproj: demo`` (the demo models' projector, ``demo``: None for a model it does
+    not fit) or the path of a projector GGUF."""
+    raw = sec.get_str("mmproj", None, "demo")
+    if raw is None:
+        return None
+    if raw == DEMO_MMPROJ:
+        if demo is None:
+            raise ConfigError(f"{where}mmproj: `demo` is the demo models' projector and "
+                              "fits only them (fix: the path of this model's own mmproj "
+                              ".gguf, or model: demo)")
+        if demo.is_file() or allow_missing_demo:
+            return demo
+        raise ConfigError(f"{where}mmproj: file not found: {demo} (fix: run `python -m "
+                          "backends prepare` (or `make run`) to build it)")
+    path = _path(base, raw)
+    if not path.is_file():
+        raise ConfigError(f"{where}mmproj: file not found: {path} (fix: give the path of "
+                          "an existing mmproj .gguf file, or mmproj: demo with a demo model)")
+    return path
 
 
 def _devices(sec: _Section, where: str) -> tuple[str | int, ...]:
@@ -162,13 +189,14 @@ def backend_list(top: _Section, base: Path, params: DemoModelParams,
     """`backends:`, each named once (none at all: only with ``optional``, a router whose
     agents run them)."""
     demos = {k: demo_model_path(params, kind=k) for k in DEMO_NAMES}
+    demo_mmproj = demo_mmproj_path(for_model(params))
     raw_backends = top._get("backends")
     if optional and raw_backends in (None, []):
         return ()
     if not isinstance(raw_backends, list) or not raw_backends:
         raise ConfigError(f"backends: expected a non-empty list, got {_show(raw_backends)} "
                           "(fix: e.g. backends: [{name: a, model: demo}])")
-    backends = tuple(_backend(b, i, base, demos, allow_missing_demo)
+    backends = tuple(_backend(b, i, base, demos, demo_mmproj, allow_missing_demo)
                      for i, b in enumerate(raw_backends))
     unique_names([b.name for b in backends], "backends")
     return backends
