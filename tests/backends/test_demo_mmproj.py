@@ -2,8 +2,9 @@
 costs and what the server reuses around it.
 
 One llama-server runs the demo model with the demo projector (1 slot, 4096 tokens,
---cache-ram 1024). Each scenario sends images of its own (tests/images.py), so none
-finds another's image in the slot or the RAM cache. What it shows:
+--cache-ram 1024); the last tests start their own. Each scenario sends images of its
+own (tests/images.py), so none finds another's image in the slot or the RAM cache.
+What it shows:
 
 - The server reports `/props` modalities {vision: true, video: true, audio: false} and
   a `media_marker` (random per process unless LLAMA_MEDIA_MARKER pins it) that stands
@@ -24,6 +25,8 @@ finds another's image in the slot or the RAM cache. What it shows:
   [base64]}`, counted the same way; but a prompt whose last chunk is an image aborts
   the server (an assertion of the pinned build).
 - `/slots` n_prompt_tokens counts an image's 64 tokens as any others.
+- demo-swa and demo-hybrid take the projector too, and reuse around an image only from
+  their context checkpoints, as around text.
 
 On this machine's CPU an image costs about twice the prompt time of as many text tokens
 (a 66-token prompt with one image: 40 ms; 65 text tokens: 20 ms).
@@ -45,7 +48,7 @@ from images import data_uri, png
 
 from backends.config import ManagedBackendConfig
 from backends.demo_mmproj import DemoMmprojParams, ensure_demo_mmproj, for_model
-from backends.demo_model import DemoModelParams
+from backends.demo_model import DEMO, DemoModelParams, ensure_demo_model
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 
@@ -102,14 +105,15 @@ def cached(out: dict[str, Any]) -> tuple[int, int]:
 
 
 @asynccontextmanager
-async def started(pool_config: Callable[..., Config]) -> AsyncIterator[tuple[Server, Supervisor]]:
-    """A llama-server of the demo model with the demo projector."""
+async def started(pool_config: Callable[..., Config], kind: str = DEMO
+                  ) -> AsyncIterator[tuple[Server, Supervisor]]:
+    """A llama-server of a demo model with the demo projector."""
     mmproj = ensure_demo_mmproj(for_model(DemoModelParams()))
     cfg = pool_config(n=1, slots=1, ctx_per_slot=4096, cache_ram_mib=1024)
     backend = cfg.backends[0]
     assert isinstance(backend, ManagedBackendConfig)
     cfg = dataclasses.replace(cfg, backends=(dataclasses.replace(
-        backend, mmproj=mmproj, threads=2),))
+        backend, model=ensure_demo_model(kind=kind), mmproj=mmproj, threads=2),))
     sup = Supervisor(cfg)
     await sup.start()
     try:
@@ -231,3 +235,24 @@ async def test_a_prompt_ending_in_an_image_aborts_the_server(
             await asyncio.sleep(0.05)
         else:
             raise AssertionError(f"no assertion in {log}")
+
+
+@pytest.mark.parametrize(("kind", "same", "restored"), [
+    ("demo-swa", 5, -1), ("demo-hybrid", 4, 0)])
+async def test_checkpoint_models_take_it_too(pool_config: Callable[..., Config], kind: str,
+                                             same: int, restored: int) -> None:
+    """The projector fits every demo model (one width). The sliding-window and hybrid ones
+    reuse by context checkpoints as they do for text (docs/checkpoints.md): the same
+    request again restores the checkpoint at n - 4 (cache_n n - 5 for demo-swa, n - 4
+    for demo-hybrid), and another image one at the start of the user message that holds
+    it (demo-swa one token short of it), not the text before the image."""
+    async with started(pool_config, kind) as (srv, _):
+        text = "See " * 5
+        messages = [{"role": "system", "content": "sys " * 50}, user(text, png(15))]
+        prompt = (await srv.post("/apply-template", {"messages": messages}))["prompt"]
+        user_start = await srv.n_tokens(prompt[:prompt.index("<|im_start|>user")])
+        before, _ = await srv.text_around(messages)
+        n = (await srv.chat(messages))["usage"]["prompt_tokens"]
+        assert cached(await srv.chat(messages))[0] == n - same
+        out = await srv.chat([messages[0], user(text, png(16))])
+        assert cached(out)[0] == user_start + restored < before
