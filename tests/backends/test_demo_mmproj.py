@@ -69,11 +69,10 @@ class Server:
             out: dict[str, Any] = await r.json()
         return out
 
-    async def get(self, path: str) -> dict[str, Any]:
+    async def get(self, path: str) -> Any:
         async with self.session.get(self.url + path, headers=self.headers) as r:
             assert r.status == 200, await r.text()
-            out: dict[str, Any] = await r.json()
-        return out
+            return await r.json()
 
     async def chat(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         """The answer to messages; its usage and timings say what was reused."""
@@ -158,6 +157,8 @@ async def test_the_same_request_again_reuses_through_the_image(server: Server) -
     again = await server.chat(messages)
     assert cached(again) == (n - 1, 1)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    # the slot holds the prompt, its image's 64 tokens counted, and 3 generated tokens
+    assert (await server.get("/slots"))[0]["n_prompt_tokens"] == n + 3
 
 
 async def test_a_next_turn_reuses_the_image(server: Server) -> None:
