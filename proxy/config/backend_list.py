@@ -53,29 +53,7 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
             "starts) or 'url' (an external server) (fix: e.g. model: demo)"
         )
     if sec.has("url"):
-        url = sec.get_str("url", None, "http://127.0.0.1:8081")
-        assert url is not None
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"{where}url: expected an http(s) URL, got {_show(url)} "
-                              "(fix: e.g. url: http://127.0.0.1:8081)")
-        key = sec.get_str("api_key", None, "sk-backend")
-        if key is not None and not (key.isascii() and key.isprintable()):  # a header value
-            raise ConfigError(f"{where}api_key: holds a control character, line break or "
-                              "non-ASCII character (fix: the key alone, on one line)")
-        ext = ExternalBackendConfig(
-            name=name, url=url.rstrip("/"), api_key=key,
-            kv_bytes_per_token=(sec.get_int("kv_bytes_per_token", EXTERNAL_KV_BYTES)
-                                if sec.has("kv_bytes_per_token") else None),
-            cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
-            kind=_kind(sec, where),
-            sequences=sec.get_int("sequences", 32, hi=MAX_SLOTS),
-            ctx=sec.get_int("ctx", 131072, hi=MAX_SLOT_CTX),
-            alias=sec.get_str("alias", None, "my-model"),
-            aliases=sec.get_str_list("aliases"),
-            slot_save_path=slot_save_path(sec, base),
-        )
-        sec.finish([f.name for f in fields(ExternalBackendConfig)])
-        return ext
+        return _external(sec, where, name, base)
     model_raw = sec.get_str("model", None, "demo")
     assert model_raw is not None
     is_demo = model_raw in demos
@@ -102,6 +80,33 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
     )
     sec.finish([f.name for f in fields(ManagedBackendConfig) if f.name != "is_demo"])
     return b
+
+
+def _external(sec: _Section, where: str, name: str, base: Path) -> ExternalBackendConfig:
+    """An entry with `url:`: a server kvroute does not start."""
+    url = sec.get_str("url", None, "http://127.0.0.1:8081")
+    assert url is not None
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}url: expected an http(s) URL, got {_show(url)} "
+                          "(fix: e.g. url: http://127.0.0.1:8081)")
+    key = sec.get_str("api_key", None, "sk-backend")
+    if key is not None and not (key.isascii() and key.isprintable()):  # a header value
+        raise ConfigError(f"{where}api_key: holds a control character, line break or "
+                          "non-ASCII character (fix: the key alone, on one line)")
+    ext = ExternalBackendConfig(
+        name=name, url=url.rstrip("/"), api_key=key,
+        kv_bytes_per_token=(sec.get_int("kv_bytes_per_token", EXTERNAL_KV_BYTES)
+                            if sec.has("kv_bytes_per_token") else None),
+        cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
+        kind=_kind(sec, where),
+        sequences=sec.get_int("sequences", 32, hi=MAX_SLOTS),
+        ctx=sec.get_int("ctx", 131072, hi=MAX_SLOT_CTX),
+        alias=sec.get_str("alias", None, "my-model"),
+        aliases=sec.get_str_list("aliases"),
+        slot_save_path=slot_save_path(sec, base),
+    )
+    sec.finish([f.name for f in fields(ExternalBackendConfig)])
+    return ext
 
 
 def _mmproj(sec: _Section, where: str, base: Path, demo: Path | None,
