@@ -7,8 +7,8 @@ configured or on PATH; --native (or $KVROUTE_NATIVE=1) builds it for this CPU on
 instead of any. Each is cached on its own (backends/gpu.py).
 
 The plain demo model is always built (tests and the loadtest use it); `demo-swa`,
-`demo-hybrid` and `demo-coder` only when the config's backends use them, or with
---all-demos."""
+`demo-hybrid`, `demo-coder` and the demo projector (`mmproj: demo`) only when the
+config's backends use them, or with --all-demos."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from backends.binary import (
     gpu_variant,
     llama_cpp_python_version,
 )
+from backends.demo_mmproj import ensure_demo_mmproj, ensure_if_used, for_model
 from backends.demo_model import DEMO, DEMO_KINDS, DemoModelParams, demo_kinds_for, ensure_demo_model
 from backends.gpu import GPUS, NATIVE_ENV
 
@@ -36,6 +37,7 @@ def prepare(config_path: Path | None, all_demos: bool = False,
             gpu: str | None = None) -> dict[str, Any]:
     """Build/find everything the config needs; returns what doctor/scripts want to know."""
     configured_binary: str | None = None
+    mmprojs: list[Path | None] = []  # the managed backends' projectors
     params = DemoModelParams()
     kinds = list(DEMO_KINDS) if all_demos else [DEMO]
     if config_path is not None:
@@ -46,6 +48,7 @@ def prepare(config_path: Path | None, all_demos: bool = False,
         configured_binary, params = cfg.llama_server, cfg.demo_model
         used = demo_kinds_for(params, (b.model for b in cfg.managed() if b.is_demo))
         kinds += [k for k in used if k not in kinds]
+        mmprojs = [b.mmproj for b in cfg.managed()]
     t0 = time.monotonic()
     gpu = gpu_variant(gpu)
     binary = ensure_llama_server(configured_binary, gpu=gpu)
@@ -55,6 +58,8 @@ def prepare(config_path: Path | None, all_demos: bool = False,
     libllama = ensure_libllama()  # the tokenizer's: the cpu build's unless pip compiled one
     model = ensure_demo_model(params)
     others = {k: str(ensure_demo_model(params, kind=k)) for k in kinds if k != DEMO}
+    mmproj = (ensure_demo_mmproj(for_model(params)) if all_demos
+              else ensure_if_used(params, mmprojs))
     return {
         "llama_server": {"path": str(binary.path), "version": binary.version,
                          "source": binary.source},
@@ -62,6 +67,7 @@ def prepare(config_path: Path | None, all_demos: bool = False,
         "demo_model": {"path": str(model), "kv_bytes_per_token": params.kv_bytes_per_token,
                        "params": params.tag()},
         "other_demo_models": others,
+        "demo_mmproj": None if mmproj is None else str(mmproj),
         "llama_cpp_python": llama_cpp_python_version(),
         "libllama": str(libllama),
         "cache_dir": str(cache_dir()),

@@ -47,6 +47,8 @@ class ManagedBackendConfig:
     # what it offloads to: names `llama-server --list-devices` gives, or CUDA indices
     # (backends/devices.py); none: the build's default (all it finds)
     devices: tuple[str | int, ...] = ()
+    # --mmproj: the multimodal projector (resolved path) that makes it serve images
+    mmproj: Path | None = None
 
 
 # what an external backend is

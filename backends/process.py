@@ -71,6 +71,7 @@ class ServerSpec:
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     devices: tuple[DeviceRef, ...] = ()  # (backends/devices.py)
+    mmproj: Path | None = None  # --mmproj: the projector that makes it serve media
 
     def argv(self) -> list[str]:
         args = [
@@ -91,6 +92,8 @@ class ServerSpec:
             args += ["-a", self.alias]
         if self.slot_save_path is not None:
             args += ["--slot-save-path", str(self.slot_save_path)]
+        if self.mmproj is not None:
+            args += ["--mmproj", str(self.mmproj)]
         return [*args, *launch(self.devices)[0], *self.extra_args]
 
     @property

@@ -166,6 +166,9 @@ class Standing:
             # checkpoint, and get no disk tier (a restored slot has no checkpoints)
             "memory": info.memory.name if info else None,
             "devices": list(cfg.devices) if isinstance(cfg, ManagedBackendConfig) else None,
+            # the projector it serves media with (an external one's is not known here)
+            "mmproj": str(cfg.mmproj) if isinstance(cfg, ManagedBackendConfig)
+            and cfg.mmproj is not None else None,
             # what died, its log's tail, its command line and the likely fix
             "crash_loop": crash_loop,
         }

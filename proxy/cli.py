@@ -40,6 +40,7 @@ def _default_config_path(given: Path | None) -> Path | None:
 def _prepare_artifacts(cfg: Config | AgentConfig) -> None:
     """Obtain what the managed backends need; builds only on first use."""
     from backends.binary import ensure_libllama, ensure_llama_server
+    from backends.demo_mmproj import ensure_if_used
     from backends.demo_model import demo_kinds_for, ensure_demo_model
 
     if cfg.managed():
@@ -49,6 +50,7 @@ def _prepare_artifacts(cfg: Config | AgentConfig) -> None:
     demos = [b.model for b in cfg.managed() if b.is_demo]
     for kind in demo_kinds_for(cfg.demo_model, demos):  # demo, demo-swa, demo-hybrid
         ensure_demo_model(cfg.demo_model, kind=kind)
+    ensure_if_used(cfg.demo_model, (b.mmproj for b in cfg.managed()))  # `mmproj: demo`
 
 
 def _warn_on_version(binary: LlamaServerBinary) -> None:

@@ -110,8 +110,10 @@ def report(config_path: Path | None) -> dict[str, Any]:
     report["backends"] = backend_health(cfg) if cfg else []
     if cfg is not None:
         _devices(cfg, srv["path"], report["backends"])
+        _mmprojs(cfg, report["backends"])
     report["ok"] = (lcp["error"] is None and report["config"]["ok"] and not srv["error"]
                     and not any(b.get("devices_error") for b in report["backends"])
+                    and all(b.get("mmproj_exists", True) for b in report["backends"])
                     and not (cfg is not None and any(b.is_demo for b in cfg.managed())
                              and not model.is_file())
                     and not any(b.get("crash_loop") for b in report["backends"]))
@@ -173,6 +175,15 @@ def _devices(cfg: Config, binary: str | None, entries: list[dict[str, Any]]) -> 
         entry["devices"] = list(devices)
         entry["devices_error"] = ("no llama-server to ask" if binary is None
                                   else problem(devices, list_devices(Path(binary))))
+
+
+def _mmprojs(cfg: Config, entries: list[dict[str, Any]]) -> None:
+    """Each managed backend's projector (`mmproj:`), and whether its file is there (the
+    demo one is built by prepare)."""
+    for b, entry in zip(cfg.backends, entries, strict=True):
+        mmproj = getattr(b, "mmproj", None)
+        if mmproj is not None:
+            entry["mmproj"], entry["mmproj_exists"] = str(mmproj), mmproj.is_file()
 
 
 def _server(cfg: Config | None) -> dict[str, Any]:
@@ -277,6 +288,9 @@ def print_report(r: dict[str, Any]) -> None:
         if b.get("devices"):
             print(f"[{mark(not b['devices_error'])}]   devices {', '.join(map(str, b['devices']))}"
                   + (f": {b['devices_error']}" if b["devices_error"] else ""))
+        if b.get("mmproj"):
+            print(f"[{mark(b['mmproj_exists'])}]   mmproj {b['mmproj']}" + (
+                "" if b["mmproj_exists"] else "  (missing: run `python -m backends prepare`)"))
         if b.get("crash_loop"):
             _print_crash_loop(b["crash_loop"])
     tok = r.get("tokens")

@@ -259,6 +259,27 @@ def test_doctor_checks_a_backends_devices(tmp_path: Path, llama_server_bin: Path
         "(none: a CPU build)" in r.stdout, r.stdout
 
 
+def test_doctor_names_a_backends_projector(tmp_path: Path, llama_server_bin: Path,
+                                           demo_model: Path) -> None:
+    """`mmproj:` is an ok line when its file is there, a BAD one (with the fix) when the
+    demo projector is not built yet."""
+    from backends.demo_mmproj import demo_mmproj_path, ensure_demo_mmproj, for_model
+    from backends.demo_model import DemoModelParams
+
+    built = ensure_demo_mmproj(for_model(DemoModelParams()))
+    unbuilt = demo_mmproj_path(for_model(DemoModelParams(n_embd=256)))
+    assert not unbuilt.is_file()
+    for sizes, path, line in (({}, built, "[ok ]   mmproj "),
+                              ({"n_embd": 256}, unbuilt, "[BAD]   mmproj ")):
+        extra = {"backends": [{"name": "a", "model": "demo", "mmproj": "demo"}],
+                 "demo_model": sizes}
+        config, _ = write_config(tmp_path, llama_server_bin, **extra)
+        r = subprocess.run([*KVROUTE, "doctor", "--config", str(config)], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+        assert line + str(path) in r.stdout, r.stdout
+    assert "(missing: run `python -m backends prepare`)" in r.stdout
+
+
 def test_doctor_json(tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     extra = {"backends": [{"name": "a", "model": "demo"}, {"name": "far", "url": dead}]}

@@ -19,6 +19,7 @@ from backends.config import (
     ManagedBackendConfig,
     SupervisionConfig,
 )
+from backends.demo_mmproj import DEMO_MMPROJ, demo_mmproj_path, for_model
 from backends.demo_model import DEMO_KINDS, DemoModelParams, demo_model_path
 from proxy.config.disk import slot_save_path
 from proxy.config.fields import ConfigError, _path, _Section, _show, unique_names
@@ -40,7 +41,8 @@ def demo_params(raw: object) -> DemoModelParams:
 
 
 def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
-             allow_missing_demo: bool) -> BackendConfig:
+             demo_mmproj: Path, allow_missing_demo: bool) -> BackendConfig:
+    """One entry of `backends:`; ``demos``: the demo models' files by name."""
     where = f"backends[{i}]."
     sec = _Section(raw, where)
     name = sec.get_str("name", f"backend{i}", "gpu0")
@@ -51,29 +53,7 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
             "starts) or 'url' (an external server) (fix: e.g. model: demo)"
         )
     if sec.has("url"):
-        url = sec.get_str("url", None, "http://127.0.0.1:8081")
-        assert url is not None
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"{where}url: expected an http(s) URL, got {_show(url)} "
-                              "(fix: e.g. url: http://127.0.0.1:8081)")
-        key = sec.get_str("api_key", None, "sk-backend")
-        if key is not None and not (key.isascii() and key.isprintable()):  # a header value
-            raise ConfigError(f"{where}api_key: holds a control character, line break or "
-                              "non-ASCII character (fix: the key alone, on one line)")
-        ext = ExternalBackendConfig(
-            name=name, url=url.rstrip("/"), api_key=key,
-            kv_bytes_per_token=(sec.get_int("kv_bytes_per_token", EXTERNAL_KV_BYTES)
-                                if sec.has("kv_bytes_per_token") else None),
-            cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
-            kind=_kind(sec, where),
-            sequences=sec.get_int("sequences", 32, hi=MAX_SLOTS),
-            ctx=sec.get_int("ctx", 131072, hi=MAX_SLOT_CTX),
-            alias=sec.get_str("alias", None, "my-model"),
-            aliases=sec.get_str_list("aliases"),
-            slot_save_path=slot_save_path(sec, base),
-        )
-        sec.finish([f.name for f in fields(ExternalBackendConfig)])
-        return ext
+        return _external(sec, where, name, base)
     model_raw = sec.get_str("model", None, "demo")
     assert model_raw is not None
     is_demo = model_raw in demos
@@ -95,9 +75,61 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
         extra_args=sec.get_str_list("extra_args"),
         env=sec.get_str_map("env"),
         devices=_devices(sec, where),
+        mmproj=_mmproj(sec, where, base, demo_mmproj if is_demo else None,
+                       allow_missing_demo),
     )
     sec.finish([f.name for f in fields(ManagedBackendConfig) if f.name != "is_demo"])
     return b
+
+
+def _external(sec: _Section, where: str, name: str, base: Path) -> ExternalBackendConfig:
+    """An entry with `url:`: a server kvroute does not start."""
+    url = sec.get_str("url", None, "http://127.0.0.1:8081")
+    assert url is not None
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}url: expected an http(s) URL, got {_show(url)} "
+                          "(fix: e.g. url: http://127.0.0.1:8081)")
+    key = sec.get_str("api_key", None, "sk-backend")
+    if key is not None and not (key.isascii() and key.isprintable()):  # a header value
+        raise ConfigError(f"{where}api_key: holds a control character, line break or "
+                          "non-ASCII character (fix: the key alone, on one line)")
+    ext = ExternalBackendConfig(
+        name=name, url=url.rstrip("/"), api_key=key,
+        kv_bytes_per_token=(sec.get_int("kv_bytes_per_token", EXTERNAL_KV_BYTES)
+                            if sec.has("kv_bytes_per_token") else None),
+        cache_ram_mib=sec.get_int("cache_ram_mib", 0, lo=0),
+        kind=_kind(sec, where),
+        sequences=sec.get_int("sequences", 32, hi=MAX_SLOTS),
+        ctx=sec.get_int("ctx", 131072, hi=MAX_SLOT_CTX),
+        alias=sec.get_str("alias", None, "my-model"),
+        aliases=sec.get_str_list("aliases"),
+        slot_save_path=slot_save_path(sec, base),
+    )
+    sec.finish([f.name for f in fields(ExternalBackendConfig)])
+    return ext
+
+
+def _mmproj(sec: _Section, where: str, base: Path, demo: Path | None,
+            allow_missing_demo: bool) -> Path | None:
+    """``mmproj: demo`` (the demo models' projector, ``demo``: None for a model it does
+    not fit) or the path of a projector GGUF."""
+    raw = sec.get_str("mmproj", None, "demo")
+    if raw is None:
+        return None
+    if raw == DEMO_MMPROJ:
+        if demo is None:
+            raise ConfigError(f"{where}mmproj: `demo` is the demo models' projector and "
+                              "fits only them (fix: the path of this model's own mmproj "
+                              ".gguf, or model: demo)")
+        if demo.is_file() or allow_missing_demo:
+            return demo
+        raise ConfigError(f"{where}mmproj: file not found: {demo} (fix: run `python -m "
+                          "backends prepare` (or `make run`) to build it)")
+    path = _path(base, raw)
+    if not path.is_file():
+        raise ConfigError(f"{where}mmproj: file not found: {path} (fix: give the path of "
+                          "an existing mmproj .gguf file, or mmproj: demo with a demo model)")
+    return path
 
 
 def _devices(sec: _Section, where: str) -> tuple[str | int, ...]:
@@ -162,13 +194,14 @@ def backend_list(top: _Section, base: Path, params: DemoModelParams,
     """`backends:`, each named once (none at all: only with ``optional``, a router whose
     agents run them)."""
     demos = {k: demo_model_path(params, kind=k) for k in DEMO_NAMES}
+    demo_mmproj = demo_mmproj_path(for_model(params))
     raw_backends = top._get("backends")
     if optional and raw_backends in (None, []):
         return ()
     if not isinstance(raw_backends, list) or not raw_backends:
         raise ConfigError(f"backends: expected a non-empty list, got {_show(raw_backends)} "
                           "(fix: e.g. backends: [{name: a, model: demo}])")
-    backends = tuple(_backend(b, i, base, demos, allow_missing_demo)
+    backends = tuple(_backend(b, i, base, demos, demo_mmproj, allow_missing_demo)
                      for i, b in enumerate(raw_backends))
     unique_names([b.name for b in backends], "backends")
     return backends

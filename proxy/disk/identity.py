@@ -20,7 +20,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from pathlib import PurePosixPath, PureWindowsPath
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import aiohttp
 import structlog
@@ -46,14 +46,22 @@ def model_identity(cfg: ManagedBackendConfig) -> str | None:
     requantized in place gets another). The command line: a LoRA adapter, RoPE scaling,
     the cache types change what the KV holds, and `LLAMA_ARG_*` variables are options
     too. The build is not: the server checks a file's format version itself, and another
-    build computes the same KV from the same weights, up to rounding."""
+    build computes the same KV from the same weights, up to rounding. A projector
+    (`mmproj:`) made the KV of the images a slot holds, so it counts as the weights do
+    (only when there is one: the files of a backend without keep their identity)."""
     try:
-        path = cfg.model.resolve()
-        st = path.stat()
+        files = [_file(cfg.model)] + ([] if cfg.mmproj is None else [_file(cfg.mmproj)])
     except OSError:
         return None
     env = sorted((k, v) for k, v in cfg.env.items() if k.startswith("LLAMA_ARG_"))
-    return _digest([str(path), st.st_size, st.st_mtime_ns, list(cfg.extra_args), env])
+    return _digest([*files[0], list(cfg.extra_args), env, *files[1:]])
+
+
+def _file(path: Path) -> list[object]:
+    """A file by its resolved path, size and mtime."""
+    path = path.resolve()
+    st = path.stat()
+    return [str(path), st.st_size, st.st_mtime_ns]
 
 
 async def reported_model(client: BackendClient) -> str | None:
