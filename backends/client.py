@@ -59,6 +59,8 @@ class Props:
     build_info: str
     chat_template: str
     raw: Mapping[str, Any]
+    # what its projector (--mmproj) lets it take besides text: vision, audio, video
+    modalities: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,7 @@ class BackendClient:
                 build_info=str(data.get("build_info", "")),
                 chat_template=str(data.get("chat_template", "")),
                 raw=data,
+                modalities=modalities(data.get("modalities")),
             )
         except (KeyError, TypeError, ValueError) as e:
             return BadResponse(self.url, 200, f"{type(e).__name__} {e}: {str(data)[:400]}")
@@ -240,3 +243,10 @@ class BackendClient:
             return res
         status, text = res
         return text if status == 200 else BadResponse(self.url, status, text[:500])
+
+
+def modalities(raw: object) -> frozenset[str]:
+    """The media kinds `/props` says the server takes (``{"vision": true, ...}``)."""
+    if not isinstance(raw, Mapping):
+        return frozenset()
+    return frozenset(k for k, v in raw.items() if isinstance(k, str) and v is True)

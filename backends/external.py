@@ -88,7 +88,8 @@ class ExternalBackend:
         self.standing.up(BackendInfo(
             name=cfg.name, url=cfg.url, api_key=cfg.api_key, n_slots=props.total_slots,
             slot_ctx=props.slot_ctx, ram_cache_bytes=cfg.cache_ram_mib * MiB,
-            kv_bytes_per_token=kv, model=props.model_alias, managed=False, memory=memory))
+            kv_bytes_per_token=kv, model=props.model_alias, managed=False, memory=memory,
+            modalities=props.modalities))
         return None
 
     async def _probe_openai(self, client: BackendClient) -> str | None:
@@ -147,4 +148,4 @@ def _remote_info(r: Reported) -> BackendInfo:
         name=r.cfg.name, url=r.cfg.url, api_key=r.cfg.api_key, n_slots=r.n_slots,
         slot_ctx=r.slot_ctx, ram_cache_bytes=r.ram_cache_bytes,
         kv_bytes_per_token=r.kv_bytes_per_token, model=r.model, managed=False,
-        memory=r.memory, kind=LLAMA)
+        memory=r.memory, kind=LLAMA, modalities=r.modalities)

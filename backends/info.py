@@ -27,6 +27,8 @@ class BackendInfo:
     managed: bool
     memory: MemoryKind = DENSE  # what the server can cut its cache back to
     kind: str = LLAMA  # OPENAI: speaks the OpenAI API only (no id_slot, /slots, /props)
+    # media kinds it takes (vision, audio, video: /props modalities); none without --mmproj
+    modalities: frozenset[str] = frozenset()
 
     @property
     def dialect(self) -> Dialect:

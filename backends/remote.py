@@ -54,6 +54,7 @@ class Reported:
     kv_bytes_per_token: int = 0
     model: str = ""
     memory: MemoryKind = DENSE
+    modalities: frozenset[str] = frozenset()
 
     @property
     def ready(self) -> bool:
@@ -89,6 +90,17 @@ def _text(item: Mapping[str, Any], key: str, where: str, *, header: bool = False
                                                           and value.isprintable())):
         raise BadReport(f"{where}.{key}: expected a short printable string")
     return value
+
+
+def _modalities(raw: object, where: str) -> frozenset[str]:
+    """An agent's ``modalities``: the media kinds its server's /props names (vision,
+    audio, video; absent: an agent before them)."""
+    if raw is None:
+        return frozenset()
+    if not isinstance(raw, list) or len(raw) > 16 \
+            or not all(isinstance(m, str) and 0 < len(m) <= 32 for m in raw):
+        raise BadReport(f"{where}.modalities: expected a list of media kinds")
+    return frozenset(raw)
 
 
 def _memory(raw: object, where: str) -> MemoryKind:
@@ -131,7 +143,8 @@ def parse_report(link: AgentLink, item: object, i: int) -> Reported:
         slot_ctx=_count(item, "slot_ctx", where, lo=1),
         ram_cache_bytes=_count(item, "ram_cache_bytes", where),
         kv_bytes_per_token=_count(item, "kv_bytes_per_token", where, lo=1),
-        model=model, memory=_memory(item.get("memory"), where))
+        model=model, memory=_memory(item.get("memory"), where),
+        modalities=_modalities(item.get("modalities"), where))
 
 
 def parse_answer(link: AgentLink, body: object) -> list[Reported]:

@@ -165,6 +165,9 @@ class Standing:
             # dense, swa or hybrid: the last two reuse a prefix only up to a context
             # checkpoint, and get no disk tier (a restored slot has no checkpoints)
             "memory": info.memory.name if info else None,
+            # media it takes (vision, audio, video), as its /props says: what its
+            # projector serves
+            "modalities": sorted(info.modalities) if info else None,
             "devices": list(cfg.devices) if isinstance(cfg, ManagedBackendConfig) else None,
             # the projector it serves media with (an external one's is not known here)
             "mmproj": str(cfg.mmproj) if isinstance(cfg, ManagedBackendConfig)

@@ -36,6 +36,7 @@ from proxy.forwarding.send import JSON, Exchange, Relay, Target, send, upstream_
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing
+from proxy.prompt.media import media_kinds
 from proxy.reporting.outcome import Outcome, held_output
 from proxy.reporting.recorder import Recorder
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend, Report
@@ -139,7 +140,7 @@ class Attempt:
         # usual: the model's state stays right); the prediction shown is 0
         self.no_reuse = asked.body.get("cache_prompt") is False
         self.detached: asyncio.Future[web.StreamResponse] | None = None
-        self.among = fw.serving(asked.path)
+        self.among = fw.serving(asked.path, media_kinds(asked.body))
 
     async def run(self) -> web.StreamResponse:
         self.routed = await self.decide()

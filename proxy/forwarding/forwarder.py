@@ -131,12 +131,15 @@ class Forwarder:
             self.backends.values()
         return max((i.slot_ctx for i in infos), default=None)
 
-    def serving(self, path: str) -> frozenset[str] | None:
+    def serving(self, path: str, media: frozenset[str] = frozenset()) -> frozenset[str] | None:
         """The backends that serve ``path`` (None: all): any but the OpenAI API's
-        endpoints only on llama-servers."""
-        if all(b.dialect.serves(path) for b in self.backends.values()):
-            return None
-        return frozenset(n for n, b in self.backends.items() if b.dialect.serves(path))
+        endpoints only on llama-servers; for a request carrying ``media`` (vision,
+        audio, video: proxy/prompt/media.py), those whose projector takes it, if any
+        (else any: its server then refuses it in its own words)."""
+        ok = [n for n, b in self.backends.items() if b.dialect.serves(path)]
+        if media:
+            ok = [n for n in ok if media <= self.backends[n].modalities] or ok
+        return None if len(ok) == len(self.backends) else frozenset(ok)
 
     def _room_for(self, n: int) -> str:
         """What to change so that an ``n``-token prompt fits: the next power of two that

@@ -32,6 +32,7 @@ from proxy.errors import BadRequest, NoBackendAvailable, ProxyError
 from proxy.observability.logging import get_logger
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.chat_request import PromptError
+from proxy.prompt.media import media_kinds
 
 # Why a request's ids came from a backend (the metric's label).
 NO_TOKENIZER = "no_tokenizer"  # no local GGUF (external backends only)
@@ -94,9 +95,11 @@ class Mismatch:
 
 
 class BackendTokens:
-    """Prompt ids asked of a ready backend (``pick`` chooses one; one retry elsewhere)."""
+    """Prompt ids asked of a ready backend (``pick`` chooses one that takes the media
+    kinds it is given; one retry elsewhere)."""
 
-    def __init__(self, session: aiohttp.ClientSession, pick: Callable[[], BackendInfo],
+    def __init__(self, session: aiohttp.ClientSession,
+                 pick: Callable[[frozenset[str]], BackendInfo],
                  counted: Callable[[str], None]) -> None:
         self.session = session
         self.pick = pick
@@ -119,7 +122,8 @@ class BackendTokens:
             if tokenize is not None:
                 return Tokens(await tokenize(prompt), None)
             return await client.tokenize(prompt)
-        return await self._ask(ask, reason)
+        # a backend without a projector refuses to render media parts
+        return await self._ask(ask, reason, media_kinds(body))
 
     async def completion(self, prompt: str | Sequence[Any], reason: str) -> array:
         """Ids of a completion prompt (text, or text and ids mixed) as the backend has them."""
@@ -127,11 +131,12 @@ class BackendTokens:
             return await client.tokenize(prompt)
         return await self._ask(ask, reason)
 
-    async def _ask(self, ask: Callable[[BackendClient], Any], reason: str) -> array:
+    async def _ask(self, ask: Callable[[BackendClient], Any], reason: str,
+                   media: frozenset[str] = frozenset()) -> array:
         failed: list[str] = []
         for _ in range(2):
             try:
-                info = self.pick()
+                info = self.pick(media)
             except NoBackendAvailable as e:
                 # no llama-server to ask (only servers of the OpenAI API are up): the
                 # request is served without prefix routing by one of those

@@ -50,10 +50,11 @@ class Pool:
         """The model names that reach it: its aliases and what its backends report."""
         return {*self.spec.aliases, *(b.info.model for b in self.health.breakers.values())}
 
-    def pick_ready(self, path: str = "") -> BackendInfo:
-        """Next ready backend that serves ``path``, round robin (calls that carry no
-        prefix to route by; no path: a llama-server's own call)."""
-        serving = self.fw.serving(path)
+    def pick_ready(self, path: str = "", media: frozenset[str] = frozenset()) -> BackendInfo:
+        """Next ready backend that serves ``path`` and takes ``media`` (see
+        Forwarder.serving), round robin (calls that carry no prefix to route by; no
+        path: a llama-server's own call)."""
+        serving = self.fw.serving(path, media)
         ready = [b for b in self.backends.values() if serving is None or b.name in serving]
         if not ready:
             raise self.fw.unavailable(f"no healthy backend for {self.spec.name or 'the model'}")
@@ -85,7 +86,7 @@ async def build_pool(spec: PoolSpec, router: Router, shared: Shared,
     s, metrics = shared.settings, shared.metrics
     # its backends' own ids (round robin over those ready), where the local ones cannot
     # be had or are not exact; `pool` is bound below, before any request can ask
-    remote = BackendTokens(shared.session, lambda: pool.pick_ready(),
+    remote = BackendTokens(shared.session, lambda media: pool.pick_ready(media=media),
                            lambda reason: metrics.child(metrics.tokens_from_backend, reason).inc())
     tok = Tokenizing(None, s.inline_tokenize_bytes, remote)
     if model is not None:

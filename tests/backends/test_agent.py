@@ -101,6 +101,7 @@ async def test_agent_serves_its_backends_to_its_key_only(
         assert (b["n_slots"], b["slot_ctx"], b["ram_cache_bytes"]) == (2, 2048, 1024 << 20)
         assert b["kv_bytes_per_token"] == 8 * 4 * 64 * 2 * 2  # the demo GGUF's
         assert b["memory"]["n_swa"] == 0 and b["memory"]["recurrent"] is False
+        assert b["modalities"] == []  # no projector
         assert b["url"].startswith("http://127.0.0.1:") and len(b["api_key"]) >= 32
         # the llama-server asks for the key the agent hands out
         chat = b["url"] + "/v1/chat/completions"

@@ -39,6 +39,9 @@ def test_a_ready_backend_becomes_an_external_llama_backend_of_the_agent() -> Non
         2, 4096, 1 << 30, 8192)
     assert r.memory.n_batch == 2048 and r.memory.kv_bytes_per_token is None
     assert "backend-key-1" not in repr(r)
+    assert r.modalities == frozenset()  # (an agent before them says none)
+    (r,) = parse_answer(LINK, answer({**READY, "modalities": ["video", "vision"]}))
+    assert r.modalities == {"vision", "video"}
 
 
 def test_a_backend_not_ready_carries_no_address() -> None:
@@ -57,6 +60,8 @@ def test_a_backend_not_ready_carries_no_address() -> None:
     ({"memory": [1]}, "backends[0].memory: expected an object"),
     ({"memory": {"n_swa": -1}}, "backends[0].memory.n_swa: expected an integer >= 0"),
     ({"name": ""}, "backends[0].name: expected a short printable string"),
+    ({"modalities": "vision"}, "backends[0].modalities: expected a list of media kinds"),
+    ({"modalities": [1]}, "backends[0].modalities: expected a list of media kinds"),
 ])
 def test_a_wrong_answer_is_refused_naming_the_field(change: dict[str, Any], says: str) -> None:
     with pytest.raises(BadReport, match=re.escape(says)):
