@@ -220,8 +220,6 @@ INVALID: dict[str, Any] = {
     "user_without_content": {"messages": [{"role": "user"}]},
     "assistant_without_anything": {"messages": [{"role": "assistant"}]},
     "content_number": {"messages": [{"role": "user", "content": 3}]},
-    "image_part": {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
     "unknown_part": {"messages": [{"role": "user", "content": [{"type": "file"}]}]},
     "bad_tool_args": {"messages": [
         {"role": "user", "content": "x"},

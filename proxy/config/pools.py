@@ -25,6 +25,8 @@ class PoolSpec:
     aliases: tuple[str, ...]  # every name that reaches it, `name` first
     backends: tuple[str, ...]  # backend names, in the configuration's order
     managed: ManagedBackendConfig | None  # its first managed backend: the GGUF, template
+    # the projector of its first managed backend with one: what its media take
+    mmproj: Path | None = None
 
 
 def pool_name(b: BackendConfig) -> str | None:
@@ -70,7 +72,10 @@ def derive_pools(backends: Sequence[BackendConfig]) -> tuple[PoolSpec, ...]:
                                   f"and {name!r} (fix: one model per name)")
         first = managed[0][1] if managed else None
         assert first is None or isinstance(first, ManagedBackendConfig)
-        out.append(PoolSpec(name, aliases, tuple(backends[i].name for i in idx), first))
+        mmproj = next((b.mmproj for _, b in managed
+                       if isinstance(b, ManagedBackendConfig) and b.mmproj), None)
+        out.append(PoolSpec(name, aliases, tuple(backends[i].name for i in idx), first,
+                            mmproj))
     return tuple(out)
 
 

@@ -28,6 +28,7 @@ from proxy.prompt.handlers import (
     patch_source,
     supports_thinking,
 )
+from proxy.prompt.media import MediaModel, expand, media_of
 from proxy.prompt.template import CHATML_TEMPLATE_SRC, ChatTemplate, TemplateError
 from proxy.prompt.tokenizer import FragmentTokenizer, Plan
 
@@ -56,6 +57,9 @@ class PromptBuilder:
         # the default's stand for them.
         self.message_delimiters: TokenizedDelimiters = tokenize_delimiters(
             server_delimiters(template, self.caps), tokenizer)
+        # the positions the backends' projector gives media (None: none, or a count not
+        # known here: a prompt's ids then stop at its first media, proxy/prompt/media.py)
+        self.media: MediaModel | None = None
 
     @classmethod
     def load(cls, gguf_path: Path, *, chat_template: str | None = None,
@@ -135,14 +139,18 @@ class PromptBuilder:
     def chat_ids(self, body: Mapping[str, Any]) -> array:
         """`chat_tokens` as an `array('i')`: what the proxy routes with (the router takes
         it as a memcpy; a 30k-int list costs ~1 ms to build and as much to convert)."""
-        return self._tokenize(self.render_chat(body), add_special=True)
+        plan = self.plan_chat(body)
+        return self.finish(self.fetch(plan))
 
     # `chat_ids` in steps (FragmentTokenizer.plan/fetch/finish), for a caller that runs
     # only `fetch` -- llama_tokenize of text never seen -- on a worker thread.
 
     def plan_chat(self, body: Mapping[str, Any]) -> Plan:
         """Render `body` and look the prompt's fragments up in the cache."""
-        return self.tokenizer.plan(self.render_chat(body), add_special=True)
+        plan = self.tokenizer.plan(self.render_chat(body), add_special=True)
+        if plan.media:
+            plan.digests = media_of(body)
+        return plan
 
     def fetch(self, plan: Plan) -> Plan:
         """Tokenize what `plan` misses (any thread); PromptError for invalid Unicode."""
@@ -153,8 +161,12 @@ class PromptBuilder:
         return plan
 
     def finish(self, plan: Plan) -> array:
-        """The prompt's ids (on the thread that made `plan`)."""
-        return self.tokenizer.finish(plan)
+        """The prompt's ids (on the thread that made `plan`), each media's chunk in place."""
+        ids = self.tokenizer.finish(plan)
+        if not plan.media:
+            return ids
+        return self.media.expand(ids, plan.digests) if self.media is not None \
+            else expand(ids, plan.digests, None)
 
     def head(self, plan: Plan) -> tuple[array, int] | None:
         """The ids of the prompt before its first text no cache holds, and that text's

@@ -32,6 +32,9 @@ import orjson
 
 from proxy.prompt.caps import TemplateCaps
 from proxy.prompt.handlers import adjust_messages
+from proxy.prompt.media import MARKER, PART_KINDS
+
+MEDIA_MARKER = "media_marker"  # the part type the server makes of a media part
 
 
 class PromptError(ValueError):
@@ -111,10 +114,10 @@ def _content_parts(content: list[Any]) -> list[dict[str, str]]:
         if not isinstance(part, dict):
             raise PromptError(f"content parts must be objects, got {json.dumps(part)[:200]}")
         ptype = part.get("type")
-        if ptype in ("image_url", "input_audio", "input_video", "video_url"):
-            kind = {"image_url": "image", "input_audio": "audio"}.get(ptype, "video")
-            raise PromptError(f"{kind} input is not supported - hint: if this is unexpected, "
-                              "you may need to provide the mmproj")
+        if ptype in PART_KINDS:
+            # the server's marker (a backend without a projector refuses the request)
+            parts.append({"type": MEDIA_MARKER, "text": MARKER})
+            continue
         if ptype != "text":
             raise PromptError("unsupported content[].type")
         if "text" not in part:
@@ -124,14 +127,16 @@ def _content_parts(content: list[Any]) -> list[dict[str, str]]:
 
 
 def _join_parts(parts: Sequence[Mapping[str, str]], delimiter: str = "\n") -> str:
-    # messages_inp_normalizer::concat_content_parts (no media markers here), and
-    # render_content: the delimiter only once text has accumulated (leading empty parts
-    # add nothing).
-    text = ""
+    # messages_inp_normalizer::concat_content_parts: the delimiter between text parts
+    # once text has accumulated (leading empty parts add nothing), never next to a media
+    # marker
+    text, after_marker = "", False
     for p in parts:
-        if text:
+        marker = p["type"] == MEDIA_MARKER
+        if text and not marker and not after_marker:
             text += delimiter
         text += p["text"]
+        after_marker = marker
     return text
 
 
@@ -229,7 +234,8 @@ def parse_tools(tools: Any) -> list[dict[str, Any]]:
 def _render_content(msg: Mapping[str, Any]) -> str:
     # common_chat_msg::render_content(delimiter="\n\n")
     c = msg.get("content", "")
-    return c if isinstance(c, str) else _join_parts(c, "\n\n")
+    return c if isinstance(c, str) else _join_parts(
+        [p for p in c if p["type"] == "text"], "\n\n")
 
 
 def build_inputs(body: Mapping[str, Any], caps: TemplateCaps, source: str,
@@ -357,7 +363,8 @@ def _normalize_content(messages: list[dict[str, Any]], caps: TemplateCaps
     only_typed = caps.supports_typed_content and not caps.supports_string_content
     for m in messages:
         c = m["content"]
-        if only_string and isinstance(c, list):
+        # common_chat_msg::to_json_oaicompat: a message holding media is one string
+        if isinstance(c, list) and (only_string or any(p["type"] == MEDIA_MARKER for p in c)):
             m["content"] = _join_parts(c)
         elif only_typed and isinstance(c, str):
             m["content"] = [{"type": "text", "text": c}]

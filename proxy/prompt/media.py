@@ -1,34 +1,153 @@
-"""The media a chat request carries, as llama-server reads its content parts.
+"""The media a chat request carries, and the positions llama-server gives them.
 
 llama-server takes images, audio and video only with a projector (``--mmproj``), and
 then only the kinds its ``/props`` ``modalities`` name. A chat content part's type says
 its kind (server-common.cpp, oaicompat_content_load_media): ``image_url`` is vision,
 ``input_audio`` audio, ``input_video`` and ``video_url`` video. Anthropic image blocks
 and Responses ``input_image`` items arrive here converted to ``image_url`` parts.
+
+The server replaces each media part with a marker in the rendered prompt, cuts the
+prompt there (tools/mtmd/mtmd.cpp, mtmd_tokenizer: each text part tokenized on its own)
+and puts the media's chunk in its place: a run of positions keyed by a hash of the
+file's bytes. Two prompts share a chunk whole or not at all (server_tokens'
+common prefix compares chunk ids). The proxy renders with a marker of its own and
+stands a chunk in the ids as ``chunk_ids``: a first id from the bytes' digest, then
+filler ids, as many as the chunk's positions. Ids are negative: no token has them, so a
+chunk matches only the same bytes, whole. The count depends on the projector: known
+here for llava's fixed-size ``mlp`` projectors (read from the mmproj GGUF); for any
+other, and for media the server fetches itself (URLs), the ids stop at the chunk
+(``MediaModel.ids`` gives None): the prediction then never counts what it cannot know.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import base64
+import binascii
+import hashlib
+import secrets
+from array import array
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from backends.demo_model import read_gguf_metadata
 
 VISION, AUDIO, VIDEO = "vision", "audio", "video"
 PART_KINDS: Mapping[str, str] = {
     "image_url": VISION, "input_audio": AUDIO, "input_video": VIDEO, "video_url": VIDEO}
+# random, as the server's own: no client text can hold it
+MARKER = f"<__kvroute_media_{secrets.token_hex(8)}__>"
+SENTINEL = -1  # where a marker was, in the ids the tokenizer gives
+_FILL = -2  # every position of a chunk after its first
+_FIRST = 3  # a chunk's first id: -(_FIRST + digest mod _SPAN)
+_SPAN = (1 << 31) - _FIRST - 1
+# projector types of a fixed-size image and no marker tokens (tools/mtmd/mtmd.cpp):
+# (image_size / patch_size)^2 positions per image
+_FIXED = frozenset({"mlp", "mlp_norm"})
 
 
 def media_kinds(body: Mapping[str, Any]) -> frozenset[str]:
     """The media kinds a chat body's messages hold (none: text only, or not a chat)."""
+    return frozenset(PART_KINDS[t] for t, _ in _parts(body))
+
+
+def media_of(body: Mapping[str, Any]) -> tuple[bytes | None, ...]:
+    """The digest of each media part's bytes, in the order the server reads them (None:
+    bytes the server fetches itself, or cannot decode)."""
+    return tuple(_digest(t, part) for t, part in _parts(body))
+
+
+def _parts(body: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
     messages = body.get("messages")
-    if not isinstance(messages, list):
-        return frozenset()
-    kinds: set[str] = set()
-    for msg in messages:
+    out: list[tuple[str, Mapping[str, Any]]] = []
+    for msg in messages if isinstance(messages, list) else ():
         content = msg.get("content") if isinstance(msg, dict) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            kind = PART_KINDS.get(part.get("type")) if isinstance(part, dict) else None
-            if kind is not None:
-                kinds.add(kind)
-    return frozenset(kinds)
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind in PART_KINDS:
+                out.append((kind, part))
+    return out
+
+
+def _digest(kind: str, part: Mapping[str, Any]) -> bytes | None:
+    inner = part.get(kind)
+    inner = inner if isinstance(inner, Mapping) else {}
+    url = inner.get("url") if kind == "image_url" else inner.get("data", inner.get("url"))
+    data = decoded(url) if isinstance(url, str) else None
+    return None if data is None else hashlib.blake2b(data, digest_size=16).digest()
+
+
+def decoded(url: str) -> bytes | None:
+    """The bytes of a media URL as the server reads them (handle_media): a base64 data
+    URI, or raw base64. None for what it fetches (http, file) or refuses."""
+    if url.startswith(("http", "file://")):
+        return None
+    if url.startswith("data:"):
+        head, _, b64 = url.partition(",")
+        if "," in b64 or not head.endswith("base64") or not head.startswith(
+                ("data:image/", "data:video/", "data:audio/")):
+            return None
+        url = b64
+    try:
+        data = base64.b64decode(url, validate=False)
+    except (binascii.Error, ValueError):
+        return None
+    return data or None
+
+
+def chunk_ids(digest: bytes, n: int) -> array:
+    """The ids that stand for a media chunk of ``n`` positions keyed by ``digest``."""
+    first = -(_FIRST + int.from_bytes(digest[:8], "little") % _SPAN)
+    out = array("i", [_FILL]) * n
+    out[0] = first
+    return out
+
+
+@dataclass(frozen=True)
+class MediaModel:
+    """What a pool's projector makes of an image: its positions (fixed here)."""
+
+    projector: str
+    positions: int
+
+    @classmethod
+    def read(cls, mmproj: Path) -> MediaModel | None:
+        """The model of the projector in ``mmproj`` (None: one whose count is not known
+        here, or not a readable GGUF)."""
+        try:
+            meta = read_gguf_metadata(mmproj)
+        except (OSError, ValueError):
+            return None
+        kind = meta.get("clip.projector_type")
+        size, patch = meta.get("clip.vision.image_size"), meta.get("clip.vision.patch_size")
+        if kind not in _FIXED or "clip.vision.image_grid_pinpoints" in meta \
+                or not isinstance(size, int) or not isinstance(patch, int) or patch <= 0:
+            return None
+        return cls(str(kind), (size // patch) ** 2)
+
+    def expand(self, ids: array, media: tuple[bytes | None, ...]) -> array:
+        """``ids`` with each SENTINEL replaced by its media's chunk, in order; cut at
+        the first whose chunk is not known (see the module doc)."""
+        return expand(ids, media, lambda d: chunk_ids(d, self.positions))
+
+
+def expand(ids: array, media: tuple[bytes | None, ...],
+           chunk: Callable[[bytes], array] | None) -> array:
+    """``ids`` with its SENTINELs replaced by ``chunk`` of each media's digest; cut at the
+    first media without a digest or chunk, or past the media there are."""
+    out, at = array("i"), 0
+    for digest in media:
+        try:
+            i = ids.index(SENTINEL, at)
+        except ValueError:
+            break
+        out.extend(ids[at:i])
+        if digest is None or chunk is None:
+            return out
+        out.extend(chunk(digest))
+        at = i + 1
+    rest = ids[at:]
+    if SENTINEL in rest:
+        return out + rest[:rest.index(SENTINEL)]
+    return out + rest

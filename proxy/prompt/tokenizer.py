@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxy.prompt.llama import llama_cpp
+from proxy.prompt.media import MARKER, SENTINEL
 from proxy.prompt.prefixes import Prefix, PrefixMemory
 from proxy.prompt.specials import SpecialSplitter, load_specials
 
@@ -46,6 +47,8 @@ class Plan:
     missing: dict[str, bytes | None] = field(default_factory=dict)  # filled by `fetch`
     missing_bytes: int = 0            # chars `fetch` will tokenize
     result: array | None = None       # `fetch`'s ids when there is no fast path
+    media: bool = False               # holds media markers (cut there: see `fetch`)
+    digests: tuple[bytes | None, ...] = ()  # what each marker stands for (media_of)
 
 
 @dataclass
@@ -141,8 +144,8 @@ class FragmentTokenizer:
 
     def plan(self, text: str, add_special: bool = True) -> Plan:
         """Split `text` and look its fragments up; `Plan.missing_bytes` is left to do."""
-        plan = Plan(text, add_special)
-        if not self.cache_enabled or self._split_res is None:
+        plan = Plan(text, add_special, media=MARKER in text)
+        if not self.cache_enabled or self._split_res is None or plan.media:
             plan.missing_bytes = len(text)  # the whole text is tokenized in `fetch`
             return plan
         hit = self._prefixes.find(text)
@@ -171,6 +174,9 @@ class FragmentTokenizer:
 
     def fetch(self, plan: Plan) -> None:
         """Tokenize what `plan` found in no cache (thread-safe: touches no cache)."""
+        if plan.media:
+            plan.result = self._around_media(plan.text)
+            return
         if plan.pieces is None:
             plan.result = self._body_exact(plan.text) if self.cache_enabled else \
                 self._raw_ids(plan.text, plan.add_special)
@@ -183,7 +189,7 @@ class FragmentTokenizer:
         """The ids of `plan.text`; caches what `fetch` tokenized and the prompt's prefix."""
         if plan.pieces is None:
             out = plan.result if plan.result is not None else array("i")
-            if not self.cache_enabled:
+            if not self.cache_enabled and not plan.media:
                 return out  # llama_tokenize added BOS/EOS itself
         else:
             out = self._assemble(plan)
@@ -213,6 +219,17 @@ class FragmentTokenizer:
         if plan.add_special and self.add_bos:
             out.insert(0, self.bos_id)
         return out, pos
+
+    def _around_media(self, text: str) -> array:
+        """The ids of the text between media markers, each part tokenized on its own (as
+        mtmd_tokenizer does), a SENTINEL where each marker was (proxy/prompt/media.py)."""
+        out = array("i")
+        for i, part in enumerate(text.split(MARKER)):
+            if i:
+                out.append(SENTINEL)
+            out.extend(self._body_exact(part) if self.cache_enabled
+                       else self._raw_ids(part, False))
+        return out
 
     def _raw_ids(self, text: str, add_special: bool) -> array:
         out = array("i")

@@ -30,6 +30,7 @@ from proxy.observability.metrics import ProxyMetrics
 from proxy.observability.tracing import Tracing
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.delimiters import user_starts
+from proxy.prompt.media import MediaModel
 from proxy.reporting.recorder import Recorder
 from proxy.routing.router import Router
 from proxy.server.backend_tokens import BackendTokens
@@ -98,6 +99,8 @@ async def build_pool(spec: PoolSpec, router: Router, shared: Shared,
             tok.pool.shutdown(wait=False, cancel_futures=True)
             raise
     prompt = tok.prompt
+    if prompt is not None and spec.mmproj is not None:
+        prompt.media = MediaModel.read(spec.mmproj)
     # the live view of its routable backends: one dict, kept by its health, read by its
     # forwarder and the pool's own round robin
     routable: dict[str, BackendInfo] = {}

@@ -110,3 +110,89 @@ async def test_completion_with_multimodal_data_is_refused(client: TestClient[Any
     async with client.post("/completion", json=body) as r:
         assert r.status == 400, await r.text()
         assert "multimodal" in (await r.text()).lower()
+
+
+async def _turns(client: TestClient[Any, Any], path: str, first: dict[str, Any],
+                 build: Callable[[list[dict[str, Any]]], dict[str, Any]],
+                 answer: Callable[[dict[str, Any]], str], turns: int = 6
+                 ) -> list[tuple[int, int, int]]:
+    """A conversation whose first message holds an image, carried for ``turns`` turns:
+    (predicted, reported, prompt tokens) per turn."""
+    messages, rows = [first], []
+    for turn in range(turns):
+        async with client.post(path, json=build(messages),
+                               headers={"anthropic-version": "2023-06-01"}) as r:
+            data = await r.json()
+            assert r.status == 200, data
+            predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+        usage = data["usage"]
+        if "input_tokens" in usage:  # Anthropic's: the uncached part, and the reused one
+            reported = usage["cache_read_input_tokens"]
+            total = usage["input_tokens"] + reported
+        else:
+            reported = usage["prompt_tokens_details"]["cached_tokens"]
+            total = usage["prompt_tokens"]
+        rows.append((predicted, reported, total))
+        messages += [{"role": "assistant", "content": answer(data)},
+                     {"role": "user", "content": words(12, 300 + turn)}]
+    return rows
+
+
+def _exact(rows: list[tuple[int, int, int]]) -> None:
+    for predicted, reported, total in rows:
+        assert abs(predicted - reported) <= max(16, total // 50), rows
+    assert all(reported > 64 for _, reported, _ in rows[1:]), rows  # through the image
+
+
+async def test_a_screenshot_carried_for_six_turns_is_predicted(client: TestClient[Any, Any]
+                                                               ) -> None:
+    image = data_uri(png(21, 320, 200))
+    first = {"role": "user", "content": [
+        {"type": "text", "text": words(40, 7)},
+        {"type": "image_url", "image_url": {"url": image}},
+        {"type": "text", "text": "What does the screenshot show?"}]}
+    rows = await _turns(
+        client, "/v1/chat/completions", first,
+        lambda m: {"model": "kvroute-demo", "max_tokens": 3, "messages": m},
+        lambda d: str(d["choices"][0]["message"]["content"]))
+    _exact(rows)
+
+
+async def test_an_anthropic_screenshot_is_predicted(client: TestClient[Any, Any]) -> None:
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": data_uri(png(22, 300, 180)).split(",", 1)[1]}}
+    first = {"role": "user", "content": [{"type": "text", "text": words(40, 8)}, block]}
+    rows = await _turns(
+        client, "/v1/messages", first,
+        lambda m: {"model": "kvroute-demo", "max_tokens": 3, "messages": m},
+        lambda d: "".join(c.get("text", "") for c in d["content"]) or "ok")
+    _exact(rows)
+
+
+async def test_the_same_image_is_shared_and_another_is_not(client: TestClient[Any, Any]
+                                                           ) -> None:
+    system = {"role": "system", "content": words(60, 11)}
+
+    async def ask(seed: int, question: int) -> tuple[int, int, int]:
+        body = {"model": "kvroute-demo", "max_tokens": 2, "messages": [system, {
+            "role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_uri(png(seed, 200, 100))}},
+                {"type": "text", "text": words(10, question)}]}]}
+        async with client.post("/v1/chat/completions", json=body) as r:
+            data = await r.json()
+            assert r.status == 200, data
+            predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+        usage = data["usage"]
+        return (predicted, usage["prompt_tokens_details"]["cached_tokens"],
+                usage["prompt_tokens"])
+
+    first = await ask(31, 1)
+    same = await ask(31, 2)  # the system prompt and the image reused, the question not
+    other = await ask(32, 3)  # the system prompt only: no match through another image
+    _exact_each([first, same, other])
+    assert same[1] >= 64 + 60 and other[1] < 64 + 60, (first, same, other)
+
+
+def _exact_each(rows: list[tuple[int, int, int]]) -> None:
+    for predicted, reported, total in rows:
+        assert abs(predicted - reported) <= max(16, total // 50), rows

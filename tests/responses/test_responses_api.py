@@ -185,8 +185,6 @@ BAD_BODIES: list[Any] = [
     {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
     {"input": [{"type": "message", "role": "assistant",
                 "content": [{"type": "refusal", "refusal": "no"}]}]},
-    {"input": [{"type": "function_call_output", "call_id": "c",
-                "output": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]},
     {"input": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"},
      "max_output_tokens": 1},
     {"input": "x", "max_output_tokens": 0}, {"input": "x", "id_slot": 99,
@@ -208,6 +206,12 @@ async def test_bad_bodies_get_errors_in_the_apis_format(backend_pool: Any) -> No
             assert isinstance(data["error"]["message"], str) and data["error"]["message"]
         async with http.post(f"{url}/responses", data=b"{not json") as r:
             assert r.status == 400 and (await r.json())["error"]["type"]
+        # an image to a backend without a projector: its server's own answer (a 500)
+        image = {"input": [{"type": "function_call_output", "call_id": "c", "output": [
+            {"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]}
+        async with http.post(f"{url}/v1/responses", json=image) as r:
+            assert r.status == 500
+            assert "image input is not supported" in (await r.json())["error"]["message"]
 
 
 async def test_six_turns_reuse_the_previous_prompt_on_one_backend(backend_pool: Any) -> None:

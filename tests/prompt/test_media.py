@@ -1,0 +1,118 @@
+"""Media in the prompt ids: decoded as the server decodes them, stood for by chunk ids
+that match the same bytes only, whole; markers joined as the server joins them."""
+
+from __future__ import annotations
+
+import base64
+from array import array
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from backends.demo_mmproj import ensure_demo_mmproj
+from proxy.prompt.chat_request import MEDIA_MARKER, _join_parts
+from proxy.prompt.media import (
+    MARKER,
+    SENTINEL,
+    MediaModel,
+    chunk_ids,
+    decoded,
+    expand,
+    media_kinds,
+    media_of,
+)
+
+PNG = b"\x89PNG\r\n\x1a\nfake"
+B64 = base64.b64encode(PNG).decode()
+
+
+@pytest.mark.parametrize(("url", "data"), [
+    (f"data:image/png;base64,{B64}", PNG),
+    (f"data:audio/wav;base64,{B64}", PNG),
+    (B64, PNG),  # raw base64, as the server takes it
+    ("http://example.com/a.png", None),  # the server fetches it: bytes not known here
+    ("https://example.com/a.png", None),
+    ("file://a.png", None),
+    (f"data:text/plain;base64,{B64}", None),  # the server refuses these
+    (f"data:image/png,{B64}", None),
+    (f"data:image/png;base64,{B64},x", None),
+    ("", None),
+])
+def test_decoded_as_the_server_reads_a_url(url: str, data: bytes | None) -> None:
+    assert decoded(url) == data
+
+
+def test_media_of_keys_by_bytes_in_the_servers_order() -> None:
+    def img(b64: str) -> dict[str, object]:
+        return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}
+    other = base64.b64encode(PNG + b"!").decode()
+    body = {"messages": [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, img(B64), img(other)]},
+        {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": B64}},
+                                     {"type": "image_url", "image_url": {"url": "http://x"}}]}]}
+    a, b, c, d = media_of(body)
+    assert a == c and a != b and a is not None and b is not None and d is None
+    assert media_kinds(body) == {"vision", "audio"}
+
+
+def test_chunks_match_the_same_bytes_whole_and_others_not_at_all() -> None:
+    one, two = chunk_ids(b"a" * 16, 64), chunk_ids(b"b" * 16, 64)
+    assert len(one) == 64 and one == chunk_ids(b"a" * 16, 64)
+    assert one[0] != two[0] and one[1:] == two[1:]  # differ at once, so never in part
+    assert all(i < 0 and i != SENTINEL for i in one)  # no token has them
+
+
+def _reference(ids: list[int], media: list[bytes | None], n: int) -> list[int]:
+    out: list[int] = []
+    k = 0
+    for i in ids:
+        if i != SENTINEL:
+            out.append(i)
+            continue
+        if k >= len(media) or media[k] is None:
+            return out
+        out += list(chunk_ids(media[k], n))  # type: ignore[arg-type]
+        k += 1
+    return out
+
+
+@given(st.lists(st.one_of(st.integers(0, 50), st.just(SENTINEL)), max_size=30),
+       st.lists(st.one_of(st.none(), st.binary(min_size=16, max_size=16)), max_size=5),
+       st.integers(1, 5))
+def test_expand_is_the_reference(ids: list[int], media: list[bytes | None], n: int) -> None:
+    got = expand(array("i", ids), tuple(media), lambda d: chunk_ids(d, n))
+    assert got.tolist() == _reference(ids, media, n)
+
+
+def test_without_a_known_count_the_ids_stop_at_the_first_media() -> None:
+    ids = array("i", [1, 2, SENTINEL, 3])
+    assert expand(ids, (b"x" * 16,), None).tolist() == [1, 2]
+
+
+def test_the_demo_projector_is_read_and_others_are_not(tmp_path: Path) -> None:
+    model = MediaModel.read(ensure_demo_mmproj())
+    assert model is not None and (model.projector, model.positions) == ("mlp", 64)
+    assert MediaModel.read(tmp_path / "missing.gguf") is None
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf")
+    assert MediaModel.read(tmp_path / "x.gguf") is None
+
+
+def _t(text: str) -> dict[str, str]:
+    return {"type": "text", "text": text}
+
+
+M = {"type": MEDIA_MARKER, "text": MARKER}
+
+
+@pytest.mark.parametrize(("parts", "joined"), [  # common/chat.cpp, concat_content_parts
+    ([_t("a"), _t("b")], "a\nb"),
+    ([_t("a"), M, _t("b")], f"a{MARKER}b"),  # never a newline next to a marker
+    ([M, M, _t("b"), _t("c")], f"{MARKER}{MARKER}b\nc"),
+    ([_t(""), _t("a"), M], f"a{MARKER}"),
+], ids=["text", "around", "leading", "empty-first"])  # (the marker is random per process)
+def test_parts_join_as_the_server_joins_them(parts: list[dict[str, str]], joined: str
+                                              ) -> None:
+    assert _join_parts(parts) == joined
