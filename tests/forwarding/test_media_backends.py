@@ -196,3 +196,18 @@ async def test_the_same_image_is_shared_and_another_is_not(client: TestClient[An
 def _exact_each(rows: list[tuple[int, int, int]]) -> None:
     for predicted, reported, total in rows:
         assert abs(predicted - reported) <= max(16, total // 50), rows
+
+
+async def test_a_chat_prompt_ending_in_an_image_is_refused_by_the_server(
+        client: TestClient[Any, Any]) -> None:
+    # a final assistant message is continued: its image ends the prompt; the server
+    # refuses it (a /completion prompt so would abort it: refused here, above)
+    body = {"model": "kvroute-demo", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Draw it."},
+        {"role": "assistant", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri(png(5))}}]}]}
+    async with client.post("/v1/chat/completions", json=body) as r:
+        assert r.status == 400, await r.text()
+        assert (await r.json())["error"]["message"] == "Failed to tokenize prompt"
+    async with client.get("/kvroute/status") as r:
+        assert all(b["healthy"] for b in (await r.json())["backends"])
