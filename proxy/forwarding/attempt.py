@@ -36,7 +36,7 @@ from proxy.forwarding.send import JSON, Exchange, Relay, Target, send, upstream_
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing
-from proxy.prompt.media import media_kinds
+from proxy.prompt.media import media_kinds, media_positions
 from proxy.reporting.outcome import Outcome, held_output
 from proxy.reporting.recorder import Recorder
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend, Report
@@ -140,7 +140,8 @@ class Attempt:
         # usual: the model's state stays right); the prediction shown is 0
         self.no_reuse = asked.body.get("cache_prompt") is False
         self.detached: asyncio.Future[web.StreamResponse] | None = None
-        self.among = fw.serving(asked.path, media_kinds(asked.body))
+        self.media = media_kinds(asked.body)
+        self.among = fw.serving(asked.path, self.media)
 
     async def run(self) -> web.StreamResponse:
         self.routed = await self.decide()
@@ -423,7 +424,9 @@ class Attempt:
             try:
                 self.fw.recorder.end(self.endpoint, self.reported(), self.outcome,
                                      self.started, stream=self.body.get("stream") is True,
-                                     backend_busy=self.detached is not None)
+                                     backend_busy=self.detached is not None,
+                                     media_tokens=media_positions(self.tokens)
+                                     if self.media and self.whole else 0)
             finally:
                 self.fw.tracing.end(self.span, self.reported(), self.outcome)
 

@@ -33,6 +33,10 @@ class ProxyMetrics:
         self.prompt_tokens = Counter(
             "kvroute_prompt_tokens", "Prompt tokens of routed requests.", ["backend"],
             registry=r)
+        self.media_tokens = Counter(
+            "kvroute_media_tokens", "Prompt positions of routed requests that images, "
+            "audio and video take (their projector's chunks, where kvroute knows them).",
+            ["backend"], registry=r)
         self.predicted_cached = Counter(
             "kvroute_predicted_cached_tokens", "Prompt tokens the router predicted reused.",
             ["backend"], registry=r)

@@ -26,7 +26,7 @@ import binascii
 import hashlib
 import secrets
 from array import array
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,11 @@ def decoded(url: str) -> bytes | None:
     except (binascii.Error, ValueError):
         return None
     return data or None
+
+
+def media_positions(ids: Sequence[int]) -> int:
+    """The positions of ``ids`` that media chunks take."""
+    return sum(1 for i in ids if i < 0)
 
 
 def chunk_ids(digest: bytes, n: int) -> array:

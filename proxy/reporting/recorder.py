@@ -43,10 +43,11 @@ class Recorder:
         self.metrics.child(self.metrics.in_flight, backend).dec()
 
     def end(self, endpoint: str, decision: Decision, outcome: Outcome, started: float, *,
-            stream: bool, backend_busy: bool = False) -> None:
+            stream: bool, backend_busy: bool = False, media_tokens: int = 0) -> None:
         """Called exactly once per `begin`, from a `finally`: must not raise.
         `backend_busy`: the client left, the backend still works on it (the in-flight
-        gauge then waits for `backend_done`)."""
+        gauge then waits for `backend_done`). `media_tokens`: the prompt's positions
+        that its media take."""
         m = self.metrics
         backend = decision.backend
         latency = time.perf_counter() - started
@@ -63,6 +64,8 @@ class Recorder:
             m.record_feedback(backend, decision.prompt_tokens, decision.predicted_cached,
                               outcome.reported_cached, decision.tier)
             m.record_generation(backend, outcome.predicted_n, outcome.predicted_ms)
+            if media_tokens:
+                m.child(m.media_tokens, backend).inc(media_tokens)
             if ttft is not None:
                 m.child(m.ttft, backend).observe(ttft)
         # NOTE: the policy's full reasons (nested dicts) cost as much to render as the rest

@@ -25,6 +25,7 @@ from backends.demo_model import DemoModelParams
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.prompt.media import media_kinds
+from proxy.server.keys import METRICS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,11 +187,16 @@ async def test_the_same_image_is_shared_and_another_is_not(client: TestClient[An
         return (predicted, usage["prompt_tokens_details"]["cached_tokens"],
                 usage["prompt_tokens"])
 
+    def media_counted() -> float:
+        m = client.server.app[METRICS]
+        return float(m.child(m.media_tokens, "b")._value.get())
+    before = media_counted()
     first = await ask(31, 1)
     same = await ask(31, 2)  # the system prompt and the image reused, the question not
     other = await ask(32, 3)  # the system prompt only: no match through another image
     _exact_each([first, same, other])
     assert same[1] >= 64 + 60 and other[1] < 64 + 60, (first, same, other)
+    assert media_counted() - before == 3 * 64
 
 
 def _exact_each(rows: list[tuple[int, int, int]]) -> None:
