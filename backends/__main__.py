@@ -7,8 +7,9 @@ configured or on PATH; --native (or $KVROUTE_NATIVE=1) builds it for this CPU on
 instead of any. Each is cached on its own (backends/gpu.py).
 
 The plain demo model is always built (tests and the loadtest use it); `demo-swa`,
-`demo-hybrid`, `demo-coder` and the demo projector (`mmproj: demo`) only when the
-config's backends use them, or with --all-demos."""
+`demo-hybrid`, `demo-coder`, the demo projector (`mmproj: demo`) and the demo LoRA
+adapters (`lora: [demo, demo1]`) only when the config's backends use them, or with
+--all-demos."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from backends.binary import (
     gpu_variant,
     llama_cpp_python_version,
 )
+from backends.demo_lora import demo_lora_paths
+from backends.demo_lora import ensure_if_used as ensure_loras_if_used
 from backends.demo_mmproj import ensure_demo_mmproj, ensure_if_used, for_model
 from backends.demo_model import DEMO, DEMO_KINDS, DemoModelParams, demo_kinds_for, ensure_demo_model
 from backends.gpu import GPUS, NATIVE_ENV
@@ -38,6 +41,7 @@ def prepare(config_path: Path | None, all_demos: bool = False,
     """Build/find everything the config needs; returns what doctor/scripts want to know."""
     configured_binary: str | None = None
     mmprojs: list[Path | None] = []  # the managed backends' projectors
+    loras: list[Path] = []  # and their LoRA adapters
     params = DemoModelParams()
     kinds = list(DEMO_KINDS) if all_demos else [DEMO]
     if config_path is not None:
@@ -49,6 +53,7 @@ def prepare(config_path: Path | None, all_demos: bool = False,
         used = demo_kinds_for(params, (b.model for b in cfg.managed() if b.is_demo))
         kinds += [k for k in used if k not in kinds]
         mmprojs = [b.mmproj for b in cfg.managed()]
+        loras = [p for b in cfg.managed() for p in b.lora]
     t0 = time.monotonic()
     gpu = gpu_variant(gpu)
     binary = ensure_llama_server(configured_binary, gpu=gpu)
@@ -58,6 +63,8 @@ def prepare(config_path: Path | None, all_demos: bool = False,
     libllama = ensure_libllama()  # the tokenizer's: the cpu build's unless pip compiled one
     model = ensure_demo_model(params)
     others = {k: str(ensure_demo_model(params, kind=k)) for k in kinds if k != DEMO}
+    if all_demos:
+        loras += (demo_lora_paths(params, DEMO_KINDS[DEMO].arch) or {}).values()
     mmproj = (ensure_demo_mmproj(for_model(params)) if all_demos
               else ensure_if_used(params, mmprojs))
     return {
@@ -68,6 +75,7 @@ def prepare(config_path: Path | None, all_demos: bool = False,
                        "params": params.tag()},
         "other_demo_models": others,
         "demo_mmproj": None if mmproj is None else str(mmproj),
+        "demo_loras": [str(p) for p in ensure_loras_if_used(params, loras)],
         "llama_cpp_python": llama_cpp_python_version(),
         "libllama": str(libllama),
         "cache_dir": str(cache_dir()),

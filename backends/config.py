@@ -49,6 +49,9 @@ class ManagedBackendConfig:
     devices: tuple[str | int, ...] = ()
     # --mmproj: the multimodal projector (resolved path) that makes it serve images
     mmproj: Path | None = None
+    # --lora: LoRA adapters (resolved paths), ids 0, 1, ... in this order, which requests
+    # pick by their `lora` field and POST /lora-adapters scales for all
+    lora: tuple[Path, ...] = ()
 
 
 # what an external backend is

@@ -69,6 +69,7 @@ class Launcher:
             api_key=secrets.token_urlsafe(24), cache_ram_mib=cfg.cache_ram_mib,
             alias=cfg.alias, extra_args=cfg.extra_args, env=cfg.env,
             slot_save_path=self._slot_save_path, devices=cfg.devices, mmproj=cfg.mmproj,
+            lora=cfg.lora,
         )
         self._proc = LlamaServerProcess(spec, self.log_path)
         return self._proc

@@ -72,6 +72,7 @@ class ServerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     devices: tuple[DeviceRef, ...] = ()  # (backends/devices.py)
     mmproj: Path | None = None  # --mmproj: the projector that makes it serve media
+    lora: tuple[Path, ...] = ()  # --lora: adapters, ids 0, 1, ... in this order
 
     def argv(self) -> list[str]:
         args = [
@@ -94,6 +95,8 @@ class ServerSpec:
             args += ["--slot-save-path", str(self.slot_save_path)]
         if self.mmproj is not None:
             args += ["--mmproj", str(self.mmproj)]
+        if self.lora:  # one comma-separated --lora: the server deprecates repeating it
+            args += ["--lora", ",".join(map(str, self.lora))]
         return [*args, *launch(self.devices)[0], *self.extra_args]
 
     @property

@@ -172,6 +172,9 @@ class Standing:
             # the projector it serves media with (an external one's is not known here)
             "mmproj": str(cfg.mmproj) if isinstance(cfg, ManagedBackendConfig)
             and cfg.mmproj is not None else None,
+            # its LoRA adapters, by id (0, 1, ...: what a request's `lora` field names)
+            "lora": [str(p) for p in cfg.lora] if isinstance(cfg, ManagedBackendConfig)
+            else None,
             # what died, its log's tail, its command line and the likely fix
             "crash_loop": crash_loop,
         }

@@ -113,7 +113,8 @@ def report(config_path: Path | None) -> dict[str, Any]:
         _mmprojs(cfg, report["backends"])
     report["ok"] = (lcp["error"] is None and report["config"]["ok"] and not srv["error"]
                     and not any(b.get("devices_error") for b in report["backends"])
-                    and all(b.get("mmproj_exists", True) for b in report["backends"])
+                    and all(b.get("mmproj_exists", True) and not b.get("lora_missing")
+                            for b in report["backends"])
                     and not (cfg is not None and any(b.is_demo for b in cfg.managed())
                              and not model.is_file())
                     and not any(b.get("crash_loop") for b in report["backends"]))
@@ -178,12 +179,16 @@ def _devices(cfg: Config, binary: str | None, entries: list[dict[str, Any]]) -> 
 
 
 def _mmprojs(cfg: Config, entries: list[dict[str, Any]]) -> None:
-    """Each managed backend's projector (`mmproj:`), and whether its file is there (the
-    demo one is built by prepare)."""
+    """Each managed backend's projector (`mmproj:`) and LoRA adapters (`lora:`), and
+    whether their files are there (the demo ones are built by prepare)."""
     for b, entry in zip(cfg.backends, entries, strict=True):
         mmproj = getattr(b, "mmproj", None)
         if mmproj is not None:
             entry["mmproj"], entry["mmproj_exists"] = str(mmproj), mmproj.is_file()
+        loras: tuple[Path, ...] = getattr(b, "lora", ())
+        if loras:
+            entry["lora"] = [str(p) for p in loras]
+            entry["lora_missing"] = [str(p) for p in loras if not p.is_file()]
 
 
 def _server(cfg: Config | None) -> dict[str, Any]:
@@ -291,6 +296,10 @@ def print_report(r: dict[str, Any]) -> None:
         if b.get("mmproj"):
             print(f"[{mark(b['mmproj_exists'])}]   mmproj {b['mmproj']}" + (
                 "" if b["mmproj_exists"] else "  (missing: run `python -m backends prepare`)"))
+        for path in b.get("lora") or ():
+            ok = path not in b["lora_missing"]
+            print(f"[{mark(ok)}]   lora {path}" + (
+                "" if ok else "  (missing: run `python -m backends prepare`)"))
         if b.get("crash_loop"):
             _print_crash_loop(b["crash_loop"])
     tok = r.get("tokens")

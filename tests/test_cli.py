@@ -280,6 +280,27 @@ def test_doctor_names_a_backends_projector(tmp_path: Path, llama_server_bin: Pat
     assert "(missing: run `python -m backends prepare`)" in r.stdout
 
 
+def test_doctor_names_a_backends_adapters(tmp_path: Path, llama_server_bin: Path,
+                                          demo_model: Path) -> None:
+    """`lora:` is an ok line per adapter whose file is there, a BAD one (with the fix)
+    for a demo adapter not built yet, and doctor fails."""
+    from backends.demo_lora import demo_lora_path, ensure_demo_lora, for_model
+    from backends.demo_model import DemoModelParams
+
+    built = ensure_demo_lora(for_model(DemoModelParams(), 0))
+    unbuilt = demo_lora_path(for_model(DemoModelParams(), 1, "gemma3"))
+    unbuilt.unlink(missing_ok=True)
+    extra = {"backends": [{"name": "a", "model": "demo", "lora": ["demo"]},
+                          {"name": "b", "model": "demo-swa", "lora": ["demo1"]}]}
+    config, _ = write_config(tmp_path, llama_server_bin, **extra)
+    r = subprocess.run([*KVROUTE, "doctor", "--config", str(config)], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert f"[ok ]   lora {built}\n" in r.stdout, r.stdout
+    assert (f"[BAD]   lora {unbuilt}  (missing: run `python -m backends prepare`)"
+            in r.stdout), r.stdout
+
+
 def test_doctor_json(tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     extra = {"backends": [{"name": "a", "model": "demo"}, {"name": "far", "url": dead}]}

@@ -19,6 +19,7 @@ from backends.config import (
     ManagedBackendConfig,
     SupervisionConfig,
 )
+from backends.demo_lora import DEMO_LORAS, demo_lora_paths
 from backends.demo_mmproj import DEMO_MMPROJ, demo_mmproj_path, for_model
 from backends.demo_model import DEMO_KINDS, DemoModelParams, demo_model_path
 from proxy.config.disk import slot_save_path
@@ -41,8 +42,10 @@ def demo_params(raw: object) -> DemoModelParams:
 
 
 def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
-             demo_mmproj: Path, allow_missing_demo: bool) -> BackendConfig:
-    """One entry of `backends:`; ``demos``: the demo models' files by name."""
+             demo_mmproj: Path, demo_loras: Mapping[str, Mapping[str, Path] | None],
+             allow_missing_demo: bool) -> BackendConfig:
+    """One entry of `backends:`; ``demos``: the demo models' files by name,
+    ``demo_loras``: each one's demo adapters by name (None: none fit it)."""
     where = f"backends[{i}]."
     sec = _Section(raw, where)
     name = sec.get_str("name", f"backend{i}", "gpu0")
@@ -77,6 +80,8 @@ def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
         devices=_devices(sec, where),
         mmproj=_mmproj(sec, where, base, demo_mmproj if is_demo else None,
                        allow_missing_demo),
+        lora=_loras(sec, where, base, demo_loras[model_raw] if is_demo else None,
+                    allow_missing_demo),
     )
     sec.finish([f.name for f in fields(ManagedBackendConfig) if f.name != "is_demo"])
     return b
@@ -130,6 +135,40 @@ def _mmproj(sec: _Section, where: str, base: Path, demo: Path | None,
         raise ConfigError(f"{where}mmproj: file not found: {path} (fix: give the path of "
                           "an existing mmproj .gguf file, or mmproj: demo with a demo model)")
     return path
+
+
+def _loras(sec: _Section, where: str, base: Path, demo: Mapping[str, Path] | None,
+           allow_missing_demo: bool) -> tuple[Path, ...]:
+    """``lora: [demo, demo1]`` (the demo models' two adapters, ``demo``: None for a
+    model they do not fit) or paths of LoRA adapter GGUFs; a single one may be given
+    without the list."""
+    raw = sec.get_raw("lora")
+    items = [] if raw is None else raw if isinstance(raw, list) else [raw]
+    if not all(isinstance(x, str) and x for x in items) or len(set(items)) != len(items):
+        raise ConfigError(f"{where}lora: expected an adapter path or a list of distinct "
+                          f"ones, got {_show(raw)} (fix: e.g. lora: [my-adapter.gguf], or "
+                          "lora: [demo, demo1] with a demo model)")
+    out: list[Path] = []
+    for name in items:
+        if name in DEMO_LORAS:
+            if demo is None:
+                raise ConfigError(f"{where}lora: `{name}` is a demo adapter and fits only "
+                                  "the demo models with attention in every layer (fix: "
+                                  "the path of this model's own adapter, or model: demo)")
+            path = demo[name]
+            if not (path.is_file() or allow_missing_demo):
+                raise ConfigError(f"{where}lora: file not found: {path} (fix: run `python "
+                                  "-m backends prepare` (or `make run`) to build it)")
+        else:
+            path = _path(base, name)
+            if not path.is_file():
+                raise ConfigError(f"{where}lora: file not found: {path} (fix: give the path "
+                                  "of an existing LoRA adapter .gguf file)")
+        if "," in str(path):  # llama-server splits --lora at commas
+            raise ConfigError(f"{where}lora: {path} has a comma, which llama-server's "
+                              "--lora cannot take (fix: rename or link the file)")
+        out.append(path)
+    return tuple(out)
 
 
 def _devices(sec: _Section, where: str) -> tuple[str | int, ...]:
@@ -195,13 +234,15 @@ def backend_list(top: _Section, base: Path, params: DemoModelParams,
     agents run them)."""
     demos = {k: demo_model_path(params, kind=k) for k in DEMO_NAMES}
     demo_mmproj = demo_mmproj_path(for_model(params))
+    demo_loras = {k: demo_lora_paths(params, DEMO_KINDS[k].arch) for k in DEMO_NAMES}
     raw_backends = top._get("backends")
     if optional and raw_backends in (None, []):
         return ()
     if not isinstance(raw_backends, list) or not raw_backends:
         raise ConfigError(f"backends: expected a non-empty list, got {_show(raw_backends)} "
                           "(fix: e.g. backends: [{name: a, model: demo}])")
-    backends = tuple(_backend(b, i, base, demos, demo_mmproj, allow_missing_demo)
+    backends = tuple(_backend(b, i, base, demos, demo_mmproj, demo_loras,
+                              allow_missing_demo)
                      for i, b in enumerate(raw_backends))
     unique_names([b.name for b in backends], "backends")
     return backends

@@ -47,14 +47,17 @@ def model_identity(cfg: ManagedBackendConfig) -> str | None:
     the cache types change what the KV holds, and `LLAMA_ARG_*` variables are options
     too. The build is not: the server checks a file's format version itself, and another
     build computes the same KV from the same weights, up to rounding. A projector
-    (`mmproj:`) made the KV of the images a slot holds, so it counts as the weights do
-    (only when there is one: the files of a backend without keep their identity)."""
+    (`mmproj:`) made the KV of the images a slot holds, so it counts as the weights do;
+    so do LoRA adapters (`lora:`), in their order (a request names one by its index),
+    as `--lora` in extra_args counts (each only when there is one: the files of a
+    backend without keep their identity)."""
     try:
         files = [_file(cfg.model)] + ([] if cfg.mmproj is None else [_file(cfg.mmproj)])
+        loras = [["lora", *_file(p)] for p in cfg.lora]
     except OSError:
         return None
     env = sorted((k, v) for k, v in cfg.env.items() if k.startswith("LLAMA_ARG_"))
-    return _digest([*files[0], list(cfg.extra_args), env, *files[1:]])
+    return _digest([*files[0], list(cfg.extra_args), env, *files[1:], *loras])
 
 
 def _file(path: Path) -> list[object]:

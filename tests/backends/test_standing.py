@@ -74,7 +74,7 @@ def test_status_says_what_the_component_adds(tmp_path: Path) -> None:
     assert list(st) == ["name", "managed", "kind", "state", "agent", "healthy", "url", "pid",
                         "restarts", "last_error", "ready_since", "log", "n_slots",
                         "slot_ctx", "model", "memory", "modalities", "devices", "mmproj",
-                        "crash_loop"]
+                        "lora", "crash_loop"]
     assert (st["managed"], st["kind"], st["healthy"], st["pid"], st["log"], st["n_slots"]) == (
         True, "llama", True, 7, "a.log", 2)
     assert "secret-key" not in str(st)

@@ -1,0 +1,129 @@
+"""The demo LoRA adapters: random low-rank deltas on the demo model's attention, for
+`lora: [demo]` (and `demo1`, a second one) next to a demo model.
+
+llama-server loads them with `--lora` (src/llama-adapter.cpp) and applies them to every
+request at their global scale, or per request by the body's `lora` field; the output
+differs from the base model's, and so does the KV the prompt leaves in a slot, which is
+what makes adapters part of what the server reuses. An adapter names its base
+architecture (general.architecture must be the model's) and holds, for each tensor it
+changes, a pair `NAME.lora_a` (ggml {n_in, rank}) and `NAME.lora_b` ({rank, n_out}); the
+server adds scale * alpha / rank * B(A x) to that tensor's product. These change
+attn_q, attn_k and attn_v of every layer (K and V land in the cache) at rank 4 (~0.2 MB).
+Two seeds give two adapters; output is noise, as the model's is.
+
+The file is cached by its architecture, sizes, rank, alpha and seed, as the demo models
+are.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from backends.binary import Progress, _print, cache_dir, cache_lock
+from backends.demo_gguf import ModelShape, Weights
+
+# `lora: [demo, demo1]` in config.yaml: the name -> the adapter's seed
+DEMO_LORAS = {"demo": 0, "demo1": 1}
+TARGETS = ("attn_q", "attn_k", "attn_v")  # in every layer of the llama and gemma3 demos
+ARCHS = ("llama", "gemma3")  # the demo architectures with those tensors in every layer
+
+
+@dataclass(frozen=True)
+class DemoLoraParams:
+    arch: str = "llama"  # the base model's general.architecture
+    n_layer: int = 8
+    n_embd: int = 512
+    n_q: int = 512  # attn_q's output width (n_head * head_dim)
+    n_kv: int = 256  # attn_k's and attn_v's (n_head_kv * head_dim)
+    rank: int = 4
+    alpha: float = 8.0  # the delta is scaled by alpha / rank
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"demo_lora: arch must be one of {ARCHS}, not {self.arch!r}")
+        if self.rank <= 0:
+            raise ValueError("demo_lora: rank must be a positive integer")
+
+    def tag(self) -> str:
+        return (f"{self.arch}-L{self.n_layer}-E{self.n_embd}-Q{self.n_q}-KV{self.n_kv}"
+                f"-R{self.rank}-A{self.alpha:g}-s{self.seed}")
+
+
+def for_model(text: ModelShape, seed: int = 0, arch: str = "llama") -> DemoLoraParams:
+    """The adapter that fits a demo model of these sizes and architecture (llama-server
+    refuses one whose shapes or architecture differ)."""
+    return DemoLoraParams(arch=arch, n_layer=text.n_layer, n_embd=text.n_embd,
+                          n_q=text.n_head * text.head_dim,
+                          n_kv=text.n_head_kv * text.head_dim, seed=seed)
+
+
+def demo_lora_path(params: DemoLoraParams | None = None) -> Path:
+    """Where the demo adapter of these sizes lives (may not exist)."""
+    params = params or DemoLoraParams()
+    return cache_dir() / "models" / f"kvroute-lora-{params.tag()}.gguf"
+
+
+def demo_lora_paths(text: ModelShape, arch: str) -> dict[str, Path] | None:
+    """Each demo adapter's name (`lora: [demo]`) -> its file for a demo model of this
+    architecture (None: one the adapters do not fit)."""
+    if arch not in ARCHS:
+        return None
+    return {name: demo_lora_path(for_model(text, seed, arch))
+            for name, seed in DEMO_LORAS.items()}
+
+
+def ensure_if_used(text: ModelShape, loras: Iterable[Path],
+                   progress: Progress = _print) -> list[Path]:
+    """The demo adapters for these sizes that are among ``loras`` (the managed backends'),
+    built if missing: what `prepare` and `serve` build for a config."""
+    wanted = set(loras)
+    params = [for_model(text, seed, arch) for arch in ARCHS for seed in DEMO_LORAS.values()]
+    return [ensure_demo_lora(p, progress) for p in params if demo_lora_path(p) in wanted]
+
+
+def write_lora(path: Path, params: DemoLoraParams) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), params.arch)
+    w.add_name("kvroute-demo-lora")
+    w.add_type("adapter")  # general.type: llama.cpp refuses a model file as an adapter
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", params.alpha)
+    r = Weights(params.seed)
+    outs = {"attn_q": params.n_q, "attn_k": params.n_kv, "attn_v": params.n_kv}
+    for i in range(params.n_layer):
+        for name in TARGETS:
+            # numpy (rows, cols) is ggml {cols, rows}: A is {n_embd, rank}, B {rank, out}
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_a",
+                         r.mat(params.rank, params.n_embd, scale=0.1))
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_b",
+                         r.mat(outs[name], params.rank, scale=0.1))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def ensure_demo_lora(params: DemoLoraParams | None = None,
+                     progress: Progress = _print) -> Path:
+    """Path of the demo adapter, synthesised first if missing (well under a second)."""
+    params = params or DemoLoraParams()
+    path = demo_lora_path(params)
+    if path.is_file():
+        return path
+    with cache_lock():
+        if path.is_file():  # built by a concurrent prepare while we waited for the lock
+            return path
+        progress(f"==> synthesising the demo LoRA adapter {path.name}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        try:
+            write_lora(tmp, params)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
