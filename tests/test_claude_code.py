@@ -101,9 +101,9 @@ class TurnRecorder(Recorder):
         self.turns: list[Turn] = []
 
     def end(self, endpoint: str, decision: Routed, outcome: Outcome, started: float, *,
-            stream: bool, backend_busy: bool = False) -> None:
+            stream: bool, backend_busy: bool = False, media_tokens: int = 0) -> None:
         super().end(endpoint, decision, outcome, started, stream=stream,
-                    backend_busy=backend_busy)
+                    backend_busy=backend_busy, media_tokens=media_tokens)
         self.turns.append(Turn(_session.get(), endpoint, outcome.status,
                                outcome.complete, decision.prompt_tokens, outcome.reported_cached,
                                decision.backend, time.monotonic()))
