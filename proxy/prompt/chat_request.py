@@ -363,10 +363,11 @@ def _normalize_content(messages: list[dict[str, Any]], caps: TemplateCaps
     only_typed = caps.supports_typed_content and not caps.supports_string_content
     for m in messages:
         c = m["content"]
-        # common_chat_msg::to_json_oaicompat: a message holding media is one string
+        # common_chat_msg::to_json_oaicompat: a message holding media is one string (and
+        # then, for a template taking typed content only, one text part)
         if isinstance(c, list) and (only_string or any(p["type"] == MEDIA_MARKER for p in c)):
-            m["content"] = _join_parts(c)
-        elif only_typed and isinstance(c, str):
+            c = m["content"] = _join_parts(c)
+        if only_typed and isinstance(c, str):
             m["content"] = [{"type": "text", "text": c}]
     return messages
 

@@ -14,9 +14,10 @@ common prefix compares chunk ids). The proxy renders with a marker of its own an
 stands a chunk in the ids as ``chunk_ids``: a first id from the bytes' digest, then
 filler ids, as many as the chunk's positions. Ids are negative: no token has them, so a
 chunk matches only the same bytes, whole. The count depends on the projector: known
-here for llava's fixed-size ``mlp`` projectors (read from the mmproj GGUF); for any
-other, and for media the server fetches itself (URLs), the ids stop at the chunk
-(``MediaModel.ids`` gives None): the prediction then never counts what it cannot know.
+here for images under llava's fixed-size ``mlp`` projectors (read from the mmproj GGUF);
+for any other projector, for audio and video, and for media the server fetches itself
+(URLs), the ids stop at the chunk (``expand``): the prediction then never counts what it
+cannot know.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import re
 import secrets
 from array import array
 from collections.abc import Callable, Mapping, Sequence
@@ -39,12 +41,18 @@ PART_KINDS: Mapping[str, str] = {
 # random, as the server's own: no client text can hold it
 MARKER = f"<__kvroute_media_{secrets.token_hex(8)}__>"
 SENTINEL = -1  # where a marker was, in the ids the tokenizer gives
+SERVER_MARKER_HEAD = "<__media_"  # how llama-server's own random marker starts
 _FILL = -2  # every position of a chunk after its first
 _FIRST = 3  # a chunk's first id: -(_FIRST + digest mod _SPAN)
 _SPAN = (1 << 31) - _FIRST - 1
 # projector types of a fixed-size image and no marker tokens (tools/mtmd/mtmd.cpp):
 # (image_size / patch_size)^2 positions per image
 _FIXED = frozenset({"mlp", "mlp_norm"})
+# ids a prompt expands to at most: past any slot's context (the request is refused once
+# routed), so that many small images cannot make a huge array of one small body
+MAX_IDS = 1 << 22
+# base64_decode (server-common.cpp) reads the longest run of these, stopping at "="
+_BASE64_RUN = re.compile(r"[A-Za-z0-9+/]*")
 
 
 def media_kinds(body: Mapping[str, Any]) -> frozenset[str]:
@@ -52,10 +60,19 @@ def media_kinds(body: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(PART_KINDS[t] for t, _ in _parts(body))
 
 
+def carries_media(prompt: object) -> bool:
+    """Does a completion ``prompt`` (a subprompt, or a list of them) hold
+    ``multimodal_data``?"""
+    items = prompt if isinstance(prompt, list) else [prompt]
+    return any(isinstance(p, Mapping) and "multimodal_data" in p for p in items)
+
+
 def media_of(body: Mapping[str, Any]) -> tuple[bytes | None, ...]:
-    """The digest of each media part's bytes, in the order the server reads them (None:
-    bytes the server fetches itself, or cannot decode)."""
-    return tuple(_digest(t, part) for t, part in _parts(body))
+    """The digest of each image part's bytes, in the order the server reads the media
+    (None: audio or video, whose positions are not modelled here, or bytes the server
+    fetches itself or cannot decode)."""
+    return tuple(_digest(t, part) if PART_KINDS[t] == VISION else None
+                 for t, part in _parts(body))
 
 
 def _parts(body: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
@@ -89,8 +106,11 @@ def decoded(url: str) -> bytes | None:
                 ("data:image/", "data:video/", "data:audio/")):
             return None
         url = b64
+    run = _BASE64_RUN.match(url)
+    b64 = run.group() if run else ""
+    b64 = b64[:len(b64) - len(b64) % 4] if len(b64) % 4 == 1 else b64
     try:
-        data = base64.b64decode(url, validate=False)
+        data = base64.b64decode(b64 + "=" * (-len(b64) % 4), validate=True)
     except (binascii.Error, ValueError):
         return None
     return data or None
@@ -140,7 +160,7 @@ class MediaModel:
 def expand(ids: array, media: tuple[bytes | None, ...],
            chunk: Callable[[bytes], array] | None) -> array:
     """``ids`` with its SENTINELs replaced by ``chunk`` of each media's digest; cut at the
-    first media without a digest or chunk, or past the media there are."""
+    first media without a digest or chunk, past the media there are, or at MAX_IDS."""
     out, at = array("i"), 0
     for digest in media:
         try:
@@ -148,11 +168,13 @@ def expand(ids: array, media: tuple[bytes | None, ...],
         except ValueError:
             break
         out.extend(ids[at:i])
-        if digest is None or chunk is None:
+        if digest is None or chunk is None or len(out) > MAX_IDS:
             return out
         out.extend(chunk(digest))
         at = i + 1
-    rest = ids[at:]
-    if SENTINEL in rest:
-        return out + rest[:rest.index(SENTINEL)]
-    return out + rest
+    try:
+        end = ids.index(SENTINEL, at)
+    except ValueError:
+        end = len(ids)
+    out.extend(ids[at:end])
+    return out

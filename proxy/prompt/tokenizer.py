@@ -140,7 +140,8 @@ class FragmentTokenizer:
 
     # `tokenize_ids` in three steps, so that a caller can run only the slow middle one
     # (llama_tokenize of the text never seen, which releases the GIL) on another thread:
-    # `plan` and `finish` touch the caches and must stay on one thread; `fetch` does not.
+    # `plan` and `finish` touch the caches and must stay on one thread; `fetch` only goes
+    # through the fragment cache's lock (the paths without a fast path).
 
     def plan(self, text: str, add_special: bool = True) -> Plan:
         """Split `text` and look its fragments up; `Plan.missing_bytes` is left to do."""
@@ -173,7 +174,8 @@ class FragmentTokenizer:
         return plan
 
     def fetch(self, plan: Plan) -> None:
-        """Tokenize what `plan` found in no cache (thread-safe: touches no cache)."""
+        """Tokenize what `plan` found in no cache (thread-safe: the fragment cache only
+        under its lock)."""
         if plan.media:
             plan.result = self._around_media(plan.text)
             return

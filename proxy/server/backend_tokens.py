@@ -32,7 +32,7 @@ from proxy.errors import BadRequest, NoBackendAvailable, ProxyError
 from proxy.observability.logging import get_logger
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.chat_request import PromptError
-from proxy.prompt.media import media_kinds
+from proxy.prompt.media import SERVER_MARKER_HEAD, media_kinds
 
 # Why a request's ids came from a backend (the metric's label).
 NO_TOKENIZER = "no_tokenizer"  # no local GGUF (external backends only)
@@ -114,16 +114,22 @@ class BackendTokens:
         the backend: its history's fragments are then cached here, and a turn costs one
         render on the backend instead of a whole tokenization there."""
         payload = _payload(body) if raw is None else raw
+        media = media_kinds(body)
 
         async def ask(client: BackendClient) -> Tokens | BackendDown | BadResponse:
             prompt = await client.apply_template(payload)
             if not isinstance(prompt, str):
                 return prompt
+            if media:
+                # the server's own marker (random unless LLAMA_MEDIA_MARKER sets it)
+                # stands where a media chunk will: its positions are not known here,
+                # so the ids stop there (proxy/prompt/media.py)
+                prompt = prompt.split(SERVER_MARKER_HEAD, 1)[0]
             if tokenize is not None:
                 return Tokens(await tokenize(prompt), None)
             return await client.tokenize(prompt)
         # a backend without a projector refuses to render media parts
-        return await self._ask(ask, reason, media_kinds(body))
+        return await self._ask(ask, reason, media)
 
     async def completion(self, prompt: str | Sequence[Any], reason: str) -> array:
         """Ids of a completion prompt (text, or text and ids mixed) as the backend has them."""

@@ -32,6 +32,7 @@ from proxy.prompt.infill import (
     infill_ids,
     server_shape,
 )
+from proxy.prompt.media import carries_media
 from proxy.prompt.tokenizer import Plan
 from proxy.server.backend_metrics import scrape
 from proxy.server.backend_tokens import NO_TOKENIZER, NoBackendIds
@@ -181,6 +182,10 @@ async def _completion(request: web.Request, path: str, endpoint: str) -> web.Str
     check_fields(body, chat=False)
     pool = pool_for(request, body)
     raw = bounded_raw(request, pool, raw, body)
+    if carries_media(body["prompt"]):
+        # not modelled yet, and a prompt whose last chunk is an image aborts the server
+        raise BadRequest("multimodal_data in a completion prompt is not supported by "
+                         "kvroute yet (fix: send the image as a chat content part)")
     tok = pool.tok
     prompt = tok.prompt
     if prompt is None:

@@ -18,6 +18,7 @@ import aiohttp
 
 from backends.crash_loop import Unavailable
 from backends.info import BackendInfo
+from backends.memory import gguf_memory
 from proxy.config.pools import PoolSpec
 from proxy.config.settings import ProxySettings
 from proxy.disk.tier import DiskTier
@@ -99,8 +100,8 @@ async def build_pool(spec: PoolSpec, router: Router, shared: Shared,
             tok.pool.shutdown(wait=False, cancel_futures=True)
             raise
     prompt = tok.prompt
-    if prompt is not None and spec.mmproj is not None:
-        prompt.media = MediaModel.read(spec.mmproj)
+    if prompt is not None and model is not None and spec.mmproj is not None:
+        prompt.media = _media_model(spec.mmproj, model[0])
     # the live view of its routable backends: one dict, kept by its health, read by its
     # forwarder and the pool's own round robin
     routable: dict[str, BackendInfo] = {}
@@ -114,6 +115,18 @@ async def build_pool(spec: PoolSpec, router: Router, shared: Shared,
         lambda ids, d=prompt.message_delimiters: user_starts(ids, d))
     pool = Pool(spec, router, routable, health, tok, fw)
     return pool
+
+
+def _media_model(mmproj: Path, gguf: Path) -> MediaModel | None:
+    """What the pool's projector makes of an image, where kvroute models it: a dense
+    model's (a sliding-window or hybrid one checkpoints around media chunks in ways the
+    checkpoint model does not follow yet)."""
+    memory = gguf_memory(gguf)
+    model = MediaModel.read(mmproj) if not (memory.n_swa or memory.recurrent) else None
+    if model is None:
+        get_logger().info("media.positions_unknown", mmproj=str(mmproj),
+                          now="a prompt's ids stop at its first image or audio")
+    return model
 
 
 class Pools:

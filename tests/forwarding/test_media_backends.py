@@ -25,7 +25,7 @@ from backends.demo_model import DemoModelParams
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.prompt.media import media_kinds
-from proxy.server.keys import METRICS
+from proxy.server.keys import METRICS, TOKENIZING
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,11 +106,12 @@ async def test_completion_with_multimodal_data_is_refused(client: TestClient[Any
     # not modelled yet, and llama-server aborts on a prompt whose last chunk is an image:
     # refused before it can reach one
     image = data_uri(png(3)).split(",", 1)[1]
-    body = {"prompt": {"prompt_string": "Look: <__media__>", "multimodal_data": [image]},
-            "n_predict": 1}
-    async with client.post("/completion", json=body) as r:
-        assert r.status == 400, await r.text()
-        assert "multimodal" in (await r.text()).lower()
+    sub = {"prompt_string": "Look: <__media__>", "multimodal_data": [image]}
+    for prompt in (sub, ["first", sub]):
+        async with client.post("/completion", json={"prompt": prompt, "n_predict": 1}) as r:
+            assert r.status == 400, await r.text()
+            assert "X-Kvroute-Backend" not in r.headers  # refused here, sent nowhere
+            assert "multimodal_data" in (await r.json())["error"]["message"]
 
 
 async def _turns(client: TestClient[Any, Any], path: str, first: dict[str, Any],
@@ -204,10 +205,10 @@ def _exact_each(rows: list[tuple[int, int, int]]) -> None:
         assert abs(predicted - reported) <= max(16, total // 50), rows
 
 
-async def test_a_chat_prompt_ending_in_an_image_is_refused_by_the_server(
+async def test_an_image_in_a_continued_assistant_message_gets_the_servers_answer(
         client: TestClient[Any, Any]) -> None:
-    # a final assistant message is continued: its image ends the prompt; the server
-    # refuses it (a /completion prompt so would abort it: refused here, above)
+    # a final assistant message is continued: the server renders its text only, finds
+    # one image for no marker and refuses it; the backend stays up
     body = {"model": "kvroute-demo", "max_tokens": 2, "messages": [
         {"role": "user", "content": "Draw it."},
         {"role": "assistant", "content": [
@@ -217,3 +218,16 @@ async def test_a_chat_prompt_ending_in_an_image_is_refused_by_the_server(
         assert (await r.json())["error"]["message"] == "Failed to tokenize prompt"
     async with client.get("/kvroute/status") as r:
         assert all(b["healthy"] for b in (await r.json())["backends"])
+
+
+async def test_ids_from_a_backends_rendering_stop_at_its_marker(
+        client: TestClient[Any, Any]) -> None:
+    # where the ids come from a backend's /apply-template (no local tokenizer, or an
+    # inexact template), its own random marker stands for the image: cut there
+    tok = client.server.app[TOKENIZING]
+    assert tok.remote is not None and tok.prompt is not None
+    body = {"messages": [_image_message(41)]}
+    ids = await tok.remote.chat(body, "test")
+    local = tok.prompt.chat_ids(body)
+    head = local[:local.index(next(i for i in local if i < 0))]
+    assert list(ids) == list(head) and len(ids) > 20
