@@ -5,7 +5,12 @@ keys and tensors."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
+
+from backends.binary import Progress, cache_lock
 
 
 class ModelShape(Protocol):
@@ -47,3 +52,24 @@ class Weights:
 
     def ones(self, n: int) -> Any:
         return self._np.ones(n, dtype=self._np.float32)
+
+
+def synthesised(path: Path, what: str, write: Callable[[Path], None],
+                progress: Progress) -> Path:
+    """``path``, written by ``write`` first if missing: under the cache's lock (a
+    concurrent prepare may build it meanwhile), through a temporary file, so that a
+    half-written GGUF never sits in the cache."""
+    if path.is_file():
+        return path
+    with cache_lock():
+        if path.is_file():  # built by a concurrent prepare while we waited for the lock
+            return path
+        progress(f"==> synthesising {what} {path.name}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        try:
+            write(tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path

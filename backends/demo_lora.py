@@ -17,13 +17,12 @@ are.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.binary import Progress, _print, cache_dir, cache_lock
-from backends.demo_gguf import ModelShape, Weights
+from backends.binary import Progress, _print, cache_dir
+from backends.demo_gguf import ModelShape, Weights, synthesised
 
 # `lora: [demo, demo1]` in config.yaml: the name -> the adapter's seed
 DEMO_LORAS = {"demo": 0, "demo1": 1}
@@ -111,19 +110,6 @@ def write_lora(path: Path, params: DemoLoraParams) -> None:
 def ensure_demo_lora(params: DemoLoraParams | None = None,
                      progress: Progress = _print) -> Path:
     """Path of the demo adapter, synthesised first if missing (well under a second)."""
-    params = params or DemoLoraParams()
-    path = demo_lora_path(params)
-    if path.is_file():
-        return path
-    with cache_lock():
-        if path.is_file():  # built by a concurrent prepare while we waited for the lock
-            return path
-        progress(f"==> synthesising the demo LoRA adapter {path.name}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        try:
-            write_lora(tmp, params)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return path
+    p = params or DemoLoraParams()
+    return synthesised(demo_lora_path(p), "the demo LoRA adapter",
+                       lambda tmp: write_lora(tmp, p), progress)

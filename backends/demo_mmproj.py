@@ -14,14 +14,13 @@ The file is cached by its sizes and seed, as the demo models are.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backends.binary import Progress, _print, cache_dir, cache_lock
-from backends.demo_gguf import ModelShape, Weights
+from backends.binary import Progress, _print, cache_dir
+from backends.demo_gguf import ModelShape, Weights, synthesised
 
 PROJECTOR = "mlp"  # clip.projector_type: llava 1.5's two-layer MLP
 DEMO_MMPROJ = "demo"  # `mmproj: demo` in config.yaml
@@ -150,19 +149,6 @@ def ensure_demo_mmproj(params: DemoMmprojParams | None = None,
                        progress: Progress = _print) -> Path:
     """Path of the demo projector, synthesised first if missing (well under a second,
     ~0.4 MB by default)."""
-    params = params or DemoMmprojParams()
-    path = demo_mmproj_path(params)
-    if path.is_file():
-        return path
-    with cache_lock():
-        if path.is_file():  # built by a concurrent prepare while we waited for the lock
-            return path
-        progress(f"==> synthesising the demo projector {path.name}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        try:
-            write_mmproj(tmp, params)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return path
+    p = params or DemoMmprojParams()
+    return synthesised(demo_mmproj_path(p), "the demo projector",
+                       lambda tmp: write_mmproj(tmp, p), progress)
