@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
+from managed_config import error_of, load
 
 from backends.config import ManagedBackendConfig
 from backends.demo_mmproj import DemoMmprojParams, demo_mmproj_path, ensure_if_used, for_model
@@ -17,20 +17,6 @@ from backends.process import ServerSpec
 from proxy.config.fields import ConfigError
 from proxy.config.load import load_config
 from proxy.disk.identity import model_identity
-
-
-def load(tmp_path: Path, backend: dict[str, Any], **kw: Any) -> ManagedBackendConfig:
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump({"backends": [{"name": "a", **backend}]}))
-    b = load_config(path, check_port=False, **kw).managed()[0]
-    assert isinstance(b, ManagedBackendConfig)
-    return b
-
-
-def error_of(tmp_path: Path, backend: dict[str, Any], **kw: Any) -> str:
-    with pytest.raises(ConfigError) as exc:
-        load(tmp_path, backend, **kw)
-    return str(exc.value)
 
 
 def test_demo_resolves_to_the_projector_of_the_demo_sizes(tmp_path: Path,
