@@ -164,6 +164,17 @@ class BackendClient:
         except (KeyError, TypeError, ValueError) as e:
             return BadResponse(self.url, 200, f"{type(e).__name__} {e}: {str(data)[:400]}")
 
+    async def adapters(self) -> tuple[float, ...] | Failure:
+        """The global scale of each LoRA adapter it loaded (`/lora-adapters`; () when it
+        has none, or is older than the endpoint: a 404)."""
+        data = await self._json("GET", "/lora-adapters")
+        if isinstance(data, BadResponse) and data.status == 404:
+            return ()
+        if isinstance(data, BackendDown | BadResponse):
+            return data
+        got = adapter_scales(data)
+        return BadResponse(self.url, 200, str(data)[:500]) if got is None else got
+
     async def slots(self) -> list[SlotState] | Failure:
         data = await self._json("GET", "/slots")
         if isinstance(data, BackendDown | BadResponse):
@@ -243,6 +254,20 @@ class BackendClient:
             return res
         status, text = res
         return text if status == 200 else BadResponse(self.url, status, text[:500])
+
+
+def adapter_scales(raw: object) -> tuple[float, ...] | None:
+    """The scales of a `GET /lora-adapters` answer, by adapter id (None: not one)."""
+    if not isinstance(raw, list):
+        return None
+    got: dict[int, float] = {}
+    for a in raw:
+        i, scale = (a.get("id"), a.get("scale")) if isinstance(a, Mapping) else (None, None)
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(raw) \
+                or not isinstance(scale, int | float) or isinstance(scale, bool):
+            return None
+        got[i] = float(scale)
+    return tuple(got[i] for i in range(len(raw))) if len(got) == len(raw) else None
 
 
 def modalities(raw: object) -> frozenset[str]:

@@ -81,6 +81,12 @@ class ExternalBackend:
             key = isinstance(props, BadResponse) and props.status in (401, 403)
             hint = "check api_key" if key else "is it a llama-server?"
             return f"/props: {props} (fix: {hint})"
+        adapters = await client.adapters()
+        if not isinstance(adapters, tuple):
+            # (asked of the server's loop: a long prefill under way may outlast the probe)
+            log.warning("backend.adapters_unknown", backend=self.cfg.name, error=str(adapters),
+                        effect="requests naming LoRA adapters are predicted as if it had none")
+            adapters = ()
         cfg = self.cfg
         kv = await self._kv_bytes()
         memory = await asyncio.to_thread(server_memory, self._gguf, (), props.slot_ctx,
@@ -89,7 +95,7 @@ class ExternalBackend:
             name=cfg.name, url=cfg.url, api_key=cfg.api_key, n_slots=props.total_slots,
             slot_ctx=props.slot_ctx, ram_cache_bytes=cfg.cache_ram_mib * MiB,
             kv_bytes_per_token=kv, model=props.model_alias, managed=False, memory=memory,
-            modalities=props.modalities))
+            modalities=props.modalities, lora=adapters))
         return None
 
     async def _probe_openai(self, client: BackendClient) -> str | None:

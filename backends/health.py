@@ -65,9 +65,13 @@ class HealthCheck:
         res = await proc.wait_ready(self._session, self._startup_timeout_s)
         if isinstance(res, Failed):
             return f"{res.reason}; last log lines:\n{res.log_tail}"
-        props = await BackendClient(self._session, spec.url, spec.api_key).props()
+        client = BackendClient(self._session, spec.url, spec.api_key)
+        props = await client.props()
         if not isinstance(props, Props):
             return f"/props failed: {props}"
+        adapters = await client.adapters()
+        if not isinstance(adapters, tuple):
+            return f"/lora-adapters failed: {adapters}"
         memory = await asyncio.to_thread(server_memory, cfg.model, spec.argv(),
                                          props.slot_ctx, props.total_slots)
         return BackendInfo(
@@ -76,7 +80,7 @@ class HealthCheck:
             # (of the layers whose cache grows with the context: a sliding one's does not)
             kv_bytes_per_token=memory.kv_bytes_per_token or kv_bytes_per_token,
             model=props.model_alias, managed=True, memory=memory,
-            modalities=props.modalities,
+            modalities=props.modalities, lora=adapters,
         )
 
     async def watch(self, proc: Exits, info: BackendInfo,

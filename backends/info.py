@@ -29,6 +29,8 @@ class BackendInfo:
     kind: str = LLAMA  # OPENAI: speaks the OpenAI API only (no id_slot, /slots, /props)
     # media kinds it takes (vision, audio, video: /props modalities); none without --mmproj
     modalities: frozenset[str] = frozenset()
+    # the global scale of each LoRA adapter (/lora-adapters) when it became ready
+    lora: tuple[float, ...] = ()
 
     @property
     def dialect(self) -> Dialect:

@@ -39,6 +39,7 @@ from proxy.observability.tracing import Tracing
 from proxy.prompt.media import media_kinds, media_positions
 from proxy.reporting.outcome import Outcome, held_output
 from proxy.reporting.recorder import Recorder
+from proxy.routing.cache.lora import requested
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
@@ -141,6 +142,7 @@ class Attempt:
         self.no_reuse = asked.body.get("cache_prompt") is False
         self.detached: asyncio.Future[web.StreamResponse] | None = None
         self.media = media_kinds(asked.body)
+        self.lora = requested(asked.body)
         self.among = fw.serving(asked.path, self.media)
 
     async def run(self) -> web.StreamResponse:
@@ -181,18 +183,18 @@ class Attempt:
             tokens: Sequence[int] = self.tokens  # type: ignore[assignment]
             got = self.router.decide(tokens, session=self.hint, now=time.monotonic(),
                                      defer=True, user_starts=self.user_starts(tokens),
-                                     among=self.among)
+                                     among=self.among, lora=self.lora)
         else:
             got = self.router.decide(pending.head, session=self.hint, now=time.monotonic(),
                                      n_prompt=pending.n_estimate, defer=True,
                                      user_starts=self.user_starts(pending.head),
-                                     among=self.among)
+                                     among=self.among, lora=self.lora)
             if isinstance(got, NeedWholePrompt):  # not moved off its history on the head
                 self.tokens = whole = await whole_prompt(pending)
                 self.pending, self.whole = None, True
                 got = self.router.decide(whole, session=self.hint, now=time.monotonic(),
                                          defer=True, user_starts=self.user_starts(whole),
-                                         among=self.among)
+                                         among=self.among, lora=self.lora)
         if isinstance(got, NoBackend):
             raise _no_backend_error(got, self.fw)
         assert not isinstance(got, NeedWholePrompt), "only ever for a head"

@@ -98,7 +98,8 @@ def capacity(info: BackendInfo) -> BackendCapacity:
                     n_ubatch=m.n_ubatch, n_batch=m.n_batch, partial_bytes=m.partial_bytes)
     return BackendCapacity(name=info.name, n_slots=info.n_slots, slot_ctx=info.slot_ctx,
                            ram_cache_bytes=info.ram_cache_bytes,
-                           kv_bytes_per_token=info.kv_bytes_per_token, memory=memory)
+                           kv_bytes_per_token=info.kv_bytes_per_token, memory=memory,
+                           lora=info.lora)
 
 
 class BackendHealth:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from sortedcontainers import SortedList
 
+from proxy.routing.cache.lora import Lora
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.waiters import WaiterTree
@@ -21,6 +22,7 @@ class Queued(NamedTuple):
     n: int  # prompt tokens
     prompt: bytes  # int32 token bytes (the head, when decided on its head)
     session: str | None = None  # the client's session hint
+    lora: Lora | None = None  # the adapters it names (None: no `lora` field)
 
 
 @dataclass
@@ -65,10 +67,11 @@ class BackendState:
             self.slot_session[slot] = session
 
     def enqueue(self, rid: int, n: int, prompt: bytes, slot: int | None, *,
-                session: str | None = None, leader: int | None = None) -> None:
+                session: str | None = None, leader: int | None = None,
+                lora: Lora | None = None) -> None:
         """``rid`` waits for a slot: ``slot`` once it frees, or any (None), or, with
         ``leader``, the one that waiter is handed."""
-        self.queued[rid] = Queued(n, prompt, session)
+        self.queued[rid] = Queued(n, prompt, session, lora)
         if leader is not None:
             self.leader_of[rid] = leader
             self.followers.setdefault(leader, []).append(rid)

@@ -161,7 +161,7 @@ class RequestEnds:
             return slot
         if slot is not None:
             cache.correct(slot, f.prompt, *self._queue.lcps(cache, f.prompt), f.n,
-                          user_starts=f.user_starts)
+                          user_starts=f.user_starts, lora=f.lora)
             st.occupy(slot, f.session)
         return slot
 

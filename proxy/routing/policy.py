@@ -102,6 +102,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from proxy.routing.backend_state import BackendState, Queued
+from proxy.routing.cache.lora import Lora
 from proxy.routing.cache.predict import CONTINUATION_SLACK, Placement
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import common_len
@@ -129,10 +130,20 @@ class Candidate:
     slot_lcp: dict[int, int]  # slot -> tokens of the prompt that slot holds
     ram_lcp: dict[int, int]  # RAM entry -> tokens of the prompt that entry holds
     prompt: bytes = b""  # the prompt (int32 token bytes; its head, decided on its head)
+    lora: Lora | None = None  # the adapters it names (None: no `lora` field)
 
     def shared(self, q: Queued) -> int:
-        """Tokens of the prompt that queued request ``q``'s prompt has too."""
-        return common_len(q.prompt, self.prompt, 0)
+        """Tokens of the prompt that queued request ``q``'s prompt has too, as KV this
+        request may reuse there (none when its adapters clear what ``q`` leaves)."""
+        return common_len(q.prompt, self.prompt, 0) if self.goes_on(q) else 0
+
+    def goes_on(self, q: Queued) -> bool:
+        """This request may reuse what queued request ``q`` leaves in its slot: it names
+        no adapters, or those ``q`` runs under."""
+        if self.lora is None:
+            return True
+        cache = self.state.cache
+        return cache.lora_set(self.lora) == cache.lora_set(q.lora)
 
     def matched(self) -> int:
         """The most tokens of the prompt one slot or RAM entry here holds."""
@@ -157,13 +168,14 @@ class Candidate:
             later = sum(cache.save_bytes(next(newest).n) for _ in range(len(cache.slots) - 1))
             q = next(newest)
             behind, ahead_saved = (self.shared(q), q.n), st.waiting_bytes - later
-        first = cache.predict_behind(self.slot_lcp, self.ram_lcp, k, behind, ahead_saved, n)
+        first = cache.predict_behind(self.slot_lcp, self.ram_lcp, k, behind, ahead_saved, n,
+                                     self.lora)
         if min_tokens is not None and k:
             # the proxy hands a freed slot to the waiter of shortest expected prefill
             # there (SlotQueue._next_waiter), not to the oldest: reusing at least
             # min_tokens, this one is served first, before the starts ahead of it save
             # their slots to RAM and evict the entry it would load
-            alone = cache.predict_behind(self.slot_lcp, self.ram_lcp, 0, None, 0, n)
+            alone = cache.predict_behind(self.slot_lcp, self.ram_lcp, 0, None, 0, n, self.lora)
             if alone.reuse >= min_tokens and alone.reuse > first.reuse:
                 first = alone
         if min_tokens is not None:
@@ -172,7 +184,8 @@ class Candidate:
                     if got >= min_tokens and cache.slots[i].busy and i not in awaited]
             if held:
                 slot = max(held)[1]
-                p = cache.predict(slot, self.slot_lcp, self.ram_lcp, n, after_busy=True)
+                p = cache.predict(slot, self.slot_lcp, self.ram_lcp, n, after_busy=True,
+                                  lora=self.lora)
                 assert p is not None
                 if p.reuse >= first.reuse:
                     return p, slot
@@ -269,7 +282,7 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
     cache, rate = st.cache, st.rate
     best: tuple[tuple[float, float, int], Placement, int | None] | None = None
     for opt in _idle_options(c):
-        p = cache.predict(opt, c.slot_lcp, c.ram_lcp, n)
+        p = cache.predict(opt, c.slot_lcp, c.ram_lcp, n, lora=c.lora)
         assert p is not None, "idle slots exist"
         ttft = _ttft(backlog, p, n, rate, s)
         key = (ttft + _penalty(p, s, rate), ttft, cache.slots[p.slot].last_used)
@@ -312,7 +325,7 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
             if queued is not None and (wait is None or queued[0] < wait[0]):
                 wait = queued
             continue
-        p = st.cache.predict(i, c.slot_lcp, c.ram_lcp, n, after_busy=True)
+        p = st.cache.predict(i, c.slot_lcp, c.ram_lcp, n, after_busy=True, lora=c.lora)
         assert p is not None
         ttft = _ttft(max(backlog, st.slot_free_at.get(i, now) - now), p, n, rate, s)
         key = (ttft + _penalty(p, s, rate), ttft, slots[i].last_used)
@@ -393,7 +406,7 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlo
     if shared < s.wait_min_tokens:
         return None
     ahead = st.queued[leader]
-    if session is not None and (ahead.session or session) != session:
+    if (session is not None and (ahead.session or session) != session) or not c.goes_on(ahead):
         return None
     service = st.service_s or s.default_service_s
     behind = len(st.followers.get(leader, ()))

@@ -103,7 +103,7 @@ class SlotQueue:
     def _reuse(self, st: BackendState, rid: int) -> int:
         """What waiter ``rid``'s unpinned start on ``st`` reuses (-1: it cannot start)."""
         q = st.queued[rid]
-        p = st.cache.predict(None, *self.lcps(st.cache, q.prompt), q.n)
+        p = st.cache.predict(None, *self.lcps(st.cache, q.prompt), q.n, lora=q.lora)
         return -1 if p is None else p.reuse
 
     def _candidates(self, st: BackendState, landed: dict[int, int]) -> set[int]:
@@ -139,7 +139,7 @@ class SlotQueue:
         cache = st.cache
         held = self._tree.match(f.prompt).held
         slot_lcp, ram_lcp = self.split(cache, held)
-        p = cache.predict(slot, slot_lcp, ram_lcp, f.n)
+        p = cache.predict(slot, slot_lcp, ram_lcp, f.n, lora=f.lora)
         assert p is not None, "handed an idle slot"
         had = cache.held(p.slot) if self._disk.spilling(backend) else None
         # a peer's request is restored by the replica that routed it, if at all
@@ -147,11 +147,11 @@ class SlotQueue:
                    if self._disk and not f.observed else None)
         if restore is None:
             p = cache.start(slot, f.prompt, slot_lcp, ram_lcp, f.n, p,
-                            user_starts=f.user_starts)
+                            user_starts=f.user_starts, lora=f.lora)
         else:
             cache.restore(p.slot, restore[1])
             p = from_disk(cache.start(p.slot, f.prompt, {**slot_lcp, p.slot: restore[2]},
-                                      ram_lcp, f.n, user_starts=f.user_starts))
+                                      ram_lcp, f.n, user_starts=f.user_starts, lora=f.lora))
             if had is not None and restore[1].startswith(had):
                 had = None  # (the file holds it already: an earlier point of its conversation)
         assert p is not None

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
+from proxy.routing.cache.lora import Lora
 from proxy.routing.decision import Decision, Handoff, Report
 
 
@@ -48,6 +49,7 @@ class Inflight:
     beyond: bytes | None = None
     session: str | None = None  # the client's session hint
     user_starts: tuple[int, ...] = ()  # where its prompt's user messages start
+    lora: Lora | None = None  # the adapters it names (None: no `lora` field)
     prefilled: bool = False  # its first token came
     prediction: Decision | None = None  # what the caller shows: set as it is decided
     live: bool = True  # False once it ended, or its backend left the model

@@ -25,6 +25,7 @@ from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 from proxy.routing.backend_state import BackendState, peer_rate
+from proxy.routing.cache.lora import Lora, Scales
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import (
     CONTINUATION_SLACK,
@@ -85,6 +86,7 @@ class _Prompt(NamedTuple):
     user_starts: tuple[int, ...]
     claims: bool = False  # it takes a slot it does not go on from (see Decision.claims)
     prior: Prior | None = None  # a claim's slot before it
+    lora: Lora | None = None  # the adapters it names (None: no `lora` field)
 
 
 class Router:
@@ -149,6 +151,13 @@ class Router:
             self._unposted.posted(rid)
             self.peers.told_freed(f, f.slot, rid)
 
+    def set_adapters(self, name: str, scales: Scales) -> None:
+        """``name``'s global LoRA scales are now ``scales`` (`POST /lora-adapters`: what
+        its slots hold is not cleared)."""
+        st = self._backends.get(name)
+        if st is not None:
+            st.cache.lora_global = scales
+
     @property
     def wants_user_starts(self) -> bool:
         """Does a backend checkpoint where user messages start (see ``decide``)?"""
@@ -165,6 +174,7 @@ class Router:
         defer: bool = False,
         user_starts: tuple[int, ...] = (),
         among: Collection[str] | None = None,
+        lora: Lora | None = None,
     ) -> Routed | NoBackend | NeedWholePrompt:
         """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
         native int32 bytes (the tree's format, see proxy/routing/tree/token_bytes.py).
@@ -178,14 +188,17 @@ class Router:
         ``user_starts``: the positions where the server finds a user message starting
         (it checkpoints there on sliding-window and hybrid models).
 
-        ``among``: the backends that may serve it (None: any)."""
+        ``among``: the backends that may serve it (None: any).
+
+        ``lora``: the LoRA adapters it names (None: no `lora` field; see
+        proxy/routing/cache/lora.py)."""
         self._deferred.apply()
         q = to_token_bytes(tokens)
         n = len(q) // 4
         head = n_prompt is not None and n_prompt > n
         if head:
             n = n_prompt  # type: ignore[assignment]
-        found = self._candidates(q, n, head, among)
+        found = self._candidates(q, n, head, among, lora)
         if not isinstance(found, tuple):
             return found
         cands, held = found
@@ -207,12 +220,13 @@ class Router:
             cache = cand.state.cache
             prior = Prior(cache.held(choice.slot), cand.state.slot_session.get(choice.slot),
                           cache.common_part(choice.slot))
-        r = _Prompt(rid, q, n, head, now, session, user_starts, claims, prior)
+        r = _Prompt(rid, q, n, head, now, session, user_starts, claims, prior, lora)
         placed, beyond = self._place(r, choice, cand, defer, restore)
         return self._record(r, choice, cand, placed, beyond,
                             restore[0] if restore is not None else None)
 
-    def _candidates(self, q: bytes, n: int, head: bool, among: Collection[str] | None
+    def _candidates(self, q: bytes, n: int, head: bool, among: Collection[str] | None,
+                    lora: Lora | None = None
                     ) -> tuple[list[Candidate], dict[Any, int]] | NoBackend | NeedWholePrompt:
         """The backends that may take an ``n``-token prompt, each with what of ``q`` its
         slots and RAM entries hold, and the tree's match of ``q``."""
@@ -238,7 +252,7 @@ class Router:
             lcps = per.get(b)  # (a disk entry's is "": no backend's)
             if lcps is not None:
                 lcps[kind][idx] = got  # SLOT, RAM index the tuple
-        return [Candidate(b, self._backends[b], *per[b], q) for b in names], held
+        return [Candidate(b, self._backends[b], *per[b], q, lora) for b in names], held
 
     def _place(self, r: _Prompt, choice: Choice, cand: Candidate, defer: bool,
                restore: tuple[str, bytes, int] | None
@@ -246,7 +260,7 @@ class Router:
         """The slot model's landing of the chosen placement (None: queued on the server),
         now or, with ``defer``, at ``place``; and, decided on a head, what the holder it
         reuses has beyond that head."""
-        rid, q, n, user_starts = r.rid, r.q, r.n, r.user_starts
+        rid, q, n, user_starts, lora = r.rid, r.q, r.n, r.user_starts, r.lora
         st = cand.state
         slot_lcp, ram_lcp = cand.slot_lcp, cand.ram_lcp
         if choice.placement is None:
@@ -259,11 +273,11 @@ class Router:
                                                saved=False, displaced=0, destroyed=0)
             if defer:
                 self._deferred.defer(Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
-                                              ram_lcp, n, placed, sequence, user_starts))
+                                              ram_lcp, n, placed, sequence, user_starts, lora))
                 return placed, None
             st.cache.restore(placed.slot, sequence)
             p = from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
-                                         user_starts=user_starts))
+                                         user_starts=user_starts, lora=lora))
             self._unposted.started(rid, choice.backend, st.cache.created)
             return p, None
         beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
@@ -271,11 +285,11 @@ class Router:
         if defer:
             self._deferred.defer(Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
                                           ram_lcp, n, choice.placement,
-                                          user_starts=user_starts))
+                                          user_starts=user_starts, lora=lora))
             return choice.placement, beyond
         # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
         p = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement,
-                           user_starts=user_starts)
+                           user_starts=user_starts, lora=lora)
         self._unposted.started(rid, choice.backend, st.cache.created)
         return p, beyond
 
@@ -292,7 +306,8 @@ class Router:
             pq = choice.queued or cand.predict_queued(n, None)[0]
             # choice.slot: it waits for that busy slot (see SlotQueue.drain); follows:
             # for the slot that waiter is handed
-            st.enqueue(rid, n, q, choice.slot, session=session, leader=choice.follows)
+            st.enqueue(rid, n, q, choice.slot, session=session, leader=choice.follows,
+                       lora=r.lora)
             reuse, tier, slot = pq.reuse, pq.tier, None
         else:
             reuse, tier, slot = placed.reuse, placed.tier, placed.slot
@@ -303,7 +318,7 @@ class Router:
         if slot is not None:
             st.expect_free(slot, now)
         f = self._ledger.add(rid, Inflight(choice.backend, slot, q, n, work, now, beyond,
-                                           session, user_starts=r.user_starts))
+                                           session, user_starts=r.user_starts, lora=r.lora))
         if placed is not None:
             f.prior = r.prior
             st.occupy(placed.slot, session)
@@ -412,7 +427,7 @@ class Router:
 
     # ------------------------------------------------ other replicas' requests
     def observe_start(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0,
-                      wait: bool = True) -> Routed | None:
+                      wait: bool = True, lora: Lora | None = None) -> Routed | None:
         """Another replica's request was sent to ``backend``'s ``slot``, with ``sequence``
         (int32 token bytes) as its prompt: the model places it there as if routed here;
         it ends with ``complete`` (or ``abort``) as any. A slot busy in this model has
@@ -424,7 +439,7 @@ class Router:
         n = len(sequence) // 4
         if st is None or not 0 <= slot < len(st.cache.slots) or n < 2 or len(sequence) % 4:
             return None
-        found = self._candidates(sequence, n, False, (backend,))
+        found = self._candidates(sequence, n, False, (backend,), lora)
         if not isinstance(found, tuple):
             return None
         (cand,), _ = found
@@ -434,10 +449,10 @@ class Router:
                 return None
             choice = Choice(backend, slot, None, why, cand.predict_queued(n, None)[0])
         else:
-            p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n)
+            p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n, lora=lora)
             choice = Choice(backend, slot, p, why)
         rid = self._ledger.new_id()
-        r = _Prompt(rid, sequence, n, False, now, None, ())
+        r = _Prompt(rid, sequence, n, False, now, None, (), lora=lora)
         placed, _ = self._place(r, choice, cand, False, None)
         routed = self._record(r, choice, cand, placed, None, None)
         routed.entry.observed = True

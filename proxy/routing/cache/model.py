@@ -19,6 +19,9 @@ Mirrors the pinned build (../shared/notes/llama-server.md, "Slots", "The prompt 
 - If the slot is kept (not saved), the tail of its sequence beyond the common prefix is
   truncated: gone for good unless another slot or a (loadable) RAM entry holds it.
   ``Placement.destroyed`` counts those tokens, so the policy can charge for them.
+- A request naming LoRA adapters other than those the slot's last request ran under
+  finds the slot cleared once chosen (after any save and load): it reuses nothing
+  (proxy/routing/cache/lora.py).
 - ``--cache-idle-slots`` (default on): once a request has taken its slot, every *idle*
   slot's state is saved to the RAM cache too (same rules as above; with a unified KV
   cache the slot is then cleared, otherwise it keeps its copy). So the prefix of a slot
@@ -53,6 +56,7 @@ from proxy.routing.cache.checkpoints import (
     reusable,
     surviving,
 )
+from proxy.routing.cache.lora import Lora
 from proxy.routing.cache.predict import (
     RAM,
     BackendCapacity,
@@ -94,6 +98,7 @@ class BackendCache(CachePrediction):
         self.ram_checkpoints: dict[int, Checkpoints] = {}
         self.ram_bytes = 0
         self.checkpointed = cap.memory.checkpointed
+        self.lora_global = cap.lora
         # while a checkpointed slot is busy: what its prompt started from (checkpoints
         # kept, memory floor, tokens reused), to place its checkpoints again once the
         # whole prompt is known (see extend_prompt)
@@ -115,21 +120,26 @@ class BackendCache(CachePrediction):
         n_prompt: int,
         predicted: Placement | None = None,
         user_starts: Sequence[int] = (),
+        lora: Lora | None = None,
     ) -> Placement | None:
         """Apply a request starting now: the slot becomes busy and holds the prompt.
 
         ``predicted``: what ``predict`` just returned for these same arguments (saves
         computing it again). ``user_starts``: where the prompt's user messages start (the
-        server checkpoints there; see proxy/routing/cache/checkpoints.py)."""
-        p = predicted or self.predict(slot, slot_lcp, ram_lcp, n_prompt)
+        server checkpoints there; see proxy/routing/cache/checkpoints.py). ``lora``: the
+        adapters it names (None: no `lora` field, the server's global set)."""
+        p = predicted or self.predict(slot, slot_lcp, ram_lcp, n_prompt, lora=lora)
         if p is None:
             return None
         first = self._next_entry
         s = self.slots[p.slot]
+        cleared = lora is not None and self.clears(p.slot, lora)
         if p.saved:
             gone = self._save(p.slot)
             lcp = min(slot_lcp.get(p.slot, 0), s.n_tokens)
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
+            if cleared:
+                got = 0
             if self.checkpointed and got:
                 got = (self._from_entry(entry, got, n_prompt) if entry is not None
                        else self._from_slot(p.slot, got, n_prompt))
@@ -137,7 +147,9 @@ class BackendCache(CachePrediction):
             tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
             p = Placement(p.slot, reuse, tier, entry, p.displaced, True, p.destroyed)
         if self.checkpointed:
-            self._start_checkpoints(p, slot_lcp, ram_lcp, n_prompt, user_starts)
+            # (a cleared slot keeps none of its checkpoints, nor of the entry loaded)
+            self._start_checkpoints(p, {} if cleared else slot_lcp, {} if cleared else ram_lcp,
+                                    n_prompt, user_starts)
         if p.ram_entry is not None:
             self.ram_bytes -= self.entry_size(p.ram_entry)
             n = self.ram.pop(p.ram_entry)
@@ -149,6 +161,7 @@ class BackendCache(CachePrediction):
         s.ram_copy = None
         s.prompt = prompt
         s.busy = True
+        s.lora = self.lora_set(lora)
         self.idle.remove(p.slot)
         self._clock += 1
         s.last_used = self._clock
@@ -160,11 +173,12 @@ class BackendCache(CachePrediction):
         return p
 
     def correct(self, slot: int, prompt: bytes, slot_lcp: dict[int, int],
-                ram_lcp: dict[int, int], n_prompt: int, user_starts: Sequence[int] = ()
-                ) -> Placement | None:
+                ram_lcp: dict[int, int], n_prompt: int, user_starts: Sequence[int] = (),
+                lora: Lora | None = None) -> Placement | None:
         """A request placed where the server says it ran: a correction of the model, as
         `start` applies it, but no task the server starts now (see `starts`)."""
-        p = self.start(slot, prompt, slot_lcp, ram_lcp, n_prompt, user_starts=user_starts)
+        p = self.start(slot, prompt, slot_lcp, ram_lcp, n_prompt, user_starts=user_starts,
+                       lora=lora)
         if p is not None:
             self.starts -= 1
         return p

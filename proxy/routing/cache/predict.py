@@ -22,6 +22,7 @@ from proxy.routing.cache.checkpoints import (
     loaded_floor,
     reusable,
 )
+from proxy.routing.cache.lora import Lora, Scales, scales
 
 if TYPE_CHECKING:
     from proxy.routing.tree.radix import RadixTree
@@ -47,6 +48,7 @@ class Slot:
     prompt: bytes | None = None  # while busy: the prompt it started with (finish extends it)
     checkpoints: Checkpoints = ()  # context checkpoints (checkpointed memory only)
     floor: int = 0  # oldest position a restore or a RAM load left in its memory
+    lora: Scales = ()  # the adapters its last request ran under (none yet: no set)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class BackendCapacity:
     ram_cache_bytes: int  # 0 = no RAM tier
     kv_bytes_per_token: int
     memory: Memory = DENSE  # how the server can cut the KV back (checkpoints)
+    lora: Scales = ()  # its LoRA adapters' global scales (/lora-adapters) when it started
 
     def entry_bytes(self, n_tokens: int, n_checkpoints: int = 0) -> int:
         """Bytes of a RAM entry of ``n_tokens`` as the server counts them
@@ -119,6 +122,7 @@ class CachePrediction:
     ram_checkpoints: dict[int, Checkpoints]  # entry id -> checkpoints saved with it
     ram_bytes: int
     checkpointed: bool  # the server reuses only up to checkpoints (cap.memory)
+    lora_global: Scales  # the server's global adapter scales (see proxy/routing/cache/lora.py)
 
     # ---------------------------------------------------------------- holders
     def slot_holder(self, i: int) -> CacheHolder:
@@ -162,12 +166,15 @@ class CachePrediction:
         n_prompt: int,
         *,
         after_busy: bool = False,
+        lora: Lora | None = None,
     ) -> Placement | None:
         """Where a request would land and what it would reuse; pure. None: no idle slot.
 
         ``after_busy``: ``slot`` is busy and the request would wait for it (held by the
         proxy, sent pinned once it frees): predicted against what it holds now, its
-        running request's prompt (the output it adds is not foreseen)."""
+        running request's prompt (the output it adds is not foreseen).
+
+        ``lora``: the adapters the request names (None: no `lora` field)."""
         pinned = slot is not None
         if slot is None:
             slot = self.server_pick(slot_lcp, n_prompt)
@@ -190,6 +197,8 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
         elif lcp < s.n_tokens:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)  # kept: tail truncated
+        if lora is not None and self.clears(slot, lora):
+            got = 0  # (a RAM entry loaded is lost with the rest)
         if self.checkpointed and got:
             got = (self._from_entry(entry, got, n_prompt) if entry is not None
                    else self._from_slot(slot, got, n_prompt))
@@ -205,6 +214,7 @@ class CachePrediction:
         ram_lcp: dict[int, int],
         ahead: list[tuple[int, int]],
         n_prompt: int,
+        lora: Lora | None = None,
     ) -> Placement:
         """Where an unpinned request deferred by the server (no idle slot) will land.
 
@@ -220,7 +230,7 @@ class CachePrediction:
         k, n_slots = len(ahead), len(self.slots)
         behind = ahead[k - n_slots] if k >= n_slots else None
         saved = sum(self.save_bytes(n) for _, n in ahead[:max(0, k - n_slots + 1)])
-        return self.predict_behind(slot_lcp, ram_lcp, k, behind, saved, n_prompt)
+        return self.predict_behind(slot_lcp, ram_lcp, k, behind, saved, n_prompt, lora)
 
     def predict_behind(
         self,
@@ -230,12 +240,14 @@ class CachePrediction:
         behind: tuple[int, int] | None,
         ahead_saved: int,
         n_prompt: int,
+        lora: Lora | None = None,
     ) -> Placement:
         """``predict_queued`` from what it reads of the requests ahead: their number
         ``k``; once they outnumber the slots, (tokens shared, prompt tokens) of the one
         whose slot this request gets (``ahead[k - n_slots]``), and ``save_bytes`` of each
         of the first ``k - n_slots + 1`` of them, summed: the prompts their slots hold
-        when the starts after theirs save them."""
+        when the starts after theirs save them. The adapters of the request ahead are
+        not known: the slot's are taken for theirs."""
         order = sorted(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
         slot = order[k % len(order)]
         if behind is None:
@@ -255,6 +267,8 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, gone)
         elif behind is None and lcp < n_slot:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
+        if lora is not None and self.clears(slot, lora):
+            got = 0
         if self.checkpointed and got:
             if entry is not None:
                 got = self._from_entry(entry, got, n_prompt)
@@ -265,6 +279,15 @@ class CachePrediction:
         reuse = max(0, min(got, n_prompt - 1))
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
         return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
+
+    def clears(self, slot: int, lora: Lora) -> bool:
+        """A request naming ``lora`` finds ``slot`` cleared: the slot's last request ran
+        under another set of adapters."""
+        return scales(lora, len(self.lora_global)) != self.slots[slot].lora
+
+    def lora_set(self, lora: Lora | None) -> Scales:
+        """The adapters a request naming ``lora`` (None: no `lora` field) runs under."""
+        return self.lora_global if lora is None else scales(lora, len(self.lora_global))
 
     def save_bytes(self, n_tokens: int) -> int:
         """The bytes a save of a slot holding ``n_tokens`` adds to the RAM tier (0: none)."""

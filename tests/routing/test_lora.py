@@ -1,0 +1,155 @@
+"""LoRA adapters in the cache model: a request naming another set than the slot's last
+request ran under reuses nothing (the rules measured in tests/backends/test_demo_lora.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.routing.cache.lora import Lora, f32, requested, scales
+from proxy.routing.cache.model import BackendCache
+from proxy.routing.cache.predict import SLOT, BackendCapacity, Placement, ServerRules
+from proxy.routing.decision import Report
+from proxy.routing.routed import Routed
+from proxy.routing.router import Router
+from proxy.routing.tree.radix import RadixTree
+from proxy.routing.tree.token_bytes import to_token_bytes
+
+A0: Lora = ((0, 1.0),)
+A1: Lora = ((1, 1.0),)
+BOTH: Lora = ((0, 1.0), (1, 1.0))
+HALF: Lora = ((0, 0.5),)
+P = [1, 2, 3, *range(100, 400)]  # 303 tokens
+Q = [1, 2, 3, *range(500, 800)]
+
+
+@pytest.mark.parametrize("body, want", [
+    ({}, None),
+    ({"lora": []}, None),
+    ({"lora": "x"}, None),  # (the server refuses it)
+    ({"lora": [{"id": 0, "scale": 1.0}]}, ((0, 1.0),)),
+    ({"lora": [{"id": 1, "scale": 0.5}, {"id": 0, "scale": 1}]}, ((0, 1.0), (1, 0.5))),
+    ({"lora": [{"id": 0, "scale": 1.0}, {"id": 0, "scale": 0.25}]}, ((0, 0.25),)),
+    ({"lora": [{"id": 0}]}, ((0, 0.0),)),
+    ({"lora": [{"scale": 1.0}]}, ((-1, 1.0),)),
+    ({"lora": [{"id": "0", "scale": "1"}]}, ((-1, 0.0),)),
+    ({"lora": [{"id": 1.9, "scale": True}]}, ((1, 1.0),)),
+    ({"lora": [3]}, ((-1, 0.0),)),
+    ({"lora": [{"id": 0, "scale": 0.1}]}, ((0, f32(0.1)),)),
+])
+def test_requested_reads_the_field_as_the_server(body: dict[str, Any], want: Lora | None
+                                                 ) -> None:
+    assert requested(body) == want
+
+
+@pytest.mark.parametrize("lora, n, want", [
+    (A0, 2, (1.0, 0.0)),
+    (A1, 2, (0.0, 1.0)),
+    (((-1, 1.0), (5, 1.0)), 2, (0.0, 0.0)),  # ids it has not: ignored
+    (A0, 0, ()),
+])
+def test_scales_names_every_adapter(lora: Lora, n: int, want: tuple[float, ...]) -> None:
+    assert scales(lora, n) == want
+
+
+def make(adapters: tuple[float, ...] = (1.0, 1.0), slots: int = 1,
+         ram_bytes: int = 256 << 20) -> BackendCache:
+    cap = BackendCapacity("b0", slots, 4096, ram_bytes, 1024, lora=adapters)
+    return BackendCache(cap, RadixTree(), ServerRules())
+
+
+def run(c: BackendCache, prompt: list[int], lora: Lora | None, slot: int | None = 0
+        ) -> Placement:
+    held = c.tree.match(prompt).held
+    slot_lcp = {i: n for (_, kind, i), n in held.items() if kind == SLOT}  # type: ignore[misc]
+    ram_lcp = {i: n for (_, kind, i), n in held.items() if kind != SLOT}  # type: ignore[misc]
+    want = c.predict(slot, slot_lcp, ram_lcp, len(prompt), lora=lora)
+    p = c.start(slot, to_token_bytes(prompt), slot_lcp, ram_lcp, len(prompt), lora=lora)
+    assert p is not None and want is not None and p.reuse == want.reuse
+    c.finish(p.slot, to_token_bytes([*prompt, 7]), len(prompt) + 1)
+    return p
+
+
+def test_the_servers_steps() -> None:
+    """The sequences tests/backends/test_demo_lora.py measures, as the model predicts."""
+    c, n = make(), len(P)
+    steps: list[tuple[Lora | None, int]] = [
+        (None, 0), (None, n - 1),  # no field: reused
+        (A0, 0), (A0, n - 1),  # another set clears, the same reuses
+        (None, n - 1),  # no field keeps KV made under adapter 0 (the server's quirk)
+        (BOTH, n - 1),  # the slot now holds the global set, named the same
+        (HALF, 0), (A0, 0), (A1, 0), (((0, 0.0),), 0), (BOTH, 0),  # each another set
+    ]
+    for i, (lora, reuse) in enumerate(steps):
+        assert run(c, P, lora).reuse == reuse, f"step {i}"
+
+
+def test_a_backend_without_adapters_never_clears() -> None:
+    c = make(adapters=())
+    run(c, P, A0)
+    assert run(c, P, A1).reuse == len(P) - 1
+
+
+def test_a_never_used_slot_differs_from_any_set() -> None:
+    """A slot given a prompt by a restore (no request ran there) holds no set."""
+    c = make()
+    c.seed(0, to_token_bytes([*P, 7]))
+    assert run(c, P, BOTH).reuse == 0
+
+
+def test_a_ram_entry_loaded_into_another_sets_slot_is_lost() -> None:
+    """The RAM tier keys by tokens: the entry is loaded, then cleared with the slot."""
+    c = make()
+    run(c, P, A0)
+    run(c, Q, A1)  # P's state goes to RAM (Q keeps nothing of it)
+    assert len(c.ram) == 1
+    p = run(c, P, A0)  # loaded into the slot of set A1, then cleared
+    assert (p.reuse, p.tier, p.ram_entry is not None) == (0, "none", True)
+    assert run(c, Q, A1).reuse == 0  # (P displaced Q; P's entry no longer in RAM)
+
+
+def test_global_scales_change_what_no_field_runs_under() -> None:
+    c = make()
+    run(c, P, None)  # under the global set (1, 1)
+    c.lora_global = (1.0, 0.0)
+    run(c, P, None)
+    assert run(c, P, A0).reuse == len(P) - 1  # (1, 0) is what the slot last ran under
+
+
+def test_the_policy_picks_the_slot_of_the_requests_set() -> None:
+    """Two slots hold the same prompt under two sets: each set's request goes on in its
+    own (the other is a cold start for it)."""
+    r = Router()
+    r.add_backend(BackendCapacity("b0", 2, 4096, 0, 1024, lora=(1.0, 1.0)))
+    for lora, reuse in ((A0, 0), (A1, 0), (A0, len(P) - 1), (A1, len(P) - 1),
+                        (A0, len(P) - 1)):
+        d = r.decide(P, lora=lora)
+        assert isinstance(d, Routed) and d.prediction.predicted_cached == reuse, lora
+        d.placed()
+        d.complete(Report(output_tokens=[7], reported_cached=reuse), now=0.0)
+
+
+SETS: list[Lora | None] = [None, A0, A1, BOTH, HALF]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(range(len(SETS))), st.integers(0, 3),
+                          st.integers(1, 60)), min_size=1, max_size=12))
+def test_one_slot_matches_a_reference(steps: list[tuple[int, int, int]]) -> None:
+    """One slot, no RAM tier: what the model predicts equals a reference that keeps the
+    slot's tokens and its set, and applies launch_slot_with_task's rule directly."""
+    c = make(ram_bytes=0)
+    held: list[int] = []
+    held_set: tuple[float, ...] = ()
+    for k, branch, size in steps:
+        lora = SETS[k]
+        prompt = [1, 2, 3] + [branch * 1000 + i for i in range(size)]
+        lcp = next((i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b),
+                   min(len(held), len(prompt)))
+        now = c.lora_global if lora is None else scales(lora, 2)
+        want = 0 if lora is not None and now != held_set else min(lcp, len(prompt) - 1)
+        assert run(c, prompt, lora).reuse == want
+        held, held_set = [*prompt, 7], now
