@@ -175,6 +175,10 @@ class BackendClient:
         got = adapter_scales(data)
         return BadResponse(self.url, 200, str(data)[:500]) if got is None else got
 
+    async def set_adapters(self, raw: bytes) -> Any | Failure:
+        """POST /lora-adapters ``raw`` (a JSON array of id and scale): its answer."""
+        return await self._json("POST", "/lora-adapters", raw)
+
     async def slots(self) -> list[SlotState] | Failure:
         data = await self._json("GET", "/slots")
         if isinstance(data, BackendDown | BadResponse):

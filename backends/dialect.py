@@ -22,7 +22,7 @@ NATIVE_PATHS = frozenset({"/completion", "/infill"})
 # llama-server's calls the proxy forwards as they are (no prefix to route by)
 PASSTHROUGH_POST = ("/tokenize", "/detokenize", "/apply-template", "/v1/embeddings",
                     "/embeddings")
-PASSTHROUGH_GET = ("/props",)
+PASSTHROUGH_GET = ("/props", "/lora-adapters")
 
 
 @dataclass(frozen=True)

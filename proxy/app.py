@@ -59,7 +59,7 @@ from proxy.replicas.peers import PeerView, PoolPort, Teller
 from proxy.reporting.recorder import Recorder
 from proxy.responses import routes as responses
 from proxy.routing.router import Router
-from proxy.server import handlers, status_page
+from proxy.server import adapters, handlers, status_page
 from proxy.server.admission import Admission, Refused
 from proxy.server.keys import (
     ADMISSION,
@@ -104,6 +104,7 @@ def create_app(config: Config, supervisor: Supervisor,
     app.cleanup_ctx.append(_pools_ctx)
     app.cleanup_ctx.append(_backends_ctx)
     handlers.add_routes(app)
+    adapters.add_routes(app)
     anthropic.add_routes(app)
     responses.add_routes(app)
     status_page.add_routes(app)

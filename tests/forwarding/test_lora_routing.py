@@ -1,0 +1,127 @@
+"""Requests naming LoRA adapters, through kvroute, on real llama-servers with the two demo
+adapters: what each reuses is predicted (a slot whose last request ran under another set
+is cleared by the server), conversations under different sets keep their own slots, and
+`/lora-adapters` sets the global scales of every server of the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient
+from proxy_client import proxy
+from texts import words
+
+from backends.config import ManagedBackendConfig
+from backends.demo_lora import ensure_demo_lora, for_model
+from backends.demo_model import DemoModelParams
+from backends.supervisor import Supervisor
+from proxy.config.load import Config
+from proxy.server.keys import SUPERVISOR
+
+pytestmark = pytest.mark.timeout(180)
+
+A0 = [{"id": 0, "scale": 1.0}]
+A1 = [{"id": 1, "scale": 1.0}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient[Any, Any]]:
+    loras = tuple(ensure_demo_lora(for_model(DemoModelParams(), s)) for s in (0, 1))
+    cfg = pool_config(n=2, slots=2, ctx_per_slot=4096, cache_ram_mib=64)
+    backends = tuple(dataclasses.replace(b, lora=loras) for b in cfg.backends
+                     if isinstance(b, ManagedBackendConfig))
+    sup = Supervisor(dataclasses.replace(cfg, backends=backends))
+    await sup.start()
+    try:
+        assert len(sup.ready()) == 2, sup.statuses()
+        assert all(info.lora == (1.0, 1.0) for info in sup.ready())
+        async with proxy(sup) as c:
+            yield c
+    finally:
+        await sup.stop()
+
+
+async def ask(client: TestClient[Any, Any], messages: list[dict[str, Any]],
+              lora: list[dict[str, Any]] | None) -> tuple[int, int, str, str]:
+    """(predicted, reported, backend, answer) of one chat turn."""
+    body: dict[str, Any] = {"model": "kvroute-demo", "max_tokens": 3, "temperature": 0,
+                            "messages": messages}
+    if lora is not None:
+        body["lora"] = lora
+    async with client.post("/v1/chat/completions", json=body) as r:
+        data = await r.json()
+        assert r.status == 200, data
+        predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+        backend = r.headers["X-Kvroute-Backend"]
+    reported = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return predicted, reported, backend, data["choices"][0]["message"]["content"]
+
+
+def close(predicted: int, reported: int) -> bool:
+    return abs(predicted - reported) <= 16
+
+
+async def test_another_set_is_a_cold_start_and_predicted(client: TestClient[Any, Any]
+                                                          ) -> None:
+    """One prompt under adapter 0, adapter 1, then 0 again: the server clears the slot
+    at each change; every turn is predicted, and the router sends the third to the
+    slot still holding the prompt under adapter 0 when it can."""
+    messages = [{"role": "system", "content": words(200, 1)},
+                {"role": "user", "content": words(20, 2)}]
+    rows = [await ask(client, messages, lora) for lora in (A0, A0, A1, A0, A1)]
+    assert all(close(p, r) for p, r, _, _ in rows), rows
+    assert rows[0][1] < 16 and rows[1][1] > 200, rows  # (cold, then reused)
+    assert rows[2][1] < rows[1][1] - 200, rows  # another set reuses none of adapter 0's KV
+    assert rows[3][1] > 200 and rows[4][1] > 200, rows  # each set's slot kept
+
+
+async def test_conversations_under_two_sets_and_none(client: TestClient[Any, Any]) -> None:
+    """Three conversations over one system prompt, one per set (adapter 0, adapter 1,
+    none named), turns interleaved: every turn predicted, and each conversation's later
+    turns go on from its own history."""
+    system = {"role": "system", "content": words(150, 3)}
+    convs: list[tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]] = [
+        (A0, [system]), (A1, [system]), (None, [system])]
+    rows: list[tuple[int, int, int, str, int]] = []
+    for turn in range(4):
+        for k, (lora, messages) in enumerate(convs):
+            messages.append({"role": "user", "content": words(25, 100 * k + turn)})
+            predicted, reported, backend, answer = await ask(client, messages, lora)
+            rows.append((turn, predicted, reported, backend, k))
+            messages.append({"role": "assistant", "content": answer})
+    assert all(close(p, r) for _, p, r, _, _ in rows), rows
+    later = [r for t, _, r, _, _ in rows if t >= 2]
+    assert min(later) > 150, rows  # each goes on from its own history
+
+
+async def test_global_scales_are_set_on_every_server(client: TestClient[Any, Any]) -> None:
+    """POST /lora-adapters reaches both servers; a request naming no adapters then runs
+    under adapter 0 alone, so one naming adapter 0 goes on from its slot (predicted)."""
+    async with client.get("/lora-adapters") as r:
+        assert [(a["id"], a["scale"]) for a in await r.json()] == [(0, 1.0), (1, 1.0)]
+    async with client.post("/lora-adapters", data=b'{"id": 0}') as r:
+        assert r.status == 400 and "must be an array" in (await r.json())["error"]["message"]
+    async with client.post("/lora-adapters", json=A0) as r:
+        assert r.status == 200, await r.text()
+    try:
+        sup = client.server.app[SUPERVISOR]
+        async with aiohttp.ClientSession() as session:
+            for info in sup.ready():
+                async with session.get(info.url + "/lora-adapters", headers={
+                        "Authorization": f"Bearer {info.api_key}"}) as r:
+                    assert [a["scale"] for a in await r.json()] == [1.0, 0.0], info.name
+        messages = [{"role": "system", "content": words(180, 7)},
+                    {"role": "user", "content": words(20, 8)}]
+        rows = [await ask(client, messages, lora) for lora in (None, A0, A1, None)]
+        assert all(close(p, r) for p, r, _, _ in rows), rows
+        assert rows[1][1] > 180, rows  # the set the unnamed request ran under: reused
+    finally:
+        async with client.post("/lora-adapters", json=[{"id": 0, "scale": 1.0},
+                                                       {"id": 1, "scale": 1.0}]) as r:
+            assert r.status == 200
