@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from loadtest.trace import BLOCK, VOCAB_HI, VOCAB_LO, TraceRequest, block_start
 from proxy.routing.cache.checkpoints import DENSE, Memory
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity
+from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity, Launch
 from proxy.routing.decision import Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
@@ -214,7 +214,7 @@ def simulate(
             return False
         slot_lcp, ram_lcp = lcps(cache.cap.name, req.prompt)
         p = cache.start(slot, req.prompt, slot_lcp, ram_lcp, req.n,
-                        user_starts=req.user_starts)
+                        launch=Launch(req.user_starts))
         if p is None:
             return False
         req.slot, req.reuse = p.slot, p.reuse
@@ -253,7 +253,7 @@ def simulate(
                 r = trace[idx]
                 q = blocks.prompt(r) if prompts is None else prompts[idx]
                 users = user_starts[idx] if user_starts is not None else ()
-                d = router.decide(q, now=now, user_starts=users)  # int32 token bytes
+                d = router.decide(q, now=now, launch=Launch(users))  # int32 token bytes
                 if not isinstance(d, Routed):
                     rejected += 1
                     continue

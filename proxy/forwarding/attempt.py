@@ -39,7 +39,8 @@ from proxy.observability.tracing import Tracing
 from proxy.prompt.media import media_kinds, media_positions
 from proxy.reporting.outcome import Outcome, held_output
 from proxy.reporting.recorder import Recorder
-from proxy.routing.cache.lora import requested
+from proxy.routing.cache.lora import Lora, requested
+from proxy.routing.cache.predict import Launch
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
@@ -107,7 +108,7 @@ class Forwarding(Protocol):
     tokenize_output: Callable[[str], Sequence[int]]
     tracing: Tracing
     waits: SlotWaits
-    on_sent: Callable[[str, int, int, bytes], None] | None
+    on_sent: Callable[[str, int, int, bytes, Lora | None], None] | None
     claims: Contest | None
     user_starts: Callable[[bytes], tuple[int, ...]] | None
 
@@ -168,13 +169,13 @@ class Attempt:
         finally:
             self.finish()
 
-    def user_starts(self, ids: Sequence[int] | array) -> tuple[int, ...]:
+    def launch(self, ids: Sequence[int] | array) -> Launch:
         """Where the server finds user messages in this prompt (none unless a backend
-        checkpoints there and this is a chat prompt)."""
+        checkpoints there and this is a chat prompt), and the adapters it names."""
         find = self.fw.user_starts
         if find is None or self.path != CHAT_PATH or not self.router.wants_user_starts:
-            return ()
-        return find(to_token_bytes(ids))
+            return Launch((), self.lora)
+        return Launch(find(to_token_bytes(ids)), self.lora)
 
     async def decide(self) -> Routed:
         # NOTE: defer: the slot model's update runs once the request is written (`placed`)
@@ -182,19 +183,18 @@ class Attempt:
         if pending is None or self.whole:
             tokens: Sequence[int] = self.tokens  # type: ignore[assignment]
             got = self.router.decide(tokens, session=self.hint, now=time.monotonic(),
-                                     defer=True, user_starts=self.user_starts(tokens),
-                                     among=self.among, lora=self.lora)
+                                     defer=True, among=self.among,
+                                     launch=self.launch(tokens))
         else:
             got = self.router.decide(pending.head, session=self.hint, now=time.monotonic(),
                                      n_prompt=pending.n_estimate, defer=True,
-                                     user_starts=self.user_starts(pending.head),
-                                     among=self.among, lora=self.lora)
+                                     among=self.among, launch=self.launch(pending.head))
             if isinstance(got, NeedWholePrompt):  # not moved off its history on the head
                 self.tokens = whole = await whole_prompt(pending)
                 self.pending, self.whole = None, True
                 got = self.router.decide(whole, session=self.hint, now=time.monotonic(),
-                                         defer=True, user_starts=self.user_starts(whole),
-                                         among=self.among, lora=self.lora)
+                                         defer=True, among=self.among,
+                                         launch=self.launch(whole))
         if isinstance(got, NoBackend):
             raise _no_backend_error(got, self.fw)
         assert not isinstance(got, NeedWholePrompt), "only ever for a head"
@@ -291,6 +291,9 @@ class Attempt:
             extra["id_slot"] = d.slot
         if not dialect.any_model_name:
             extra["model"] = info.model  # (it may know only its own name: see _named)
+        if self.lora is None and (scales := self.router.adapters(info.name)):
+            # named, so the server never runs it over KV made under other adapters
+            extra["lora"] = [{"id": i, "scale": s} for i, s in enumerate(scales)]
         strip_usage = False
         if body.get("stream") is True and path in OPENAI_PATHS and not _wants_usage(body):
             extra["stream_options"] = {"include_usage": True}
@@ -318,7 +321,7 @@ class Attempt:
             return
         ids = task.result()
         if ids is not None:
-            self.routed.extend(ids, self.user_starts(ids))
+            self.routed.extend(ids, tuple(self.launch(ids).user_starts))
             self.tokens, self.whole = ids, True
 
     # ExchangeEvents: what `send` tells of the exchange
@@ -334,7 +337,7 @@ class Attempt:
         tell = self.fw.on_sent
         if tell is not None and self.whole and d.slot is not None:
             tell(d.backend, d.slot, d.request_id,
-                 to_token_bytes(self.tokens))  # type: ignore[arg-type]
+                 to_token_bytes(self.tokens), self.lora)  # type: ignore[arg-type]
 
     def data(self) -> None:
         # NOTE: as the bytes come, not when they are read: another answer read first

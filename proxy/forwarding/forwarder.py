@@ -30,6 +30,7 @@ from proxy.forwarding.waits import BackendLeft, SlotWaits
 from proxy.observability.tracing import Tracing
 from proxy.reporting.outcome import Outcome
 from proxy.reporting.recorder import Recorder
+from proxy.routing.cache.lora import Lora
 from proxy.routing.router import Router
 
 
@@ -101,7 +102,7 @@ class Forwarder:
         # told (backend, slot, request id, prompt) of each request sent to a slot, for
         # the other replicas (proxy/replicas/peers.py `Teller`), if any: they subscribe
         # once their bus is up, which needs the pools (and their forwarders) first
-        self.on_sent: Callable[[str, int, int, bytes], None] | None = None
+        self.on_sent: Callable[[str, int, int, bytes, Lora | None], None] | None = None
         # the claims of its requests on their slots, against the other replicas'
         # (proxy/replicas/claims.py), if any
         self.claims: Contest | None = None

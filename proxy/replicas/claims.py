@@ -27,10 +27,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from proxy.replicas.events import Event
+from proxy.routing.cache.lora import Lora
 from proxy.routing.routed import Routed
 
 # (backend, slot, request id, prompt, when told): the claim as a start, to the others
-Tell = Callable[[str, int, int, bytes, float], None]
+Tell = Callable[[str, int, int, bytes, float, Lora | None], None]
 
 
 @dataclass
@@ -71,7 +72,8 @@ class Claims:
                 return True  # its whole prompt goes on from the slot's sequence
             if not claim.lost.done():
                 claim.at = self.clock()
-                self.tell(d.backend, d.slot, d.request_id, whole, claim.at)
+                self.tell(d.backend, d.slot, d.request_id, whole, claim.at,
+                          routed.entry.lora)
                 await asyncio.wait({claim.lost}, timeout=self.window_s)
             return not claim.lost.done()
         finally:

@@ -34,12 +34,15 @@ from enum import StrEnum
 
 import orjson
 
+from proxy.routing.cache.lora import Lora
+
 MAX_TOKENS = 1 << 22  # a slot's context at most (the largest models': ~10^6)
 MAX_EVENT_BYTES = 8 << 20  # what a peer may send in one event
 _MAX_NAME = 256
 _MAX_ID = 1 << 62
 MAX_LIVE = 4096  # requests in flight one replica names in an `alive`
 DIGEST = 8  # bytes of a start's base digest
+_MAX_ADAPTERS = 1024  # (id, scale) pairs a start may name
 
 
 class Kind(StrEnum):
@@ -75,6 +78,7 @@ class Event:
     live: tuple[int, ...] = ()  # (alive) the sender's requests in flight in the pool
     base: bytes = b""  # (start) the digest of the ``keep`` tokens it starts with
     base_from: tuple[str, int] | None = None  # (start) their slot, if another (backend, slot)
+    lora: Lora | None = None  # (start) the LoRA adapters it names (None: no `lora` field)
 
 
 def encode(e: Event) -> bytes:
@@ -91,6 +95,8 @@ def encode(e: Event) -> bytes:
         obj["h"] = [e.base.hex(), *(e.base_from or ())]
     if e.tokens:
         obj["t"] = base64.b64encode(zlib.compress(e.tokens, 1)).decode()
+    if e.lora is not None:
+        obj["a"] = [[i, scale] for i, scale in e.lora]
     return orjson.dumps(obj)
 
 
@@ -117,7 +123,8 @@ def decode(data: bytes) -> Event | None:
         return None
     tokens = b"" if packed is None else _unpack(packed)
     base = _base(obj.get("h"), kind == Kind.START and keep)
-    if tokens is None or base is None \
+    lora = _lora(obj.get("a"), kind == Kind.START)
+    if tokens is None or base is None or lora is False \
             or (kind in _WITH_TOKENS and len(tokens) + 4 * keep < 8) \
             or (kind in (Kind.FIRST, Kind.MOVED) and (tokens or keep)) \
             or (kind == Kind.HELD and keep) \
@@ -126,7 +133,7 @@ def decode(data: bytes) -> Event | None:
             or not 0 <= at < 1e11 or (kind not in (Kind.HELD, Kind.START) and at):
         return None
     return Event(obj["r"], kind, pool, backend, slot, request, tokens, keep, float(at),
-                 base=base[0], base_from=base[1])
+                 base=base[0], base_from=base[1], lora=lora)
 
 
 def _base(v: object, wanted: object) -> tuple[bytes, tuple[str, int] | None] | None:
@@ -143,6 +150,22 @@ def _base(v: object, wanted: object) -> tuple[bytes, tuple[str, int] | None] | N
     except ValueError:
         return None
     return digest, (v[1], v[2]) if len(v) == 3 else None
+
+
+def _lora(v: object, allowed: bool) -> Lora | bool | None:
+    """A start's adapters (None: none named; False: not such a list, or not allowed)."""
+    if v is None:
+        return None
+    if not allowed or not isinstance(v, list) or not 0 < len(v) <= _MAX_ADAPTERS:
+        return False
+    out = []
+    for item in v:
+        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], int) \
+                or isinstance(item[0], bool) or not -(1 << 31) <= item[0] < 1 << 31 \
+                or not isinstance(item[1], float | int) or isinstance(item[1], bool):
+            return False
+        out.append((item[0], float(item[1])))
+    return tuple(out)
 
 
 def _alive(obj: dict[str, object]) -> Event | None:

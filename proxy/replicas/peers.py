@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import structlog
 
 from proxy.replicas.events import MAX_LIVE, MAX_TOKENS, Event, Kind
+from proxy.routing.cache.lora import Lora
 from proxy.routing.decision import Handoff, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
@@ -47,6 +48,7 @@ class _Sent:
     prompt: bytes
     prefilled: bool = False
     claim: bool = False  # told as a claim (with its time), not yet as sent
+    lora: Lora | None = None  # the LoRA adapters it names
 
 
 class Teller:
@@ -57,7 +59,8 @@ class Teller:
         self.replica, self.pool, self.send, self.touched = replica, pool, send, touched
         self._sent: OrderedDict[int, _Sent] = OrderedDict()  # started, not yet ended
 
-    def started(self, backend: str, slot: int, request: int, prompt: bytes) -> None:
+    def started(self, backend: str, slot: int, request: int, prompt: bytes,
+                lora: Lora | None = None) -> None:
         """``request`` is sent (or about to be) to ``backend``'s ``slot`` with ``prompt``.
         Told again if it was told as a claim: a replica of a version that knows no
         claims drops a start with a claim's time, and would miss it."""
@@ -66,20 +69,20 @@ class Teller:
         if told is not None and not told.claim and (told.backend, told.slot, told.prompt) \
                 == (backend, slot, prompt):
             return  # (told already)
-        self._tell(_Sent(backend, slot, prompt), request, 0.0)
+        self._tell(_Sent(backend, slot, prompt, lora=lora), request, 0.0)
 
     def claimed(self, backend: str, slot: int, request: int, prompt: bytes,
-                at: float) -> None:
+                at: float, lora: Lora | None = None) -> None:
         """``request`` claims ``backend``'s ``slot`` as of ``at`` (claims.py), and is
         sent there unless it moves. Its slot changes only once it is sent (`started`)."""
-        self._tell(_Sent(backend, slot, prompt, claim=True), request, at)
+        self._tell(_Sent(backend, slot, prompt, claim=True, lora=lora), request, at)
 
     def _tell(self, sent: _Sent, request: int, at: float) -> None:
         self._sent[request] = sent
         if len(self._sent) > MAX_LIVE:
             self._sent.popitem(last=False)
         self.send(Event(self.replica, Kind.START, self.pool, sent.backend, sent.slot,
-                        request, sent.prompt, at=at))
+                        request, sent.prompt, at=at, lora=sent.lora))
 
     def withdrawn(self, backend: str, request: int) -> None:
         """``request`` was not sent where its claim said: it moves (its start is void)."""
@@ -98,7 +101,7 @@ class Teller:
         out = []
         for request, s in self._sent.items():
             out.append(Event(self.replica, Kind.START, self.pool, s.backend, s.slot,
-                             request, s.prompt))
+                             request, s.prompt, lora=s.lora))
             if s.prefilled:
                 out.append(Event(self.replica, Kind.FIRST, self.pool, s.backend, s.slot,
                                  request))
@@ -224,7 +227,7 @@ class PeerView:
                 return False  # (told again, to a replica that joined or came back)
             if (old := self._pop(told_key)) is not None:
                 self._end(old, now)  # (the peer restarted: its ids begin again)
-            d = port.router.observe_start(e.backend, e.slot, e.tokens, now=now)
+            d = port.router.observe_start(e.backend, e.slot, e.tokens, now=now, lora=e.lora)
             if d is None:
                 return False
             self.touched(*key)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.lora import Lora
-from proxy.routing.cache.predict import Placement, from_disk
+from proxy.routing.cache.predict import Launch, Placement, from_disk
 from proxy.routing.posting import Unposted
 from proxy.routing.routed import Ledger
 
@@ -70,10 +70,10 @@ class Deferred:
         if u.restore is not None and u.pin is not None:
             st.cache.restore(u.pin, u.restore)
             p = from_disk(st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n,
-                                          user_starts=u.user_starts, lora=u.lora))
+                                          launch=Launch(u.user_starts, u.lora)))
         else:
             p = st.cache.start(u.pin, u.prompt, u.slot_lcp, u.ram_lcp, u.n, u.predicted,
-                               user_starts=u.user_starts, lora=u.lora)
+                               Launch(u.user_starts, u.lora))
         assert p is not None and p.slot == f.slot, "placed where predicted"
         f.wait_for(self._unposted.creator(u.request_id, u.backend, p.ram_entry))
         self._unposted.started(u.request_id, u.backend, st.cache.created)

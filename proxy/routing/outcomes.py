@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from proxy.routing.backend_state import BackendState, share_rate
-from proxy.routing.cache.predict import CONTINUATION_SLACK
+from proxy.routing.cache.predict import CONTINUATION_SLACK, Launch
 from proxy.routing.decision import Handoff, Report
 from proxy.routing.deferred import Deferred
 from proxy.routing.observed import PeerRequests
@@ -161,7 +161,7 @@ class RequestEnds:
             return slot
         if slot is not None:
             cache.correct(slot, f.prompt, *self._queue.lcps(cache, f.prompt), f.n,
-                          user_starts=f.user_starts, lora=f.lora)
+                          Launch(f.user_starts, f.lora))
             st.occupy(slot, f.session)
         return slot
 

@@ -138,10 +138,8 @@ class Candidate:
         return common_len(q.prompt, self.prompt, 0) if self.goes_on(q) else 0
 
     def goes_on(self, q: Queued) -> bool:
-        """This request may reuse what queued request ``q`` leaves in its slot: it names
-        no adapters, or those ``q`` runs under."""
-        if self.lora is None:
-            return True
+        """This request may reuse what queued request ``q`` leaves in its slot: it runs
+        under the adapters ``q`` runs under."""
         cache = self.state.cache
         return cache.lora_set(self.lora) == cache.lora_set(q.lora)
 

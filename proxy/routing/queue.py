@@ -14,7 +14,7 @@ from typing import Any
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import RAM, SLOT, CacheHolder, from_disk
+from proxy.routing.cache.predict import RAM, SLOT, CacheHolder, Launch, from_disk
 from proxy.routing.decision import Handoff
 from proxy.routing.disk import DiskIndex
 from proxy.routing.observed import PeerRequests
@@ -147,11 +147,11 @@ class SlotQueue:
                    if self._disk and not f.observed else None)
         if restore is None:
             p = cache.start(slot, f.prompt, slot_lcp, ram_lcp, f.n, p,
-                            user_starts=f.user_starts, lora=f.lora)
+                            Launch(f.user_starts, f.lora))
         else:
             cache.restore(p.slot, restore[1])
             p = from_disk(cache.start(p.slot, f.prompt, {**slot_lcp, p.slot: restore[2]},
-                                      ram_lcp, f.n, user_starts=f.user_starts, lora=f.lora))
+                                      ram_lcp, f.n, launch=Launch(f.user_starts, f.lora)))
             if had is not None and restore[1].startswith(had):
                 had = None  # (the file holds it already: an earlier point of its conversation)
         assert p is not None

@@ -29,9 +29,11 @@ from proxy.routing.cache.lora import Lora, Scales
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import (
     CONTINUATION_SLACK,
+    PLAIN,
     RAM,
     SLOT,
     BackendCapacity,
+    Launch,
     Placement,
     from_disk,
 )
@@ -158,6 +160,11 @@ class Router:
         if st is not None:
             st.cache.lora_global = scales
 
+    def adapters(self, name: str) -> Scales:
+        """``name``'s global LoRA scales as the router knows them ((): none, or no backend)."""
+        st = self._backends.get(name)
+        return () if st is None else st.cache.lora_global
+
     @property
     def wants_user_starts(self) -> bool:
         """Does a backend checkpoint where user messages start (see ``decide``)?"""
@@ -172,9 +179,8 @@ class Router:
         now: float = 0.0,
         n_prompt: int | None = None,
         defer: bool = False,
-        user_starts: tuple[int, ...] = (),
         among: Collection[str] | None = None,
-        lora: Lora | None = None,
+        launch: Launch = PLAIN,
     ) -> Routed | NoBackend | NeedWholePrompt:
         """Route one prompt. ``tokens``: ids as a list or ``array('i')``, or already as
         native int32 bytes (the tree's format, see proxy/routing/tree/token_bytes.py).
@@ -185,13 +191,12 @@ class Router:
 
         ``defer``: leave the slot model's update to ``place`` (see the module doc).
 
-        ``user_starts``: the positions where the server finds a user message starting
-        (it checkpoints there on sliding-window and hybrid models).
-
         ``among``: the backends that may serve it (None: any).
 
-        ``lora``: the LoRA adapters it names (None: no `lora` field; see
-        proxy/routing/cache/lora.py)."""
+        ``launch``: the positions where the server finds a user message starting (it
+        checkpoints there on sliding-window and hybrid models), and the LoRA adapters
+        it names (None: no `lora` field; see proxy/routing/cache/lora.py)."""
+        user_starts, lora = tuple(launch.user_starts), launch.lora
         self._deferred.apply()
         q = to_token_bytes(tokens)
         n = len(q) // 4
@@ -277,7 +282,7 @@ class Router:
                 return placed, None
             st.cache.restore(placed.slot, sequence)
             p = from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
-                                         user_starts=user_starts, lora=lora))
+                                         launch=Launch(user_starts, lora)))
             self._unposted.started(rid, choice.backend, st.cache.created)
             return p, None
         beyond = self._beyond(choice.backend, choice.placement, slot_lcp, ram_lcp,
@@ -289,7 +294,7 @@ class Router:
             return choice.placement, beyond
         # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
         p = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement,
-                           user_starts=user_starts, lora=lora)
+                           Launch(user_starts, lora))
         self._unposted.started(rid, choice.backend, st.cache.created)
         return p, beyond
 

@@ -17,7 +17,6 @@ import orjson
 from aiohttp import web
 
 from backends.client import BackendClient, BadResponse
-from backends.config import LLAMA
 from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError
 from proxy.routing.cache.lora import requested, scales
 from proxy.server.handlers import read_body
@@ -38,7 +37,7 @@ async def set_adapters(request: web.Request) -> web.Response:
         raise BadRequest("Request body must be an array")
     pool = request.app[POOLS].for_model(request.query.get("model"),
                                         request.app[SETTINGS].strict_models)
-    targets = [b for b in pool.backends.values() if b.kind == LLAMA]
+    targets = [b for b in pool.backends.values() if b.dialect.serves("/lora-adapters")]
     if not targets:
         raise NoBackendAvailable("no llama-server of this model is up to take the scales",
                                  retry_after=1)

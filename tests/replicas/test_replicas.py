@@ -21,6 +21,7 @@ from typing import Any
 
 import nats
 import old_events
+import orjson
 import pytest
 from aiohttp.test_utils import TestClient
 from faults import until
@@ -61,6 +62,8 @@ NEEDS_NATS = pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get in
     Event("a", Kind.START, "", "x", 1, 3, b"", 2, base=bytes(8), base_from=("y", 0)),
     Event("a", Kind.START, "", "x", 1, 3, bytes(8), at=1.7e9),
     Event("a", Kind.MOVED, "", "x", 1, 3),
+    Event("a", Kind.START, "", "x", 1, 3, bytes(8), lora=((0, 1.0), (1, 0.5))),
+    Event("a", Kind.START, "", "x", 1, 3, bytes(8), lora=((-1, 0.0),)),
     Event("b", Kind.HELLO), Event("b", Kind.RESYNC), Event("b", Kind.ALIVE),
     Event("b", Kind.BYE),
 ])
@@ -80,6 +83,18 @@ def test_events_read_back_as_sent(event: Event) -> None:
 ])
 def test_a_start_names_its_base_whole_or_is_not_read(event: Event) -> None:
     assert decode(encode(event)) is None
+
+
+@pytest.mark.parametrize("adapters", [
+    "x", [], [[0]], [[0, 1.0, 2]], [["0", 1.0]], [[True, 1.0]], [[0, "1"]], [[1 << 31, 1.0]],
+    [[0, 1.0]] * 1025,
+])
+def test_a_start_names_adapters_as_pairs_or_is_not_read(adapters: object) -> None:
+    good = orjson.loads(encode(Event("a", Kind.START, "", "x", 1, 3, bytes(8))))
+    assert decode(orjson.dumps({**good, "a": [[0, 1.0]]})) is not None
+    assert decode(orjson.dumps({**good, "a": adapters})) is None
+    end = orjson.loads(encode(Event("a", Kind.END, "", "x", 1, 3)))
+    assert decode(orjson.dumps({**end, "a": [[0, 1.0]]})) is None  # (a start's only)
 
 
 @settings(max_examples=300, deadline=None)

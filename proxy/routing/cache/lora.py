@@ -6,8 +6,11 @@ ran under. A request with a ``lora`` field runs under the set it names (every lo
 adapter it leaves out at scale 0); where that set differs from the slot's, in any scale,
 the server clears the slot after choosing it, and after loading a RAM entry into it: the
 request reuses nothing. A request without the field (or with ``[]``) runs under the
-server's global set (``/lora-adapters``) and never clears. A slot that never ran a
-request holds no set, which differs from every set of a server with adapters.
+server's global set (``/lora-adapters``) and never clears, even where the slot's KV
+was made under other adapters: its answer is then computed over that KV. So kvroute
+names the global set in such a request it sends to a server with adapters, and the
+model takes a request without the field as one naming the global set. A slot that never
+ran a request holds no set, which differs from every set of a server with adapters.
 
 aLoRA adapters (kept, not cleared, in some of those changes) are not modelled.
 """

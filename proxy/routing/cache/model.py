@@ -19,8 +19,8 @@ Mirrors the pinned build (../shared/notes/llama-server.md, "Slots", "The prompt 
 - If the slot is kept (not saved), the tail of its sequence beyond the common prefix is
   truncated: gone for good unless another slot or a (loadable) RAM entry holds it.
   ``Placement.destroyed`` counts those tokens, so the policy can charge for them.
-- A request naming LoRA adapters other than those the slot's last request ran under
-  finds the slot cleared once chosen (after any save and load): it reuses nothing
+- A request under other LoRA adapters than the slot's last request ran under finds the
+  slot cleared once chosen (after any save and load): it reuses nothing
   (proxy/routing/cache/lora.py).
 - ``--cache-idle-slots`` (default on): once a request has taken its slot, every *idle*
   slot's state is saved to the RAM cache too (same rules as above; with a unified KV
@@ -56,12 +56,13 @@ from proxy.routing.cache.checkpoints import (
     reusable,
     surviving,
 )
-from proxy.routing.cache.lora import Lora
 from proxy.routing.cache.predict import (
+    PLAIN,
     RAM,
     BackendCapacity,
     CacheHolder,
     CachePrediction,
+    Launch,
     Placement,
     ServerRules,
     Slot,
@@ -119,21 +120,21 @@ class BackendCache(CachePrediction):
         ram_lcp: dict[int, int],
         n_prompt: int,
         predicted: Placement | None = None,
-        user_starts: Sequence[int] = (),
-        lora: Lora | None = None,
+        launch: Launch = PLAIN,
     ) -> Placement | None:
         """Apply a request starting now: the slot becomes busy and holds the prompt.
 
         ``predicted``: what ``predict`` just returned for these same arguments (saves
-        computing it again). ``user_starts``: where the prompt's user messages start (the
-        server checkpoints there; see proxy/routing/cache/checkpoints.py). ``lora``: the
-        adapters it names (None: no `lora` field, the server's global set)."""
+        computing it again). ``launch``: where the prompt's user messages start (the
+        server checkpoints there; see proxy/routing/cache/checkpoints.py) and the
+        adapters it names."""
+        user_starts, lora = launch
         p = predicted or self.predict(slot, slot_lcp, ram_lcp, n_prompt, lora=lora)
         if p is None:
             return None
         first = self._next_entry
         s = self.slots[p.slot]
-        cleared = lora is not None and self.clears(p.slot, lora)
+        cleared = self.clears(p.slot, lora)
         if p.saved:
             gone = self._save(p.slot)
             lcp = min(slot_lcp.get(p.slot, 0), s.n_tokens)
@@ -173,12 +174,11 @@ class BackendCache(CachePrediction):
         return p
 
     def correct(self, slot: int, prompt: bytes, slot_lcp: dict[int, int],
-                ram_lcp: dict[int, int], n_prompt: int, user_starts: Sequence[int] = (),
-                lora: Lora | None = None) -> Placement | None:
+                ram_lcp: dict[int, int], n_prompt: int, launch: Launch = PLAIN
+                ) -> Placement | None:
         """A request placed where the server says it ran: a correction of the model, as
         `start` applies it, but no task the server starts now (see `starts`)."""
-        p = self.start(slot, prompt, slot_lcp, ram_lcp, n_prompt, user_starts=user_starts,
-                       lora=lora)
+        p = self.start(slot, prompt, slot_lcp, ram_lcp, n_prompt, launch=launch)
         if p is not None:
             self.starts -= 1
         return p

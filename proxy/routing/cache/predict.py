@@ -11,6 +11,7 @@ request and backend, and an extra call level would cost on that hot path.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -95,6 +96,16 @@ class ServerRules:
     kv_unified: bool = False  # --kv-unified (auto -np): idle slots are cleared once saved
 
 
+class Launch(NamedTuple):
+    """How the server runs a prompt, beyond its ids."""
+
+    user_starts: Sequence[int] = ()  # where its user messages start (it checkpoints there)
+    lora: Lora | None = None  # the LoRA adapters it names (None: the global scales)
+
+
+PLAIN = Launch()
+
+
 class Placement(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slower
     """Where a request lands on one backend and what it reuses."""
 
@@ -174,7 +185,8 @@ class CachePrediction:
         proxy, sent pinned once it frees): predicted against what it holds now, its
         running request's prompt (the output it adds is not foreseen).
 
-        ``lora``: the adapters the request names (None: no `lora` field)."""
+        ``lora``: the adapters the request names (None: no `lora` field: kvroute names
+        the global scales for it, see proxy/routing/cache/lora.py)."""
         pinned = slot is not None
         if slot is None:
             slot = self.server_pick(slot_lcp, n_prompt)
@@ -197,7 +209,7 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
         elif lcp < s.n_tokens:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)  # kept: tail truncated
-        if lora is not None and self.clears(slot, lora):
+        if self.clears(slot, lora):
             got = 0  # (a RAM entry loaded is lost with the rest)
         if self.checkpointed and got:
             got = (self._from_entry(entry, got, n_prompt) if entry is not None
@@ -267,7 +279,7 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, gone)
         elif behind is None and lcp < n_slot:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
-        if lora is not None and self.clears(slot, lora):
+        if self.clears(slot, lora):
             got = 0
         if self.checkpointed and got:
             if entry is not None:
@@ -280,10 +292,10 @@ class CachePrediction:
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
         return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
 
-    def clears(self, slot: int, lora: Lora) -> bool:
-        """A request naming ``lora`` finds ``slot`` cleared: the slot's last request ran
-        under another set of adapters."""
-        return scales(lora, len(self.lora_global)) != self.slots[slot].lora
+    def clears(self, slot: int, lora: Lora | None) -> bool:
+        """A request naming ``lora`` (None: the global scales, which kvroute names for
+        it) finds ``slot`` cleared: the slot's last request ran under another set."""
+        return self.lora_set(lora) != self.slots[slot].lora
 
     def lora_set(self, lora: Lora | None) -> Scales:
         """The adapters a request naming ``lora`` (None: no `lora` field) runs under."""

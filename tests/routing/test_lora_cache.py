@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from proxy.routing.cache.lora import Lora, f32, requested, scales
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import SLOT, BackendCapacity, Placement, ServerRules
+from proxy.routing.cache.predict import SLOT, BackendCapacity, Launch, Placement, ServerRules
 from proxy.routing.decision import Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
@@ -67,20 +67,22 @@ def run(c: BackendCache, prompt: list[int], lora: Lora | None, slot: int | None 
     slot_lcp = {i: n for (_, kind, i), n in held.items() if kind == SLOT}  # type: ignore[misc]
     ram_lcp = {i: n for (_, kind, i), n in held.items() if kind != SLOT}  # type: ignore[misc]
     want = c.predict(slot, slot_lcp, ram_lcp, len(prompt), lora=lora)
-    p = c.start(slot, to_token_bytes(prompt), slot_lcp, ram_lcp, len(prompt), lora=lora)
+    p = c.start(slot, to_token_bytes(prompt), slot_lcp, ram_lcp, len(prompt),
+                launch=Launch((), lora))
     assert p is not None and want is not None and p.reuse == want.reuse
     c.finish(p.slot, to_token_bytes([*prompt, 7]), len(prompt) + 1)
     return p
 
 
 def test_the_servers_steps() -> None:
-    """The sequences tests/backends/test_demo_lora.py measures, as the model predicts."""
+    """The sequences tests/backends/test_demo_lora.py measures, as the model predicts
+    them for what kvroute sends (a request without the field names the global set)."""
     c, n = make(), len(P)
     steps: list[tuple[Lora | None, int]] = [
-        (None, 0), (None, n - 1),  # no field: reused
+        (None, 0), (None, n - 1),  # the global set: reused
         (A0, 0), (A0, n - 1),  # another set clears, the same reuses
-        (None, n - 1),  # no field keeps KV made under adapter 0 (the server's quirk)
-        (BOTH, n - 1),  # the slot now holds the global set, named the same
+        (None, 0),  # the global set, named: never over KV made under adapter 0
+        (BOTH, n - 1),  # the same set as the global one
         (HALF, 0), (A0, 0), (A1, 0), (((0, 0.0),), 0), (BOTH, 0),  # each another set
     ]
     for i, (lora, reuse) in enumerate(steps):
@@ -126,7 +128,7 @@ def test_the_policy_picks_the_slot_of_the_requests_set() -> None:
     r.add_backend(BackendCapacity("b0", 2, 4096, 0, 1024, lora=(1.0, 1.0)))
     for lora, reuse in ((A0, 0), (A1, 0), (A0, len(P) - 1), (A1, len(P) - 1),
                         (A0, len(P) - 1)):
-        d = r.decide(P, lora=lora)
+        d = r.decide(P, launch=Launch(lora=lora))
         assert isinstance(d, Routed) and d.prediction.predicted_cached == reuse, lora
         d.placed()
         d.complete(Report(output_tokens=[7], reported_cached=reuse), now=0.0)
@@ -140,7 +142,8 @@ SETS: list[Lora | None] = [None, A0, A1, BOTH, HALF]
                           st.integers(1, 60)), min_size=1, max_size=12))
 def test_one_slot_matches_a_reference(steps: list[tuple[int, int, int]]) -> None:
     """One slot, no RAM tier: what the model predicts equals a reference that keeps the
-    slot's tokens and its set, and applies launch_slot_with_task's rule directly."""
+    slot's tokens and its set, and applies launch_slot_with_task's rule directly (to
+    what kvroute sends: the global set named where a request names none)."""
     c = make(ram_bytes=0)
     held: list[int] = []
     held_set: tuple[float, ...] = ()
@@ -150,6 +153,22 @@ def test_one_slot_matches_a_reference(steps: list[tuple[int, int, int]]) -> None
         lcp = next((i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b),
                    min(len(held), len(prompt)))
         now = c.lora_global if lora is None else scales(lora, 2)
-        want = 0 if lora is not None and now != held_set else min(lcp, len(prompt) - 1)
+        want = 0 if now != held_set else min(lcp, len(prompt) - 1)
         assert run(c, prompt, lora).reuse == want
         held, held_set = [*prompt, 7], now
+
+
+@pytest.mark.parametrize("peer, mine, reuse", [
+    (A0, A0, len(P) - 1), (A0, A1, 0), (None, BOTH, len(P) - 1), (None, A0, 0),
+])
+def test_a_peers_request_leaves_its_set_in_the_slot(peer: Lora | None, mine: Lora,
+                                                     reuse: int) -> None:
+    """Another replica's request, as its start tells it (with the adapters it names),
+    leaves its slot under that set."""
+    r = Router()
+    r.add_backend(BackendCapacity("b0", 1, 4096, 0, 1024, lora=(1.0, 1.0)))
+    told = r.observe_start("b0", 0, to_token_bytes(P), lora=peer)
+    assert told is not None
+    told.complete(Report(output_tokens=[7]), now=0.0)
+    d = r.decide(P, launch=Launch(lora=mine))
+    assert isinstance(d, Routed) and d.prediction.predicted_cached == reuse
