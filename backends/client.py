@@ -61,6 +61,7 @@ class Props:
     raw: Mapping[str, Any]
     # what its projector (--mmproj) lets it take besides text: vision, audio, video
     modalities: frozenset[str] = frozenset()
+    media_marker: str = ""  # where a completion prompt's media go ("": not said)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class BackendClient:
                 chat_template=str(data.get("chat_template", "")),
                 raw=data,
                 modalities=modalities(data.get("modalities")),
+                media_marker=media_marker(data.get("media_marker")),
             )
         except (KeyError, TypeError, ValueError) as e:
             return BadResponse(self.url, 200, f"{type(e).__name__} {e}: {str(data)[:400]}")
@@ -258,6 +260,14 @@ class BackendClient:
             return res
         status, text = res
         return text if status == 200 else BadResponse(self.url, status, text[:500])
+
+
+MAX_MARKER = 256  # characters of a media marker taken from /props (the server's: ~30)
+
+
+def media_marker(raw: object) -> str:
+    """The `/props` `media_marker` ("": none, or not a marker)."""
+    return raw if isinstance(raw, str) and 0 < len(raw) <= MAX_MARKER else ""
 
 
 def adapter_scales(raw: object) -> tuple[float, ...] | None:

@@ -95,7 +95,7 @@ class ExternalBackend:
             name=cfg.name, url=cfg.url, api_key=cfg.api_key, n_slots=props.total_slots,
             slot_ctx=props.slot_ctx, ram_cache_bytes=cfg.cache_ram_mib * MiB,
             kv_bytes_per_token=kv, model=props.model_alias, managed=False, memory=memory,
-            modalities=props.modalities, lora=adapters))
+            modalities=props.modalities, lora=adapters, media_marker=props.media_marker))
         return None
 
     async def _probe_openai(self, client: BackendClient) -> str | None:

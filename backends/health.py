@@ -80,7 +80,7 @@ class HealthCheck:
             # (of the layers whose cache grows with the context: a sliding one's does not)
             kv_bytes_per_token=memory.kv_bytes_per_token or kv_bytes_per_token,
             model=props.model_alias, managed=True, memory=memory,
-            modalities=props.modalities, lora=adapters,
+            modalities=props.modalities, lora=adapters, media_marker=props.media_marker,
         )
 
     async def watch(self, proc: Exits, info: BackendInfo,

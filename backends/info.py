@@ -31,6 +31,7 @@ class BackendInfo:
     modalities: frozenset[str] = frozenset()
     # the global scale of each LoRA adapter (/lora-adapters) when it became ready
     lora: tuple[float, ...] = ()
+    media_marker: str = ""  # where its completion prompts put media (/props; "": unknown)
 
     @property
     def dialect(self) -> Dialect:

@@ -36,7 +36,7 @@ from proxy.forwarding.send import JSON, Exchange, Relay, Target, send, upstream_
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing
-from proxy.prompt.media import media_kinds, media_positions
+from proxy.prompt.media import media_kinds, media_positions, prompt_for
 from proxy.reporting.outcome import Outcome, held_output
 from proxy.reporting.recorder import Recorder
 from proxy.routing.cache.lora import Lora, requested
@@ -291,6 +291,10 @@ class Attempt:
             extra["id_slot"] = d.slot
         if not dialect.any_model_name:
             extra["model"] = info.model  # (it may know only its own name: see _named)
+        if self.media and info.media_marker and "prompt" in body:
+            # a completion's media markers: the one this backend's server cuts at
+            markers = {b.media_marker for b in self.fw.backends.values()}
+            extra["prompt"] = prompt_for(body["prompt"], markers, info.media_marker)
         if self.lora is None and (scales := self.router.adapters(info.name)):
             # named, so the server never runs it over KV made under other adapters
             extra["lora"] = [{"id": i, "scale": s} for i, s in enumerate(scales)]

@@ -15,7 +15,7 @@ the first.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,14 @@ from proxy.prompt.handlers import (
     patch_source,
     supports_thinking,
 )
-from proxy.prompt.media import MediaModel, expand, media_of
+from proxy.prompt.media import (
+    MARKER,
+    MediaModel,
+    completion_media,
+    expand,
+    media_of,
+    with_marker,
+)
 from proxy.prompt.template import CHATML_TEMPLATE_SRC, ChatTemplate, TemplateError
 from proxy.prompt.tokenizer import FragmentTokenizer, Plan
 
@@ -180,13 +187,25 @@ class PromptBuilder:
         a batch)."""
         return self.completion_ids(prompt).tolist()
 
-    def completion_ids(self, prompt: object) -> array:
-        """`completion_tokens` as an `array('i')` (see `chat_ids`)."""
+    def completion_ids(self, prompt: object, markers: Iterable[str] = ()) -> array:
+        """`completion_tokens` as an `array('i')` (see `chat_ids`). ``markers``: the
+        backends' media markers, which a subprompt with `multimodal_data` holds."""
         if isinstance(prompt, list) and not _contains_int(prompt):
             if not prompt:
                 raise PromptError('"prompt" must not be empty')
             prompt = prompt[0]  # several prompts: one task each; route by the first
+        if isinstance(prompt, Mapping) and "multimodal_data" in prompt \
+                and isinstance(prompt.get("prompt_string"), str):
+            return self._multimodal(prompt, markers)
         return self._subprompt(prompt)
+
+    def _multimodal(self, prompt: Mapping[str, Any], markers: Iterable[str]) -> array:
+        """The ids of a subprompt with media (process_mtmd_prompt: the text between
+        markers tokenized part by part, BOS first), each media's chunk in place."""
+        plan = self.tokenizer.plan(with_marker(prompt["prompt_string"], markers, MARKER),
+                                   add_special=True)
+        plan.digests = completion_media(prompt)
+        return self.finish(self.fetch(plan))
 
     def _subprompt(self, prompt: object) -> array:
         if isinstance(prompt, str):
@@ -201,9 +220,6 @@ class PromptBuilder:
                     out.append(self._token_id(part))
             return out
         if isinstance(prompt, Mapping) and "prompt_string" in prompt:
-            if "multimodal_data" in prompt:
-                raise PromptError("Multimodal data provided, but model does not support "
-                                  "multimodal requests.")
             return self._subprompt(prompt["prompt_string"])
         raise PromptError('"prompt" elements must be a string, a list of tokens, a JSON '
                           "object containing a prompt string, or a list of mixed strings & "

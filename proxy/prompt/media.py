@@ -28,7 +28,7 @@ import hashlib
 import re
 import secrets
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,15 +56,75 @@ _BASE64_RUN = re.compile(r"[A-Za-z0-9+/]*")
 
 
 def media_kinds(body: Mapping[str, Any]) -> frozenset[str]:
-    """The media kinds a chat body's messages hold (none: text only, or not a chat)."""
+    """The media kinds a chat body's messages, or a completion body's prompts, hold
+    (none: text only)."""
+    if "prompt" in body:
+        return frozenset(AUDIO if _is_audio(data) else VISION
+                         for sub in _subprompts(body["prompt"])
+                         for data in map(_file, _listed(sub)) if data is not None)
     return frozenset(PART_KINDS[t] for t, _ in _parts(body))
 
 
-def carries_media(prompt: object) -> bool:
-    """Does a completion ``prompt`` (a subprompt, or a list of them) hold
-    ``multimodal_data``?"""
+def _subprompts(prompt: object) -> list[Mapping[str, Any]]:
+    """A completion prompt's subprompts of the object form (``prompt_string``)."""
     items = prompt if isinstance(prompt, list) else [prompt]
-    return any(isinstance(p, Mapping) and "multimodal_data" in p for p in items)
+    return [p for p in items if isinstance(p, Mapping)]
+
+
+def _listed(sub: Mapping[str, Any]) -> list[object]:
+    raw = sub.get("multimodal_data")
+    return raw if isinstance(raw, list) else []
+
+
+def _file(x: object) -> bytes | None:
+    """A ``multimodal_data`` file as the server decodes it (base64_decode: raw base64;
+    a data URI or a URL decodes to bytes no image or audio loader takes)."""
+    return decoded(x) if isinstance(x, str) and not x.startswith("data:") else None
+
+
+def _is_audio(data: bytes) -> bool:
+    """mtmd-helper.cpp is_audio_file: WAV, MP3 or FLAC by its first bytes."""
+    if len(data) < 12:
+        return False
+    return (data[:4] == b"RIFF" and data[8:12] == b"WAVE") or data[:3] == b"ID3" \
+        or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0) or data[:4] == b"fLaC"
+
+
+def completion_media(sub: Mapping[str, Any]) -> tuple[bytes | None, ...]:
+    """The digest of each file of a completion subprompt's ``multimodal_data``, in
+    order, as ``media_of`` gives a chat's (None: audio, or not decodable)."""
+    files = map(_file, _listed(sub))
+    return tuple(None if data is None or _is_audio(data)
+                 else hashlib.blake2b(data, digest_size=16).digest() for data in files)
+
+
+def ends_with_media(prompt: object, markers: Iterable[str]) -> bool:
+    """Does a completion subprompt with media end with one (a marker last)? The server
+    aborts on such a prompt (GGML_ASSERT in its batch: nothing after the media)."""
+    ends = tuple(m for m in markers if m)
+    return bool(ends) and any(
+        isinstance(s := p.get("prompt_string"), str) and s.endswith(ends)
+        for p in _subprompts(prompt) if "multimodal_data" in p)
+
+
+def prompt_for(prompt: object, markers: Iterable[str], marker: str) -> object:
+    """A completion ``prompt`` for a backend whose media marker is ``marker``: each
+    subprompt with media holds it where it held any of ``markers``."""
+    def one(p: object) -> object:
+        if isinstance(p, Mapping) and "multimodal_data" in p \
+                and isinstance(s := p.get("prompt_string"), str):
+            return {**p, "prompt_string": with_marker(s, markers, marker)}
+        return p
+    return [one(p) for p in prompt] if isinstance(prompt, list) else one(prompt)
+
+
+def with_marker(text: str, markers: Iterable[str], marker: str) -> str:
+    """``text`` with each of ``markers`` (the backends' own, which a client reads from
+    `/props`) made ``marker``."""
+    for m in markers:
+        if m and m != marker:
+            text = text.replace(m, marker)
+    return text
 
 
 def media_of(body: Mapping[str, Any]) -> tuple[bytes | None, ...]:

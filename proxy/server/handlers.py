@@ -32,7 +32,7 @@ from proxy.prompt.infill import (
     infill_ids,
     server_shape,
 )
-from proxy.prompt.media import carries_media
+from proxy.prompt.media import ends_with_media, media_kinds
 from proxy.prompt.tokenizer import Plan
 from proxy.server.backend_metrics import scrape
 from proxy.server.backend_tokens import NO_TOKENIZER, NoBackendIds
@@ -182,19 +182,21 @@ async def _completion(request: web.Request, path: str, endpoint: str) -> web.Str
     check_fields(body, chat=False)
     pool = pool_for(request, body)
     raw = bounded_raw(request, pool, raw, body)
-    if carries_media(body["prompt"]):
-        # not modelled yet, and a prompt whose last chunk is an image aborts the server
-        raise BadRequest("multimodal_data in a completion prompt is not supported by "
-                         "kvroute yet (fix: send the image as a chat content part)")
+    markers = {b.media_marker for b in pool.backends.values()}
+    if ends_with_media(body["prompt"], markers):
+        raise BadRequest("the prompt ends with media, which llama-server aborts on (fix: "
+                         "put text after the last media marker)")
     tok = pool.tok
     prompt = tok.prompt
     if prompt is None:
         if not isinstance(body["prompt"], str) or tok.remote is None:
-            return await unrouted(request, pool, path, raw)  # (several prompts: the server's)
+            # (several prompts, or media: the server's own ids)
+            return await unrouted(request, pool, path, raw, media=media_kinds(body))
         tokens = await tok.remote.completion(body["prompt"], NO_TOKENIZER)
     else:
         try:
-            tokens = await tok.run(len(raw), lambda: prompt.completion_ids(body["prompt"]))
+            tokens = await tok.run(len(raw), lambda: prompt.completion_ids(body["prompt"],
+                                                                           markers))
         except PromptError as e:
             raise BadRequest(str(e)) from None
     return await pool.fw.routed(
@@ -227,10 +229,12 @@ async def infill(request: web.Request) -> web.StreamResponse:
 
 
 async def unrouted(request: web.Request, pool: Pool, path: str, raw: bytes,
-                   relay: Relay = AS_IS) -> web.StreamResponse:
-    """Forward to the next ready backend without prefix routing (no prompt ids)."""
-    return await pool.fw.passthrough(request, path, pool.pick_ready(path), raw,
-                                     relay=relay, pick=lambda: pool.pick_ready(path))
+                   relay: Relay = AS_IS, media: frozenset[str] = frozenset()
+                   ) -> web.StreamResponse:
+    """Forward to the next ready backend without prefix routing (no prompt ids), one
+    that takes ``media`` if any does."""
+    return await pool.fw.passthrough(request, path, pool.pick_ready(path, media), raw,
+                                     relay=relay, pick=lambda: pool.pick_ready(path, media))
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:

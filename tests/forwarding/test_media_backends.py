@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
@@ -25,7 +26,7 @@ from backends.demo_model import DemoModelParams
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.prompt.media import media_kinds
-from proxy.server.keys import METRICS, TOKENIZING
+from proxy.server.keys import METRICS, SUPERVISOR, TOKENIZING
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,17 +102,55 @@ def test_media_kinds(content: Any, kinds: set[str]) -> None:
     assert media_kinds({"messages": "x"}) == frozenset()
 
 
-async def test_completion_with_multimodal_data_is_refused(client: TestClient[Any, Any]
-                                                          ) -> None:
-    # not modelled yet, and llama-server aborts on a prompt whose last chunk is an image:
-    # refused before it can reach one
+async def _markers(client: TestClient[Any, Any]) -> dict[str, str]:
+    """Each backend's media marker, as its own /props says (random per server)."""
+    out = {}
+    async with aiohttp.ClientSession() as session:
+        for info in client.server.app[SUPERVISOR].ready():
+            async with session.get(info.url + "/props", headers={
+                    "Authorization": f"Bearer {info.api_key}"}) as r:
+                out[info.name] = (await r.json())["media_marker"]
+    return out
+
+
+async def test_a_completion_with_multimodal_data_is_served_and_predicted(
+        client: TestClient[Any, Any]) -> None:
+    """`/completion` with `multimodal_data` goes to the backend that takes images,
+    whichever backend's marker the client read from /props (each server has its own:
+    kvroute puts the target's in), and its next request is predicted through the image."""
+    markers = await _markers(client)
+    assert len(set(markers.values())) == 2  # (two servers, two random markers)
+    async with client.get("/props") as r:
+        assert (await r.json())["media_marker"] in markers.values()
+    image = data_uri(png(21, 200, 100)).split(",", 1)[1]
+    rows = []
+    for marker in (markers["a"], markers["b"], markers["a"]):
+        sub = {"prompt_string": words(40, 21) + f" {marker} " + words(20, 22),
+               "multimodal_data": [image]}
+        async with client.post("/completion", json={
+                "prompt": sub, "n_predict": 1, "cache_prompt": True}) as r:
+            data = await r.json()
+            assert r.status == 200, data
+            assert r.headers["X-Kvroute-Backend"] == "b"
+            rows.append((int(r.headers["X-Kvroute-Predicted-Cached"]),
+                         data["timings"]["cache_n"], data["tokens_evaluated"]))
+    assert rows[0][1] == 0 and all(p == c for p, c, _ in rows), rows
+    assert rows[1][1] == rows[1][2] - 1, rows  # through the image: all but the last token
+
+
+async def test_a_completion_ending_with_media_is_refused(client: TestClient[Any, Any]
+                                                        ) -> None:
+    # llama-server aborts on a prompt whose last chunk is an image: refused before it can
+    # reach one, in any subprompt, whichever backend's marker it holds
     image = data_uri(png(3)).split(",", 1)[1]
-    sub = {"prompt_string": "Look: <__media__>", "multimodal_data": [image]}
-    for prompt in (sub, ["first", sub]):
-        async with client.post("/completion", json={"prompt": prompt, "n_predict": 1}) as r:
-            assert r.status == 400, await r.text()
-            assert "X-Kvroute-Backend" not in r.headers  # refused here, sent nowhere
-            assert "multimodal_data" in (await r.json())["error"]["message"]
+    for marker in (await _markers(client)).values():
+        sub = {"prompt_string": f"Look: {marker}", "multimodal_data": [image]}
+        for prompt in (sub, ["first", sub]):
+            async with client.post("/completion", json={"prompt": prompt,
+                                                         "n_predict": 1}) as r:
+                assert r.status == 400, await r.text()
+                assert "X-Kvroute-Backend" not in r.headers  # refused here, sent nowhere
+                assert "ends with media" in (await r.json())["error"]["message"]
 
 
 async def _turns(client: TestClient[Any, Any], path: str, first: dict[str, Any],

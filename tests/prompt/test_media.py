@@ -18,10 +18,13 @@ from proxy.prompt.media import (
     SENTINEL,
     MediaModel,
     chunk_ids,
+    completion_media,
     decoded,
+    ends_with_media,
     expand,
     media_kinds,
     media_of,
+    prompt_for,
 )
 
 PNG = b"\x89PNG\r\n\x1a\nfake"
@@ -123,3 +126,45 @@ M = {"type": MEDIA_MARKER, "text": MARKER}
 def test_parts_join_as_the_server_joins_them(parts: list[dict[str, str]], joined: str
                                               ) -> None:
     assert _join_parts(parts) == joined
+
+
+WAV = b"RIFF\x00\x00\x00\x00WAVEfmt "
+W64 = base64.b64encode(WAV).decode()
+
+
+@pytest.mark.parametrize(("prompt", "kinds", "digests"), [
+    ("text", set(), ()),
+    ({"prompt_string": "x"}, set(), ()),
+    ({"prompt_string": "x", "multimodal_data": [B64]}, {"vision"}, (True,)),
+    ({"prompt_string": "x", "multimodal_data": [W64, B64]}, {"audio", "vision"},
+     (False, True)),
+    # a data URI or a URL decodes to bytes no loader takes: no kind, no digest
+    ({"prompt_string": "x", "multimodal_data": [f"data:image/png;base64,{B64}", 3]}, set(),
+     (False, False)),
+    (["a", {"prompt_string": "x", "multimodal_data": [B64]}], {"vision"}, None),
+])
+def test_a_completions_media(prompt: object, kinds: set[str],
+                             digests: tuple[bool, ...] | None) -> None:
+    assert media_kinds({"prompt": prompt}) == kinds
+    if digests is not None and isinstance(prompt, dict):
+        assert tuple(d is not None for d in completion_media(prompt)) == digests
+
+
+@pytest.mark.parametrize(("text", "ends"), [
+    ("look <m1>", True), ("look <m2>", True), ("look <m1> now", False),
+    ("look <m1>\n", False), ("<m3>", False),
+])
+def test_a_prompt_ending_with_media_is_found(text: str, ends: bool) -> None:
+    sub = {"prompt_string": text, "multimodal_data": [B64]}
+    assert ends_with_media(sub, {"<m1>", "<m2>", ""}) is ends
+    assert ends_with_media(["x", sub], {"<m1>", "<m2>"}) is ends
+    assert not ends_with_media({"prompt_string": text}, {"<m1>", "<m2>"})  # (no media)
+    assert not ends_with_media(sub, set())
+
+
+def test_each_backend_gets_its_own_marker() -> None:
+    sub = {"prompt_string": "a <m1> b <m2> c", "multimodal_data": [B64, B64]}
+    got = prompt_for(["t", sub], {"<m1>", "<m2>", ""}, "<m2>")
+    assert got == ["t", {"prompt_string": "a <m2> b <m2> c", "multimodal_data": [B64, B64]}]
+    assert prompt_for({"prompt_string": "a <m1>"}, {"<m1>"}, "<m2>") == {
+        "prompt_string": "a <m1>"}  # (no media: as it is)

@@ -131,8 +131,7 @@ def test_completion_endpoint_counts(backend: Backend, builder: PromptBuilder) ->
 
 
 def test_completion_prompt_errors(builder: PromptBuilder) -> None:
-    for bad in ([], [["a"]], 3.5, {"x": 1}, [1, 2.5], {"prompt_string": "a",
-                                                     "multimodal_data": ["AAAA"]}):
+    for bad in ([], [["a"]], 3.5, {"x": 1}, [1, 2.5]):
         with pytest.raises(PromptError):
             builder.completion_tokens(bad)
 
