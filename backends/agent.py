@@ -50,7 +50,8 @@ def _ready(info: BackendInfo, host: str) -> dict[str, object]:
             "n_slots": info.n_slots, "slot_ctx": info.slot_ctx,
             "ram_cache_bytes": info.ram_cache_bytes,
             "kv_bytes_per_token": info.kv_bytes_per_token, "model": info.model,
-            "memory": dataclasses.asdict(info.memory), "modalities": sorted(info.modalities)}
+            "memory": dataclasses.asdict(info.memory), "modalities": sorted(info.modalities),
+            "lora": list(info.lora), "media_marker": info.media_marker}
 
 
 def report(config: AgentConfig, supervisor: Supervisor[AgentConfig]) -> list[dict[str, object]]:

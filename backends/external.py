@@ -154,4 +154,5 @@ def _remote_info(r: Reported) -> BackendInfo:
         name=r.cfg.name, url=r.cfg.url, api_key=r.cfg.api_key, n_slots=r.n_slots,
         slot_ctx=r.slot_ctx, ram_cache_bytes=r.ram_cache_bytes,
         kv_bytes_per_token=r.kv_bytes_per_token, model=r.model, managed=False,
-        memory=r.memory, kind=LLAMA, modalities=r.modalities)
+        memory=r.memory, kind=LLAMA, modalities=r.modalities, lora=r.lora,
+        media_marker=r.media_marker)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import aiohttp
 import structlog
 
+from backends.client import media_marker
 from backends.config import LLAMA, AgentLink, ExternalBackendConfig
 from backends.memory import DENSE, MemoryKind
 
@@ -55,6 +56,8 @@ class Reported:
     model: str = ""
     memory: MemoryKind = DENSE
     modalities: frozenset[str] = frozenset()
+    lora: tuple[float, ...] = ()
+    media_marker: str = ""
 
     @property
     def ready(self) -> bool:
@@ -103,6 +106,17 @@ def _modalities(raw: object, where: str) -> frozenset[str]:
     return frozenset(raw)
 
 
+def _lora(raw: object, where: str) -> tuple[float, ...]:
+    """An agent's ``lora``: its server's global adapter scales (absent: an agent before
+    them, or none)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > 1024 or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in raw):
+        raise BadReport(f"{where}.lora: expected a list of adapter scales")
+    return tuple(float(x) for x in raw)
+
+
 def _memory(raw: object, where: str) -> MemoryKind:
     if not isinstance(raw, Mapping):
         raise BadReport(f"{where}.memory: expected an object")
@@ -144,7 +158,9 @@ def parse_report(link: AgentLink, item: object, i: int) -> Reported:
         ram_cache_bytes=_count(item, "ram_cache_bytes", where),
         kv_bytes_per_token=_count(item, "kv_bytes_per_token", where, lo=1),
         model=model, memory=_memory(item.get("memory"), where),
-        modalities=_modalities(item.get("modalities"), where))
+        modalities=_modalities(item.get("modalities"), where),
+        lora=_lora(item.get("lora"), where),
+        media_marker=media_marker(item.get("media_marker")))
 
 
 def parse_answer(link: AgentLink, body: object) -> list[Reported]:

@@ -42,6 +42,9 @@ def test_a_ready_backend_becomes_an_external_llama_backend_of_the_agent() -> Non
     assert r.modalities == frozenset()  # (an agent before them says none)
     (r,) = parse_answer(LINK, answer({**READY, "modalities": ["video", "vision"]}))
     assert r.modalities == {"vision", "video"}
+    assert (r.lora, r.media_marker) == ((), "")  # (nor adapters, nor a marker)
+    (r,) = parse_answer(LINK, answer({**READY, "lora": [1, 0.5], "media_marker": "<m>"}))
+    assert (r.lora, r.media_marker) == ((1.0, 0.5), "<m>")
 
 
 def test_a_backend_not_ready_carries_no_address() -> None:
@@ -62,6 +65,8 @@ def test_a_backend_not_ready_carries_no_address() -> None:
     ({"name": ""}, "backends[0].name: expected a short printable string"),
     ({"modalities": "vision"}, "backends[0].modalities: expected a list of media kinds"),
     ({"modalities": [1]}, "backends[0].modalities: expected a list of media kinds"),
+    ({"lora": [True]}, "backends[0].lora: expected a list of adapter scales"),
+    ({"lora": {"0": 1}}, "backends[0].lora: expected a list of adapter scales"),
 ])
 def test_a_wrong_answer_is_refused_naming_the_field(change: dict[str, Any], says: str) -> None:
     with pytest.raises(BadReport, match=re.escape(says)):
