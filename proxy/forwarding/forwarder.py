@@ -113,6 +113,8 @@ class Forwarder:
         self.waits = SlotWaits(router, backends, recorder, first_byte_timeout, session)
         # why the pool's backends cannot serve, as their supervisor knows it (crash loops)
         self.why_down = why_down
+        # the media kinds each backend seen ready took (kept while it is down)
+        self._took: dict[str, frozenset[str]] = {}
 
     def unavailable(self, reason: str) -> NoBackendAvailable:
         """The 503 when no backend can take a request: ``reason``, and what keeps the
@@ -136,10 +138,17 @@ class Forwarder:
         """The backends that serve ``path`` (None: all): any but the OpenAI API's
         endpoints only on llama-servers; for a request carrying ``media`` (vision,
         audio, video: proxy/prompt/media.py), those whose projector takes it, if any
-        (else any: its server then refuses it in its own words)."""
+        (else any: its server then refuses it in its own words), or a 503 while the
+        backends that took it are down."""
         ok = [n for n, b in self.backends.items() if b.dialect.serves(path)]
         if media:
-            ok = [n for n in ok if media <= self.backends[n].modalities] or ok
+            self._took.update((n, b.modalities) for n, b in self.backends.items())
+            taking = [n for n in ok if media <= self.backends[n].modalities]
+            if not taking and any(media <= took for took in self._took.values()):
+                # (its backend is restarting: the others would refuse the media)
+                raise self.unavailable(f"no backend that takes {', '.join(sorted(media))} "
+                                       "input is ready")
+            ok = taking or ok
         return None if len(ok) == len(self.backends) else frozenset(ok)
 
     def _room_for(self, n: int) -> str:

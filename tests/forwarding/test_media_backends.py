@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -16,6 +18,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
+from faults import until
 from images import data_uri, png
 from proxy_client import proxy
 from texts import words
@@ -26,7 +29,7 @@ from backends.demo_model import DemoModelParams
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.prompt.media import media_kinds
-from proxy.server.keys import METRICS, SUPERVISOR, TOKENIZING
+from proxy.server.keys import METRICS, ROUTER, SUPERVISOR, TOKENIZING
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -270,3 +273,28 @@ async def test_ids_from_a_backends_rendering_stop_at_its_marker(
     local = tok.prompt.chat_ids(body)
     head = local[:local.index(next(i for i in local if i < 0))]
     assert list(ids) == list(head) and len(ids) > 20
+
+
+async def test_while_the_backend_taking_images_restarts_they_wait(
+        client: TestClient[Any, Any]) -> None:
+    """Killed, the projector backend restarts: meanwhile an image gets a 503 to retry
+    (not the plain backend's refusal), text is served, and once it is back images are.
+    (Last in this module: it restarts "b".)"""
+    app = client.server.app
+    sup = app[SUPERVISOR]
+    old = sup.pid("b")
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    await until(lambda: "b" not in app[ROUTER].snapshot()["backends"], 30)
+    body = {"model": "kvroute-demo", "max_tokens": 2, "messages": [_image_message(5)]}
+    async with client.post("/v1/chat/completions", json=body) as r:
+        assert r.status == 503 and "Retry-After" in r.headers, await r.text()
+        assert "vision" in (await r.json())["error"]["message"]
+    text = {"model": "kvroute-demo", "max_tokens": 2,
+            "messages": [{"role": "user", "content": words(20, 5)}]}
+    async with client.post("/v1/chat/completions", json=text) as r:
+        assert r.status == 200 and r.headers["X-Kvroute-Backend"] == "a"
+    await until(lambda: "b" in app[ROUTER].snapshot()["backends"], 90)
+    async with client.post("/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        assert r.headers["X-Kvroute-Backend"] == "b"
