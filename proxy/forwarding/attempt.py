@@ -36,7 +36,7 @@ from proxy.forwarding.send import JSON, Exchange, Relay, Target, send, upstream_
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing
-from proxy.prompt.media import media_kinds, media_positions, prompt_for
+from proxy.prompt.media import LearnMedia, media_kinds, media_positions, prompt_for
 from proxy.reporting.outcome import Outcome, held_output
 from proxy.reporting.recorder import Recorder
 from proxy.routing.cache.lora import Lora, requested
@@ -111,6 +111,7 @@ class Forwarding(Protocol):
     on_sent: Callable[[str, int, int, bytes, Lora | None], None] | None
     claims: Contest | None
     user_starts: Callable[[bytes], tuple[int, ...]] | None
+    learn_media: LearnMedia | None
 
     def serving(self, path: str) -> frozenset[str] | None: ...
 
@@ -403,6 +404,7 @@ class Attempt:
         self.fw.recorder.log.debug("feedback", request_id=decision.request_id,
                                 slot=decision.slot, output_tokens=len(output),
                                 reported_slot=outcome.reported_slot)
+        self._learn(outcome)
         report = Report(output_tokens=output,
                         reported_cached=outcome.reported_cached if check else None,
                         prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
@@ -414,6 +416,20 @@ class Attempt:
         store = self.fw.slot_store(decision.backend)
         if store is not None and info is not None and slot is not None:
             store.note(info, slot)
+
+    def _learn(self, outcome: Outcome) -> None:
+        """Ids cut at an image whose positions were not known: learned from the count
+        the server reports, and the slot's record takes the whole prompt (the next turn
+        then goes on from it as predicted)."""
+        learn = self.fw.learn_media
+        if learn is None or not self.media or outcome.prompt_n is None \
+                or outcome.reported_cached is None:
+            return
+        markers = {b.media_marker for b in self.fw.backends.values()}
+        ids = learn(self.body, outcome.prompt_n + outcome.reported_cached, markers)
+        if ids is not None and len(ids) > len(self.tokens):
+            self.routed.extend(ids, tuple(self.launch(ids).user_starts))
+            self.tokens = ids
 
     def feedback_when_done(self, task: asyncio.Future[web.StreamResponse]) -> None:
         if not task.cancelled():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import aiohttp
 import orjson
@@ -28,6 +29,9 @@ from proxy.forwarding.send import AS_IS, JSON, Exchange, Relay, Target, send, up
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import BackendLeft, SlotWaits
 from proxy.observability.tracing import Tracing
+from proxy.prompt.builder import PromptBuilder
+from proxy.prompt.delimiters import user_starts
+from proxy.prompt.media import LearnMedia
 from proxy.reporting.outcome import Outcome
 from proxy.reporting.recorder import Recorder
 from proxy.routing.cache.lora import Lora
@@ -81,7 +85,7 @@ class Forwarder:
                  backends: Mapping[str, BackendInfo],
                  tokenize_output: Callable[[str], Sequence[int]],
                  health: BackendHealth | None = None, *,
-                 user_starts: Callable[[bytes], tuple[int, ...]] | None = None,
+                 prompt: PromptBuilder | None = None,
                  why_down: Callable[[], Unavailable | None] = lambda: None) -> None:
         upstream, recorder, session = services.upstream, services.recorder, services.session
         max_attempts, first_byte_timeout = services.max_attempts, services.first_byte_timeout
@@ -109,7 +113,12 @@ class Forwarder:
         # where a chat prompt's user messages start, as the server finds them (its
         # template's message delimiters): it checkpoints there on sliding-window and
         # hybrid models; None when the template is not known here
-        self.user_starts = user_starts
+        self.user_starts: Callable[[bytes], tuple[int, ...]] | None = None
+        # learns an image's positions from a server's count (PromptBuilder.learn_media)
+        self.learn_media: LearnMedia | None = None
+        if prompt is not None:  # (the pool tokenizes locally)
+            self.user_starts = partial(user_starts, delimiters=prompt.message_delimiters)
+            self.learn_media = prompt.learn_media
         self.waits = SlotWaits(router, backends, recorder, first_byte_timeout, session)
         # why the pool's backends cannot serve, as their supervisor knows it (crash loops)
         self.why_down = why_down

@@ -30,7 +30,7 @@ from proxy.prompt.handlers import (
 )
 from proxy.prompt.media import (
     MARKER,
-    MediaModel,
+    MediaCounts,
     completion_media,
     expand,
     media_of,
@@ -64,9 +64,9 @@ class PromptBuilder:
         # the default's stand for them.
         self.message_delimiters: TokenizedDelimiters = tokenize_delimiters(
             server_delimiters(template, self.caps), tokenizer)
-        # the positions the backends' projector gives media (None: none, or a count not
-        # known here: a prompt's ids then stop at its first media, proxy/prompt/media.py)
-        self.media: MediaModel | None = None
+        # the positions the backends' projector gives media (where not known, a
+        # prompt's ids stop at its first media: proxy/prompt/media.py)
+        self.media = MediaCounts()
 
     @classmethod
     def load(cls, gguf_path: Path, *, chat_template: str | None = None,
@@ -170,10 +170,30 @@ class PromptBuilder:
     def finish(self, plan: Plan) -> array:
         """The prompt's ids (on the thread that made `plan`), each media's chunk in place."""
         ids = self.tokenizer.finish(plan)
+        return expand(ids, plan.digests, self.media.chunk) if plan.media else ids
+
+    def learn_media(self, body: Mapping[str, Any], reported: int,
+                    markers: Iterable[str] = ()) -> array | None:
+        """A server gave ``reported`` positions to ``body``'s prompt (a chat's, or a
+        completion's first): learn the count of its one image not known
+        (`MediaCounts.learn`). The prompt's ids with that image in place, or None."""
+        if not self.media.learns:
+            return None
+        if "messages" in body:
+            plan = self.plan_chat(body)
+        else:
+            prompt = body.get("prompt")
+            prompt = prompt[0] if isinstance(prompt, list) and prompt else prompt
+            if not (isinstance(prompt, Mapping) and "multimodal_data" in prompt
+                    and isinstance(prompt.get("prompt_string"), str)):
+                return None
+            plan = self._media_plan(prompt, markers)
         if not plan.media:
-            return ids
-        return self.media.expand(ids, plan.digests) if self.media is not None \
-            else expand(ids, plan.digests, None)
+            return None
+        ids = self.tokenizer.finish(self.fetch(plan))
+        if not self.media.learn(ids, plan.digests, reported):
+            return None
+        return expand(ids, plan.digests, self.media.chunk)
 
     def head(self, plan: Plan) -> tuple[array, int] | None:
         """The ids of the prompt before its first text no cache holds, and that text's
@@ -196,16 +216,16 @@ class PromptBuilder:
             prompt = prompt[0]  # several prompts: one task each; route by the first
         if isinstance(prompt, Mapping) and "multimodal_data" in prompt \
                 and isinstance(prompt.get("prompt_string"), str):
-            return self._multimodal(prompt, markers)
+            return self.finish(self.fetch(self._media_plan(prompt, markers)))
         return self._subprompt(prompt)
 
-    def _multimodal(self, prompt: Mapping[str, Any], markers: Iterable[str]) -> array:
-        """The ids of a subprompt with media (process_mtmd_prompt: the text between
-        markers tokenized part by part, BOS first), each media's chunk in place."""
+    def _media_plan(self, prompt: Mapping[str, Any], markers: Iterable[str]) -> Plan:
+        """The plan of a subprompt with media (process_mtmd_prompt: the text between
+        markers tokenized part by part, BOS first)."""
         plan = self.tokenizer.plan(with_marker(prompt["prompt_string"], markers, MARKER),
                                    add_special=True)
         plan.digests = completion_media(prompt)
-        return self.finish(self.fetch(plan))
+        return plan
 
     def _subprompt(self, prompt: object) -> array:
         if isinstance(prompt, str):

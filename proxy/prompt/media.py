@@ -28,6 +28,7 @@ import hashlib
 import re
 import secrets
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,11 @@ _FIXED = frozenset({"mlp", "mlp_norm"})
 MAX_IDS = 1 << 22
 # base64_decode (server-common.cpp) reads the longest run of these, stopping at "="
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/]*")
+
+
+# learns an image's positions from a server's count of a body's prompt (``markers``:
+# the backends' own): the prompt's ids with it in place, or None (PromptBuilder.learn_media)
+LearnMedia = Callable[[Mapping[str, Any], int, Iterable[str]], "array | None"]
 
 
 def media_kinds(body: Mapping[str, Any]) -> frozenset[str]:
@@ -211,14 +217,52 @@ class MediaModel:
             return None
         return cls(str(kind), (size // patch) ** 2)
 
-    def expand(self, ids: array, media: tuple[bytes | None, ...]) -> array:
-        """``ids`` with each SENTINEL replaced by its media's chunk, in order; cut at
-        the first whose chunk is not known (see the module doc)."""
-        return expand(ids, media, lambda d: chunk_ids(d, self.positions))
+
+class MediaCounts:
+    """The positions a pool's servers give each image: its projector's fixed count where
+    kvroute reads it (`MediaModel`), else learned per image from what a server reports
+    for a prompt that holds it: the prompt's positions less its text and the images
+    already known, when one image is not. Whatever a projector puts around an image
+    (its begin and end tokens) counts with it. Nothing is learned for models whose
+    checkpoints do not follow media chunks (``learns`` False: sliding-window, hybrid)."""
+
+    def __init__(self, model: MediaModel | None = None, learns: bool = False,
+                 limit: int = 4096) -> None:
+        self.model, self.learns, self.limit = model, learns and model is None, limit
+        self._learned: OrderedDict[bytes, int] = OrderedDict()  # digest -> positions
+
+    def chunk(self, digest: bytes) -> array | None:
+        """The ids of the image ``digest`` names (None: its count is not known)."""
+        n = self.model.positions if self.model is not None else self._learned.get(digest)
+        if n is None:
+            return None
+        if self.model is None:
+            self._learned.move_to_end(digest)
+        return chunk_ids(digest, n)
+
+    def learn(self, ids: array, media: tuple[bytes | None, ...], reported: int) -> bool:
+        """A server gave ``reported`` positions to the prompt of ``ids`` (SENTINELs where
+        ``media`` go): learn the count of the one image of it not known. False when
+        there is none, or more than one, or media that are not images."""
+        if not self.learns or ids.count(SENTINEL) != len(media) or None in media:
+            return False
+        unknown = {d for d in media if d not in self._learned}
+        if len(unknown) != 1:
+            return False
+        (new,) = unknown
+        rest = reported - (len(ids) - len(media)) - sum(
+            self._learned[d] for d in media if d != new)
+        times = media.count(new)
+        if rest <= 0 or rest % times:
+            return False
+        self._learned[new] = rest // times
+        while len(self._learned) > self.limit:
+            self._learned.popitem(last=False)
+        return True
 
 
 def expand(ids: array, media: tuple[bytes | None, ...],
-           chunk: Callable[[bytes], array] | None) -> array:
+           chunk: Callable[[bytes], array | None] | None) -> array:
     """``ids`` with its SENTINELs replaced by ``chunk`` of each media's digest; cut at the
     first media without a digest or chunk, past the media there are, or at MAX_IDS."""
     out, at = array("i"), 0
@@ -228,9 +272,11 @@ def expand(ids: array, media: tuple[bytes | None, ...],
         except ValueError:
             break
         out.extend(ids[at:i])
-        if digest is None or chunk is None or len(out) > MAX_IDS:
+        got = None if digest is None or chunk is None or len(out) > MAX_IDS \
+            else chunk(digest)
+        if got is None:
             return out
-        out.extend(chunk(digest))
+        out.extend(got)
         at = i + 1
     try:
         end = ids.index(SENTINEL, at)

@@ -30,8 +30,7 @@ from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
 from proxy.observability.tracing import Tracing
 from proxy.prompt.builder import PromptBuilder
-from proxy.prompt.delimiters import user_starts
-from proxy.prompt.media import MediaModel
+from proxy.prompt.media import MediaCounts, MediaModel
 from proxy.reporting.recorder import Recorder
 from proxy.routing.router import Router
 from proxy.server.backend_tokens import BackendTokens
@@ -100,8 +99,8 @@ async def build_pool(spec: PoolSpec, router: Router, shared: Shared,
             tok.pool.shutdown(wait=False, cancel_futures=True)
             raise
     prompt = tok.prompt
-    if prompt is not None and model is not None and spec.mmproj is not None:
-        prompt.media = _media_model(spec.mmproj, model[0])
+    if prompt is not None and model is not None:
+        prompt.media = _media_counts(spec.mmproj, model[0])
     # the live view of its routable backends: one dict, kept by its health, read by its
     # forwarder and the pool's own round robin
     routable: dict[str, BackendInfo] = {}
@@ -111,22 +110,23 @@ async def build_pool(spec: PoolSpec, router: Router, shared: Shared,
                         first_byte_timeout=s.first_byte_timeout_s, log_prompts=s.log_prompts)
     fw = Forwarder(
         services, router, routable, tok.output_tokens, health, why_down=why_down,
-        user_starts=None if prompt is None else
-        lambda ids, d=prompt.message_delimiters: user_starts(ids, d))
+        prompt=prompt)
     pool = Pool(spec, router, routable, health, tok, fw)
     return pool
 
 
-def _media_model(mmproj: Path, gguf: Path) -> MediaModel | None:
-    """What the pool's projector makes of an image, where kvroute models it: a dense
-    model's (a sliding-window or hybrid one checkpoints around media chunks in ways the
-    checkpoint model does not follow yet)."""
+def _media_counts(mmproj: Path | None, gguf: Path) -> MediaCounts:
+    """The positions of images, where kvroute models them: a dense model's (a
+    sliding-window or hybrid one checkpoints around media chunks in ways the checkpoint
+    model does not follow yet); read from the pool's projector, else learned."""
     memory = gguf_memory(gguf)
-    model = MediaModel.read(mmproj) if not (memory.n_swa or memory.recurrent) else None
-    if model is None:
+    dense = not (memory.n_swa or memory.recurrent)
+    model = MediaModel.read(mmproj) if dense and mmproj is not None else None
+    if mmproj is not None and model is None:
         get_logger().info("media.positions_unknown", mmproj=str(mmproj),
-                          now="a prompt's ids stop at its first image or audio")
-    return model
+                          now="learned per image from what its servers report" if dense
+                          else "a prompt's ids stop at its first image or audio")
+    return MediaCounts(model, learns=dense)
 
 
 class Pools:

@@ -16,6 +16,7 @@ from proxy.prompt.chat_request import MEDIA_MARKER, _join_parts
 from proxy.prompt.media import (
     MARKER,
     SENTINEL,
+    MediaCounts,
     MediaModel,
     chunk_ids,
     completion_media,
@@ -168,3 +169,37 @@ def test_each_backend_gets_its_own_marker() -> None:
     assert got == ["t", {"prompt_string": "a <m2> b <m2> c", "multimodal_data": [B64, B64]}]
     assert prompt_for({"prompt_string": "a <m1>"}, {"<m1>"}, "<m2>") == {
         "prompt_string": "a <m1>"}  # (no media: as it is)
+
+
+D1, D2, D3 = b"1" * 16, b"2" * 16, b"3" * 16
+S = SENTINEL
+
+
+@pytest.mark.parametrize(("ids", "media", "reported", "learned"), [
+    ([5, 6, S, 7], (D1,), 3 + 64, {D1: 64}),
+    ([5, S, 6, S], (D1, D1), 2 + 2 * 10, {D1: 10}),  # the same image twice
+    ([5, S, 6, S], (D2, D1), 2 + 30 + 10, {D1: 10}),  # D2 known (30): D1 is the rest
+    ([5, S, S], (D1, D3), 100, {}),  # two unknown: not learned
+    ([5, S], (None,), 50, {}),  # not an image
+    ([5, S], (D1,), 1, {}),  # nothing left for it
+    ([5, S, 6, S], (D1, D1), 2 + 21, {}),  # not a whole count each
+    ([5, S, 6], (D1, D3), 90, {}),  # markers and media disagree
+])
+def test_counts_are_learned_from_one_unknown_image(ids: list[int], media: tuple[bytes | None, ...],
+                                                   reported: int,
+                                                   learned: dict[bytes, int]) -> None:
+    counts = MediaCounts(learns=True)
+    assert counts.learn(array("i", [5, S]), (D2,), 1 + 30)  # D2: 30 positions
+    got = counts.learn(array("i", ids), media, reported)
+    assert got is bool(learned)
+    for d, n in learned.items():
+        assert counts.chunk(d) == chunk_ids(d, n)
+    if not learned:
+        assert counts.chunk(D1) is None
+
+
+def test_a_projectors_count_is_never_learned_over() -> None:
+    counts = MediaCounts(MediaModel("mlp", 64), learns=True)
+    assert not counts.learns and not counts.learn(array("i", [5, S]), (D1,), 100)
+    assert counts.chunk(D1) == chunk_ids(D1, 64)
+    assert not MediaCounts().learn(array("i", [5, S]), (D1,), 100)  # (not learning)

@@ -1,0 +1,97 @@
+"""Images whose positions kvroute cannot read from a projector (here the demo projector
+given as `--mmproj` in extra_args, as an external server's is): learned from the count
+the server reports for the first prompt that holds each, so every turn after it is
+predicted through the image, and the first turn's slot record holds the whole prompt."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient
+from images import data_uri, png
+from proxy_client import proxy
+from texts import words
+
+from backends.config import ManagedBackendConfig
+from backends.demo_mmproj import ensure_demo_mmproj, for_model
+from backends.demo_model import DemoModelParams
+from backends.supervisor import Supervisor
+from proxy.config.load import Config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient[Any, Any]]:
+    mmproj = ensure_demo_mmproj(for_model(DemoModelParams()))
+    cfg = pool_config(n=1, slots=2, ctx_per_slot=4096)
+    (b,) = cfg.backends
+    assert isinstance(b, ManagedBackendConfig)
+    b = dataclasses.replace(b, extra_args=("--mmproj", str(mmproj)))
+    sup = Supervisor(dataclasses.replace(cfg, backends=(b,)))
+    await sup.start()
+    try:
+        assert len(sup.ready()) == 1, sup.statuses()
+        async with proxy(sup) as c:
+            yield c
+    finally:
+        await sup.stop()
+
+
+async def chat(client: TestClient[Any, Any], messages: list[dict[str, Any]]
+               ) -> tuple[int, int, int, str]:
+    """(predicted, reported, prompt tokens, answer) of one turn."""
+    body = {"model": "kvroute-demo", "max_tokens": 3, "messages": messages}
+    async with client.post("/v1/chat/completions", json=body) as r:
+        data = await r.json()
+        assert r.status == 200, data
+        predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+    usage = data["usage"]
+    return (predicted, usage["prompt_tokens_details"]["cached_tokens"],
+            usage["prompt_tokens"], data["choices"][0]["message"]["content"])
+
+
+async def test_a_screenshot_carried_for_four_turns_is_predicted(client: TestClient[Any, Any]
+                                                                ) -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": words(60, 31)},
+        {"role": "user", "content": [
+            {"type": "text", "text": words(20, 32)},
+            {"type": "image_url", "image_url": {"url": data_uri(png(31, 300, 200))}}]}]
+    rows = []
+    for turn in range(4):
+        predicted, reported, total, answer = await chat(client, messages)
+        rows.append((predicted, reported, total))
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": words(15, 40 + turn)}]
+    assert rows[0][1] == 0, rows
+    # from the second turn, reused through the image (64 positions), as predicted (the
+    # answers' own tokens, random, may retokenize otherwise: within max(16, 2%))
+    assert all(abs(p - r) <= max(16, t // 50) and p > 64 + 60 for p, r, t in rows[1:]), rows
+
+
+async def test_another_image_is_learned_on_its_own(client: TestClient[Any, Any]) -> None:
+    """A second image in a conversation whose first is known: learned from its first
+    turn too; an image first seen beside another unknown one is not (two counts from one
+    report), and its prompt predicts only up to it."""
+    system = {"role": "system", "content": words(50, 51)}
+
+    def user(*seeds: int) -> dict[str, Any]:
+        return {"role": "user", "content": [{"type": "text", "text": words(10, 52)}] + [
+            {"type": "image_url", "image_url": {"url": data_uri(png(s, 120, 90))}}
+            for s in seeds]}
+
+    first = await chat(client, [system, user(61)])
+    # 61 learned; the ids stop at 62 (a token short: never more than the ids less one)
+    second = await chat(client, [system, user(61, 62)])
+    assert second[1] > 64 and 0 <= second[1] - second[0] <= 1, (first, second)
+    third = await chat(client, [system, user(61, 62)])  # 62 learned from the second
+    assert third[0] == third[1] == third[2] - 1, (first, second, third)
+    # neither known: the ids stop at 71, and stay so (two counts from one report)
+    both = await chat(client, [system, user(71, 72)])
+    again = await chat(client, [system, user(71, 72)])
+    assert again[1] == again[2] - 1 and again[0] < 64 + 50, (both, again)
