@@ -131,6 +131,12 @@ class ProxyMetrics:
             c = self._children[key] = collector.labels(*labels)
         return c
 
+    def media_tokens_of(self, backend: str) -> int:
+        """`kvroute_media_tokens_total` of ``backend`` so far."""
+        got = self.registry.get_sample_value("kvroute_media_tokens_total",
+                                             {"backend": backend})
+        return int(got or 0)
+
     def record_feedback(self, backend: str, prompt_tokens: int, predicted: int,
                         reported: int | None, tier: str = "none") -> None:
         """Token counters and the prediction error of one routed request (``tier``: where

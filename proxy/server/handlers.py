@@ -317,10 +317,14 @@ def status_body(app: web.Application) -> dict[str, object]:
     # tripped by its breaker: requests go there)
     backends = []
     for s in app[SUPERVISOR].statuses():
-        pool = pools.of_backend(str(s["name"]))
+        name = str(s["name"])
+        pool = pools.of_backend(name)
         backends.append({**s, "pool": pool and pool.spec.name,
-                         "routed": pool is not None and s["name"] in pool.backends,
-                         "proxy": pool and pool.health.state(str(s["name"]))})
+                         "routed": pool is not None and name in pool.backends,
+                         "proxy": pool and pool.health.state(name),
+                         # the LoRA scales its requests without `lora` are sent naming
+                         "lora_scales": list(pool.router.adapters(name)) if pool else None,
+                         "media_tokens": app[METRICS].media_tokens_of(name)})
     admission = app[ADMISSION]
     return {
         "policy": app[CONFIG].proxy.policy,

@@ -110,6 +110,9 @@ async def test_global_scales_are_set_on_every_server(client: TestClient[Any, Any
     async with client.post("/lora-adapters", json=A0) as r:
         assert r.status == 200, await r.text()
     try:
+        async with client.get("/kvroute/status") as r:
+            scales = [b["lora_scales"] for b in (await r.json())["backends"]]
+        assert scales == [[1.0, 0.0], [1.0, 0.0]]
         sup = client.server.app[SUPERVISOR]
         async with aiohttp.ClientSession() as session:
             for info in sup.ready():

@@ -72,6 +72,9 @@ async def test_a_screenshot_carried_for_four_turns_is_predicted(client: TestClie
     # from the second turn, reused through the image (64 positions), as predicted (the
     # answers' own tokens, random, may retokenize otherwise: within max(16, 2%))
     assert all(abs(p - r) <= max(16, t // 50) and p > 64 + 60 for p, r, t in rows[1:]), rows
+    async with client.get("/kvroute/status") as r:
+        (backend,) = (await r.json())["backends"]
+    assert backend["media_tokens"] >= 3 * 64  # (the first turn's ids stopped at the image)
 
 
 async def test_another_image_is_learned_on_its_own(client: TestClient[Any, Any]) -> None:
