@@ -178,6 +178,8 @@ async def _pools_ctx(app: web.Application) -> AsyncIterator[None]:
     bus = await _replicas(app)
     probers = [asyncio.create_task(p.health.run(session), name=f"kvroute-health-{i}")
                for i, p in enumerate(pools)]
+    probers += [asyncio.create_task(adapters.watch(p, session), name=f"kvroute-lora-{i}")
+                for i, p in enumerate(pools)]
     yield
     if bus is not None:
         await bus.close()

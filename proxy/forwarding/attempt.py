@@ -170,6 +170,16 @@ class Attempt:
         finally:
             self.finish()
 
+    def named_lora(self, backend: str) -> Lora | None:
+        """The LoRA adapters the request goes to ``backend`` naming: its own, or, where
+        it names none (no field, or ``[]``), the backend's global scales (None: it has
+        no adapters, or the field is one the server refuses)."""
+        if self.lora is not None:
+            return self.lora
+        if self.body.get("lora", []) != []:
+            return None
+        return tuple(enumerate(self.router.adapters(backend))) or None
+
     def launch(self, ids: Sequence[int] | array) -> Launch:
         """Where the server finds user messages in this prompt (none unless a backend
         checkpoints there and this is a chat prompt), and the adapters it names."""
@@ -296,9 +306,9 @@ class Attempt:
             # a completion's media markers: the one this backend's server cuts at
             markers = {b.media_marker for b in self.fw.backends.values()}
             extra["prompt"] = prompt_for(body["prompt"], markers, info.media_marker)
-        if self.lora is None and (scales := self.router.adapters(info.name)):
+        if self.lora is None and (named := self.named_lora(info.name)):
             # named, so the server never runs it over KV made under other adapters
-            extra["lora"] = [{"id": i, "scale": s} for i, s in enumerate(scales)]
+            extra["lora"] = [{"id": i, "scale": s} for i, s in named]
         strip_usage = False
         if body.get("stream") is True and path in OPENAI_PATHS and not _wants_usage(body):
             extra["stream_options"] = {"include_usage": True}
@@ -342,7 +352,7 @@ class Attempt:
         tell = self.fw.on_sent
         if tell is not None and self.whole and d.slot is not None:
             tell(d.backend, d.slot, d.request_id,
-                 to_token_bytes(self.tokens), self.lora)  # type: ignore[arg-type]
+                 to_token_bytes(self.tokens), self.named_lora(d.backend))  # type: ignore[arg-type]
 
     def data(self) -> None:
         # NOTE: as the bytes come, not when they are read: another answer read first

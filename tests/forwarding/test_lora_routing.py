@@ -6,6 +6,7 @@ is cleared by the server), conversations under different sets keep their own slo
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -128,3 +129,71 @@ async def test_global_scales_are_set_on_every_server(client: TestClient[Any, Any
         async with client.post("/lora-adapters", json=[{"id": 0, "scale": 1.0},
                                                        {"id": 1, "scale": 1.0}]) as r:
             assert r.status == 200
+
+
+async def test_scales_set_behind_kvroutes_back_are_found(client: TestClient[Any, Any]
+                                                         ) -> None:
+    """Scales POSTed to one server itself are read back within seconds (the watch),
+    and are what kvroute names for that server from then on."""
+    sup = client.server.app[SUPERVISOR]
+    info = next(i for i in sup.ready() if i.name == "a")
+    headers = {"Authorization": f"Bearer {info.api_key}"}
+
+    async def scales() -> list[list[float]]:
+        async with client.get("/kvroute/status") as r:
+            return [b["lora_scales"] for b in (await r.json())["backends"]]
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(info.url + "/lora-adapters", json=A1, headers=headers) as r:
+            assert r.status == 200
+        try:
+            for _ in range(40):
+                if await scales() == [[0.0, 1.0], [1.0, 1.0]]:
+                    break
+                await asyncio.sleep(0.25)
+            assert await scales() == [[0.0, 1.0], [1.0, 1.0]]
+        finally:
+            async with session.post(info.url + "/lora-adapters", headers=headers, json=[
+                    {"id": 0, "scale": 1.0}, {"id": 1, "scale": 1.0}]) as r:
+                assert r.status == 200
+
+
+async def test_what_the_server_refuses_is_sent_as_it_is(client: TestClient[Any, Any]
+                                                        ) -> None:
+    """A `lora` the server refuses (not a list) gets its answer: kvroute names no
+    scales in its place."""
+    body = {"model": "kvroute-demo", "max_tokens": 1, "lora": {"id": 0},
+            "messages": [{"role": "user", "content": "hi"}]}
+    async with client.post("/v1/chat/completions", json=body) as r:
+        assert r.status in (400, 500), await r.text()
+        assert "lora" in (await r.json())["error"]["message"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def one_slot(pool_config: Callable[..., Config]
+                   ) -> AsyncIterator[TestClient[Any, Any]]:
+    loras = tuple(ensure_demo_lora(for_model(DemoModelParams(), s)) for s in (0, 1))
+    cfg = pool_config(n=1, slots=1, ctx_per_slot=4096, cache_ram_mib=0)
+    (b,) = cfg.backends
+    assert isinstance(b, ManagedBackendConfig)
+    sup = Supervisor(dataclasses.replace(cfg, backends=(dataclasses.replace(b, lora=loras),)))
+    await sup.start()
+    try:
+        assert len(sup.ready()) == 1, sup.statuses()
+        async with proxy(sup) as c:
+            yield c
+    finally:
+        await sup.stop()
+
+
+async def test_a_request_naming_no_adapters_never_runs_over_anothers_kv(
+        one_slot: TestClient[Any, Any]) -> None:
+    """One slot: a prompt without `lora`, the same under adapter 0, then again without:
+    the server alone would reuse adapter 0's KV for the third and answer otherwise than
+    the first; through kvroute it is cleared (as predicted) and answers as the first."""
+    messages = [{"role": "user", "content": words(60, 91)}]
+    first = await ask(one_slot, messages, None)
+    under_a0 = await ask(one_slot, messages, A0)
+    third = await ask(one_slot, messages, None)
+    assert under_a0[3] != first[3], (first, under_a0)  # (each set answers its own)
+    assert third[:2] == (0, 0) and third[3] == first[3], (first, third)

@@ -39,6 +39,8 @@ Q = [1, 2, 3, *range(500, 800)]
     ({"lora": [{"id": 1.9, "scale": True}]}, ((1, 1.0),)),
     ({"lora": [3]}, ((-1, 0.0),)),
     ({"lora": [{"id": 0, "scale": 0.1}]}, ((0, f32(0.1)),)),
+    ({"lora": [{"id": 0, "scale": 3e9}]}, ((0, f32(3e9)),)),  # a float, however large
+    ({"lora": [{"id": 1e12, "scale": 1}]}, ((-1, 1.0),)),  # (no adapter has that id)
 ])
 def test_requested_reads_the_field_as_the_server(body: dict[str, Any], want: Lora | None
                                                  ) -> None:
@@ -139,23 +141,27 @@ SETS: list[Lora | None] = [None, A0, A1, BOTH, HALF]
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(range(len(SETS))), st.integers(0, 3),
-                          st.integers(1, 60)), min_size=1, max_size=12))
-def test_one_slot_matches_a_reference(steps: list[tuple[int, int, int]]) -> None:
+                          st.integers(1, 60)), min_size=1, max_size=12),
+       st.sampled_from([(1.0, 1.0), (0.25, 0.0), (0.0, 0.0)]))
+def test_one_slot_matches_a_reference(steps: list[tuple[int, int, int]],
+                                      global_scales: tuple[float, float]) -> None:
     """One slot, no RAM tier: what the model predicts equals a reference that keeps the
-    slot's tokens and its set, and applies launch_slot_with_task's rule directly (to
-    what kvroute sends: the global set named where a request names none)."""
-    c = make(ram_bytes=0)
+    slot's tokens and the scales its last request ran under (each adapter's scale as
+    named, else 0; the global ones where none is named: kvroute names them), and reuses
+    the common prefix only under the same scales (launch_slot_with_task)."""
+    c = make(adapters=global_scales, ram_bytes=0)
     held: list[int] = []
-    held_set: tuple[float, ...] = ()
+    held_scales: tuple[float, ...] | None = None  # (none yet: no request ran)
     for k, branch, size in steps:
         lora = SETS[k]
         prompt = [1, 2, 3] + [branch * 1000 + i for i in range(size)]
         lcp = next((i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b),
                    min(len(held), len(prompt)))
-        now = c.lora_global if lora is None else scales(lora, 2)
-        want = 0 if now != held_set else min(lcp, len(prompt) - 1)
+        named = dict(lora or ())
+        now = global_scales if lora is None else (named.get(0, 0.0), named.get(1, 0.0))
+        want = min(lcp, len(prompt) - 1) if now == held_scales else 0
         assert run(c, prompt, lora).reuse == want
-        held, held_set = [*prompt, 7], now
+        held, held_scales = [*prompt, 7], now
 
 
 @pytest.mark.parametrize("peer, mine, reuse", [

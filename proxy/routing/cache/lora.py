@@ -46,12 +46,13 @@ def requested(body: object) -> Lora | None:
     for entry in raw:
         item = entry if isinstance(entry, dict) else {}
         i, scale = item.get("id"), item.get("scale")
-        got[int(_number(i, -1))] = f32(_number(scale, 0.0))
+        i = _number(i, -1)
+        got[int(i) if abs(i) < 2**31 else -1] = f32(_number(scale, 0.0))
     return tuple(sorted(got.items()))
 
 
 def _number(v: object, default: float) -> float:
-    if not isinstance(v, int | float) or v != v or abs(v) > 2**31:
+    if not isinstance(v, int | float) or v != v:
         return default
     return float(v)
 

@@ -258,8 +258,9 @@ class CachePrediction:
         ``k``; once they outnumber the slots, (tokens shared, prompt tokens) of the one
         whose slot this request gets (``ahead[k - n_slots]``), and ``save_bytes`` of each
         of the first ``k - n_slots + 1`` of them, summed: the prompts their slots hold
-        when the starts after theirs save them. The adapters of the request ahead are
-        not known: the slot's are taken for theirs."""
+        when the starts after theirs save them. ``behind``'s tokens shared are those
+        this request may reuse under its adapters (none when they differ: see
+        `Candidate.shared`); with no request ahead, the slot's own adapters decide."""
         order = sorted(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
         slot = order[k % len(order)]
         if behind is None:
@@ -279,7 +280,7 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, gone)
         elif behind is None and lcp < n_slot:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
-        if self.clears(slot, lora):
+        if behind is None and self.clears(slot, lora):
             got = 0
         if self.checkpointed and got:
             if entry is not None:
