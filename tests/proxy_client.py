@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from backends.supervisor import Supervisor
 from proxy.app import create_app
+from proxy.config.load import Config
 from proxy.config.settings import ProxySettings
 from proxy.server.keys import METRICS
 from proxy.server.runner import make_runner
@@ -30,6 +31,20 @@ async def proxy(sup: Supervisor, settings: ProxySettings | None = None
     server = ProxyServer(create_app(sup.config, sup, settings), handler_cancellation=True)
     async with TestClient(server) as client:
         yield client
+
+
+@asynccontextmanager
+async def serving(cfg: Config) -> AsyncIterator[TestClient[Any, Any]]:
+    """kvroute in front of ``cfg``'s backends, started for it (all of them ready), and
+    stopped after."""
+    sup = Supervisor(cfg)
+    await sup.start()
+    try:
+        assert len(sup.ready()) == len(cfg.backends), sup.statuses()
+        async with proxy(sup) as client:
+            yield client
+    finally:
+        await sup.stop()
 
 
 def slot_files_counted(client: TestClient[Any, Any], event: str) -> float:

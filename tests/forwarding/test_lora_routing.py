@@ -15,13 +15,12 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
-from proxy_client import proxy
+from proxy_client import serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
 from backends.demo_lora import ensure_demo_lora, for_model
 from backends.demo_model import DemoModelParams
-from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.server.keys import SUPERVISOR
 
@@ -37,15 +36,9 @@ async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient
     cfg = pool_config(n=2, slots=2, ctx_per_slot=4096, cache_ram_mib=64)
     backends = tuple(dataclasses.replace(b, lora=loras) for b in cfg.backends
                      if isinstance(b, ManagedBackendConfig))
-    sup = Supervisor(dataclasses.replace(cfg, backends=backends))
-    await sup.start()
-    try:
-        assert len(sup.ready()) == 2, sup.statuses()
-        assert all(info.lora == (1.0, 1.0) for info in sup.ready())
-        async with proxy(sup) as c:
-            yield c
-    finally:
-        await sup.stop()
+    async with serving(dataclasses.replace(cfg, backends=backends)) as c:
+        assert all(info.lora == (1.0, 1.0) for info in c.server.app[SUPERVISOR].ready())
+        yield c
 
 
 async def ask(client: TestClient[Any, Any], messages: list[dict[str, Any]],
@@ -176,14 +169,9 @@ async def one_slot(pool_config: Callable[..., Config]
     cfg = pool_config(n=1, slots=1, ctx_per_slot=4096, cache_ram_mib=0)
     (b,) = cfg.backends
     assert isinstance(b, ManagedBackendConfig)
-    sup = Supervisor(dataclasses.replace(cfg, backends=(dataclasses.replace(b, lora=loras),)))
-    await sup.start()
-    try:
-        assert len(sup.ready()) == 1, sup.statuses()
-        async with proxy(sup) as c:
-            yield c
-    finally:
-        await sup.stop()
+    async with serving(dataclasses.replace(
+            cfg, backends=(dataclasses.replace(b, lora=loras),))) as c:
+        yield c
 
 
 async def test_a_request_naming_no_adapters_never_runs_over_anothers_kv(

@@ -20,13 +20,12 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient
 from faults import until
 from images import data_uri, png
-from proxy_client import proxy
+from proxy_client import serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
 from backends.demo_mmproj import ensure_demo_mmproj, for_model
 from backends.demo_model import DemoModelParams
-from backends.supervisor import Supervisor
 from proxy.config.load import Config
 from proxy.prompt.media import media_kinds
 from proxy.server.keys import METRICS, ROUTER, SUPERVISOR, TOKENIZING
@@ -40,14 +39,8 @@ async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient
     plain, seeing = cfg.backends
     assert isinstance(seeing, ManagedBackendConfig)
     seeing = dataclasses.replace(seeing, mmproj=ensure_demo_mmproj(for_model(DemoModelParams())))
-    sup = Supervisor(dataclasses.replace(cfg, backends=(plain, seeing)))
-    await sup.start()
-    try:
-        assert len(sup.ready()) == 2, sup.statuses()
-        async with proxy(sup) as c:
-            yield c
-    finally:
-        await sup.stop()
+    async with serving(dataclasses.replace(cfg, backends=(plain, seeing))) as c:
+        yield c
 
 
 def _image_message(seed: int) -> dict[str, Any]:

@@ -13,13 +13,12 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
 from images import data_uri, png
-from proxy_client import proxy
+from proxy_client import serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
 from backends.demo_mmproj import ensure_demo_mmproj, for_model
 from backends.demo_model import DemoModelParams
-from backends.supervisor import Supervisor
 from proxy.config.load import Config
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,14 +31,8 @@ async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient
     (b,) = cfg.backends
     assert isinstance(b, ManagedBackendConfig)
     b = dataclasses.replace(b, extra_args=("--mmproj", str(mmproj)))
-    sup = Supervisor(dataclasses.replace(cfg, backends=(b,)))
-    await sup.start()
-    try:
-        assert len(sup.ready()) == 1, sup.statuses()
-        async with proxy(sup) as c:
-            yield c
-    finally:
-        await sup.stop()
+    async with serving(dataclasses.replace(cfg, backends=(b,))) as c:
+        yield c
 
 
 async def chat(client: TestClient[Any, Any], messages: list[dict[str, Any]]

@@ -209,7 +209,7 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
         elif lcp < s.n_tokens:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)  # kept: tail truncated
-        if self.clears(slot, lora):
+        if self.lora_global and self.clears(slot, lora):  # (none: nothing to compare)
             got = 0  # (a RAM entry loaded is lost with the rest)
         if self.checkpointed and got:
             got = (self._from_entry(entry, got, n_prompt) if entry is not None
@@ -280,7 +280,7 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, gone)
         elif behind is None and lcp < n_slot:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
-        if behind is None and self.clears(slot, lora):
+        if behind is None and self.lora_global and self.clears(slot, lora):
             got = 0
         if self.checkpointed and got:
             if entry is not None:
