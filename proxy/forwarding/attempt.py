@@ -36,7 +36,13 @@ from proxy.forwarding.send import JSON, Exchange, Relay, Target, send, upstream_
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing
-from proxy.prompt.media import LearnMedia, media_kinds, media_positions, prompt_for
+from proxy.prompt.media import (
+    LearnMedia,
+    cut_short,
+    media_kinds,
+    media_positions,
+    prompt_for,
+)
 from proxy.reporting.outcome import Outcome, held_output
 from proxy.reporting.recorder import Recorder
 from proxy.routing.cache.lora import Lora, requested
@@ -433,7 +439,7 @@ class Attempt:
         then goes on from it as predicted)."""
         learn = self.fw.learn_media
         if learn is None or not self.media or outcome.prompt_n is None \
-                or outcome.reported_cached is None:
+                or outcome.reported_cached is None or not cut_short(self.body, self.tokens):
             return
         markers = {b.media_marker for b in self.fw.backends.values()}
         ids = learn(self.body, outcome.prompt_n + outcome.reported_cached, markers)

@@ -182,6 +182,19 @@ def decoded(url: str) -> bytes | None:
     return data or None
 
 
+def cut_short(body: Mapping[str, Any], ids: Sequence[int]) -> bool:
+    """Do ``body``'s prompt ids stop before its last media (a count not known)? Read
+    without decoding: the media a chat's messages, or a completion's first prompt, hold,
+    against the chunks in ``ids``."""
+    if "prompt" in body:
+        prompt = body["prompt"]
+        first = prompt[0] if isinstance(prompt, list) and prompt else prompt
+        held = len(_listed(first)) if isinstance(first, Mapping) else 0
+    else:
+        held = len(_parts(body))
+    return held > 0 and sum(1 for i in ids if i < _FILL) < held
+
+
 def media_positions(ids: Sequence[int]) -> int:
     """The positions of ``ids`` that media chunks take."""
     return sum(1 for i in ids if i < 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 from array import array
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -20,6 +21,7 @@ from proxy.prompt.media import (
     MediaModel,
     chunk_ids,
     completion_media,
+    cut_short,
     decoded,
     ends_with_media,
     expand,
@@ -203,3 +205,18 @@ def test_a_projectors_count_is_never_learned_over() -> None:
     assert not counts.learns and not counts.learn(array("i", [5, S]), (D1,), 100)
     assert counts.chunk(D1) == chunk_ids(D1, 64)
     assert not MediaCounts().learn(array("i", [5, S]), (D1,), 100)  # (not learning)
+
+
+@pytest.mark.parametrize(("body", "ids", "short"), [
+    ({"messages": [{"role": "user", "content": "hi"}]}, [1, 2], False),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, [1, 2], True),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, [1, -9, -2, -2, 4], False),
+    ({"prompt": {"prompt_string": "a", "multimodal_data": [B64, B64]}}, [1, -9, -2], True),
+    ({"prompt": [{"prompt_string": "a", "multimodal_data": [B64]}, "b"]}, [1, -5], False),
+    ({"prompt": "text"}, [1], False),
+])
+def test_ids_cut_short_of_their_media(body: dict[str, Any], ids: list[int],
+                                      short: bool) -> None:
+    assert cut_short(body, ids) is short
