@@ -78,7 +78,8 @@ class Event:
     live: tuple[int, ...] = ()  # (alive) the sender's requests in flight in the pool
     base: bytes = b""  # (start) the digest of the ``keep`` tokens it starts with
     base_from: tuple[str, int] | None = None  # (start) their slot, if another (backend, slot)
-    lora: Lora | None = None  # (start) the LoRA adapters it names (None: no `lora` field)
+    lora: Lora | None = None  # (start) the LoRA adapters it names (None: no `lora` field);
+    # (held) those the slot's last request ran under
 
 
 def encode(e: Event) -> bytes:
@@ -123,7 +124,7 @@ def decode(data: bytes) -> Event | None:
         return None
     tokens = b"" if packed is None else _unpack(packed)
     base = _base(obj.get("h"), kind == Kind.START and keep)
-    lora = _lora(obj.get("a"), kind == Kind.START)
+    lora = _lora(obj.get("a"), kind in (Kind.START, Kind.HELD))
     if tokens is None or base is None or lora is False \
             or (kind in _WITH_TOKENS and len(tokens) + 4 * keep < 8) \
             or (kind in (Kind.FIRST, Kind.MOVED) and (tokens or keep)) \

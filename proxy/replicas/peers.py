@@ -209,7 +209,8 @@ class PeerView:
             # replica that knows nothing of that slot)
             known = self._changed.get(key)
             if (known is not None and e.at <= known) \
-                    or not port.router.observe(e.backend, e.slot, e.tokens, now=now):
+                    or not port.router.observe(e.backend, e.slot, e.tokens, now=now,
+                                               lora=e.lora):
                 return False
             self._changed[key] = e.at
             return True
@@ -301,9 +302,9 @@ class PeerView:
     def snapshot(self) -> list[Event]:
         """What every idle slot holds in this model, for a replica that joins."""
         return [Event(self.replica, Kind.HELD, pool, backend, slot, 0, held,
-                      at=self._changed.get((pool, backend, slot), 0.0))
+                      at=self._changed.get((pool, backend, slot), 0.0), lora=lora)
                 for pool, port in self.pools.items() for backend in port.router.backends
-                for slot, held in port.router.peers.held_slots(backend)]
+                for slot, held, lora in port.router.peers.held_slots(backend)]
 
     def left(self, peer: str, now: float, why: str) -> None:
         """``peer`` left (said so, or was not heard for long): its requests end."""

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from proxy.routing.backend_state import BackendState
+from proxy.routing.cache.lora import Lora
 from proxy.routing.routed import Inflight, Ledger, Routed
 from proxy.routing.tree.token_bytes import common_len
 
@@ -80,10 +81,12 @@ class PeerRequests:
         if self.listener is not None and not f.observed:
             self.listener.withdrawn(f.backend, rid)
 
-    def held_slots(self, backend: str) -> list[tuple[int, bytes]]:
-        """What each idle slot of ``backend`` holds (told to a replica that joins)."""
+    def held_slots(self, backend: str) -> list[tuple[int, bytes, Lora | None]]:
+        """What each idle slot of ``backend`` holds, and the adapters its last request
+        ran under (told to a replica that joins)."""
         st = self._backends.get(backend)
         if st is None:
             return []
-        return [(i, held) for i in range(len(st.cache.slots))
-                if (held := st.cache.held(i)) is not None]
+        slots = st.cache.slots
+        return [(i, held, tuple(enumerate(slots[i].lora)) or None)
+                for i in range(len(slots)) if (held := st.cache.held(i)) is not None]

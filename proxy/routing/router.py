@@ -464,13 +464,13 @@ class Router:
         self._unposted.posted(rid)  # (sent by its replica: its posting is not seen here)
         return routed
 
-    def observe(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0
-                ) -> bool:
+    def observe(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0,
+                lora: Lora | None = None) -> bool:
         """Another replica's request on ``backend``'s ``slot`` ended, leaving ``sequence``
         there: ``observe_start`` and ``complete`` at once (what it displaces goes to RAM
         as the server's would). False when the backend is not routed here or the slot
         is busy in this model (the request there settles what it holds)."""
-        routed = self.observe_start(backend, slot, sequence, now=now, wait=False)
+        routed = self.observe_start(backend, slot, sequence, now=now, wait=False, lora=lora)
         if routed is None:
             return False
         self.complete(routed, now=now)

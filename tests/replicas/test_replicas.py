@@ -64,6 +64,7 @@ NEEDS_NATS = pytest.mark.skipif(NATS is None, reason="no nats-server (apt-get in
     Event("a", Kind.MOVED, "", "x", 1, 3),
     Event("a", Kind.START, "", "x", 1, 3, bytes(8), lora=((0, 1.0), (1, 0.5))),
     Event("a", Kind.START, "", "x", 1, 3, bytes(8), lora=((-1, 0.0),)),
+    Event("r", Kind.HELD, "", "gpu0", 1, 0, bytes(8), lora=((0, 1.0), (1, 0.0))),
     Event("b", Kind.HELLO), Event("b", Kind.RESYNC), Event("b", Kind.ALIVE),
     Event("b", Kind.BYE),
 ])
@@ -94,7 +95,7 @@ def test_a_start_names_adapters_as_pairs_or_is_not_read(adapters: object) -> Non
     assert decode(orjson.dumps({**good, "a": [[0, 1.0]]})) is not None
     assert decode(orjson.dumps({**good, "a": adapters})) is None
     end = orjson.loads(encode(Event("a", Kind.END, "", "x", 1, 3)))
-    assert decode(orjson.dumps({**end, "a": [[0, 1.0]]})) is None  # (a start's only)
+    assert decode(orjson.dumps({**end, "a": [[0, 1.0]]})) is None  # (a start's, a held's)
 
 
 @settings(max_examples=300, deadline=None)

@@ -178,3 +178,23 @@ def test_a_peers_request_leaves_its_set_in_the_slot(peer: Lora | None, mine: Lor
     told.complete(Report(output_tokens=[7]), now=0.0)
     d = r.decide(P, launch=Launch(lora=mine))
     assert isinstance(d, Routed) and d.prediction.predicted_cached == reuse
+
+
+@pytest.mark.parametrize("held, mine, reuse", [
+    (A0, A0, len(P) - 1), (A0, A1, 0), (((0, 1.0), (1, 1.0)), None, len(P) - 1),
+])
+def test_a_slot_a_peer_says_it_holds_keeps_its_set(held: Lora, mine: Lora | None,
+                                                    reuse: int) -> None:
+    """What a joining replica hears an idle slot holds (a held event), with the scales
+    its last request ran under, as the peer's model has them."""
+    peer = Router()
+    peer.add_backend(BackendCapacity("b0", 1, 4096, 0, 1024, lora=(1.0, 1.0)))
+    told = peer.observe_start("b0", 0, to_token_bytes(P), lora=held)
+    assert told is not None
+    told.complete(Report(output_tokens=[7]), now=0.0)
+    ((slot, sequence, lora),) = peer.peers.held_slots("b0")
+    r = Router()
+    r.add_backend(BackendCapacity("b0", 1, 4096, 0, 1024, lora=(1.0, 1.0)))
+    assert r.observe("b0", slot, sequence, lora=lora)
+    d = r.decide(P, launch=Launch(lora=mine))
+    assert isinstance(d, Routed) and d.prediction.predicted_cached == reuse
