@@ -242,16 +242,18 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     # is one of ours, never a client-chosen (absolute) URL.
     raw = b""
     pool = request.app[POOLS].first
+    media: frozenset[str] = frozenset()
     if request.method == "POST":
         raw, body = await read_json(request)
         pool = pool_for(request, body)
         prompt = pool.tok.prompt
         check_forwarded(request.path, body, None if prompt is None else prompt.tokenizer.n_vocab)
+        media = media_kinds(body)  # (/apply-template of a chat with images)
     # NOTE: HEAD (aiohttp routes it to GET handlers) goes upstream as GET: aiohttp writes
     # no body to a HEAD request, and the upstream client cannot frame a HEAD answer
     method = "GET" if request.method == "HEAD" else request.method
-    return await pool.fw.passthrough(request, request.path, pool.pick_ready(), raw,
-                                     pick=pool.pick_ready, method=method)
+    return await pool.fw.passthrough(request, request.path, pool.pick_ready("", media), raw,
+                                     pick=lambda: pool.pick_ready("", media), method=method)
 
 
 def _model_objects(request: web.Request) -> list[dict[str, Any]]:

@@ -74,6 +74,17 @@ async def test_images_go_to_the_backend_that_takes_them(client: TestClient[Any, 
         assert r.headers["X-Kvroute-Backend"] == "b"
 
 
+async def test_apply_template_of_an_image_goes_to_a_backend_that_takes_it(
+        client: TestClient[Any, Any]) -> None:
+    # forwarded as it is, round robin: without the filter every other one reaches "a",
+    # whose server refuses the image
+    for seed in range(4):
+        body = {"messages": [_image_message(seed)]}
+        async with client.post("/apply-template", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert "prompt" in await r.json()
+
+
 async def test_text_goes_to_either(client: TestClient[Any, Any]) -> None:
     # sent together, long prompts spread over both backends (the load bound)
     async def one(seed: int) -> str:
