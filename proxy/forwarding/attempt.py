@@ -14,15 +14,12 @@ import asyncio
 import dataclasses
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
 
 from aiohttp import web
 
 from backends.dialect import CHAT_PATH, NATIVE_PATHS, OPENAI_PATHS
 from backends.info import BackendInfo
-from proxy.disk.store import SlotStore
 from proxy.errors import (
     BadRequest,
     NoBackendAvailable,
@@ -30,26 +27,20 @@ from proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from proxy.forwarding.asked import Asked, Forwarding, PendingPrompt, whole_prompt
 from proxy.forwarding.assemble import assembler_for, runs_on_when_left
-from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.send import JSON, Exchange, Relay, Target, send, upstream_payload
-from proxy.forwarding.upstream import Upstream
-from proxy.forwarding.waits import SlotWaits
-from proxy.observability.tracing import Tracing
+from proxy.forwarding.send import JSON, Exchange, Target, send, upstream_payload
 from proxy.prompt.media import (
-    LearnMedia,
     cut_short,
     media_kinds,
     media_positions,
     prompt_for,
 )
 from proxy.reporting.outcome import Outcome, held_output
-from proxy.reporting.recorder import Recorder
 from proxy.routing.cache.lora import Lora, requested
 from proxy.routing.cache.predict import Launch
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend, Report
 from proxy.routing.routed import Routed
-from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
 
 
@@ -58,72 +49,9 @@ def _wants_usage(body: JSON) -> bool:
     return isinstance(opts, dict) and opts.get("include_usage") is True
 
 
-@dataclass
-class PendingPrompt:
-    """A prompt routed on its head while its rest is tokenized (Tokenizing.prompt_ids).
-
-    llama.cpp tokenizes ~4 KB/ms here: a coding agent's new tool result would hold the
-    request that long before anything is sent, though nothing in it can be matched (no
-    cache has seen it). So the request is decided on the head, sent at once, and the rest
-    is tokenized while the backend prefills; `Router.extend` records the whole prompt as
-    soon as it is known, at the latest before the answer's headers (which carry the
-    prediction) are written."""
-
-    head: array
-    n_estimate: int            # the whole prompt's tokens, estimated (for the policy)
-    n_bound: int               # ... at most (for the context-length check)
-    rest: asyncio.Task[array | None]  # the whole prompt's ids; None if they failed
-
-
-@dataclass(frozen=True)
-class Asked:
-    """The client's request, as each attempt forwards it."""
-
-    request: web.Request
-    endpoint: str
-    path: str
-    raw: bytes
-    body: JSON
-    relay: Relay
-    hint: str | None  # the session it names (see session_hint)
-    started: float  # perf_counter() when it came
-
-
 # a request that claims its slot moves at most this often (each move costs a claim's
 # window); then it is sent where it was last decided
 MAX_MOVES = 3
-
-
-class Contest(Protocol):
-    """The claims of this replica's requests on their slots, against the other replicas'
-    (proxy/replicas/claims.py `Claims`)."""
-
-    async def hold(self, routed: Routed, prompt: Callable[[], Awaitable[bytes]]) -> bool:
-        """False: a peer's request won the slot; it must move."""
-
-
-class Forwarding(Protocol):
-    """What an attempt uses of the `Forwarder` that runs it."""
-
-    upstream: Upstream
-    router: Router
-    backends: Mapping[str, BackendInfo]
-    recorder: Recorder
-    health: BackendHealth | None
-    first_byte_timeout: float | None
-    tokenize_output: Callable[[str], Sequence[int]]
-    tracing: Tracing
-    waits: SlotWaits
-    on_sent: Callable[[str, int, int, bytes, Lora | None], None] | None
-    claims: Contest | None
-    user_starts: Callable[[bytes], tuple[int, ...]] | None
-    learn_media: LearnMedia | None
-
-    def serving(self, path: str) -> frozenset[str] | None: ...
-
-    def unavailable(self, reason: str) -> NoBackendAvailable: ...
-
-    def slot_store(self, backend: str) -> SlotStore | None: ...
 
 
 class Attempt:
@@ -470,13 +398,6 @@ class Attempt:
                                      if self.media and self.whole else 0)
             finally:
                 self.fw.tracing.end(self.span, self.reported(), self.outcome)
-
-
-async def whole_prompt(pending: PendingPrompt) -> array:
-    ids = await pending.rest
-    if ids is None:
-        raise BadRequest("prompt text is not valid Unicode")
-    return ids
 
 
 def _no_backend_error(nb: NoBackend, fw: Forwarding) -> ProxyError:

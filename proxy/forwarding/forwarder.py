@@ -23,7 +23,8 @@ from backends.info import BackendInfo
 from proxy.disk.store import SlotStore
 from proxy.disk.tier import DiskTier
 from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError, UpstreamTimeout
-from proxy.forwarding.attempt import Asked, Attempt, Contest, PendingPrompt, whole_prompt
+from proxy.forwarding.asked import Asked, Contest, PendingPrompt, whole_prompt
+from proxy.forwarding.attempt import Attempt
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.send import AS_IS, JSON, Exchange, Relay, Target, send, upstream_payload
 from proxy.forwarding.upstream import Upstream

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from backends.info import BackendInfo
 from proxy.errors import BadRequest, NoBackendAvailable, ProxyError
-from proxy.forwarding.attempt import PendingPrompt
+from proxy.forwarding.asked import PendingPrompt
 from proxy.observability.logging import get_logger
 from proxy.prompt.builder import PromptBuilder
 from proxy.prompt.chat_request import PromptError
