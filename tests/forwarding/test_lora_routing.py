@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -30,14 +31,23 @@ A0 = [{"id": 0, "scale": 1.0}]
 A1 = [{"id": 1, "scale": 1.0}]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient[Any, Any]]:
+@asynccontextmanager
+async def with_adapters(pool_config: Callable[..., Config], n: int, slots: int,
+                        cache_ram_mib: int) -> AsyncIterator[TestClient[Any, Any]]:
+    """kvroute in front of ``n`` fresh demo servers of ``slots`` slots with both demo
+    adapters."""
     loras = tuple(ensure_demo_lora(for_model(DemoModelParams(), s)) for s in (0, 1))
-    cfg = pool_config(n=2, slots=2, ctx_per_slot=4096, cache_ram_mib=64)
+    cfg = pool_config(n=n, slots=slots, ctx_per_slot=4096, cache_ram_mib=cache_ram_mib)
     backends = tuple(dataclasses.replace(b, lora=loras) for b in cfg.backends
                      if isinstance(b, ManagedBackendConfig))
     async with serving(dataclasses.replace(cfg, backends=backends)) as c:
         assert all(info.lora == (1.0, 1.0) for info in c.server.app[SUPERVISOR].ready())
+        yield c
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient[Any, Any]]:
+    async with with_adapters(pool_config, 2, 2, 64) as c:
         yield c
 
 
@@ -75,10 +85,16 @@ async def test_another_set_is_a_cold_start_and_predicted(client: TestClient[Any,
     assert rows[3][1] > 200 and rows[4][1] > 200, rows  # each set's slot kept
 
 
-async def test_conversations_under_two_sets_and_none(client: TestClient[Any, Any]) -> None:
+async def test_conversations_under_two_sets_and_none(pool_config: Callable[..., Config]
+                                                     ) -> None:
     """Three conversations over one system prompt, one per set (adapter 0, adapter 1,
-    none named), turns interleaved: every turn predicted, and each conversation's later
-    turns go on from its own history."""
+    none named), turns interleaved, on fresh servers (2 x 2 slots: one each): every turn
+    predicted, and each conversation's later turns go on from its own history."""
+    async with with_adapters(pool_config, 2, 2, 64) as client:
+        await _three_conversations(client)
+
+
+async def _three_conversations(client: TestClient[Any, Any]) -> None:
     system = {"role": "system", "content": words(150, 3)}
     convs: list[tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]] = [
         (A0, [system]), (A1, [system]), (None, [system])]
@@ -165,12 +181,7 @@ async def test_what_the_server_refuses_is_sent_as_it_is(client: TestClient[Any, 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def one_slot(pool_config: Callable[..., Config]
                    ) -> AsyncIterator[TestClient[Any, Any]]:
-    loras = tuple(ensure_demo_lora(for_model(DemoModelParams(), s)) for s in (0, 1))
-    cfg = pool_config(n=1, slots=1, ctx_per_slot=4096, cache_ram_mib=0)
-    (b,) = cfg.backends
-    assert isinstance(b, ManagedBackendConfig)
-    async with serving(dataclasses.replace(
-            cfg, backends=(dataclasses.replace(b, lora=loras),))) as c:
+    async with with_adapters(pool_config, 1, 1, 0) as c:
         yield c
 
 
