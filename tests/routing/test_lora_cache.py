@@ -198,3 +198,21 @@ def test_a_slot_a_peer_says_it_holds_keeps_its_set(held: Lora, mine: Lora | None
     assert r.observe("b0", slot, sequence, lora=lora)
     d = r.decide(P, launch=Launch(lora=mine))
     assert isinstance(d, Routed) and d.prediction.predicted_cached == reuse
+
+
+@pytest.mark.parametrize("other_set, newcomer, lost", [
+    (A1, None, True),  # no slot of adapter 0 left: P's RAM copy is of no use to it
+    (A0, None, False),  # slot 1 runs adapter 0 too: P's next turn loads its copy there
+    (A1, A0, False),  # the newcomer runs adapter 0: the slot stays of that set
+])
+def test_a_displaced_conversation_is_lost_with_the_last_slot_of_its_set(
+        other_set: Lora, newcomer: Lora | None, lost: bool) -> None:
+    c = make(slots=2)
+    run(c, P, A0, slot=0)
+    run(c, Q, other_set, slot=1)
+    new = [1, 2, 3, *range(900, 1200)]
+    held = c.tree.match(new).held
+    slot_lcp = {i: n for (_, kind, i), n in held.items() if kind == SLOT}  # type: ignore[misc]
+    p = c.predict(0, slot_lcp, {}, len(new), lora=newcomer)
+    assert p is not None and p.saved
+    assert (p.destroyed > len(P) - 3) is lost, p

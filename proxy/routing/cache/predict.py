@@ -203,12 +203,16 @@ class CachePrediction:
             displaced = s.n_tokens - lcp
             gone = self._evicted_by_save(slot)
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
-            if not self._can_save(s.n_tokens):  # no room in RAM: truncated or replaced
-                destroyed = self._unique_tail(slot, 0 if entry is not None else lcp, lcp, n_prompt)
+            kept = self._set_kept(slot, lora)
+            # no room in RAM, or a copy there no slot of its adapters is left to load:
+            # truncated or replaced
+            if not kept or not self._can_save(s.n_tokens):
+                destroyed = self._unique_tail(slot, 0 if entry is not None else lcp, lcp,
+                                              n_prompt, kept)
         elif s.n_tokens == 0 and not pinned:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
-        elif lcp < s.n_tokens:
-            destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)  # kept: tail truncated
+        elif lcp < s.n_tokens:  # kept: tail truncated
+            destroyed = self._unique_tail(slot, lcp, lcp, n_prompt, self._set_kept(slot, lora))
         if self.lora_global and self.clears(slot, lora):  # (none: nothing to compare)
             got = 0  # (a RAM entry loaded is lost with the rest)
         if self.checkpointed and got:
@@ -326,10 +330,22 @@ class CachePrediction:
         """Bytes of RAM entry ``e`` (with its checkpoints)."""
         return self.cap.entry_bytes(self.ram[e], len(self.ram_checkpoints.get(e, ())))
 
-    def _unique_tail(self, slot: int, lcp: int, new_lcp: int, n_new: int) -> int:
+    def _set_kept(self, slot: int, lora: Lora | None) -> bool:
+        """Is a slot of ``slot``'s adapters left once a request under ``lora`` takes it
+        (it, or another)? Else its owner's next request, naming them, finds every slot
+        cleared for it, and a RAM copy of its content is of no use."""
+        if not self.lora_global:
+            return True
+        own = self.slots[slot].lora
+        return self.lora_set(lora) == own or any(
+            i != slot and s.lora == own for i, s in enumerate(self.slots))
+
+    def _unique_tail(self, slot: int, lcp: int, new_lcp: int, n_new: int,
+                     ram_ok: bool = True) -> int:
         """Tokens of ``slot``'s sequence beyond its first ``lcp`` that no other holder
         keeps: another slot (any backend), another backend's RAM entry, or one of this
-        backend's RAM entries that a later request could still load.
+        backend's RAM entries that a later request could still load (``ram_ok``: a slot
+        of its adapters is left to load it into).
         ``new_lcp``/``n_new``: what the slot will hold instead (tokens shared
         with the old sequence, length)."""
         s = self.slots[slot]
@@ -344,7 +360,7 @@ class CachePrediction:
         if max(lcp, other) >= s.n_tokens:
             return 0
         with_ram = tree.shared_len(h)
-        if with_ram > other and self._ram_loadable(slot, new_lcp, n_new):
+        if with_ram > other and ram_ok and self._ram_loadable(slot, new_lcp, n_new):
             other = with_ram
         return max(0, s.n_tokens - max(lcp, other))
 
