@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -45,6 +45,27 @@ async def serving(cfg: Config) -> AsyncIterator[TestClient[Any, Any]]:
             yield client
     finally:
         await sup.stop()
+
+
+class Turn(NamedTuple):
+    """One chat completion through kvroute, as its answer tells it."""
+
+    predicted: int  # X-Kvroute-Predicted-Cached
+    reported: int  # usage.prompt_tokens_details.cached_tokens
+    prompt_tokens: int
+    backend: str  # X-Kvroute-Backend
+    answer: str
+
+
+async def chat_turn(client: TestClient[Any, Any], body: dict[str, Any]) -> Turn:
+    async with client.post("/v1/chat/completions", json=body) as r:
+        data = await r.json()
+        assert r.status == 200, data
+        predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+        backend = r.headers["X-Kvroute-Backend"]
+    usage = data["usage"]
+    return Turn(predicted, usage["prompt_tokens_details"]["cached_tokens"],
+                usage["prompt_tokens"], backend, data["choices"][0]["message"]["content"])
 
 
 def slot_files_counted(client: TestClient[Any, Any], event: str) -> float:

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
-from proxy_client import serving
+from proxy_client import chat_turn, serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
@@ -58,13 +58,8 @@ async def ask(client: TestClient[Any, Any], messages: list[dict[str, Any]],
                             "messages": messages}
     if lora is not None:
         body["lora"] = lora
-    async with client.post("/v1/chat/completions", json=body) as r:
-        data = await r.json()
-        assert r.status == 200, data
-        predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
-        backend = r.headers["X-Kvroute-Backend"]
-    reported = data["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return predicted, reported, backend, data["choices"][0]["message"]["content"]
+    t = await chat_turn(client, body)
+    return t.predicted, t.reported, t.backend, t.answer
 
 
 def close(predicted: int, reported: int) -> bool:

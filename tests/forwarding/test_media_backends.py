@@ -20,7 +20,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient
 from faults import until
 from images import data_uri, png
-from proxy_client import serving
+from proxy_client import chat_turn, serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
@@ -226,13 +226,8 @@ async def test_the_same_image_is_shared_and_another_is_not(client: TestClient[An
             "role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": data_uri(png(seed, 200, 100))}},
                 {"type": "text", "text": words(10, question)}]}]}
-        async with client.post("/v1/chat/completions", json=body) as r:
-            data = await r.json()
-            assert r.status == 200, data
-            predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
-        usage = data["usage"]
-        return (predicted, usage["prompt_tokens_details"]["cached_tokens"],
-                usage["prompt_tokens"])
+        t = await chat_turn(client, body)
+        return t.predicted, t.reported, t.prompt_tokens
 
     def media_counted() -> float:
         m = client.server.app[METRICS]

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
 from images import data_uri, png
-from proxy_client import serving
+from proxy_client import chat_turn, serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
@@ -38,14 +38,9 @@ async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient
 async def chat(client: TestClient[Any, Any], messages: list[dict[str, Any]]
                ) -> tuple[int, int, int, str]:
     """(predicted, reported, prompt tokens, answer) of one turn."""
-    body = {"model": "kvroute-demo", "max_tokens": 3, "messages": messages}
-    async with client.post("/v1/chat/completions", json=body) as r:
-        data = await r.json()
-        assert r.status == 200, data
-        predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
-    usage = data["usage"]
-    return (predicted, usage["prompt_tokens_details"]["cached_tokens"],
-            usage["prompt_tokens"], data["choices"][0]["message"]["content"])
+    t = await chat_turn(client, {"model": "kvroute-demo", "max_tokens": 3,
+                                 "messages": messages})
+    return t.predicted, t.reported, t.prompt_tokens, t.answer
 
 
 async def test_a_screenshot_carried_for_four_turns_is_predicted(client: TestClient[Any, Any]
