@@ -27,8 +27,8 @@ from proxy.anthropic.validate import validate
 from proxy.errors import BadRequest
 from proxy.forwarding.send import JSON, encoded
 from proxy.prompt.chat_request import PromptError
-from proxy.server.backend_tokens import NoBackendIds
-from proxy.server.handlers import pool_for, prompt_for, read_json, tokens_for, unrouted
+from proxy.prompt.media import media_kinds
+from proxy.server.handlers import counted, pool_for, prompt_for, read_json, unrouted
 from proxy.server.validate import bound_generation, check_fields
 
 
@@ -75,7 +75,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     payload = encoded(chat)
     relay = AnthropicRelay(model, body.get("stop_sequences") or ())
     if tokens is None:  # no backend can give the ids, none refused the request
-        return await unrouted(request, pool, CHAT_PATH, payload, relay)
+        return await unrouted(request, pool, CHAT_PATH, payload, relay, media_kinds(chat))
     return await pool.fw.routed(
         request, endpoint="messages", path=CHAT_PATH, raw=payload, body=chat,
         tokens=tokens, relay=relay)
@@ -85,12 +85,8 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     validate(body, count=True)
     pool = pool_for(request, body)
-    prompt = pool.tok.prompt
-    chat = chat_body(body)
-    plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
-    try:
-        tokens = await tokens_for(pool, raw, chat, plan)
-    except NoBackendIds:  # the backend counts them itself
-        return await unrouted(request, pool, "/v1/messages/count_tokens", raw,
-                              AnthropicErrors())
-    return web.json_response({"input_tokens": len(tokens)})
+    got = await counted(request, pool, raw, chat_body(body), "/v1/messages/count_tokens",
+                        AnthropicErrors())
+    if isinstance(got, web.StreamResponse):
+        return got
+    return web.json_response({"input_tokens": got})

@@ -31,10 +31,10 @@ from backends.dialect import CHAT_PATH
 from proxy.errors import BadRequest, NotFound
 from proxy.forwarding.send import JSON, encoded
 from proxy.prompt.chat_request import PromptError
+from proxy.prompt.media import media_kinds
 from proxy.responses.convert import responses_to_chat
 from proxy.responses.relay import ResponsesRelay
-from proxy.server.backend_tokens import NoBackendIds
-from proxy.server.handlers import pool_for, prompt_for, read_json, tokens_for, unrouted
+from proxy.server.handlers import counted, pool_for, prompt_for, read_json, unrouted
 from proxy.server.validate import bound_generation, check_fields
 
 _STATELESS = ("kvroute keeps no responses (nor does llama-server): send the whole "
@@ -101,7 +101,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     payload = encoded(chat)
     relay = ResponsesRelay(body["model"] if isinstance(body.get("model"), str) else "")
     if tokens is None:  # no backend can give the ids, none refused the request
-        return await unrouted(request, pool, CHAT_PATH, payload, relay)
+        return await unrouted(request, pool, CHAT_PATH, payload, relay, media_kinds(chat))
     return await pool.fw.routed(
         request, endpoint="responses", path=CHAT_PATH, raw=payload,
         body=chat, tokens=tokens, relay=relay)
@@ -111,14 +111,10 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
     chat = chat_body(body)
     pool = pool_for(request, body)
-    prompt = pool.tok.prompt
-    plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
-    try:
-        tokens = await tokens_for(pool, raw, chat, plan)
-    except NoBackendIds:  # the backend counts them itself
-        return await unrouted(request, pool, "/v1/responses/input_tokens", raw)
-    return web.json_response({"input_tokens": len(tokens),
-                              "object": "response.input_tokens"})
+    got = await counted(request, pool, raw, chat, "/v1/responses/input_tokens")
+    if isinstance(got, web.StreamResponse):
+        return got
+    return web.json_response({"input_tokens": got, "object": "response.input_tokens"})
 
 
 async def not_stored(request: web.Request) -> web.Response:

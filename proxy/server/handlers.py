@@ -32,7 +32,7 @@ from proxy.prompt.infill import (
     infill_ids,
     server_shape,
 )
-from proxy.prompt.media import ends_with_media, media_kinds
+from proxy.prompt.media import cut_short, ends_with_media, media_kinds
 from proxy.prompt.tokenizer import Plan
 from proxy.server.backend_metrics import scrape
 from proxy.server.backend_tokens import NO_TOKENIZER, NoBackendIds
@@ -150,6 +150,23 @@ async def prompt_for(pool: Pool, raw: bytes, body: JSON,
         return None
 
 
+async def counted(request: web.Request, pool: Pool, raw: bytes, chat: JSON, path: str,
+                  relay: Relay = AS_IS) -> int | web.StreamResponse:
+    """The prompt tokens of ``chat`` (a count_tokens body ``raw`` converted), or the
+    backend's own answer to ``raw`` at ``path`` where kvroute cannot count them: without
+    ids from any tokenizer, or with media of a count not known here (the server counts
+    each image's positions; the ids stop before it)."""
+    prompt = pool.tok.prompt
+    plan = None if prompt is None else (lambda: prompt.plan_chat(chat))
+    try:
+        tokens = await tokens_for(pool, raw, chat, plan)
+    except NoBackendIds:
+        tokens = None
+    if tokens is None or cut_short(chat, tokens):
+        return await unrouted(request, pool, path, raw, relay, media_kinds(chat))
+    return len(tokens)
+
+
 # ---------------------------------------------------------------------- endpoints
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     raw, body = await read_json(request)
@@ -161,7 +178,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     plan = None if prompt is None else (lambda: prompt.plan_chat(body))
     tokens = await prompt_for(pool, raw, body, plan, parsed=True)
     if tokens is None:
-        return await unrouted(request, pool, CHAT_PATH, raw)
+        return await unrouted(request, pool, CHAT_PATH, raw, media=media_kinds(body))
     return await pool.fw.routed(
         request, endpoint="chat", path=CHAT_PATH, raw=raw, body=body,
         tokens=tokens)

@@ -86,3 +86,38 @@ async def test_another_image_is_learned_on_its_own(client: TestClient[Any, Any])
     both = await chat(client, [system, user(71, 72)])
     again = await chat(client, [system, user(71, 72)])
     assert again[1] == again[2] - 1 and again[0] < 64 + 50, (both, again)
+
+
+async def test_counting_a_prompt_with_an_image_not_known_asks_the_server(
+        client: TestClient[Any, Any]) -> None:
+    """Anthropic's count_tokens and Responses' input_tokens of a prompt holding an image
+    whose positions kvroute does not know yet: the server counts it (kvroute's ids stop
+    before the image), as many as the turn then reports."""
+    image = data_uri(png(81, 200, 150))
+    text = words(20, 82)
+    anthropic = {"model": "kvroute-demo", "max_tokens": 3, "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": text},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": image.partition(",")[2]}}]}]}
+    responses = {"model": "kvroute-demo", "max_output_tokens": 3, "input": [
+        {"role": "user", "content": [
+            {"type": "input_text", "text": words(20, 83)},
+            {"type": "input_image", "image_url": data_uri(png(84, 200, 150))}]}]}
+    counts = []
+    for path, body in (("/v1/messages/count_tokens", anthropic),
+                       ("/v1/responses/input_tokens", responses)):
+        async with client.post(path, json=body) as r:
+            data = await r.json()
+            assert r.status == 200, data
+            counts.append(data["input_tokens"])
+    async with client.post("/v1/messages", json=anthropic) as r:
+        data = await r.json()
+        assert r.status == 200, data
+        usage = data["usage"]
+    async with client.post("/v1/responses", json=responses) as r:
+        done = await r.json()
+        assert r.status == 200, done
+    reported = [usage["input_tokens"] + usage["cache_read_input_tokens"],
+                done["usage"]["input_tokens"]]
+    assert counts == reported and min(counts) > 64, (counts, reported)
