@@ -156,7 +156,7 @@ class PromptBuilder:
         """Render `body` and look the prompt's fragments up in the cache."""
         plan = self.tokenizer.plan(self.render_chat(body), add_special=True)
         if plan.media:
-            plan.digests = media_of(body)
+            plan.images = media_of(body)
         return plan
 
     def fetch(self, plan: Plan) -> Plan:
@@ -170,7 +170,7 @@ class PromptBuilder:
     def finish(self, plan: Plan) -> array:
         """The prompt's ids (on the thread that made `plan`), each media's chunk in place."""
         ids = self.tokenizer.finish(plan)
-        return expand(ids, plan.digests, self.media.chunk) if plan.media else ids
+        return expand(ids, plan.images, self.media.chunk) if plan.media else ids
 
     def learn_media(self, body: Mapping[str, Any], reported: int,
                     markers: Iterable[str] = ()) -> array | None:
@@ -191,9 +191,9 @@ class PromptBuilder:
         if not plan.media:
             return None
         ids = self.tokenizer.finish(self.fetch(plan))
-        if not self.media.learn(ids, plan.digests, reported):
+        if not self.media.learn(ids, plan.images, reported):
             return None
-        return expand(ids, plan.digests, self.media.chunk)
+        return expand(ids, plan.images, self.media.chunk)
 
     def head(self, plan: Plan) -> tuple[array, int] | None:
         """The ids of the prompt before its first text no cache holds, and that text's
@@ -224,7 +224,7 @@ class PromptBuilder:
         markers tokenized part by part, BOS first)."""
         plan = self.tokenizer.plan(with_marker(prompt["prompt_string"], markers, MARKER),
                                    add_special=True)
-        plan.digests = completion_media(prompt)
+        plan.images = completion_media(prompt)
         return plan
 
     def _subprompt(self, prompt: object) -> array:

@@ -13,11 +13,12 @@ file's bytes. Two prompts share a chunk whole or not at all (server_tokens'
 common prefix compares chunk ids). The proxy renders with a marker of its own and
 stands a chunk in the ids as ``chunk_ids``: a first id from the bytes' digest, then
 filler ids, as many as the chunk's positions. Ids are negative: no token has them, so a
-chunk matches only the same bytes, whole. The count depends on the projector: known
-here for images under llava's fixed-size ``mlp`` projectors (read from the mmproj GGUF);
-for any other projector, for audio and video, and for media the server fetches itself
-(URLs), the ids stop at the chunk (``expand``): the prediction then never counts what it
-cannot know.
+chunk matches only the same bytes, whole. The count depends on the projector and the
+image's size: known here for images under llava's fixed-size ``mlp`` projectors (read
+from the mmproj GGUF), learned per image size from the servers' reports under any
+other (`MediaCounts`). Until then, for audio and video, and for media the server
+fetches itself (URLs), the ids stop at the chunk (``expand``): the prediction then
+never counts what it cannot know.
 """
 
 from __future__ import annotations
@@ -25,14 +26,18 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import io
 import re
 import secrets
+import warnings
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import PIL.Image
 
 from backends.demo_model import read_gguf_metadata
 
@@ -54,6 +59,39 @@ _FIXED = frozenset({"mlp", "mlp_norm"})
 MAX_IDS = 1 << 22
 # base64_decode (server-common.cpp) reads the longest run of these, stopping at "="
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/]*")
+
+
+# the formats stb_image decodes (what mtmd-helper loads an image with), by Pillow's names
+_STB_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "PPM", "TGA", "PSD")
+
+
+class Image(NamedTuple):
+    """An image as the cache model keys it: ``digest`` its chunk (a hash of the file's
+    bytes, as the server keys it), ``shape`` its count of positions. Every projector
+    computes that count from the image's width and height alone (resized, tiled or
+    sliced by them), so images of one size share it: ``shape`` is the size, or the
+    digest when the file's header cannot be read."""
+
+    digest: bytes
+    shape: bytes
+
+
+def image_of(data: bytes) -> Image:
+    """The `Image` of a file's bytes."""
+    digest = hashlib.blake2b(data, digest_size=16).digest()
+    size = _size(data)
+    return Image(digest, digest if size is None else b"%dx%d" % size)
+
+
+def _size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a file's header (Pillow reads no more of it)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a huge size: a bomb warning, not ours)
+            with PIL.Image.open(io.BytesIO(data), formats=_STB_FORMATS) as im:
+                return im.size
+    except Exception:  # (its readers raise OSError, ValueError, SyntaxError...): by its bytes
+        return None
 
 
 # learns an image's positions from a server's count of a body's prompt (``markers``:
@@ -96,12 +134,12 @@ def _is_audio(data: bytes) -> bool:
         or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0) or data[:4] == b"fLaC"
 
 
-def completion_media(sub: Mapping[str, Any]) -> tuple[bytes | None, ...]:
-    """The digest of each file of a completion subprompt's ``multimodal_data``, in
+def completion_media(sub: Mapping[str, Any]) -> tuple[Image | None, ...]:
+    """The `Image` of each file of a completion subprompt's ``multimodal_data``, in
     order, as ``media_of`` gives a chat's (None: audio, or not decodable)."""
     files = map(_file, _listed(sub))
-    return tuple(None if data is None or _is_audio(data)
-                 else hashlib.blake2b(data, digest_size=16).digest() for data in files)
+    return tuple(None if data is None or _is_audio(data) else image_of(data)
+                 for data in files)
 
 
 def ends_with_media(prompt: object, markers: Iterable[str]) -> bool:
@@ -133,11 +171,11 @@ def with_marker(text: str, markers: Iterable[str], marker: str) -> str:
     return text
 
 
-def media_of(body: Mapping[str, Any]) -> tuple[bytes | None, ...]:
-    """The digest of each image part's bytes, in the order the server reads the media
-    (None: audio or video, whose positions are not modelled here, or bytes the server
-    fetches itself or cannot decode)."""
-    return tuple(_digest(t, part) if PART_KINDS[t] == VISION else None
+def media_of(body: Mapping[str, Any]) -> tuple[Image | None, ...]:
+    """The `Image` of each image part, in the order the server reads the media (None:
+    audio or video, whose positions are not modelled here, or bytes the server fetches
+    itself or cannot decode)."""
+    return tuple(_image(t, part) if PART_KINDS[t] == VISION else None
                  for t, part in _parts(body))
 
 
@@ -153,12 +191,12 @@ def _parts(body: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
     return out
 
 
-def _digest(kind: str, part: Mapping[str, Any]) -> bytes | None:
+def _image(kind: str, part: Mapping[str, Any]) -> Image | None:
     inner = part.get(kind)
     inner = inner if isinstance(inner, Mapping) else {}
     url = inner.get("url") if kind == "image_url" else inner.get("data", inner.get("url"))
     data = decoded(url) if isinstance(url, str) else None
-    return None if data is None else hashlib.blake2b(data, digest_size=16).digest()
+    return None if data is None else image_of(data)
 
 
 def decoded(url: str) -> bytes | None:
@@ -233,39 +271,43 @@ class MediaModel:
 
 class MediaCounts:
     """The positions a pool's servers give each image: its projector's fixed count where
-    kvroute reads it (`MediaModel`), else learned per image from what a server reports
-    for a prompt that holds it: the prompt's positions less its text and the images
-    already known, when one image is not. Whatever a projector puts around an image
-    (its begin and end tokens) counts with it. Nothing is learned for models whose
-    checkpoints do not follow media chunks (``learns`` False: sliding-window, hybrid)."""
+    kvroute reads it (`MediaModel`), else learned per image size (`Image.shape`) from
+    what a server reports for a prompt that holds it: the prompt's positions less its
+    text and the images already known, when the images of one size are not. Whatever a
+    projector puts around an image (its begin and end tokens) counts with it. Nothing
+    is learned for models whose checkpoints do not follow media chunks (``learns``
+    False: sliding-window, hybrid)."""
 
     def __init__(self, model: MediaModel | None = None, learns: bool = False,
                  limit: int = 4096) -> None:
         self.model, self.learns, self.limit = model, learns and model is None, limit
-        self._learned: OrderedDict[bytes, int] = OrderedDict()  # digest -> positions
+        self._learned: OrderedDict[bytes, int] = OrderedDict()  # shape -> positions
 
-    def chunk(self, digest: bytes) -> array | None:
-        """The ids of the image ``digest`` names (None: its count is not known)."""
-        n = self.model.positions if self.model is not None else self._learned.get(digest)
+    def chunk(self, image: Image) -> array | None:
+        """The ids of ``image`` (None: its count is not known)."""
+        n = self.model.positions if self.model is not None else self._learned.get(image.shape)
         if n is None:
             return None
         if self.model is None:
-            self._learned.move_to_end(digest)
-        return chunk_ids(digest, n)
+            self._learned.move_to_end(image.shape)
+        return chunk_ids(image.digest, n)
 
-    def learn(self, ids: array, media: tuple[bytes | None, ...], reported: int) -> bool:
+    def learn(self, ids: array, media: tuple[Image | None, ...], reported: int) -> bool:
         """A server gave ``reported`` positions to the prompt of ``ids`` (SENTINELs where
-        ``media`` go): learn the count of the one image of it not known. False when
+        ``media`` go): learn the count of the one image size of it not known. False when
         there is none, or more than one, or media that are not images."""
-        if not self.learns or ids.count(SENTINEL) != len(media) or None in media:
+        if not self.learns or ids.count(SENTINEL) != len(media):
             return False
-        unknown = {d for d in media if d not in self._learned}
+        shapes = [m.shape for m in media if m is not None]
+        if len(shapes) != len(media):
+            return False
+        unknown = {s for s in shapes if s not in self._learned}
         if len(unknown) != 1:
             return False
         (new,) = unknown
         rest = reported - (len(ids) - len(media)) - sum(
-            self._learned[d] for d in media if d != new)
-        times = media.count(new)
+            self._learned[s] for s in shapes if s != new)
+        times = shapes.count(new)
         if rest <= 0 or rest % times:
             return False
         self._learned[new] = rest // times
@@ -274,19 +316,19 @@ class MediaCounts:
         return True
 
 
-def expand(ids: array, media: tuple[bytes | None, ...],
-           chunk: Callable[[bytes], array | None] | None) -> array:
-    """``ids`` with its SENTINELs replaced by ``chunk`` of each media's digest; cut at the
-    first media without a digest or chunk, past the media there are, or at MAX_IDS."""
+def expand(ids: array, media: tuple[Image | None, ...],
+           chunk: Callable[[Image], array | None] | None) -> array:
+    """``ids`` with its SENTINELs replaced by ``chunk`` of each media's `Image`; cut at
+    the first media without one or a chunk, past the media there are, or at MAX_IDS."""
     out, at = array("i"), 0
-    for digest in media:
+    for image in media:
         try:
             i = ids.index(SENTINEL, at)
         except ValueError:
             break
         out.extend(ids[at:i])
-        got = None if digest is None or chunk is None or len(out) > MAX_IDS \
-            else chunk(digest)
+        got = None if image is None or chunk is None or len(out) > MAX_IDS \
+            else chunk(image)
         if got is None:
             return out
         out.extend(got)

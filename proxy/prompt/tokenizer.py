@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxy.prompt.llama import llama_cpp
-from proxy.prompt.media import MARKER, SENTINEL
+from proxy.prompt.media import MARKER, SENTINEL, Image
 from proxy.prompt.prefixes import Prefix, PrefixMemory
 from proxy.prompt.specials import SpecialSplitter, load_specials
 
@@ -48,7 +48,7 @@ class Plan:
     missing_bytes: int = 0            # chars `fetch` will tokenize
     result: array | None = None       # `fetch`'s ids when there is no fast path
     media: bool = False               # holds media markers (cut there: see `fetch`)
-    digests: tuple[bytes | None, ...] = ()  # what each marker stands for (media_of)
+    images: tuple[Image | None, ...] = ()  # what each marker stands for (media_of)
 
 
 @dataclass

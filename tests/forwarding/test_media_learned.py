@@ -65,27 +65,31 @@ async def test_a_screenshot_carried_for_four_turns_is_predicted(client: TestClie
     assert backend["media_tokens"] >= 3 * 64  # (the first turn's ids stopped at the image)
 
 
-async def test_another_image_is_learned_on_its_own(client: TestClient[Any, Any]) -> None:
-    """A second image in a conversation whose first is known: learned from its first
-    turn too; an image first seen beside another unknown one is not (two counts from one
-    report), and its prompt predicts only up to it."""
+async def test_counts_are_learned_per_image_size(client: TestClient[Any, Any]) -> None:
+    """An image's count is learned per size: a new image of a size seen is known at
+    once; two new images of one new size are learned from one report; two of two new
+    sizes are not (two counts from one report), and their prompt predicts only up to
+    the first."""
     system = {"role": "system", "content": words(50, 51)}
 
-    def user(*seeds: int) -> dict[str, Any]:
+    def user(*images: tuple[int, int, int]) -> dict[str, Any]:
         return {"role": "user", "content": [{"type": "text", "text": words(10, 52)}] + [
-            {"type": "image_url", "image_url": {"url": data_uri(png(s, 120, 90))}}
-            for s in seeds]}
+            {"type": "image_url", "image_url": {"url": data_uri(png(*image))}}
+            for image in images]}
 
-    first = await chat(client, [system, user(61)])
-    # 61 learned; the ids stop at 62 (a token short: never more than the ids less one)
-    second = await chat(client, [system, user(61, 62)])
+    first = await chat(client, [system, user((61, 120, 90))])
+    # 62 is of 61's size: known, the prompt whole (the server reuses all but its last)
+    second = await chat(client, [system, user((61, 120, 90), (62, 120, 90))])
     assert second[1] > 64 and 0 <= second[1] - second[0] <= 1, (first, second)
-    third = await chat(client, [system, user(61, 62)])  # 62 learned from the second
+    third = await chat(client, [system, user((61, 120, 90), (62, 120, 90))])
     assert third[0] == third[1] == third[2] - 1, (first, second, third)
-    # neither known: the ids stop at 71, and stay so (two counts from one report)
-    both = await chat(client, [system, user(71, 72)])
-    again = await chat(client, [system, user(71, 72)])
-    assert again[1] == again[2] - 1 and again[0] < 64 + 50, (both, again)
+    both = await chat(client, [system, user((71, 100, 80), (72, 100, 80))])
+    again = await chat(client, [system, user((71, 100, 80), (72, 100, 80))])
+    assert again[0] == again[1] == again[2] - 1, (both, again)
+    # two new sizes: the ids stop at the first image, and stay so
+    mixed = await chat(client, [system, user((73, 90, 70), (74, 70, 90))])
+    still = await chat(client, [system, user((73, 90, 70), (74, 70, 90))])
+    assert still[1] == still[2] - 1 and still[0] < 64 + 50, (mixed, still)
 
 
 async def test_counting_a_prompt_with_an_image_not_known_asks_the_server(

@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from images import png
 
 from backends.demo_mmproj import ensure_demo_mmproj
 from proxy.prompt.chat_request import MEDIA_MARKER, _join_parts
 from proxy.prompt.media import (
     MARKER,
     SENTINEL,
+    Image,
     MediaCounts,
     MediaModel,
     chunk_ids,
@@ -25,6 +27,7 @@ from proxy.prompt.media import (
     decoded,
     ends_with_media,
     expand,
+    image_of,
     media_kinds,
     media_of,
     prompt_for,
@@ -78,7 +81,7 @@ def test_chunks_match_the_same_bytes_whole_and_others_not_at_all() -> None:
     assert all(i < 0 and i != SENTINEL for i in one)  # no token has them
 
 
-def _reference(ids: list[int], media: list[bytes | None], n: int) -> list[int]:
+def _reference(ids: list[int], media: list[Image | None], n: int) -> list[int]:
     out: list[int] = []
     k = 0
     for i in ids:
@@ -87,22 +90,25 @@ def _reference(ids: list[int], media: list[bytes | None], n: int) -> list[int]:
             continue
         if k >= len(media) or media[k] is None:
             return out
-        out += list(chunk_ids(media[k], n))  # type: ignore[arg-type]
+        out += list(chunk_ids(media[k].digest, n))  # type: ignore[union-attr]
         k += 1
     return out
 
 
+_IMAGES = st.builds(Image, st.binary(min_size=16, max_size=16), st.just(b"1x1"))
+
+
 @given(st.lists(st.one_of(st.integers(0, 50), st.just(SENTINEL)), max_size=30),
-       st.lists(st.one_of(st.none(), st.binary(min_size=16, max_size=16)), max_size=5),
+       st.lists(st.one_of(st.none(), _IMAGES), max_size=5),
        st.integers(1, 5))
-def test_expand_is_the_reference(ids: list[int], media: list[bytes | None], n: int) -> None:
-    got = expand(array("i", ids), tuple(media), lambda d: chunk_ids(d, n))
+def test_expand_is_the_reference(ids: list[int], media: list[Image | None], n: int) -> None:
+    got = expand(array("i", ids), tuple(media), lambda m: chunk_ids(m.digest, n))
     assert got.tolist() == _reference(ids, media, n)
 
 
 def test_without_a_known_count_the_ids_stop_at_the_first_media() -> None:
     ids = array("i", [1, 2, SENTINEL, 3])
-    assert expand(ids, (b"x" * 16,), None).tolist() == [1, 2]
+    assert expand(ids, (Image(b"x" * 16, b"1x1"),), None).tolist() == [1, 2]
 
 
 def test_the_demo_projector_is_read_and_others_are_not(tmp_path: Path) -> None:
@@ -173,29 +179,32 @@ def test_each_backend_gets_its_own_marker() -> None:
         "prompt_string": "a <m1>"}  # (no media: as it is)
 
 
-D1, D2, D3 = b"1" * 16, b"2" * 16, b"3" * 16
+# images of their own sizes; D4 the size of D1, other bytes
+D1, D2, D3 = (Image(k * 16, k) for k in (b"1", b"2", b"3"))
+D4 = Image(b"4" * 16, b"1")
 S = SENTINEL
 
 
 @pytest.mark.parametrize(("ids", "media", "reported", "learned"), [
-    ([5, 6, S, 7], (D1,), 3 + 64, {D1: 64}),
+    ([5, 6, S, 7], (D1,), 3 + 64, {D1: 64, D4: 64}),  # and every image of its size
     ([5, S, 6, S], (D1, D1), 2 + 2 * 10, {D1: 10}),  # the same image twice
+    ([5, S, 6, S], (D1, D4), 2 + 2 * 10, {D1: 10, D4: 10}),  # two of one size
     ([5, S, 6, S], (D2, D1), 2 + 30 + 10, {D1: 10}),  # D2 known (30): D1 is the rest
-    ([5, S, S], (D1, D3), 100, {}),  # two unknown: not learned
+    ([5, S, S], (D1, D3), 100, {}),  # two unknown sizes: not learned
     ([5, S], (None,), 50, {}),  # not an image
     ([5, S], (D1,), 1, {}),  # nothing left for it
     ([5, S, 6, S], (D1, D1), 2 + 21, {}),  # not a whole count each
     ([5, S, 6], (D1, D3), 90, {}),  # markers and media disagree
 ])
-def test_counts_are_learned_from_one_unknown_image(ids: list[int], media: tuple[bytes | None, ...],
-                                                   reported: int,
-                                                   learned: dict[bytes, int]) -> None:
+def test_counts_are_learned_from_one_unknown_size(ids: list[int], media: tuple[Image | None, ...],
+                                                  reported: int,
+                                                  learned: dict[Image, int]) -> None:
     counts = MediaCounts(learns=True)
     assert counts.learn(array("i", [5, S]), (D2,), 1 + 30)  # D2: 30 positions
     got = counts.learn(array("i", ids), media, reported)
     assert got is bool(learned)
-    for d, n in learned.items():
-        assert counts.chunk(d) == chunk_ids(d, n)
+    for m, n in learned.items():
+        assert counts.chunk(m) == chunk_ids(m.digest, n)
     if not learned:
         assert counts.chunk(D1) is None
 
@@ -203,8 +212,17 @@ def test_counts_are_learned_from_one_unknown_image(ids: list[int], media: tuple[
 def test_a_projectors_count_is_never_learned_over() -> None:
     counts = MediaCounts(MediaModel("mlp", 64), learns=True)
     assert not counts.learns and not counts.learn(array("i", [5, S]), (D1,), 100)
-    assert counts.chunk(D1) == chunk_ids(D1, 64)
+    assert counts.chunk(D1) == chunk_ids(D1.digest, 64)
     assert not MediaCounts().learn(array("i", [5, S]), (D1,), 100)  # (not learning)
+
+
+def test_an_image_is_keyed_by_its_bytes_and_counted_by_its_size() -> None:
+    a, b, c = image_of(png(1, 64, 48)), image_of(png(2, 64, 48)), image_of(png(1, 48, 64))
+    assert a.shape == b.shape == b"64x48" and c.shape == b"48x64"
+    assert len({a.digest, b.digest, c.digest}) == 3
+    assert image_of(png(1, 64, 48, level=1)).digest != a.digest  # other bytes, same pixels
+    junk = image_of(b"\x89PNG\r\n\x1a\nfake")  # a header no reader takes: its bytes
+    assert junk.shape == junk.digest
 
 
 @pytest.mark.parametrize(("body", "ids", "short"), [
