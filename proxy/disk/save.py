@@ -201,8 +201,10 @@ class Saver:
 
 
 def saves(info: BackendInfo) -> bool:
-    """Are ``info``'s slots saved (see `Saver.note`)?"""
-    return info.memory.name == "dense"
+    """Are ``info``'s slots saved (see `Saver.note`)? Not with LoRA adapters: a slot's KV
+    was made under the adapters of its last request, which a file does not record, and
+    a restore under others would decode wrong."""
+    return info.memory.name == "dense" and not info.lora
 
 
 def spill_estimate(held: int, spared: int, kv_bytes_per_token: int, write_bps: float,
