@@ -21,8 +21,9 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import ClassVar
 
+from proxy.routing.options import Candidate
 from proxy.routing.policies import _Baseline
-from proxy.routing.policy import Candidate, Choice
+from proxy.routing.policy import Choice
 from proxy.routing.settings import RouterSettings
 
 

@@ -39,10 +39,10 @@ class BackendState:
     after_prefill_s: float = 0.0  # EWMA of duration - reported prefill time (decode etc.)
     # request id -> the request, of those waiting for a slot, oldest first
     queued: OrderedDict[int, Queued] = field(default_factory=OrderedDict)
-    # queued request id -> the busy slot it waits for (see _best_option)
+    # queued request id -> the busy slot it waits for (see options.best_options)
     targets: dict[int, int] = field(default_factory=dict)
     # queued request id -> the waiter it follows: it waits for the slot that waiter is
-    # handed, then becomes its target (see policy._follow, SlotQueue.hand)
+    # handed, then becomes its target (see options._follow, SlotQueue.hand)
     leader_of: dict[int, int] = field(default_factory=dict)
     # a waiter -> the requests following it, oldest first
     followers: dict[int, list[int]] = field(default_factory=dict)

@@ -10,7 +10,7 @@ head: there the router asks for the whole prompt before choosing, see
 
 from __future__ import annotations
 
-from proxy.routing.policy import RELATED_TOKENS
+from proxy.routing.options import RELATED_TOKENS
 from proxy.routing.tree.node import Holder
 from proxy.routing.tree.radix import RadixTree
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import random
 from typing import ClassVar, NamedTuple
 
-from proxy.routing.policy import Candidate, Choice, choose_prefix
+from proxy.routing.options import Candidate
+from proxy.routing.policy import Choice, choose_prefix
 from proxy.routing.settings import RouterSettings
 
 

@@ -49,9 +49,10 @@ from proxy.routing.deferred import Deferred, Unplaced
 from proxy.routing.disk import DiskIndex
 from proxy.routing.head import most_held, rest_may_change
 from proxy.routing.observed import PeerRequests
+from proxy.routing.options import Candidate
 from proxy.routing.outcomes import RequestEnds
 from proxy.routing.policies import Ask, make_policy
-from proxy.routing.policy import Candidate, Choice
+from proxy.routing.policy import Choice
 from proxy.routing.posting import Unposted
 from proxy.routing.queue import SlotQueue
 from proxy.routing.routed import Inflight, Ledger, Prior, Routed

@@ -11,7 +11,8 @@ from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import BackendCapacity
 from proxy.routing.decision import Report
-from proxy.routing.policy import Candidate, choose_prefix
+from proxy.routing.options import Candidate
+from proxy.routing.policy import choose_prefix
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings

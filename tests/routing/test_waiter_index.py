@@ -16,7 +16,7 @@ from proxy.routing.cache.checkpoints import DENSE, Memory, reusable
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import BackendCapacity, Placement
 from proxy.routing.decision import Report
-from proxy.routing.policy import Candidate
+from proxy.routing.options import Candidate
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
