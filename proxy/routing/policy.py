@@ -45,9 +45,10 @@
 - Following a waiter: a request sharing at least ``wait_min_tokens`` with a request
   the proxy holds, more than any slot or RAM entry holds (a turn sent while the
   previous one waits, an agent's side call over it), may queue behind it: it is handed
-  that request's slot once that request ends (``_follow``, proxy/routing/options.py). Elsewhere it would prefill
-  the history a second time. Priced as the queue's wait, one service time for the
-  leader and each follower ahead, then the rest of the prompt; chosen by score.
+  that request's slot once that request ends (``_follow``, proxy/routing/options.py).
+  Elsewhere it would prefill the history a second time. Priced as the queue's wait,
+  one service time for the leader and each follower ahead, then the rest of the
+  prompt; chosen by score.
 - The choice minimises ``ttft + queue_cost_weight x (prompt - reuse) / rate(b)``: the
   uncached prefill also delays every request that queues behind it on that backend, so
   recomputing a long prefix elsewhere to save a little of this request's ttft is a bad
