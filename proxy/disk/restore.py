@@ -31,6 +31,7 @@ from proxy.disk.catalog import Catalog
 from proxy.disk.files import SlotFiles, server_error
 from proxy.disk.identity import Identities
 from proxy.disk.records import Saved
+from proxy.disk.save import saves
 
 # A restore reads its file whole into the server's KV, in the server's loop: allow the loop
 # this long to take the task, and the file's size at a hard disk's speed. Past that the
@@ -163,7 +164,7 @@ class Restorer:
         as it comes back."""
         model = self.identities.models.get(info.name)
         out: list[tuple[int, bytes]] = []
-        if model is None:
+        if model is None or not saves(info):  # (files an earlier version saved with adapters)
             return out
         slots = {e.slot for e in self.catalog.saved.values()
                  if e.backend == info.name and e.model == model}

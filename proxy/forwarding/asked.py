@@ -8,7 +8,7 @@ import asyncio
 from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -82,6 +82,7 @@ class Forwarding(Protocol):
     claims: Contest | None
     user_starts: Callable[[bytes], tuple[int, ...]] | None
     learn_media: LearnMedia | None
+    forget_media: Callable[[Mapping[str, Any]], None] | None
 
     def serving(self, path: str, media: frozenset[str] = frozenset()
                 ) -> frozenset[str] | None: ...

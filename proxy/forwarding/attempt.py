@@ -364,13 +364,19 @@ class Attempt:
     def _learn(self, outcome: Outcome) -> None:
         """Ids cut at an image whose positions were not known: learned from the count
         the server reports, and the slot's record takes the whole prompt (the next turn
-        then goes on from it as predicted)."""
-        learn = self.fw.learn_media
-        if learn is None or not self.media or outcome.prompt_n is None \
-                or outcome.reported_cached is None or not cut_short(self.body, self.tokens):
+        then goes on from it as predicted). Ids whole, but not the server's count: the
+        counts learned for its images are forgotten."""
+        learn, forget = self.fw.learn_media, self.fw.forget_media
+        if learn is None or forget is None or not self.media or outcome.prompt_n is None \
+                or outcome.reported_cached is None:
+            return
+        reported = outcome.prompt_n + outcome.reported_cached
+        if not cut_short(self.body, self.tokens):
+            if reported != len(self.tokens):
+                forget(self.body)
             return
         markers = {b.media_marker for b in self.fw.backends.values()}
-        ids = learn(self.body, outcome.prompt_n + outcome.reported_cached, markers)
+        ids = learn(self.body, reported, markers)
         if ids is not None and len(ids) > len(self.tokens):
             self.routed.extend(ids, tuple(self.launch(ids).user_starts))
             self.tokens = ids

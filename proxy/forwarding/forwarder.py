@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import aiohttp
 import orjson
@@ -115,11 +116,14 @@ class Forwarder:
         # template's message delimiters): it checkpoints there on sliding-window and
         # hybrid models; None when the template is not known here
         self.user_starts: Callable[[bytes], tuple[int, ...]] | None = None
-        # learns an image's positions from a server's count (PromptBuilder.learn_media)
+        # learns an image size's positions from a server's count, and forgets them when
+        # a count disagrees (PromptBuilder.learn_media, forget_media)
         self.learn_media: LearnMedia | None = None
+        self.forget_media: Callable[[Mapping[str, Any]], None] | None = None
         if prompt is not None:  # (the pool tokenizes locally)
             self.user_starts = partial(user_starts, delimiters=prompt.message_delimiters)
             self.learn_media = prompt.learn_media
+            self.forget_media = prompt.forget_media
         self.waits = SlotWaits(router, backends, recorder, first_byte_timeout, session)
         # why the pool's backends cannot serve, as their supervisor knows it (crash loops)
         self.why_down = why_down

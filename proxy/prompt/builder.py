@@ -175,7 +175,7 @@ class PromptBuilder:
     def learn_media(self, body: Mapping[str, Any], reported: int,
                     markers: Iterable[str] = ()) -> array | None:
         """A server gave ``reported`` positions to ``body``'s prompt (a chat's, or a
-        completion's first): learn the count of its one image not known
+        completion's first): learn the count of its one image size not known
         (`MediaCounts.learn`). The prompt's ids with that image in place, or None."""
         if not self.media.learns:
             return None
@@ -194,6 +194,12 @@ class PromptBuilder:
         if not self.media.learn(ids, plan.images, reported):
             return None
         return expand(ids, plan.images, self.media.chunk)
+
+    def forget_media(self, body: Mapping[str, Any]) -> None:
+        """A server counted ``body``'s prompt (a chat's) otherwise than its ids, whole:
+        forget the learned counts of its images (`MediaCounts.forget`)."""
+        if self.media.learns and "messages" in body:
+            self.media.forget(media_of(body))
 
     def head(self, plan: Plan) -> tuple[array, int] | None:
         """The ids of the prompt before its first text no cache holds, and that text's

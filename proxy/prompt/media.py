@@ -16,9 +16,9 @@ filler ids, as many as the chunk's positions. Ids are negative: no token has the
 chunk matches only the same bytes, whole. The count depends on the projector and the
 image's size: known here for images under llava's fixed-size ``mlp`` projectors (read
 from the mmproj GGUF), learned per image size from the servers' reports under any
-other (`MediaCounts`). Until then, for audio and video, and for media the server
-fetches itself (URLs), the ids stop at the chunk (``expand``): the prediction then
-never counts what it cannot know.
+other (`MediaCounts`). The ids stop at the chunk (``expand``) of an image whose count is
+not known yet, and of audio, video and media the server fetches itself (URLs): the
+prediction then never counts what it cannot know.
 """
 
 from __future__ import annotations
@@ -61,16 +61,19 @@ MAX_IDS = 1 << 22
 _BASE64_RUN = re.compile(r"[A-Za-z0-9+/]*")
 
 
-# the formats stb_image decodes (what mtmd-helper loads an image with), by Pillow's names
-_STB_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "PPM", "TGA", "PSD")
+# Pillow reads only a file's header here, never its pixels: a huge size is no bomb to us
+warnings.filterwarnings("ignore", category=PIL.Image.DecompressionBombWarning)
 
 
 class Image(NamedTuple):
     """An image as the cache model keys it: ``digest`` its chunk (a hash of the file's
-    bytes, as the server keys it), ``shape`` its count of positions. Every projector
-    computes that count from the image's width and height alone (resized, tiled or
-    sliced by them), so images of one size share it: ``shape`` is the size, or the
-    digest when the file's header cannot be read."""
+    bytes, as the server keys it), ``shape`` the key of its count of positions. On the
+    dense models kvroute learns counts for, a projector computes that count from the
+    decoded width and height alone (resized, tiled or sliced by them; the server's
+    --image-min-tokens and --image-max-tokens bound it, alike on a pool's servers), so
+    images of one size share it: ``shape`` is the size, or the digest when kvroute
+    cannot be sure of the size stb_image decodes (see `_size`). (DeepSeek-V4 pads its
+    images by the position they start at; it has a sliding window: nothing is learned.)"""
 
     digest: bytes
     shape: bytes
@@ -84,17 +87,21 @@ def image_of(data: bytes) -> Image:
 
 
 def _size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from a file's header (Pillow reads no more of it)."""
+    """(width, height) from a PNG or 8-bit JPEG's header (Pillow reads no more of it).
+    Pillow sizes some other files otherwise than stb_image does (a GIF frame past its
+    screen), or stb_image refuses them (RLE bitmaps) and the server decodes them as
+    video: None, and such an image is counted by its bytes. (A rarer one that slips
+    through, a lossless JPEG, is caught by `MediaCounts.forget`.)"""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (a huge size: a bomb warning, not ours)
-            with PIL.Image.open(io.BytesIO(data), formats=_STB_FORMATS) as im:
-                return im.size
+        with PIL.Image.open(io.BytesIO(data), formats=("PNG", "JPEG")) as im:
+            if im.format == "JPEG" and im.mode not in ("L", "RGB", "CMYK"):
+                return None
+            return im.size
     except Exception:  # (its readers raise OSError, ValueError, SyntaxError...): by its bytes
         return None
 
 
-# learns an image's positions from a server's count of a body's prompt (``markers``:
+# learns an image size's positions from a server's count of a body's prompt (``markers``:
 # the backends' own): the prompt's ids with it in place, or None (PromptBuilder.learn_media)
 LearnMedia = Callable[[Mapping[str, Any], int, Iterable[str]], "array | None"]
 
@@ -314,6 +321,13 @@ class MediaCounts:
         while len(self._learned) > self.limit:
             self._learned.popitem(last=False)
         return True
+
+    def forget(self, media: tuple[Image | None, ...]) -> None:
+        """A server counted a prompt of ``media`` otherwise than the counts learned for
+        them: forget those (a size whose count is not the same for every image)."""
+        for m in media:
+            if m is not None:
+                self._learned.pop(m.shape, None)
 
 
 def expand(ids: array, media: tuple[Image | None, ...],

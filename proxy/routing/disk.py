@@ -60,8 +60,10 @@ class DiskIndex:
         """The disk file to restore into the placement's slot first, its sequence and
         the tokens it shares with the prompt: when it holds enough more than the slot.
         Never on a checkpointed backend: the server clears a restored slot's
-        checkpoints, so a request diverging from it would reuse nothing."""
-        if not self._entries or self._backends[backend].cache.checkpointed:
+        checkpoints, so a request diverging from it would reuse nothing. Nor on one with
+        LoRA adapters: a file does not record the adapters its KV was made under."""
+        cache = self._backends[backend].cache
+        if not self._entries or cache.checkpointed or cache.lora_global:
             return None
         best = max(((got, idx) for (_, kind, idx), got in held.items()
                     if kind == DISK and backend in self._entries[idx][1]), default=None)

@@ -15,8 +15,8 @@ from proxy.routing.cache.predict import Placement
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import common_len
 
-__all__ = ["FOLLOWS", "RELATED_TOKENS", "Candidate", "Option", "best_options",
-           "expected_ttft", "penalty"]
+__all__ = ["FOLLOWS", "RELATED_TOKENS", "Candidate", "Option", "best_options"]
+
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ is ~4x slower
 class Candidate:
@@ -162,8 +162,8 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
     for opt in _idle_options(c):
         p = cache.predict(opt, c.slot_lcp, c.ram_lcp, n, lora=c.lora)
         assert p is not None, "idle slots exist"
-        ttft = expected_ttft(backlog, p, n, rate, s)
-        key = (ttft + penalty(p, s, rate), ttft, cache.slots[p.slot].last_used)
+        ttft = _ttft(backlog, p, n, rate, s)
+        key = (ttft + _penalty(p, s, rate), ttft, cache.slots[p.slot].last_used)
         if best is None or key < best[0]:
             best = (key, p, opt)
     if best is not None:
@@ -175,8 +175,8 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
         wait_s = backlog + service / cache.cap.n_slots
     else:
         wait_s = max(backlog, st.slot_free_at.get(slot, now) - now)
-    ttft = expected_ttft(wait_s, p, n, rate, s)
-    return Option(ttft + penalty(p, s, rate), ttft, p, slot, True)
+    ttft = _ttft(wait_s, p, n, rate, s)
+    return Option(ttft + _penalty(p, s, rate), ttft, p, slot, True)
 
 
 def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None,
@@ -205,8 +205,8 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
             continue
         p = st.cache.predict(i, c.slot_lcp, c.ram_lcp, n, after_busy=True, lora=c.lora)
         assert p is not None
-        ttft = expected_ttft(max(backlog, st.slot_free_at.get(i, now) - now), p, n, rate, s)
-        key = (ttft + penalty(p, s, rate), ttft, slots[i].last_used)
+        ttft = _ttft(max(backlog, st.slot_free_at.get(i, now) - now), p, n, rate, s)
+        key = (ttft + _penalty(p, s, rate), ttft, slots[i].last_used)
         if wait is None or key < wait[0]:
             wait = (key, p, i)
     return None if wait is None else Option(wait[0][0], wait[0][1], wait[1], wait[2], True)
@@ -248,8 +248,8 @@ def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: 
     rate = st.rate
     free = max(now, st.slot_free_at.get(slot, now)) + tail / rate + (
         st.service_s or s.default_service_s)
-    ttft = expected_ttft(max(st.busy_until - now, free - now, 0.0), p, n, rate, s)
-    return (ttft + penalty(p, s, rate), ttft, st.cache.slots[slot].last_used), p, slot
+    ttft = _ttft(max(st.busy_until - now, free - now, 0.0), p, n, rate, s)
+    return (ttft + _penalty(p, s, rate), ttft, st.cache.slots[slot].last_used), p, slot
 
 
 # A follower's placement names no slot: its leader's, not known until it is handed one
@@ -290,11 +290,11 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlo
     behind = len(st.followers.get(leader, ()))
     wait = backlog + service / len(st.cache.slots) + (1 + behind) * service
     p = Placement(FOLLOWS, shared, "slot", None, 0, False, max(0, ahead.n - shared))
-    ttft = expected_ttft(wait, p, n, st.rate, s)
-    return Option(ttft + penalty(p, s, st.rate), ttft, p, None, True, leader)
+    ttft = _ttft(wait, p, n, st.rate, s)
+    return Option(ttft + _penalty(p, s, st.rate), ttft, p, None, True, leader)
 
 
-def expected_ttft(wait: float, p: Placement, n: int, rate: float, s: RouterSettings) -> float:
+def _ttft(wait: float, p: Placement, n: int, rate: float, s: RouterSettings) -> float:
     """Expected time to first token: waiting, then the uncached prefill (and a RAM load)."""
     ttft = wait + (n - p.reuse) / rate
     if p.tier == "ram":
@@ -302,6 +302,6 @@ def expected_ttft(wait: float, p: Placement, n: int, rate: float, s: RouterSetti
     return ttft
 
 
-def penalty(p: Placement, s: RouterSettings, rate: float) -> float:
+def _penalty(p: Placement, s: RouterSettings, rate: float) -> float:
     """Seconds charged for what a placement takes away from the slot's current content."""
     return (s.displace_weight * p.displaced + s.destroy_weight * p.destroyed) / rate

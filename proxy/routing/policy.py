@@ -34,10 +34,11 @@
   ttft = the slot's expected end (its prefill in the backlog, then the backend's mean
   time after prefill) + the rest of the prompt. Taken only when that is sooner than
   running now anywhere (a burst of new sessions over one prefix still spreads), at most
-  ``_WAITERS_PER_SLOT`` waiters per slot (the second, an unnamed request only, waits for
-  the first one's turn too and reuses what it shares with the first one's prompt), and
+  ``_WAITERS_PER_SLOT`` (options.py) waiters per slot (the second, an unnamed request
+  only, waits for the first one's turn too and reuses what it shares with the first
+  one's prompt), and
   never for a slot running another named session's request (its next turn is due: see
-  ``best_options``); a waiter whose slot runs far past its expected end
+  ``options.best_options``); a waiter whose slot runs far past its expected end
   (``wait_grace_s``) is routed again. Without it such a call recomputes the history
   elsewhere, or lands in another session's slot and destroys that history; and requests
   over one document sent together (the Mooncake replay's siblings: one prefix, another

@@ -162,8 +162,11 @@ async def counted(request: web.Request, pool: Pool, raw: bytes, chat: JSON, path
         tokens = await tokens_for(pool, raw, chat, plan)
     except NoBackendIds:
         tokens = None
-    if tokens is None or cut_short(chat, tokens):
-        return await unrouted(request, pool, path, raw, relay, media_kinds(chat))
+    media = media_kinds(chat)
+    # (where no backend counts at that path, OpenAI-API servers: the ids kvroute has)
+    if tokens is None or (cut_short(chat, tokens)
+                          and pool.fw.serving(path, media) != frozenset()):
+        return await unrouted(request, pool, path, raw, relay, media)
     return len(tokens)
 
 

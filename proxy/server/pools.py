@@ -124,7 +124,7 @@ def _media_counts(mmproj: Path | None, gguf: Path) -> MediaCounts:
     model = MediaModel.read(mmproj) if dense and mmproj is not None else None
     if mmproj is not None and model is None:
         get_logger().info("media.positions_unknown", mmproj=str(mmproj),
-                          now="learned per image from what its servers report" if dense
+                          now="learned per image size from what its servers report" if dense
                           else "a prompt's ids stop at its first image or audio")
     return MediaCounts(model, learns=dense)
 

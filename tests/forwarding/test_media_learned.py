@@ -6,6 +6,7 @@ predicted through the image, and the first turn's slot record holds the whole pr
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,6 +21,8 @@ from backends.config import ManagedBackendConfig
 from backends.demo_mmproj import ensure_demo_mmproj, for_model
 from backends.demo_model import DemoModelParams
 from proxy.config.load import Config
+from proxy.prompt.media import SENTINEL, image_of
+from proxy.server.keys import POOLS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,3 +128,21 @@ async def test_counting_a_prompt_with_an_image_not_known_asks_the_server(
     reported = [usage["input_tokens"] + usage["cache_read_input_tokens"],
                 done["usage"]["input_tokens"]]
     assert counts == reported and min(counts) > 64, (counts, reported)
+
+
+async def test_a_count_a_server_disagrees_with_is_learned_again(
+        client: TestClient[Any, Any]) -> None:
+    """A size's count learned wrong (made so here in the pool's own table, as a file
+    Pillow sizes otherwise than the server's decoder would) is forgotten at the first
+    report that disagrees with the whole ids, and learned again from the next."""
+    prompt = client.server.app[POOLS].first.tok.prompt
+    assert prompt is not None
+    image = png(91, 140, 100)
+    assert prompt.media.learn(array("i", [5, SENTINEL]), (image_of(image),), 1 + 10)
+    messages = [{"role": "system", "content": words(40, 92)},
+                {"role": "user", "content": [
+                    {"type": "text", "text": words(10, 93)},
+                    {"type": "image_url", "image_url": {"url": data_uri(image)}}]}]
+    rows = [await chat(client, messages) for _ in range(3)]
+    assert prompt.media.chunk(image_of(image)) is not None  # learned again: 64
+    assert rows[2][0] == rows[2][1] == rows[2][2] - 1, rows

@@ -4,10 +4,12 @@ that match the same bytes only, whole; markers joined as the server joins them."
 from __future__ import annotations
 
 import base64
+import io
 from array import array
 from pathlib import Path
 from typing import Any
 
+import PIL.Image
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -238,3 +240,31 @@ def test_an_image_is_keyed_by_its_bytes_and_counted_by_its_size() -> None:
 def test_ids_cut_short_of_their_media(body: dict[str, Any], ids: list[int],
                                       short: bool) -> None:
     assert cut_short(body, ids) is short
+
+
+def _encoded(fmt: str, size: tuple[int, int], **save: Any) -> bytes:
+    out = io.BytesIO()
+    PIL.Image.new("RGB", size, (200, 30, 60)).save(out, fmt, **save)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(("fmt", "save", "sized"), [
+    ("JPEG", {}, True),
+    ("JPEG", {"progressive": True}, True),
+    ("PNG", {}, True),
+    ("GIF", {}, False),  # Pillow may size a GIF otherwise than stb_image: by its bytes
+    ("BMP", {}, False),
+    ("WEBP", {}, False),  # stb_image does not read it
+])
+def test_only_a_size_stb_image_reads_alike_keys_a_count(fmt: str, save: dict[str, Any],
+                                                        sized: bool) -> None:
+    got = image_of(_encoded(fmt, (33, 21), **save))
+    assert got.shape == (b"33x21" if sized else got.digest)
+
+
+def test_a_count_a_server_disagrees_with_is_forgotten() -> None:
+    counts = MediaCounts(learns=True)
+    assert counts.learn(array("i", [5, S]), (D1,), 1 + 30)
+    counts.forget((None, D4))  # (D4: D1's size)
+    assert counts.chunk(D1) is None and counts.chunk(D4) is None
+    counts.forget((D2,))  # (not learned: nothing to forget)

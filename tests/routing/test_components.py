@@ -41,18 +41,21 @@ def test_the_ledger_gives_ids_in_order_and_ends_entries_once() -> None:
         led.end(0)
 
 
-@pytest.mark.parametrize(("disk_tokens", "slot_reuse", "checkpointed", "may", "gains"), [
-    (600, 0, False, True, True),       # 600 more than the slot: worth a restore
-    (600, 400, False, True, False),    # 200 more: under disk_min_gain_tokens (256)
-    (600, 0, False, False, False),     # the backend may not restore that file
-    (600, 0, True, True, False),       # a checkpointed backend: never
+@pytest.mark.parametrize(("disk_tokens", "slot_reuse", "kind", "may", "gains"), [
+    (600, 0, "dense", True, True),       # 600 more than the slot: worth a restore
+    (600, 400, "dense", True, False),    # 200 more: under disk_min_gain_tokens (256)
+    (600, 0, "dense", False, False),     # the backend may not restore that file
+    (600, 0, "checkpointed", True, False),  # a checkpointed backend: never
+    (600, 0, "adapters", True, False),   # one with LoRA adapters: never
 ])
 def test_the_disk_index_restores_only_what_gains_enough(
-        disk_tokens: int, slot_reuse: int, checkpointed: bool, may: bool, gains: bool) -> None:
+        disk_tokens: int, slot_reuse: int, kind: str, may: bool, gains: bool) -> None:
     tree = RadixTree()
     st = state(tree)
-    if checkpointed:
+    if kind == "checkpointed":
         st.cache.checkpointed = True  # type: ignore[misc]
+    if kind == "adapters":
+        st.cache.lora_global = (1.0,)
     disk = DiskIndex(tree, RouterSettings(), {"a": st})
     assert not disk
     seq = to_token_bytes(range(disk_tokens))
