@@ -164,7 +164,7 @@ class Restorer:
         as it comes back."""
         model = self.identities.models.get(info.name)
         out: list[tuple[int, bytes]] = []
-        if model is None or not saves(info):  # (files an earlier version saved with adapters)
+        if model is None or not saves(info):  # (never with adapters: see saves)
             return out
         slots = {e.slot for e in self.catalog.saved.values()
                  if e.backend == info.name and e.model == model}
