@@ -372,7 +372,8 @@ class Attempt:
             return
         reported = outcome.prompt_n + outcome.reported_cached
         if not cut_short(self.body, self.tokens):
-            if reported != len(self.tokens):
+            whole = self.whole or self.pending is None  # (not a head whose rest was lost)
+            if whole and reported != len(self.tokens):
                 forget(self.body)
             return
         markers = {b.media_marker for b in self.fw.backends.values()}
