@@ -80,6 +80,9 @@ class Attempt:
         self.media = media_kinds(asked.body)
         self.lora = requested(asked.body)
         self.among = fw.serving(asked.path, self.media)
+        # the answer is streamed from the backend: its head tells the server launched it
+        self.streams = False
+        self.heard = False  # the answer's first bytes came
 
     async def run(self) -> web.StreamResponse:
         self.routed = await self.decide()
@@ -248,6 +251,7 @@ class Attempt:
             extra["stream_options"] = {"include_usage": True}
             strip_usage = True
         assemble = None if body.get("stream") is True else assembler_for(path, body)
+        self.streams = body.get("stream") is True or assemble is not None
         if assemble is not None:
             # streamed upstream so that a client that leaves stops it (proxy/forwarding/assemble.py)
             extra["stream"] = True
@@ -277,6 +281,8 @@ class Attempt:
     def sent(self) -> None:
         # the request is written: the model's bookkeeping runs while the backend works
         self.routed.placed()
+        if not self.streams:
+            self.routed.launched()  # (its head comes with the whole answer: not heard)
         self._tell_start()
 
     def _tell_start(self) -> None:
@@ -291,7 +297,11 @@ class Attempt:
     def data(self) -> None:
         # NOTE: as the bytes come, not when they are read: another answer read first
         # may hand a queued request a slot meanwhile (see BackendCache.saved_idle)
-        self.outcome.read(self.router.starts(self.routed.backend))
+        if not self.heard:
+            self.heard = True
+            self.routed.launched()  # (a stream's head comes as the server launches it)
+        backend = self.routed.backend
+        self.outcome.read(self.router.starts(backend), self.router.unlaunched(backend))
 
     def first_token(self) -> None:
         self.routed.first_token()
@@ -353,7 +363,8 @@ class Attempt:
                         reported_cached=outcome.reported_cached if check else None,
                         prompt_ms=outcome.prompt_ms, prompt_n=outcome.prompt_n,
                         reported_slot=outcome.reported_slot,
-                        starts_before_end=outcome.starts_before_end)
+                        starts_before_end=outcome.starts_before_end,
+                        unlaunched_at_end=outcome.unlaunched_at_end)
         self.fw.waits.hand_off(self.routed.complete(report, now=time.monotonic()))
         info = self.fw.backends.get(decision.backend)
         slot = outcome.reported_slot if outcome.reported_slot is not None else decision.slot

@@ -39,6 +39,8 @@ class Outcome:
     # Router.starts(backend) as the last bytes came; as the last read that brought
     # generated text came, and the read before it (see `starts_before_end`)
     starts_at_end: int | None = None
+    # Router.unlaunched(backend) as the last bytes came (see Report.unlaunched_at_end)
+    unlaunched_at_end: int = 0
     _starts_at_text: tuple[int | None, int | None] = (None, None)
     _text_seen: int = 0
 
@@ -55,10 +57,11 @@ class Outcome:
             return max(0.0, self.finished_at - self.started - self.predicted_ms / 1000)
         return None
 
-    def read(self, starts: int) -> None:
+    def read(self, starts: int, unlaunched: int = 0) -> None:
         """Bytes of the answer were read, ``starts`` tasks having started on its backend
-        (in the model) so far."""
+        (in the model) so far, ``unlaunched`` of them not heard launched."""
         before, self.starts_at_end = self.starts_at_end, starts
+        self.unlaunched_at_end = unlaunched
         if len(self.text) > self._text_seen:
             self._text_seen = len(self.text)
             self._starts_at_text = (before, starts)

@@ -75,7 +75,14 @@ class Report:
     prompt tokens it reused and evaluated and how long that took, the slot it ran in;
     ``starts_before_end``: ``Router.starts(backend)`` when the proxy last read what the
     server sent before the step that ended the request: tasks started later were
-    launched after its slot was freed (see ``BackendCache.saved_idle``)."""
+    launched after its slot was freed (see ``BackendCache.saved_idle``).
+    ``unlaunched_at_end``: ``Router.unlaunched(backend)`` as the answer's last bytes came:
+    requests started in the model whose launch was not heard then. The server launches
+    a task in the step after the one it was posted in, and sends a stream's head in that
+    step before its batch is computed, so a request unheard when another's answer ended
+    is launched after that answer's slot was freed: the server saved that slot as an
+    idle one at its launch. (A long prompt the server's HTTP thread is still tokenizing,
+    or a hand-off sent as another slot's last step runs.)"""
 
     output_tokens: Sequence[int] | array | bytes = ()
     reported_cached: int | None = None
@@ -83,6 +90,7 @@ class Report:
     prompt_n: int | None = None
     reported_slot: int | None = None
     starts_before_end: int | None = None
+    unlaunched_at_end: int = 0
 
 
 @dataclass(frozen=True)

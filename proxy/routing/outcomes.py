@@ -106,6 +106,13 @@ class RequestEnds:
         f.work, f.prefilled = left, True
         self._peers.told_prefilled(f, rid)
 
+    def launched(self, routed: Routed) -> None:
+        """The server launched the request (its stream's head came), or its launch
+        cannot be heard (an answer not streamed comes whole)."""
+        st = self._backends.get(routed.entry.backend)
+        if st is not None:
+            st.unlaunched.discard(routed.request_id)
+
     def complete(self, routed: Routed, report: Report, *, now: float = 0.0
                  ) -> list[Handoff]:
         """The request finished: its slot is free and holds prompt + output. Returns the
@@ -118,6 +125,7 @@ class RequestEnds:
             return []  # backend was removed meanwhile: nothing to learn
         self._ledger.end(decision.request_id)
         self._unposted.posted(decision.request_id)
+        st.unlaunched.discard(decision.request_id)
         st.release(f.work, now)
         st.learn(self._settings, now - f.started, report.prompt_ms, report.prompt_n)
         if st.rate_learned:
@@ -134,7 +142,7 @@ class RequestEnds:
         if slot is not None:
             cache.finish_generated(slot, out)
             before = report.starts_before_end
-            if before is not None and cache.starts > before:
+            if report.unlaunched_at_end or (before is not None and cache.starts > before):
                 cache.saved_idle(slot)
         self._peers.told_freed(f, slot if slot is not None else f.slot, decision.request_id)
         return self._queue.drain(st, decision.backend, now)
@@ -201,6 +209,7 @@ class RequestEnds:
         made = self._unposted.created(decision.request_id) if prior is not None else []
         self._ledger.end(decision.request_id)
         self._unposted.posted(decision.request_id)
+        st.unlaunched.discard(decision.request_id)
         st.release(f.work, now)
         if not sent:
             self._peers.told_withdrawn(f, decision.request_id)

@@ -123,6 +123,8 @@ class Owner(Protocol):
 
     def prefilled(self, routed: Routed) -> None: ...
 
+    def launched(self, routed: Routed) -> None: ...
+
     def complete(self, routed: Routed, report: Report = ..., *,
                  now: float = 0.0) -> list[Handoff]: ...
 
@@ -210,6 +212,11 @@ class Routed:
 
     def first_token(self) -> None:
         self._router.prefilled(self)
+
+    def launched(self) -> None:
+        """The server launched it: its stream's head came (or an answer that comes whole
+        was sent: its launch cannot be heard). See `Report.unlaunched_at_end`."""
+        self._router.launched(self)
 
     def complete(self, report: Report, *, now: float = 0.0) -> list[Handoff]:
         """It ended with an answer (see `Router.complete`): the hand-offs it made."""

@@ -328,6 +328,7 @@ class Router:
         if placed is not None:
             f.prior = r.prior
             st.occupy(placed.slot, session)
+            st.unlaunched.add(rid)
         reasons = dict(choice.reasons)
         reasons.update({"chosen": choice.backend, "slot": slot, "tier": tier, "reuse": reuse})
         if r.head:
@@ -404,6 +405,9 @@ class Router:
 
     def prefilled(self, routed: Routed) -> None:
         self._ends.prefilled(routed)
+
+    def launched(self, routed: Routed) -> None:
+        self._ends.launched(routed)
 
     def wait_overdue(self, routed: Routed, now: float) -> bool:
         return self._ends.wait_overdue(routed, now)
@@ -506,6 +510,12 @@ class Router:
         self._deferred.apply()  # (a request sent is a task started)
         st = self._backends.get(backend)
         return 0 if st is None else st.cache.starts
+
+    def unlaunched(self, backend: str) -> int:
+        """This replica's requests started on `backend` in the model whose launch on the
+        server is not heard yet (see `Report.unlaunched_at_end`)."""
+        st = self._backends.get(backend)
+        return 0 if st is None else len(st.unlaunched)
 
     def slot_sessions(self) -> dict[str, dict[int, str]]:
         """backend -> slot -> the session id of the request last placed there (kept for

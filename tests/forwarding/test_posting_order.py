@@ -27,9 +27,9 @@ def chat(text: str) -> dict[str, Any]:
             "messages": [{"role": "user", "content": text}]}
 
 
-async def ask(client: Any, text: str) -> tuple[int, int, str]:
+async def ask(client: Any, text: str, **extra: Any) -> tuple[int, int, str]:
     """(predicted, reported reuse, tier predicted) of one request."""
-    async with client.post("/v1/chat/completions", json=chat(text)) as r:
+    async with client.post("/v1/chat/completions", json={**chat(text), **extra}) as r:
         assert r.status == 200, await r.text()
         body = await r.text()
         predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
@@ -68,3 +68,44 @@ async def test_a_load_of_what_a_long_start_saves_waits_for_its_posting(
     assert tier == "ram" and predicted >= 1000, turn
     assert reported == predicted, (turn, got)
     assert got[0] == got[1], got
+
+
+async def test_a_start_posted_after_another_slot_ended_saved_that_slot(
+        backend_pool: Any) -> None:
+    """LONG (a 10k-token system prompt) is in one slot, CONV's first turn runs in the
+    other. LONG's next turn comes as CONV's answer takes its last steps: kvroute decides
+    it at once (it has the system prompt's ids), but the server's HTTP thread tokenizes
+    all of it first, so the server launches it after CONV's end and saves CONV's slot to
+    RAM as an idle one (--cache-idle-slots), though kvroute started it while that slot
+    was busy. CONV's next turn then runs in its slot, and a fork of CONV (a side
+    question on the same history) takes LONG's slot, loading CONV from RAM: predicted so
+    only if the model made that save too (LONG's turn was not launched, its answer's
+    head had not come, when CONV's end came)."""
+    sup = await backend_pool(n=1, slots=2, ctx_per_slot=16384, cache_ram_mib=256,
+                             fresh=True)
+    conv = words(1000, 12)
+
+    def long(question: int) -> dict[str, Any]:
+        return {"messages": [{"role": "system", "content": words(10000, 11)},
+                             {"role": "user", "content": words(5, question)}]}
+
+    async with proxy(sup) as client:
+        await ask(client, "", **long(13))
+        body = {**chat(conv), "max_tokens": 3, "ignore_eos": True}
+        later: asyncio.Task[tuple[int, int, str]] | None = None
+        async with client.post("/v1/chat/completions", json=body) as r:
+            async for line in r.content:
+                if later is None and b'"content":"' in line:
+                    # its first token: its last two steps run now
+                    later = asyncio.create_task(ask(client, "", **long(14)))
+        assert later is not None
+        await later
+        turn = asyncio.create_task(ask(client, conv + " " + words(20, 14),
+                                       max_tokens=200, ignore_eos=True))
+        await until(lambda: client.server.app[ROUTER].snapshot()["inflight"] == 1, 30,
+                    step=0.001)
+        fork = await ask(client, conv + " " + words(20, 15))
+        await turn
+    predicted, reported, tier = fork
+    assert tier == "ram" and predicted >= 1000, fork
+    assert reported == predicted, fork

@@ -622,6 +622,41 @@ def test_a_slot_ended_before_a_hand_off_was_saved_by_it() -> None:
     assert handed[0].predicted_cached == len(a) + len(a_out)
 
 
+@pytest.mark.parametrize("heard_first", [False, True])
+def test_a_start_unlaunched_when_a_slot_ended_saved_that_slot(heard_first: bool) -> None:
+    """Y is started while X's slot is busy; X ends. If Y's launch was not heard by then
+    (its stream's head had not come: the server was still tokenizing it), the server
+    launched it after X's slot was freed and saved that slot to RAM as an idle one; if
+    it was, the server launched Y while X ran and saved nothing."""
+    r = Router()
+    r.add_backend(cap("a", slots=2))
+    x = decide(r, list(range(1000, 1500)))
+    x.launched()
+    y = decide(r, list(range(3000, 3400)))
+    assert r.unlaunched("a") == 1
+    if heard_first:
+        y.launched()
+    r.complete(x, Report(output_tokens=[5, 6], starts_before_end=r.starts("a"),
+                         unlaunched_at_end=r.unlaunched("a")))
+    saved = r.snapshot()["backends"]["a"]["ram_entries"]  # type: ignore[index]
+    assert len(saved) == (0 if heard_first else 1), saved
+    r.complete(y, Report(output_tokens=[7]))
+    assert r.unlaunched("a") == 0
+
+
+def test_a_request_queued_is_not_started_until_handed_its_slot() -> None:
+    """A queued request is no start until handed a slot; an aborted one is forgotten."""
+    r = Router()
+    r.add_backend(cap("a", slots=1))
+    x = decide(r, list(range(1000, 1500)))
+    q = decide(r, list(range(3000, 3400)))
+    assert q.queued and r.unlaunched("a") == 1
+    assert [h.request_id for h in r.complete(x)] == [q.request_id]
+    assert r.unlaunched("a") == 1
+    r.abort(q)
+    assert r.unlaunched("a") == 0
+
+
 def test_a_correction_of_the_model_is_no_task_start() -> None:
     """A request the server ran in another slot than modelled is moved there in the
     model, a start() that is no new task on the server: it saved the request's own slot
