@@ -80,9 +80,9 @@ class Report:
     requests started in the model whose launch was not heard then. The server launches
     a task in the step after the one it was posted in, and sends a stream's head in that
     step before its batch is computed, so a request unheard when another's answer ended
-    is launched after that answer's slot was freed: the server saved that slot as an
-    idle one at its launch. (A long prompt the server's HTTP thread is still tokenizing,
-    or a hand-off sent as another slot's last step runs.)"""
+    is launched after that answer's slot was freed, and the server saved that slot as
+    an idle one at its launch if nothing took it first (a long prompt the server's HTTP
+    thread was still tokenizing, or a hand-off sent as another slot's last step ran)."""
 
     output_tokens: Sequence[int] | array | bytes = ()
     reported_cached: int | None = None

@@ -141,8 +141,7 @@ class RequestEnds:
         slot = self._ended_in(st, f, decision.request_id, report.reported_slot)
         if slot is not None:
             cache.finish_generated(slot, out)
-            before = report.starts_before_end
-            if report.unlaunched_at_end or (before is not None and cache.starts > before):
+            if _saved_as_idle(st, slot, report):
                 cache.saved_idle(slot)
         self._peers.told_freed(f, slot if slot is not None else f.slot, decision.request_id)
         return self._queue.drain(st, decision.backend, now)
@@ -248,6 +247,21 @@ class RequestEnds:
         d = routed.prediction
         kept = d.predicted_cached if d.tier == "slot" else None
         return self.abort(routed, now=now, held=kept, sent=False, prior=routed.entry.prior)
+
+
+def _saved_as_idle(st: BackendState, slot: int, report: Report) -> bool:
+    """Did the server launch a task after the request's ``slot`` was freed, and so save
+    it to RAM as an idle one (--cache-idle-slots)? A start the model made after the read
+    before its last step did (see ``Report``), and so did one not heard launched when
+    its answer ended, unless a waiter is handed this slot now: sent after the end, the
+    hand-off may be posted first (the earlier start was still being tokenized), and
+    then the slot is not idle at that launch. The proxy cannot tell which; not saving
+    is the lesser error (a reuse under-predicted, never one the server cannot give)."""
+    before = report.starts_before_end
+    if before is not None and st.cache.starts > before:
+        return True
+    return (report.unlaunched_at_end > 0 and not st.waiting
+            and slot not in st.targets.values())
 
 
 def _goes_on(prior: Prior | None, prompt: bytes) -> bool:

@@ -644,6 +644,25 @@ def test_a_start_unlaunched_when_a_slot_ended_saved_that_slot(heard_first: bool)
     assert r.unlaunched("a") == 0
 
 
+def test_a_slot_handed_on_at_its_end_is_not_saved_for_an_unlaunched_start() -> None:
+    """As above, Y unlaunched when X ends, but X's next turn, queued for X's slot, is
+    handed it at that end: posted first (Y still being tokenized), it goes on in the
+    slot before Y's launch, and nothing saves it. The proxy cannot tell the order: it
+    saves nothing."""
+    r = Router()
+    r.add_backend(cap("a", slots=2))
+    x = decide(r, list(range(1000, 1500)))
+    x.launched()
+    y = decide(r, list(range(3000, 3400)))
+    q = decide(r, [*range(1000, 1500), 5, 6, *range(7000, 7050)])
+    assert q.queued and r.unlaunched("a") == 1
+    got = r.complete(x, Report(output_tokens=[5, 6], starts_before_end=r.starts("a"),
+                               unlaunched_at_end=r.unlaunched("a")))
+    assert [h.request_id for h in got] == [q.request_id]
+    assert r.snapshot()["backends"]["a"]["ram_entries"] == []  # type: ignore[index]
+    assert y.slot is not None
+
+
 def test_a_request_queued_is_not_started_until_handed_its_slot() -> None:
     """A queued request is no start until handed a slot; an aborted one is forgotten."""
     r = Router()
