@@ -5,11 +5,13 @@ predicted through the image, and the first turn's slot record holds the whole pr
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
@@ -146,3 +148,27 @@ async def test_a_count_a_server_disagrees_with_is_learned_again(
     rows = [await chat(client, messages) for _ in range(3)]
     assert prompt.media.chunk(image_of(image)) is not None  # learned again: 64
     assert rows[2][0] == rows[2][1] == rows[2][2] - 1, rows
+
+
+async def test_a_count_the_server_refuses_is_its_error_in_the_apis_envelope(
+        client: TestClient[Any, Any]) -> None:
+    """count_tokens of an image the server cannot decode (bytes no decoder takes), and
+    the turn itself: each the server's own refusal (its status differs between the two
+    paths), in Anthropic's error object."""
+    junk = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(200)).decode()
+    body = {"model": "kvroute-demo", "max_tokens": 3, "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": words(10, 95)},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": junk}}]}]}
+    (info,) = client.server.app[POOLS].first.fw.backends.values()
+    for path in ("/v1/messages/count_tokens", "/v1/messages"):
+        async with aiohttp.ClientSession() as s, s.post(
+                info.url + path, json=body,
+                headers={"Authorization": f"Bearer {info.api_key}"}) as r:
+            direct = r.status, await r.json()
+        async with client.post(path, json=body) as r:
+            status, data = r.status, await r.json()
+        assert status == direct[0] >= 400, (path, direct, data)
+        assert data["type"] == "error" and data["error"]["message"] == \
+            "Failed to load image or audio file", (path, direct, data)
