@@ -243,6 +243,8 @@ class Attempt:
             # a completion's media markers: the one this backend's server cuts at
             markers = {b.media_marker for b in self.fw.backends.values()}
             extra["prompt"] = prompt_for(body["prompt"], markers, info.media_marker)
+        if d.recompute:
+            extra["cache_prompt"] = False  # (see Decision.recompute)
         if self.lora is None and (named := self.named_lora(info.name)):
             # named, so the server never runs it over KV made under other adapters
             extra["lora"] = [{"id": i, "scale": s} for i, s in named]

@@ -145,7 +145,7 @@ class Exchange:
 
 
 def upstream_payload(raw: bytes, body: JSON, extra: JSON) -> bytes:
-    """The client's body with `extra` fields set (cache_prompt is never touched).
+    """The client's body with `extra` fields set.
 
     When none of `extra`'s keys is in the body, the fields are spliced in front of the raw
     bytes: re-serialising a 30k-token conversation costs ~1 ms, splicing a memcpy (one:

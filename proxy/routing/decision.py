@@ -34,6 +34,9 @@ class Decision:
     # the request whose start creates the RAM entry this one loads, while it is not known
     # posted on the server: send this one only once it is (proxy/routing/posting.py)
     after: int | None = None
+    # send it with cache_prompt false: the server loads into its slot a RAM entry made
+    # under other LoRA adapters and would run over that KV (see Placement.recompute)
+    recompute: bool = False
 
 
 @dataclass(frozen=True)

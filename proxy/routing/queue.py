@@ -168,7 +168,8 @@ class SlotQueue:
         file = restore[0] if restore is not None else None
         if f.prediction is not None:  # (what the request is sent with, pinned)
             f.prediction = replace(f.prediction, slot=p.slot, predicted_cached=p.reuse,
-                                   tier=p.tier, restore=file, after=after)
+                                   tier=p.tier, restore=file, after=after,
+                                   recompute=p.recompute)
         return Handoff(rid, backend, p.slot, p.reuse, p.tier, file,
                        had if had is not None and len(had) // 4 > kept else None, after)
 

@@ -350,6 +350,7 @@ class Router:
             claims=r.claims and placed is not None,
             after=self._unposted.creator(rid, choice.backend, placed.ram_entry)
             if placed is not None else None,
+            recompute=placed is not None and placed.recompute,
         )
         return Routed(self, f)
 

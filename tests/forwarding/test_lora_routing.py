@@ -191,3 +191,25 @@ async def test_a_request_naming_no_adapters_never_runs_over_anothers_kv(
     third = await ask(one_slot, messages, None)
     assert under_a0[3] != first[3], (first, under_a0)  # (each set answers its own)
     assert third[:2] == (0, 0) and third[3] == first[3], (first, third)
+
+
+async def test_a_ram_entry_made_under_another_set_is_never_run_over(
+        pool_config: Callable[..., Config]) -> None:
+    """One server, two slots, a RAM tier. A conversation under adapter 1 leaves its
+    state in RAM (saved as an idle slot when the next request starts); slot 1 last ran
+    under adapter 0. The conversation's system prompt under adapter 0 then: a slot of
+    adapter 1 is cleared for it, and the server would load the entry into slot 1 and
+    run over adapter 1's KV (its tokens alone match). It is recomputed instead (sent
+    with cache_prompt false): it reuses only the template's first tokens, as predicted,
+    and answers as when computed alone."""
+    system = {"role": "system", "content": words(300, 61)}
+    async with with_adapters(pool_config, 1, 2, 64) as client:
+        await ask(client, [system, {"role": "user", "content": words(20, 62)}], A1)
+        await ask(client, [{"role": "user", "content": words(200, 63)}], A0)
+        messages = [system, {"role": "user", "content": words(20, 64)}]
+        predicted, reported, _, answer = await ask(client, messages, A0)
+        alone = await chat_turn(client, {
+            "model": "kvroute-demo", "max_tokens": 3, "temperature": 0, "lora": A0,
+            "cache_prompt": False, "messages": messages})
+    assert answer == alone.answer, (answer, alone)
+    assert predicted == reported <= 8, (predicted, reported)

@@ -115,6 +115,26 @@ def test_a_ram_entry_loaded_into_another_sets_slot_is_lost() -> None:
     assert run(c, Q, A1).reuse == 0  # (P displaced Q; P's entry no longer in RAM)
 
 
+@pytest.mark.parametrize("made_under, want", [
+    (A1, (0, True)),  # another set's KV: recomputed (cache_prompt false), reuses nothing
+    (A0, (len(P) - 1, False)),  # its own set's: loaded and reused
+])
+def test_a_ram_entry_of_another_set_is_never_run_over(made_under: Lora,
+                                                      want: tuple[int, bool]) -> None:
+    """The server loads a RAM entry into a slot by its tokens alone, and keeps it when
+    the slot's last request ran under the request's set: over KV another set made, the
+    answer would be wrong. Slot 0 last ran under A0 (Q), P's state was saved from a slot
+    of ``made_under``; P under A0 pinned to slot 0 loads it."""
+    c = make(slots=2)
+    run(c, P, made_under, slot=1)
+    run(c, Q, A0, slot=0)  # (slot 1 idle: its P saved to RAM at this start)
+    run(c, Q, A1, slot=1)  # (P's idle copy stays; slot 0's Q saved as an idle one)
+    assert len(c.ram) == 2
+    p = run(c, [*P[:-1], 9], A0, slot=0)
+    assert (p.reuse, p.recompute) == want
+    assert p.ram_entry is not None and len(c.ram) == 1  # (loaded either way: gone)
+
+
 def test_global_scales_change_what_no_field_runs_under() -> None:
     c = make()
     run(c, P, None)  # under the global set (1, 1)

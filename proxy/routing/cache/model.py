@@ -56,6 +56,7 @@ from proxy.routing.cache.checkpoints import (
     reusable,
     surviving,
 )
+from proxy.routing.cache.lora import Scales
 from proxy.routing.cache.predict import (
     PLAIN,
     RAM,
@@ -97,6 +98,7 @@ class BackendCache(CachePrediction):
         self.idle: list[int] = list(range(cap.n_slots))
         self.ram: OrderedDict[int, int] = OrderedDict()  # entry id -> tokens, oldest first
         self.ram_checkpoints: dict[int, Checkpoints] = {}
+        self.ram_lora: dict[int, Scales] = {}
         self.ram_bytes = 0
         self.checkpointed = cap.memory.checkpointed
         self.lora_global = cap.lora
@@ -139,14 +141,18 @@ class BackendCache(CachePrediction):
             gone = self._save(p.slot)
             lcp = min(slot_lcp.get(p.slot, 0), s.n_tokens)
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
+            recompute = False
             if cleared:
                 got = 0
+            elif self.lora_global and self._foreign(entry, lora):
+                got, recompute = 0, True
             if self.checkpointed and got:
                 got = (self._from_entry(entry, got, n_prompt) if entry is not None
                        else self._from_slot(p.slot, got, n_prompt))
             reuse = max(0, min(got, n_prompt - 1))
             tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
-            p = Placement(p.slot, reuse, tier, entry, p.displaced, True, p.destroyed)
+            p = Placement(p.slot, reuse, tier, entry, p.displaced, True, p.destroyed,
+                          recompute)
         if self.checkpointed:
             # (a cleared slot keeps none of its checkpoints, nor of the entry loaded)
             self._start_checkpoints(p, {} if cleared else slot_lcp, {} if cleared else ram_lcp,
@@ -155,6 +161,7 @@ class BackendCache(CachePrediction):
             self.ram_bytes -= self.entry_size(p.ram_entry)
             n = self.ram.pop(p.ram_entry)
             self.ram_checkpoints.pop(p.ram_entry, None)
+            self.ram_lora.pop(p.ram_entry, None)
             self._tracked.discard((n, p.ram_entry))
             self.tree.move(self.ram_holder(p.ram_entry), self.slot_holder(p.slot))
         self.tree.assign(self.slot_holder(p.slot), prompt)
@@ -381,6 +388,8 @@ class BackendCache(CachePrediction):
         self.ram[e] = s.n_tokens
         if s.checkpoints:
             self.ram_checkpoints[e] = s.checkpoints
+        if s.lora:
+            self.ram_lora[e] = s.lora
         self.ram_bytes += new_bytes
         self._tracked.add((s.n_tokens, e))
         tracked = self._tracked
@@ -411,6 +420,7 @@ class BackendCache(CachePrediction):
         self.ram_bytes -= self.entry_size(e)
         n = self.ram.pop(e)
         self.ram_checkpoints.pop(e, None)
+        self.ram_lora.pop(e, None)
         self.tree.drop(self.ram_holder(e))
         self._tracked.discard((n, e))
 

@@ -116,6 +116,10 @@ class Placement(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slow
     displaced: int  # tokens of the slot's previous content moved out to RAM (when saved)
     saved: bool = False  # the server saves the slot's state to RAM before using it
     destroyed: int = 0  # tokens of the previous content lost for good (held nowhere else)
+    # the RAM entry it loads was made under other adapters than it runs under, into a
+    # slot the server keeps (it looks at neither): sent with cache_prompt false, it
+    # reuses nothing rather than run over that KV
+    recompute: bool = False
 
 
 def from_disk(p: Placement | None) -> Placement | None:
@@ -131,6 +135,7 @@ class CachePrediction:
     slots: list[Slot]
     ram: OrderedDict[int, int]  # entry id -> tokens, oldest first
     ram_checkpoints: dict[int, Checkpoints]  # entry id -> checkpoints saved with it
+    ram_lora: dict[int, Scales]  # entry id -> the adapters its slot's KV was made under
     ram_bytes: int
     checkpointed: bool  # the server reuses only up to checkpoints (cap.memory)
     lora_global: Scales  # the server's global adapter scales (see proxy/routing/cache/lora.py)
@@ -213,8 +218,12 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
         elif lcp < s.n_tokens:  # kept: tail truncated
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt, self._set_kept(slot, lora))
-        if self.lora_global and self.clears(slot, lora):  # (none: nothing to compare)
-            got = 0  # (a RAM entry loaded is lost with the rest)
+        recompute = False
+        if self.lora_global:  # (none: nothing to compare)
+            if self.clears(slot, lora):
+                got = 0  # (a RAM entry loaded is lost with the rest)
+            elif self._foreign(entry, lora):
+                got, recompute = 0, True
         if self.checkpointed and got:
             got = (self._from_entry(entry, got, n_prompt) if entry is not None
                    else self._from_slot(slot, got, n_prompt))
@@ -222,7 +231,7 @@ class CachePrediction:
         if reuse < 0:
             reuse = 0
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
-        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
+        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, recompute)
 
     def predict_queued(
         self,
@@ -284,8 +293,11 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, n_slot, gone)
         elif behind is None and lcp < n_slot:
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt)
+        recompute = False
         if behind is None and self.lora_global and self.clears(slot, lora):
             got = 0
+        elif self.lora_global and self._foreign(entry, lora):
+            got, recompute = 0, True
         if self.checkpointed and got:
             if entry is not None:
                 got = self._from_entry(entry, got, n_prompt)
@@ -295,12 +307,16 @@ class CachePrediction:
                 got = reusable(self.cap.memory, got, n_prompt, n_slot, (), 0).n_past
         reuse = max(0, min(got, n_prompt - 1))
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
-        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
+        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, recompute)
 
     def clears(self, slot: int, lora: Lora | None) -> bool:
         """A request naming ``lora`` (None: the global scales, which kvroute names for
         it) finds ``slot`` cleared: the slot's last request ran under another set."""
         return self.lora_set(lora) != self.slots[slot].lora
+
+    def _foreign(self, entry: int | None, lora: Lora | None) -> bool:
+        """Was RAM entry ``entry`` made under other adapters than ``lora`` names?"""
+        return entry is not None and self.ram_lora.get(entry, ()) != self.lora_set(lora)
 
     def lora_set(self, lora: Lora | None) -> Scales:
         """The adapters a request naming ``lora`` (None: no `lora` field) runs under."""
