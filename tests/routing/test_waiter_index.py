@@ -197,7 +197,7 @@ def landing_reference(cache: BackendCache, slot_lcp: dict[int, int],
 
 def check_landings(r: Router, tokens: list[int]) -> None:
     """Each backend's queued landing, against the reference over the list of waiters."""
-    found = r._candidates(tb(tokens), len(tokens), False, None)
+    found = r._booking.candidates(tb(tokens), len(tokens), False, None)
     assert isinstance(found, tuple)
     for c in found[0]:
         st = c.state
