@@ -141,16 +141,7 @@ class BackendCache(CachePrediction):
             gone = self._save(p.slot)
             lcp = min(slot_lcp.get(p.slot, 0), s.n_tokens)
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
-            recompute = False
-            if cleared:
-                got = 0
-            elif self.lora_global and self._foreign(entry, lora):
-                got, recompute = 0, True
-            if self.checkpointed and got:
-                got = (self._from_entry(entry, got, n_prompt) if entry is not None
-                       else self._from_slot(p.slot, got, n_prompt))
-            reuse = max(0, min(got, n_prompt - 1))
-            tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
+            reuse, tier, recompute = self.landed(p.slot, entry, got, n_prompt, lora)
             p = Placement(p.slot, reuse, tier, entry, p.displaced, True, p.destroyed,
                           recompute)
         if self.checkpointed:

@@ -218,6 +218,13 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
         elif lcp < s.n_tokens:  # kept: tail truncated
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt, self._set_kept(slot, lora))
+        reuse, tier, recompute = self.landed(slot, entry, got, n_prompt, lora)
+        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, recompute)
+
+    def landed(self, slot: int, entry: int | None, got: int, n_prompt: int,
+               lora: Lora | None) -> tuple[int, str, bool]:
+        """(reuse, tier, recompute) of a request landing in ``slot`` with ``got`` tokens
+        shared with what it holds then, RAM entry ``entry`` loaded into it (None: none)."""
         recompute = False
         if self.lora_global:  # (none: nothing to compare)
             if self.clears(slot, lora):
@@ -231,7 +238,7 @@ class CachePrediction:
         if reuse < 0:
             reuse = 0
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
-        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, recompute)
+        return reuse, tier, recompute
 
     def predict_queued(
         self,
