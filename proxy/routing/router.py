@@ -312,7 +312,9 @@ class Router:
         placed, _ = self._booking.land(r, choice, cand, False, None)
         routed = self._booking.record(r, choice, cand, placed, None, None)
         routed.entry.observed = True
-        self._unposted.posted(rid)  # (sent by its replica: its posting is not seen here)
+        # (sent by its replica: its posting and its launch are not seen here)
+        self._unposted.posted(rid)
+        st.unlaunched.discard(rid)
         return routed
 
     def observe(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0,

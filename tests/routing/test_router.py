@@ -663,6 +663,15 @@ def test_a_slot_handed_on_at_its_end_is_not_saved_for_an_unlaunched_start() -> N
     assert y.slot is not None
 
 
+def test_another_replicas_start_is_never_waited_for_launching() -> None:
+    """Another replica's request is started in the model, but its launch is heard by
+    that replica only: never counted unlaunched here (every end would save its slot)."""
+    r = Router()
+    r.add_backend(cap("a", slots=2))
+    peer = r.observe_start("a", 1, to_token_bytes(list(range(3000, 3400))))
+    assert peer is not None and r.unlaunched("a") == 0
+
+
 def test_a_request_queued_is_not_started_until_handed_its_slot() -> None:
     """A queued request is no start until handed a slot; an aborted one is forgotten."""
     r = Router()
