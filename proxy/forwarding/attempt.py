@@ -283,8 +283,8 @@ class Attempt:
     def sent(self) -> None:
         # the request is written: the model's bookkeeping runs while the backend works
         self.routed.placed()
-        if not self.streams:
-            self.routed.launched()  # (its head comes with the whole answer: not heard)
+        if self.streams:
+            self.routed.sending()  # (an answer that comes whole cannot show its launch)
         self._tell_start()
 
     def _tell_start(self) -> None:
@@ -301,7 +301,7 @@ class Attempt:
         # may hand a queued request a slot meanwhile (see BackendCache.saved_idle)
         if not self.heard:
             self.heard = True
-            self.routed.launched()  # (a stream's head comes as the server launches it)
+            self.routed.launched()  # (a stream's head comes as its slot joins a batch)
         backend = self.routed.backend
         self.outcome.read(self.router.starts(backend), self.router.unlaunched(backend))
 

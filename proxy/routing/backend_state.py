@@ -58,8 +58,8 @@ class BackendState:
     empty_from: int = 0
     # slot -> session hint of the request last placed there (absent: none given)
     slot_session: dict[int, str] = field(default_factory=dict)
-    # this replica's requests started in the model whose launch on the server is not
-    # heard yet (see Report.unlaunched_at_end)
+    # this replica's requests sent, streamed, whose launch on the server is not heard
+    # yet (see Report.unlaunched_at_end)
     unlaunched: set[int] = field(default_factory=set)
 
     def occupy(self, slot: int, session: str | None) -> None:

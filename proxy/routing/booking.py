@@ -25,7 +25,7 @@ from proxy.routing.head import most_held
 from proxy.routing.options import Candidate
 from proxy.routing.policy import Choice
 from proxy.routing.posting import Unposted
-from proxy.routing.routed import Inflight, Ledger, Prior, Routed
+from proxy.routing.routed import Inflight, Ledger, Owner, Prior, Routed
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 
@@ -50,7 +50,7 @@ class Booking:
 
     def __init__(self, tree: RadixTree, backends: dict[str, BackendState], ledger: Ledger,
                  deferred: Deferred, unposted: Unposted, settings: RouterSettings,
-                 owner: Any) -> None:
+                 owner: Owner) -> None:
         self.tree, self._backends, self._ledger = tree, backends, ledger
         self._deferred, self._unposted, self.settings = deferred, unposted, settings
         self._owner = owner  # the Router each record answers to
@@ -111,7 +111,7 @@ class Booking:
             self._unposted.started(rid, choice.backend, st.cache.created)
             return p, None
         beyond = self.beyond_head(choice.backend, choice.placement, slot_lcp, ram_lcp,
-                              len(q)) if r.head else None
+                                  len(q)) if r.head else None
         if defer:
             self._deferred.defer(Unplaced(rid, choice.backend, choice.slot, q, slot_lcp,
                                           ram_lcp, n, choice.placement,
@@ -124,7 +124,7 @@ class Booking:
         return p, beyond
 
     def record(self, r: Prompt, choice: Choice, cand: Candidate, placed: Placement | None,
-                beyond: bytes | None, restore: str | None) -> Routed:
+               beyond: bytes | None, restore: str | None) -> Routed:
         """Book the request on its backend (work, in flight, the slot or the server's
         queue) and say what was decided."""
         rid, q, n, now, session = r.rid, r.q, r.n, r.now, r.session
@@ -152,7 +152,6 @@ class Booking:
         if placed is not None:
             f.prior = r.prior
             st.occupy(placed.slot, session)
-            st.unlaunched.add(rid)
         reasons = dict(choice.reasons)
         reasons.update({"chosen": choice.backend, "slot": slot, "tier": tier, "reuse": reuse})
         if r.head:
@@ -179,7 +178,7 @@ class Booking:
         return Routed(self._owner, f)
 
     def beyond_head(self, backend: str, p: Placement, slot_lcp: dict[int, int],
-                ram_lcp: dict[int, int], head_bytes: int) -> bytes | None:
+                    ram_lcp: dict[int, int], head_bytes: int) -> bytes | None:
         """The tokens after the prompt's head held by what the placement reuses (the RAM
         entry it loads, else its slot), if that holds the whole head: the rest of the
         prompt may match them further (the conversation's last answer, typically)."""

@@ -80,12 +80,12 @@ class Report:
     server sent before the step that ended the request: tasks started later were
     launched after its slot was freed (see ``BackendCache.saved_idle``).
     ``unlaunched_at_end``: ``Router.unlaunched(backend)`` as the answer's last bytes came:
-    requests started in the model whose launch was not heard then. The server launches
-    a task in the step after the one it was posted in, and sends a stream's head in that
-    step before its batch is computed, so a request unheard when another's answer ended
-    is launched after that answer's slot was freed, and the server saved that slot as
-    an idle one at its launch if nothing took it first (a long prompt the server's HTTP
-    thread was still tokenizing, or a hand-off sent as another slot's last step ran)."""
+    requests sent whose stream's head had not come then. The server sends that head
+    when the task's slot first joins a batch, usually the step that launches it; a
+    request still unheard when another's answer ended was then most likely launched
+    after that answer's slot was freed (its HTTP thread still tokenizing a long prompt),
+    and the server saved that slot as an idle one (see outcomes._saved_as_idle for
+    when it may not have)."""
 
     output_tokens: Sequence[int] | array | bytes = ()
     reported_cached: int | None = None

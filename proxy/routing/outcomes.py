@@ -106,9 +106,16 @@ class RequestEnds:
         f.work, f.prefilled = left, True
         self._peers.told_prefilled(f, rid)
 
+    def sending(self, routed: Routed) -> None:
+        """The request is written to its backend, its answer streamed: its launch is
+        heard when the stream's head comes (see ``launched``)."""
+        f = routed.entry
+        st = self._backends.get(f.backend)
+        if st is not None and f.live and not f.observed:
+            st.unlaunched.add(routed.request_id)
+
     def launched(self, routed: Routed) -> None:
-        """The server launched the request (its stream's head came), or its launch
-        cannot be heard (an answer not streamed comes whole)."""
+        """The server launched the request: its stream's head came."""
         st = self._backends.get(routed.entry.backend)
         if st is not None:
             st.unlaunched.discard(routed.request_id)
@@ -141,7 +148,10 @@ class RequestEnds:
         slot = self._ended_in(st, f, decision.request_id, report.reported_slot)
         if slot is not None:
             cache.finish_generated(slot, out)
-            if _saved_as_idle(st, slot, report):
+            prefilling = report.unlaunched_at_end > 0 and any(
+                g.slot is not None and not g.prefilled and r not in st.unlaunched
+                for r, g in self._ledger.on(f.backend))
+            if _saved_as_idle(st, slot, report, prefilling):
                 cache.saved_idle(slot)
         self._peers.told_freed(f, slot if slot is not None else f.slot, decision.request_id)
         return self._queue.drain(st, decision.backend, now)
@@ -249,24 +259,28 @@ class RequestEnds:
         return self.abort(routed, now=now, held=kept, sent=False, prior=routed.entry.prior)
 
 
-def _saved_as_idle(st: BackendState, slot: int, report: Report) -> bool:
+def _saved_as_idle(st: BackendState, slot: int, report: Report,
+                   prefilling: bool) -> bool:
     """Did the server launch a task after the request's ``slot`` was freed, and so save
     it to RAM as an idle one (--cache-idle-slots)? A start the model made after the read
-    before its last step did (see ``Report``), and so did one not heard launched when
-    its answer ended, unless a waiter is handed this slot now: sent after the end, the
-    hand-off may be posted first (the earlier start was still being tokenized), and
-    then the slot is not idle at that launch. The proxy cannot tell which; not saving
-    is the lesser error (a reuse under-predicted, never one the server cannot give)."""
+    before its last step did (see ``Report``). So did, most likely, a request sent whose
+    stream's head had not come when the answer ended (its HTTP thread was still
+    tokenizing it), but not always: the server sends that head when the slot joins a
+    batch, and a launched slot waits out of it while another slot's prefill fills the
+    batch (``prefilling``), or while the slot generating runs under other LoRA
+    adapters. Nor when a waiter is handed a slot now (sent after the end, it may be
+    posted first and take this one). In those cases nothing is saved: the lesser error
+    (a reuse under-predicted, never one the server cannot give)."""
     before = report.starts_before_end
     if before is not None and st.cache.starts > before:
         return True
-    return (report.unlaunched_at_end > 0 and not st.waiting
-            and slot not in st.targets.values())
+    return (report.unlaunched_at_end > 0 and not prefilling and not st.cache.lora_global
+            and not st.waiting and slot not in st.targets.values())
 
 
 def _goes_on(prior: Prior | None, prompt: bytes) -> bool:
     """Does ``prompt`` go on from the whole sequence its claim's slot held, past what
-    other holders share with it? (Then it is no claim: see router._claims.)"""
+    other holders share with it? (Then it is no claim: see booking.is_claim.)"""
     if prior is None or prior.sequence is None:
         return False
     held = len(prior.sequence) // 4

@@ -158,7 +158,6 @@ class SlotQueue:
         after = None if f.observed else self._unposted.creator(rid, backend, p.ram_entry)
         if not f.observed:  # (a peer's request: sent by its replica, its posting not seen)
             self._unposted.started(rid, backend, cache.created)
-            st.unlaunched.add(rid)
         f.slot = p.slot
         st.follow_to(rid, p.slot)  # handed it pinned when rid ends: see drain
         st.occupy(p.slot, f.session)

@@ -123,6 +123,8 @@ class Owner(Protocol):
 
     def prefilled(self, routed: Routed) -> None: ...
 
+    def sending(self, routed: Routed) -> None: ...
+
     def launched(self, routed: Routed) -> None: ...
 
     def complete(self, routed: Routed, report: Report = ..., *,
@@ -213,9 +215,13 @@ class Routed:
     def first_token(self) -> None:
         self._router.prefilled(self)
 
+    def sending(self) -> None:
+        """It is written to its backend, its answer streamed: its launch is heard when
+        the stream's head comes (`launched`). See `Report.unlaunched_at_end`."""
+        self._router.sending(self)
+
     def launched(self) -> None:
-        """The server launched it: its stream's head came (or an answer that comes whole
-        was sent: its launch cannot be heard). See `Report.unlaunched_at_end`."""
+        """The server launched it: its stream's head came."""
         self._router.launched(self)
 
     def complete(self, report: Report, *, now: float = 0.0) -> list[Handoff]:

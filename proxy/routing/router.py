@@ -211,7 +211,7 @@ class Router:
         r = Prompt(rid, q, n, head, now, session, user_starts, claims, prior, lora)
         placed, beyond = self._booking.land(r, choice, cand, defer, restore)
         return self._booking.record(r, choice, cand, placed, beyond,
-                            restore[0] if restore is not None else None)
+                                    restore[0] if restore is not None else None)
 
     def place(self, routed: Routed) -> Routed:
         """Apply the slot model update ``decide(defer=True)`` left (if not done yet):
@@ -251,6 +251,9 @@ class Router:
 
     def prefilled(self, routed: Routed) -> None:
         self._ends.prefilled(routed)
+
+    def sending(self, routed: Routed) -> None:
+        self._ends.sending(routed)
 
     def launched(self, routed: Routed) -> None:
         self._ends.launched(routed)
@@ -312,9 +315,7 @@ class Router:
         placed, _ = self._booking.land(r, choice, cand, False, None)
         routed = self._booking.record(r, choice, cand, placed, None, None)
         routed.entry.observed = True
-        # (sent by its replica: its posting and its launch are not seen here)
-        self._unposted.posted(rid)
-        st.unlaunched.discard(rid)
+        self._unposted.posted(rid)  # (sent by its replica: its posting is not seen here)
         return routed
 
     def observe(self, backend: str, slot: int, sequence: bytes, *, now: float = 0.0,
@@ -360,8 +361,8 @@ class Router:
         return 0 if st is None else st.cache.starts
 
     def unlaunched(self, backend: str) -> int:
-        """This replica's requests started on `backend` in the model whose launch on the
-        server is not heard yet (see `Report.unlaunched_at_end`)."""
+        """This replica's requests sent to `backend`, streamed, whose launch on the server
+        is not heard yet (see `Report.unlaunched_at_end`)."""
         st = self._backends.get(backend)
         return 0 if st is None else len(st.unlaunched)
 
