@@ -100,22 +100,33 @@ async def kvroute_serve(cfg_path: Path, policy: str, n: int, timeout_s: float,
                         log_level: str = "info") -> AsyncIterator[str]:
     """A `kvroute serve` subprocess; yields its URL, SIGTERMs it (and waits) on exit. Its
     log (one line per routing decision at info; the policy's reasons at debug) goes to
-    `<config>.serve.log`, next to the run's report."""
+    `<config>.serve.log`, next to the run's report. A port taken between its choice and
+    serve's bind (free_port is racy) is chosen again."""
     port = int(yaml.safe_load(cfg_path.read_text())["proxy"]["port"])
     log = cfg_path.with_suffix(".serve.log")
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg_path),
-             "--port", str(port), "--policy", policy, "--log-level", log_level],
-            stdout=fh, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await _wait_health(url, n, proc, timeout_s)
-        yield url
-    finally:
-        # NOTE: killed if its supervisor does not finish in time: its llama-servers run in
-        # their own process groups and are stopped by their own parent-death check
-        await terminate(proc, 30.0)
+    for attempt in range(3):
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg_path),
+                 "--port", str(port), "--policy", policy, "--log-level", log_level],
+                stdout=fh, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            await _wait_health(url, n, proc, timeout_s)
+        except RuntimeError as e:
+            await terminate(proc, 30.0)
+            said = log.read_text(errors="replace")
+            if attempt == 2 or f"proxy.port: 127.0.0.1:{port} " not in said:
+                raise RuntimeError(f"{e}; {log} ends:\n{said[-2000:]}") from None
+            port = free_port()
+            continue
+        try:
+            yield url
+        finally:
+            # NOTE: killed if its supervisor does not finish in time: its llama-servers run
+            # in their own process groups and are stopped by their own parent-death check
+            await terminate(proc, 30.0)
+        return
 
 
 @contextlib.asynccontextmanager

@@ -1,8 +1,8 @@
 """`kvroute serve`, `kvroute agent` and `kvroute doctor`.
 
-serve: load and check the config, obtain llama-server and the demo model if needed
-(seconds when cached), start the supervisor, then the proxy app on host:port. SIGINT or
-SIGTERM stops the app, then every backend.
+serve: load and check the config, bind host:port (held from here on), obtain llama-server
+and the demo model if needed (seconds when cached), start the supervisor, then the proxy
+app listening on host:port. SIGINT or SIGTERM stops the app, then every backend.
 
 agent: the llama-servers of one host, for routers on other hosts (backends/agent.py):
 the same set-up as serve for them, then the agent's routes until SIGINT or SIGTERM.
@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import signal
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 from backends.binary import LlamaServerBinary
 from backends.config import AgentConfig
 from proxy.config.fields import ConfigError
-from proxy.config.load import Config, load_config
+from proxy.config.load import Config, claim_port, load_config
 from proxy.instance import Instance
 from proxy.routing.policies import describe
 
@@ -67,7 +68,7 @@ def _warn_on_version(binary: LlamaServerBinary) -> None:
                                           source=binary.source, detail=warning)
 
 
-async def _serve(cfg: Config) -> int:
+async def _serve(cfg: Config, sockets: list[socket.socket]) -> int:
     from aiohttp import web
 
     from backends.supervisor import Supervisor
@@ -100,12 +101,8 @@ async def _serve(cfg: Config) -> int:
         except ConfigError as e:  # (a disk tier directory it cannot read)
             print(f"kvroute: {e}", file=sys.stderr)
             return 2
-        try:
-            await web.TCPSite(runner, cfg.proxy.host, cfg.proxy.port).start()
-        except OSError as e:  # taken since load_config checked it
-            print(f"kvroute: proxy.port: cannot listen on {cfg.proxy.host}:{cfg.proxy.port}: "
-                  f"{e.strerror} (fix: pick another port with --port)", file=sys.stderr)
-            return 2
+        for sock in sockets:  # bound since the start: nothing else took the port
+            await web.SockSite(runner, sock).start()
         url = f"http://{cfg.proxy.host}:{cfg.proxy.port}"
         ctx = sorted({b.slot_ctx for b in supervisor.ready()})
         log.info("serve.listening", url=url, policy=cfg.proxy.policy, ready=n_ready,
@@ -130,15 +127,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     overrides = {"host": args.host, "port": args.port, "policy": args.policy}
     try:
-        cfg = load_config(_default_config_path(args.config), allow_missing_demo=True,
-                          overrides=overrides)
+        cfg = load_config(_default_config_path(args.config), check_port=False,
+                          allow_missing_demo=True, overrides=overrides)
         instance = _claim(cfg)  # before anything is built, started or written
     except (ConfigError, OSError) as e:
         print(f"kvroute: {e}", file=sys.stderr)
         return 2
     try:
-        return _serve_claimed(args, cfg)
+        sockets = claim_port(cfg)  # held until the proxy listens on them
+    except ConfigError as e:
+        instance.release()
+        print(f"kvroute: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _serve_claimed(args, cfg, sockets)
     finally:
+        for sock in sockets:
+            sock.close()
         instance.release()
 
 
@@ -151,7 +156,8 @@ def _claim(cfg: Config) -> Instance:
     return Instance(cfg.log_dir, directories(cfg.kv_disk, cfg.backends), cfg.kv_disk.path)
 
 
-def _serve_claimed(args: argparse.Namespace, cfg: Config) -> int:
+def _serve_claimed(args: argparse.Namespace, cfg: Config,
+                   sockets: list[socket.socket]) -> int:
     from proxy.observability.logging import configure_logging
 
     try:
@@ -164,7 +170,7 @@ def _serve_claimed(args: argparse.Namespace, cfg: Config) -> int:
         cfg = replace(cfg, proxy=replace(cfg.proxy, settings=settings))
     # prompts reach the log only when asked for explicitly (flag or proxy.log_prompts)
     configure_logging(args.log_level, log_prompts=cfg.proxy.settings.log_prompts)
-    return asyncio.run(_serve(cfg))
+    return asyncio.run(_serve(cfg, sockets))
 
 
 def cmd_agent(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -197,6 +198,34 @@ def test_a_second_kvroute_on_the_same_directories_touches_nothing(
         assert status == 200, body
     finally:
         first.close()
+
+
+def test_serve_holds_its_port_while_backends_start(tmp_path: Path, llama_server_bin: Path,
+                                                  demo_model: Path) -> None:
+    """The port is bound before the backends start: nothing can take it during their
+    start (minutes on a first run), and a client is refused until the proxy listens."""
+    config, port = write_config(tmp_path, llama_server_bin)
+    s = Serve(config, port, tmp_path / "serve.log")
+    pids: dict[str, int] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while not pids:  # the backends are starting: the proxy does not listen yet
+            assert time.monotonic() < deadline and s.proc.poll() is None, s.log.read_text()
+            time.sleep(0.02)
+            if s.state.is_file():
+                pids = s.backend_pids() if s.state.read_text().strip() else {}
+        with socket.socket() as taker, pytest.raises(OSError) as taken:
+            taker.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        s.wait_listening()
+        status, body = post(f"http://127.0.0.1:{port}/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4})
+        assert status == 200, body
+    finally:
+        s.close()
+        for pid in pids.values():
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_serve_rejects_bad_config(tmp_path: Path, llama_server_bin: Path) -> None:

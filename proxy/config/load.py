@@ -233,24 +233,49 @@ def _replicas(raw: object, port: int) -> ReplicasConfig | None:
 
 def check_port_free(cfg: Config) -> None:
     """Raise ConfigError if the proxy's host:port cannot be bound right now."""
+    for s in claim_port(cfg):
+        s.close()
+
+
+def claim_port(cfg: Config) -> list[socket.socket]:
+    """Sockets bound, not yet listening, to every address proxy.host resolves to (as
+    aiohttp's TCPSite binds them); ConfigError if one cannot be bound. `serve` holds them
+    from its start, so nothing takes the port while backends start (minutes on a first
+    run), and a client gets "connection refused" until the proxy listens."""
     host, port = cfg.proxy.host, cfg.proxy.port
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ConfigError(f"proxy.host: cannot resolve {host!r}: {e} "
                           "(fix: e.g. host: 127.0.0.1)") from None
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # same option aiohttp uses, so a port in TIME_WAIT is not reported as busy
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            why = "already in use" if e.errno == errno.EADDRINUSE else e.strerror
-            raise ConfigError(
-                f"proxy.port: {host}:{port} is {why} (fix: stop whatever listens there "
-                "(another kvroute?), or pick another port with --port or proxy.port)"
-            ) from None
+    bound: list[socket.socket] = []
+    try:
+        for family, addr in dict.fromkeys((i[0], i[4]) for i in infos):
+            bound.append(_bind(family, addr, host, port))
+    except ConfigError:
+        for s in bound:
+            s.close()
+        raise
+    return bound
+
+
+def _bind(family: int, addr: Any, host: str, port: int) -> socket.socket:
+    s = socket.socket(family, socket.SOCK_STREAM)
+    # the options asyncio's create_server sets, so a port in TIME_WAIT is not busy
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    try:
+        s.bind(addr)
+    except OSError as e:
+        s.close()
+        why = "already in use" if e.errno == errno.EADDRINUSE else e.strerror
+        raise ConfigError(
+            f"proxy.port: {host}:{port} is {why} (fix: stop whatever listens there "
+            "(another kvroute?), or pick another port with --port or proxy.port)"
+        ) from None
+    return s
 
 
 def load_config(path: Path | None, *, check_port: bool = True,
