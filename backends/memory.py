@@ -21,6 +21,9 @@ from backends.demo_model import read_gguf_metadata
 # Jamba, Falcon-H1, Granite 4, Nemotron-H, Qwen3-Next (".ssm."), LFM2 (".shortconv."),
 # RWKV (".wkv.").
 _RECURRENT_KEYS = (".ssm.", ".shortconv.", ".wkv.")
+# architectures whose rope is M-RoPE or may be (src/llama-model.cpp, llama_model_rope_type)
+_MROPE = frozenset({"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe",
+                    "qwen4exp", "qwen3tts", "glm4", "glm4moe", "hunyuan_vl", "dflash"})
 # Which layers slide when the GGUF does not say (src/models/*.cpp load_swa_pattern): of
 # every n layers the last attends to everything (the first, where marked).
 _SWA_PATTERN = {"gemma2": (2, False), "gemma3": (6, False), "gemma3n": (5, False),
@@ -76,6 +79,13 @@ class ModelMemory:
     v_values: int = 0
     k_swa_values: int = 0
     v_swa_values: int = 0
+    arch: str = ""  # general.architecture
+
+    @property
+    def mrope(self) -> bool:
+        """An image takes fewer positions than tokens (M-RoPE): windows and checkpoints,
+        counted in positions, fall elsewhere in the tokens than on other models."""
+        return self.arch in _MROPE
 
 
 def gguf_memory(path: Path) -> ModelMemory:
@@ -137,7 +147,7 @@ def _gguf_memory(file: str, mtime_ns: int) -> ModelMemory:
                        swa_cell_bytes=sliding + CELL_META_BYTES if sliding else 0,
                        recurrent_bytes=rec, k_values=full_heads * k_len,
                        v_values=full_heads * v_len, k_swa_values=swa_heads * k_swa,
-                       v_swa_values=swa_heads * v_swa)
+                       v_swa_values=swa_heads * v_swa, arch=arch)
 
 
 def _sliding_layers(meta: dict[str, object], arch: str, n_layer: int) -> list[bool]:

@@ -68,6 +68,15 @@ async def chat_turn(client: TestClient[Any, Any], body: dict[str, Any]) -> Turn:
                 usage["prompt_tokens"], backend, data["choices"][0]["message"]["content"])
 
 
+async def demo_chat(client: TestClient[Any, Any], messages: list[dict[str, Any]]
+                    ) -> tuple[int, int, int, str]:
+    """(predicted, reported, prompt tokens, answer) of a 3-token chat turn of the demo
+    model."""
+    t = await chat_turn(client, {"model": "kvroute-demo", "max_tokens": 3,
+                                 "messages": messages})
+    return t.predicted, t.reported, t.prompt_tokens, t.answer
+
+
 def slot_files_counted(client: TestClient[Any, Any], event: str) -> float:
     """The app's `kvroute_slot_files_total{event}` (the disk tier's saves, restores...)."""
     m = client.server.app[METRICS]

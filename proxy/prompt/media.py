@@ -68,12 +68,12 @@ warnings.filterwarnings("ignore", category=PIL.Image.DecompressionBombWarning)
 class Image(NamedTuple):
     """An image as the cache model keys it: ``digest`` its chunk (a hash of the file's
     bytes, as the server keys it), ``shape`` the key of its count of positions. On the
-    dense models kvroute learns counts for, a projector computes that count from the
+    models kvroute learns counts for, a projector computes that count from the
     decoded width and height alone (resized, tiled or sliced by them; the server's
     --image-min-tokens and --image-max-tokens bound it, alike on a pool's servers), so
     images of one size share it: ``shape`` is the size, or the digest when kvroute
     cannot be sure of the size stb_image decodes (see `_size`). (DeepSeek-V4 pads its
-    images by the position they start at; it has a sliding window: nothing is learned.)"""
+    images by the position they start at: nothing is learned for it.)"""
 
     digest: bytes
     shape: bytes
@@ -282,8 +282,8 @@ class MediaCounts:
     what a server reports for a prompt that holds it: the prompt's positions less its
     text and the images already known, when the images of one size are not. Whatever a
     projector puts around an image (its begin and end tokens) counts with it. Nothing
-    is learned for models whose checkpoints do not follow media chunks (``learns``
-    False: sliding-window, hybrid)."""
+    is learned where the pool does not model media (``learns`` False; see
+    proxy/server/pools.py)."""
 
     def __init__(self, model: MediaModel | None = None, learns: bool = False,
                  limit: int = 4096) -> None:

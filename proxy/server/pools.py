@@ -116,17 +116,19 @@ async def build_pool(spec: PoolSpec, router: Router, shared: Shared,
 
 
 def _media_counts(mmproj: Path | None, gguf: Path) -> MediaCounts:
-    """The positions of images, where kvroute models them: a dense model's (a
-    sliding-window or hybrid one checkpoints around media chunks in ways the checkpoint
-    model does not follow yet); read from the pool's projector, else learned."""
+    """The positions of images: read from the pool's projector, else learned. Not on a
+    sliding-window or hybrid model with M-RoPE (its checkpoints count positions, which an
+    image there has fewer of than tokens), nor on DeepSeek-V4 (it pads an image by the
+    position it starts at): not modelled."""
     memory = gguf_memory(gguf)
-    dense = not (memory.n_swa or memory.recurrent)
-    model = MediaModel.read(mmproj) if dense and mmproj is not None else None
+    modelled = memory.arch != "deepseek4" and (
+        not memory.mrope or not (memory.n_swa or memory.recurrent))
+    model = MediaModel.read(mmproj) if modelled and mmproj is not None else None
     if mmproj is not None and model is None:
         get_logger().info("media.positions_unknown", mmproj=str(mmproj),
-                          now="learned per image size from what its servers report" if dense
-                          else "a prompt's ids stop at its first image or audio")
-    return MediaCounts(model, learns=dense)
+                          now="learned per image size from what its servers report"
+                          if modelled else "a prompt's ids stop at its first image or audio")
+    return MediaCounts(model, learns=modelled)
 
 
 class Pools:

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
 from images import data_uri, png
-from proxy_client import chat_turn, serving
+from proxy_client import demo_chat, serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
@@ -40,14 +40,6 @@ async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient
         yield c
 
 
-async def chat(client: TestClient[Any, Any], messages: list[dict[str, Any]]
-               ) -> tuple[int, int, int, str]:
-    """(predicted, reported, prompt tokens, answer) of one turn."""
-    t = await chat_turn(client, {"model": "kvroute-demo", "max_tokens": 3,
-                                 "messages": messages})
-    return t.predicted, t.reported, t.prompt_tokens, t.answer
-
-
 async def test_a_screenshot_carried_for_four_turns_is_predicted(client: TestClient[Any, Any]
                                                                 ) -> None:
     messages: list[dict[str, Any]] = [
@@ -57,7 +49,7 @@ async def test_a_screenshot_carried_for_four_turns_is_predicted(client: TestClie
             {"type": "image_url", "image_url": {"url": data_uri(png(31, 300, 200))}}]}]
     rows = []
     for turn in range(4):
-        predicted, reported, total, answer = await chat(client, messages)
+        predicted, reported, total, answer = await demo_chat(client, messages)
         rows.append((predicted, reported, total))
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": words(15, 40 + turn)}]
@@ -82,18 +74,18 @@ async def test_counts_are_learned_per_image_size(client: TestClient[Any, Any]) -
             {"type": "image_url", "image_url": {"url": data_uri(png(*image))}}
             for image in images]}
 
-    first = await chat(client, [system, user((61, 120, 90))])
+    first = await demo_chat(client, [system, user((61, 120, 90))])
     # 62 is of 61's size: known, the prompt whole (the server reuses all but its last)
-    second = await chat(client, [system, user((61, 120, 90), (62, 120, 90))])
+    second = await demo_chat(client, [system, user((61, 120, 90), (62, 120, 90))])
     assert second[1] > 64 and 0 <= second[1] - second[0] <= 1, (first, second)
-    third = await chat(client, [system, user((61, 120, 90), (62, 120, 90))])
+    third = await demo_chat(client, [system, user((61, 120, 90), (62, 120, 90))])
     assert third[0] == third[1] == third[2] - 1, (first, second, third)
-    both = await chat(client, [system, user((71, 100, 80), (72, 100, 80))])
-    again = await chat(client, [system, user((71, 100, 80), (72, 100, 80))])
+    both = await demo_chat(client, [system, user((71, 100, 80), (72, 100, 80))])
+    again = await demo_chat(client, [system, user((71, 100, 80), (72, 100, 80))])
     assert again[0] == again[1] == again[2] - 1, (both, again)
     # two new sizes: the ids stop at the first image, and stay so
-    mixed = await chat(client, [system, user((73, 90, 70), (74, 70, 90))])
-    still = await chat(client, [system, user((73, 90, 70), (74, 70, 90))])
+    mixed = await demo_chat(client, [system, user((73, 90, 70), (74, 70, 90))])
+    still = await demo_chat(client, [system, user((73, 90, 70), (74, 70, 90))])
     assert still[1] == still[2] - 1 and still[0] < 64 + 50, (mixed, still)
 
 
@@ -145,7 +137,7 @@ async def test_a_count_a_server_disagrees_with_is_learned_again(
                 {"role": "user", "content": [
                     {"type": "text", "text": words(10, 93)},
                     {"type": "image_url", "image_url": {"url": data_uri(image)}}]}]
-    rows = [await chat(client, messages) for _ in range(3)]
+    rows = [await demo_chat(client, messages) for _ in range(3)]
     assert prompt.media.chunk(image_of(image)) is not None  # learned again: 64
     assert rows[2][0] == rows[2][1] == rows[2][2] - 1, rows
 

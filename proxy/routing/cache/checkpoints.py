@@ -59,6 +59,9 @@ class Checkpoint(NamedTuple):
 
 
 Checkpoints = tuple[Checkpoint, ...]
+Span = tuple[int, int]  # an image or audio chunk's (first, end) token
+_FILL = -2  # a media chunk's ids after its first
+_SIGN = bytes(int(b >= 0x80) for b in range(256))  # an int32's high byte -> its sign bit
 
 
 def oldest_held(mem: Memory, n_tokens: int, floor: int) -> int:
@@ -111,10 +114,18 @@ def surviving(checkpoints: Checkpoints, pos_next: int) -> Checkpoints:
     return tuple(c for c in checkpoints if c.n_tokens - 1 <= pos_next)
 
 
-def created(mem: Memory, n_prompt: int, start: int, user_starts: Sequence[int],
-            kept: Checkpoints, floor: int, task: int) -> Checkpoints:
+class Resumed(NamedTuple):
+    """Where a request takes up its slot's memory."""
+
+    start: int  # what it reused
+    kept: Checkpoints  # the checkpoints surviving from before
+    floor: int  # the oldest position the memory holds
+
+
+def created(mem: Memory, n_prompt: int, resumed: Resumed, user_starts: Sequence[int],
+            task: int, media: Sequence[Span] = ()) -> Checkpoints:
     """The slot's checkpoints once a prompt of ``n_prompt`` tokens is processed from
-    ``start`` (what it reused), ``kept`` surviving from before.
+    where it resumed.
 
     The server cuts the prompt into batches of at most ``n_batch`` tokens, also at
     ``n - 4 - n_ubatch`` and ``n - 4``, and at a user message's start when it is the last
@@ -122,33 +133,79 @@ def created(mem: Memory, n_prompt: int, start: int, user_starts: Sequence[int],
     Before a batch it checkpoints the memory if the batch starts a user message or ends
     near the prompt's end (or is the last), and the slot has none yet, or this is the last
     user message, or it is near the end, or ``min_step`` past the last checkpoint.
+    ``media``: the (start, end) of each image or audio chunk, in order. A batch ends
+    where a chunk starts; the next one decodes the chunk (and any right after it) whole,
+    then text as above, and takes no checkpoint.
     (Batches shared with other slots may be cut elsewhere: not modelled.)"""
     if not mem.checkpointed:
         return ()
+    start, kept, floor = resumed
     cps = list(kept)
     users = set(user_starts)
     last_user = user_starts[-1] if user_starts else -1
     n = n_prompt
-    ends = (n - min(mem.n_batch, 4 + mem.n_ubatch), n - min(mem.n_batch, 4))
+    chunks = dict(media)
     pos = start
     while pos < n:
-        end = min(pos + mem.n_batch, n)
-        for e in ends:
-            if pos < e < end:
-                end = e
-        for u in user_starts:
-            if pos < u < end and (u == last_user or not cps
-                                  or u > cps[-1].n_tokens + mem.min_step):
-                end = u
-                break
+        had_media = pos in chunks
+        while pos in chunks:
+            pos = chunks[pos]
+        if pos >= n:
+            break
+        end = _batch_end(mem, pos, n, user_starts, cps, media)
         near_end = n < end + mem.n_ubatch
-        take = (end == n or pos in users or near_end) and pos > 0 and (
+        take = (end == n or pos in users or near_end) and pos > 0 and not had_media and (
             not cps or pos == last_user or near_end or pos > cps[-1].n_tokens + mem.min_step)
         if take:
             pos_min = pos - 1 if mem.recurrent else max(floor, pos - mem.swa_cells, 0)
             cps = _add(mem, cps, Checkpoint(pos, pos_min, task))
         pos = end
     return tuple(cps)
+
+
+def media_spans(prompt: bytes) -> tuple[Span, ...]:
+    """The chunks of images or audio in ``prompt`` (native int32 ids). No vocabulary has
+    ids below zero: the prompt stage gives each chunk one such id first, then ``-2`` for
+    each further position (proxy/prompt/media.py, chunk_ids). A prompt without media costs
+    a strided copy and a scan of its ids' high bytes."""
+    negative = prompt[3::4].translate(_SIGN)  # 1 where an id is below zero, else 0
+    i = negative.find(1)
+    if i < 0:
+        return ()
+    ids = memoryview(prompt).cast("i")
+    spans: list[Span] = []
+    while i >= 0:
+        end = negative.find(0, i)
+        end = len(negative) if end < 0 else end
+        first = i
+        for k in range(i + 1, end):
+            if ids[k] != _FILL:
+                spans.append((first, k))
+                first = k
+        spans.append((first, end))
+        i = negative.find(1, end)
+    return tuple(spans)
+
+
+def _batch_end(mem: Memory, pos: int, n: int, user_starts: Sequence[int],
+               cps: list[Checkpoint], media: Sequence[Span]) -> int:
+    """Where the text batch starting at ``pos`` of a prompt of ``n`` ends."""
+    last_user = user_starts[-1] if user_starts else -1
+    ends = (n - min(mem.n_batch, 4 + mem.n_ubatch), n - min(mem.n_batch, 4))
+    end = min(pos + mem.n_batch, n)
+    for a, _ in media:
+        if pos < a < end:
+            end = a
+            break
+    for e in ends:
+        if pos < e < end:
+            end = e
+    for u in user_starts:
+        if pos < u < end and (u == last_user or not cps
+                              or u > cps[-1].n_tokens + mem.min_step):
+            end = u
+            break
+    return end
 
 
 def _add(mem: Memory, cps: list[Checkpoint], new: Checkpoint) -> list[Checkpoint]:

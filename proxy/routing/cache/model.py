@@ -51,8 +51,10 @@ from sortedcontainers import SortedList
 
 from proxy.routing.cache.checkpoints import (
     Checkpoints,
+    Resumed,
     created,
     loaded_floor,
+    media_spans,
     reusable,
     surviving,
 )
@@ -147,7 +149,7 @@ class BackendCache(CachePrediction):
         if self.checkpointed:
             # (a cleared slot keeps none of its checkpoints, nor of the entry loaded)
             self._start_checkpoints(p, {} if cleared else slot_lcp, {} if cleared else ram_lcp,
-                                    n_prompt, user_starts)
+                                    prompt, n_prompt, user_starts)
         if p.ram_entry is not None:
             self.ram_bytes -= self.entry_size(p.ram_entry)
             n = self.ram.pop(p.ram_entry)
@@ -182,7 +184,7 @@ class BackendCache(CachePrediction):
         return p
 
     def _start_checkpoints(self, p: Placement, slot_lcp: dict[int, int],
-                           ram_lcp: dict[int, int], n_prompt: int,
+                           ram_lcp: dict[int, int], prompt: bytes, n_prompt: int,
                            user_starts: Sequence[int]) -> None:
         """The checkpoints a starting request leaves in its slot: those of what it reuses
         (the slot's, or the loaded RAM entry's) up to where it resumes, then the ones its
@@ -198,8 +200,8 @@ class BackendCache(CachePrediction):
         r = reusable(mem, lcp, n_prompt, held, base, floor)
         kept = surviving(base, r.pos_next)
         self._ck_start[p.slot] = (kept, r.floor, p.reuse)
-        s.checkpoints = created(mem, n_prompt, p.reuse, user_starts, kept, r.floor,
-                                self._clock + 1)
+        s.checkpoints = created(mem, n_prompt, Resumed(p.reuse, kept, r.floor), user_starts,
+                                self._clock + 1, media_spans(prompt))
         s.floor = r.floor
 
     def ram_by_size(self) -> Iterator[tuple[int, CacheHolder]]:
@@ -285,8 +287,8 @@ class BackendCache(CachePrediction):
         start = self._ck_start.get(slot)
         if start is not None:
             kept, floor, reused = start
-            s.checkpoints = created(self.cap.memory, s.n_tokens, reused, user_starts, kept,
-                                    floor, s.last_used)
+            s.checkpoints = created(self.cap.memory, s.n_tokens, Resumed(reused, kept, floor),
+                                    user_starts, s.last_used, media_spans(prompt))
 
     def _save_idle_slot(self, i: int) -> None:
         """--cache-idle-slots: after a task starts, every idle slot is saved to RAM."""
