@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loadtest.bounds import Bounds
 from loadtest.client import Result, RunOutcome
 
 if TYPE_CHECKING:
@@ -138,22 +139,23 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 _BOUND = "capacity estimate (these servers' slots and RAM, clairvoyant, one pool)"
+_LRU = "LRU estimate (the same memory, least recently used dropped first, as the servers do)"
 
 
 def console_table(runs: Sequence[PolicyRun], oracle: float | None,
-                  bound: float | None = None) -> str:
+                  bounds: Bounds | None = None) -> str:
     rows = [list(_COLUMNS), *_rows([summarize(r) for r in runs])]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     if oracle is not None:
         lines.append(f"oracle reused ratio (unbounded cache, perfect routing): {_pc(oracle)}")
-    if bound is not None:
-        lines.append(f"{_BOUND}: {_pc(bound)}")
+    if bounds is not None:
+        lines += [f"{_BOUND}: {_pc(bounds.capacity)}", f"{_LRU}: {_pc(bounds.lru)}"]
     return "\n".join(lines)
 
 
 def _markdown(summaries: list[dict[str, Any]], workload: Workload, args: dict[str, Any],
-              plots: list[str], bound: float | None) -> str:
+              plots: list[str], bounds: Bounds | None) -> str:
     md = [f"# Load test: {workload.name}", "",
           f"workload fingerprint `{workload.fingerprint()}`, "
           f"{len(workload.requests())} requests in {len(workload.sessions)} sessions; "
@@ -162,8 +164,9 @@ def _markdown(summaries: list[dict[str, Any]], workload: Workload, args: dict[st
     if workload.oracle_reuse is not None:
         md += [f"Trace oracle reused ratio (unbounded cache, perfect routing): "
                f"**{_pc(workload.oracle_reuse)}**", ""]
-    if bound is not None:
-        md += [f"Trace {_BOUND}: **{_pc(bound)}**", ""]
+    if bounds is not None:
+        md += [f"Trace {_BOUND}: **{_pc(bounds.capacity)}**", "",
+               f"Trace {_LRU}: **{_pc(bounds.lru)}**", ""]
     md += [_md_table(_COLUMNS, _rows(summaries)), ""]
     turns = sorted({t for s in summaries for t in s["reused_ratio_per_turn"]})
     if 1 < len(turns) <= 40:
@@ -287,17 +290,19 @@ def _in_flight(results: Sequence[Result]) -> dict[str, tuple[list[float], list[i
 
 def write(out: Path, runs: Sequence[PolicyRun], workload: Workload,
           args: dict[str, Any], with_plots: bool = True,
-          bound: float | None = None) -> list[Path]:
+          bounds: Bounds | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     summaries = [summarize(r) for r in runs]
     images = plots(out, runs) if with_plots else []
     doc = {"workload": {"name": workload.name, "fingerprint": workload.fingerprint(),
                         "requests": len(workload.requests()),
                         "sessions": len(workload.sessions), "params": workload.params,
-                        "oracle_reuse": workload.oracle_reuse, "capacity_estimate": bound},
+                        "oracle_reuse": workload.oracle_reuse,
+                        "capacity_estimate": bounds and bounds.capacity,
+                        "lru_estimate": bounds and bounds.lru},
            "args": args, "runs": summaries,
            "requests": {s["label"]: [r.to_dict() for r in run.outcome.results]
                         for s, run in zip(summaries, runs, strict=True)}}
     (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
-    (out / "report.md").write_text(_markdown(summaries, workload, args, images, bound))
+    (out / "report.md").write_text(_markdown(summaries, workload, args, images, bounds))
     return [out / "report.md", out / "report.json", *(out / p for p in images)]

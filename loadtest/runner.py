@@ -31,6 +31,7 @@ import yaml
 from backends.demo_model import DEMO, DEMO_KINDS
 from backends.process import free_port
 from loadtest import workloads as wl
+from loadtest.bounds import Bounds
 from loadtest.client import LoadClient, check_loopback
 from loadtest.fleet import (
     PEERS,
@@ -374,9 +375,9 @@ def add_arguments(p: argparse.ArgumentParser, default_trace: str) -> None:
 
 
 def fleet_estimate(workload: wl.Workload, runs: list[PolicyRun],
-                args: argparse.Namespace) -> float | None:
-    """The trace's capacity estimate on the fleet each run started (none for --target,
-    nor with the disk tier, which it leaves out)."""
+                   args: argparse.Namespace) -> Bounds | None:
+    """The trace's estimates on the fleet each run started (none for --target, nor with
+    the disk tier, which they leave out)."""
     if not workload.blocks or not runs or args.target or args.kv_disk:
         return None
     from backends.demo_model import ensure_demo_model
@@ -421,11 +422,11 @@ def main_run(args: argparse.Namespace) -> int:
     except (asyncio.CancelledError, KeyboardInterrupt):
         print(f"loadtest: interrupted; finished runs are in {out}/report.md", file=sys.stderr)
         return 130
-    bound = fleet_estimate(workload, runs, args)
-    paths = report.write(out, runs, workload, vars(args), bound=bound)
+    bounds = fleet_estimate(workload, runs, args)
+    paths = report.write(out, runs, workload, vars(args), bounds=bounds)
     for path in paths:
         print(path)
-    print(report.console_table(runs, workload.oracle_reuse, bound), file=sys.stderr)
+    print(report.console_table(runs, workload.oracle_reuse, bounds), file=sys.stderr)
     return 0 if all(r.outcome.results for r in runs) else 1
 
 

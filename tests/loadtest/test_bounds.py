@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadtest.bounds import _common, capacity_estimate, oracle_hit_ratio, run_estimate
+from loadtest.bounds import (
+    Bounds,
+    _common,
+    capacity_estimate,
+    lru_estimate,
+    oracle_hit_ratio,
+    run_estimate,
+)
 from loadtest.trace import TraceRequest
 
 A1, A2, B1, B2 = (1,), (1, 2), (5,), (5, 6)
@@ -83,7 +90,7 @@ def test_run_estimate_measures_tokens_per_block() -> None:
     blocks = {"r0": A1, "r1": A2, "r2": (7,)}
     # 30 tokens over 3 blocks: 10 a block; a request the backend did not count is skipped
     got = run_estimate(blocks, [("r0", 10), ("r1", 20), ("r2", None)], slots=2, ram_tokens=0)
-    assert got == pytest.approx(10 / 40)
+    assert got == Bounds(pytest.approx(10 / 40), pytest.approx(10 / 40))
     assert run_estimate(blocks, [("r0", None)], slots=2, ram_tokens=0) is None
 
 
@@ -94,3 +101,56 @@ def test_the_estimate_bounds_nothing() -> None:
     seqs = [(1, 2), (3, 4, 5), (1, 6), (1, 6, 7), (3, 4, 5, 8, 9), (10, 11, 12)]
     assert capacity_estimate(seqs, unit_tokens=1, slots=2, ram_tokens=0) == 3 / 18
     assert _best_keeping(seqs, 2, 0) == 6 / 18
+
+
+@pytest.mark.parametrize(("seqs", "slots", "ram", "reused"), [
+    ([A1, A2, (1, 2, 3)], 1, 0, 1 + 2),  # one conversation grows in its slot
+    ([A1, B1, A2, B2], 1, 0, 0),  # one slot: each turn finds the other conversation
+    ([A1, B1, A2, B2], 1, 1, 1 + 1),  # the slot's last goes to RAM: both come back
+    ([A1, B1, (7,), A2, B2], 1, 1, 0),  # RAM holds only the last one out: (7,) came last
+    ([A1, B1, (7,), A2, B2], 1, 2, 1 + 1),
+    ([(1, 2, 3), (1, 2, 4), (1, 2, 3, 5)], 1, 0, 2 + 2),  # no foresight: the branch is lost
+])
+def test_lru_estimate_by_hand(seqs: list[tuple[int, ...]], slots: int, ram: int,
+                              reused: int) -> None:
+    total = sum(len(s) for s in seqs)
+    assert lru_estimate(seqs, unit_tokens=1, slots=slots, ram_tokens=ram) == reused / total
+
+
+def _lru_replay(seqs: Sequence[tuple[int, ...]], slots: int, ram: int) -> float:
+    """The servers' rule, spelled out: a list of what is held, most recently used last;
+    the last ``slots`` are in slots, the rest must fit in ``ram`` (oldest out first)."""
+    held: list[tuple[int, ...]] = []
+    reused = 0
+    for s in seqs:
+        best = max(held, key=lambda c: _common(c, s), default=())
+        got = _common(best, s)
+        reused += min(got, len(s) - 1)
+        if got:
+            held.remove(best)
+            if got < len(best):  # still held, and used now
+                held.append(best)
+        held.append(s)
+        while sum(len(c) for c in held[:max(0, len(held) - slots)]) > ram:
+            held.pop(0)
+    return reused / sum(len(s) for s in seqs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations(), st.integers(0, 2), st.integers(0, 6))
+def test_lru_estimate_replays_the_servers_rule(seqs: list[tuple[int, ...]], slots: int,
+                                               ram: int) -> None:
+    got = lru_estimate(seqs, unit_tokens=1, slots=slots, ram_tokens=ram)
+    assert got == pytest.approx(_lru_replay(seqs, slots, ram))
+    assert got <= capacity_estimate(seqs, unit_tokens=1, slots=max(slots, 1),
+                                    ram_tokens=1e9) + 1e-9
+
+
+def test_a_report_says_both_estimates() -> None:
+    from loadtest.report import console_table
+
+    text = console_table([], 0.3, Bounds(0.25, 0.2))
+    assert "capacity estimate (these servers' slots and RAM, clairvoyant, one pool): 25.0%" \
+        in text
+    assert "LRU estimate (the same memory, least recently used dropped first" in text
+    assert text.rstrip().endswith("20.0%")
