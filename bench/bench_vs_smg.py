@@ -63,8 +63,10 @@ def _line(trace: str, ram: int, seed: int, doc: dict[str, Any]) -> tuple[str, bo
     want_reuse, want_ttft = TARGETS.get(ram, (1.0, 1.0))
     ok = (reuse is not None and reuse >= want_reuse and ttft is not None
           and ttft <= want_ttft and k["ok"] == k["requests"])
+    lru = doc["workload"].get("lru_estimate")  # (what the servers' eviction allows)
     return (f"{trace:12s} {ram:4d} MiB seed {seed}: reused {k['reused_ratio']:.3f} / "
-            f"{s['reused_ratio']:.3f} = {reuse:.2f}x (>= {want_reuse}), mean TTFT "
+            f"{s['reused_ratio']:.3f} = {reuse:.2f}x (>= {want_reuse})"
+            f"{f', LRU estimate {lru:.3f}' if lru is not None else ''}, mean TTFT "
             f"{k['ttft_mean']:.2f} / {s['ttft_mean']:.2f} s = {ttft:.2f}x (<= {want_ttft}), "
             f"p90 {k['ttft_p90']:.2f} / {s['ttft_p90']:.2f} s, exact "
             f"{k['prediction_exact']:.3f}, ok {k['ok']}/{k['requests']}: "
