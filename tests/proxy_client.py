@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from texts import words
 
 from backends.supervisor import Supervisor
 from proxy.app import create_app
@@ -75,6 +76,32 @@ async def demo_chat(client: TestClient[Any, Any], messages: list[dict[str, Any]]
     t = await chat_turn(client, {"model": "kvroute-demo", "max_tokens": 3,
                                  "messages": messages})
     return t.predicted, t.reported, t.prompt_tokens, t.answer
+
+
+async def carried_turns(client: TestClient[Any, Any], path: str, first: dict[str, Any],
+                 build: Callable[[list[dict[str, Any]]], dict[str, Any]],
+                 answer: Callable[[dict[str, Any]], str], turns: int = 6
+                 ) -> list[tuple[int, int, int]]:
+    """A conversation whose first message holds an image, carried for ``turns`` turns:
+    (predicted, reported, prompt tokens) per turn."""
+    messages, rows = [first], []
+    for turn in range(turns):
+        async with client.post(path, json=build(messages),
+                               headers={"anthropic-version": "2023-06-01"}) as r:
+            data = await r.json()
+            assert r.status == 200, data
+            predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
+        usage = data["usage"]
+        if "input_tokens" in usage:  # Anthropic's: the uncached part, and the reused one
+            reported = usage["cache_read_input_tokens"]
+            total = usage["input_tokens"] + reported
+        else:
+            reported = usage["prompt_tokens_details"]["cached_tokens"]
+            total = usage["prompt_tokens"]
+        rows.append((predicted, reported, total))
+        messages += [{"role": "assistant", "content": answer(data)},
+                     {"role": "user", "content": words(12, 300 + turn)}]
+    return rows
 
 
 def slot_files_counted(client: TestClient[Any, Any], event: str) -> float:

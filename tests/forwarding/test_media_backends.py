@@ -20,7 +20,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient
 from faults import until
 from images import data_uri, png
-from proxy_client import chat_turn, serving
+from proxy_client import carried_turns, chat_turn, serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
@@ -160,32 +160,6 @@ async def test_a_completion_ending_with_media_is_refused(client: TestClient[Any,
                 assert "ends with media" in (await r.json())["error"]["message"]
 
 
-async def _turns(client: TestClient[Any, Any], path: str, first: dict[str, Any],
-                 build: Callable[[list[dict[str, Any]]], dict[str, Any]],
-                 answer: Callable[[dict[str, Any]], str], turns: int = 6
-                 ) -> list[tuple[int, int, int]]:
-    """A conversation whose first message holds an image, carried for ``turns`` turns:
-    (predicted, reported, prompt tokens) per turn."""
-    messages, rows = [first], []
-    for turn in range(turns):
-        async with client.post(path, json=build(messages),
-                               headers={"anthropic-version": "2023-06-01"}) as r:
-            data = await r.json()
-            assert r.status == 200, data
-            predicted = int(r.headers["X-Kvroute-Predicted-Cached"])
-        usage = data["usage"]
-        if "input_tokens" in usage:  # Anthropic's: the uncached part, and the reused one
-            reported = usage["cache_read_input_tokens"]
-            total = usage["input_tokens"] + reported
-        else:
-            reported = usage["prompt_tokens_details"]["cached_tokens"]
-            total = usage["prompt_tokens"]
-        rows.append((predicted, reported, total))
-        messages += [{"role": "assistant", "content": answer(data)},
-                     {"role": "user", "content": words(12, 300 + turn)}]
-    return rows
-
-
 def _exact(rows: list[tuple[int, int, int]]) -> None:
     for predicted, reported, total in rows:
         assert abs(predicted - reported) <= max(16, total // 50), rows
@@ -199,7 +173,7 @@ async def test_a_screenshot_carried_for_six_turns_is_predicted(client: TestClien
         {"type": "text", "text": words(40, 7)},
         {"type": "image_url", "image_url": {"url": image}},
         {"type": "text", "text": "What does the screenshot show?"}]}
-    rows = await _turns(
+    rows = await carried_turns(
         client, "/v1/chat/completions", first,
         lambda m: {"model": "kvroute-demo", "max_tokens": 3, "messages": m},
         lambda d: str(d["choices"][0]["message"]["content"]))
@@ -210,7 +184,7 @@ async def test_an_anthropic_screenshot_is_predicted(client: TestClient[Any, Any]
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": data_uri(png(22, 300, 180)).split(",", 1)[1]}}
     first = {"role": "user", "content": [{"type": "text", "text": words(40, 8)}, block]}
-    rows = await _turns(
+    rows = await carried_turns(
         client, "/v1/messages", first,
         lambda m: {"model": "kvroute-demo", "max_tokens": 3, "messages": m},
         lambda d: "".join(c.get("text", "") for c in d["content"]) or "ok")

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
 from images import data_uri, png
-from proxy_client import demo_chat, serving
+from proxy_client import carried_turns, demo_chat, serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
@@ -65,6 +65,19 @@ async def test_a_screenshot_carried_for_six_turns_is_predicted(client: TestClien
                      {"role": "user", "content": words(15, 140 + n)}]
     # every later turn reuses through the image (from a checkpoint past it)
     assert all(close(*r) and r[1] > IMAGE + 60 for r in rows[1:]), rows
+
+
+async def test_an_anthropic_screenshot_is_predicted(client: TestClient[Any, Any]) -> None:
+    """As Claude Code sends a pasted screenshot: a base64 image block, carried."""
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": data_uri(png(171, 300, 180)).split(",")[1]}}
+    first = {"role": "user", "content": [{"type": "text", "text": words(40, 172)}, block]}
+    rows = await carried_turns(
+        client, "/v1/messages", first,
+        lambda m: {"model": "kvroute-demo", "max_tokens": 3, "system": words(30, 173),
+                   "messages": m},
+        lambda d: "".join(c.get("text", "") for c in d["content"]) or "ok", turns=4)
+    assert all(close(*r) and r[1] > IMAGE + 40 for r in rows[1:]), rows
 
 
 async def test_conversations_sharing_an_image_or_not(client: TestClient[Any, Any]) -> None:
