@@ -97,3 +97,34 @@ async def test_conversations_sharing_an_image_or_not(client: TestClient[Any, Any
     # may keep the first conversation whole) the other image is never matched
     assert rows[2][1] < IMAGE + 80, rows
 
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def one_slot(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient[Any, Any]]:
+    """demo-hybrid with the projector, one slot: every request lands on what the last
+    one left."""
+    cfg = pool_config(n=1, slots=1, ctx_per_slot=4096)
+    (b,) = cfg.backends
+    assert isinstance(b, ManagedBackendConfig)
+    b = dataclasses.replace(b, model=ensure_demo_model(kind="demo-hybrid"),
+                            mmproj=ensure_demo_mmproj(for_model(DemoModelParams())))
+    async with serving(dataclasses.replace(cfg, backends=(b,))) as c:
+        yield c
+
+
+async def test_an_edit_after_an_image_resumes_where_the_server_checkpointed(
+        one_slot: TestClient[Any, Any]) -> None:
+    """A prompt whose checkpoint before its end (n - 4 - n_ubatch) would fall inside its
+    image: the server decodes the image whole and takes no checkpoint there, so a request
+    that edits the text after the image resumes from the user message's start."""
+    system = {"role": "system", "content": words(40, 181)}
+
+    def asking(tail: str) -> list[dict[str, Any]]:
+        msg = user(words(10, 182), png(181, 120, 90))
+        msg["content"].append({"type": "text", "text": tail})
+        return [system, msg]
+
+    first = await demo_chat(one_slot, asking(words(464, 183)))
+    edited = await demo_chat(one_slot, asking(words(232, 183) + " but " + words(232, 184)))
+    assert first[2] - 516 > 60, first  # (the cut lies past the text before the image)
+    assert close(*edited[:3]) and 0 < edited[1] < 60, (first, edited)
