@@ -23,7 +23,8 @@ from backends.demo_model import read_gguf_metadata
 _RECURRENT_KEYS = (".ssm.", ".shortconv.", ".wkv.")
 # architectures whose rope is M-RoPE or may be (src/llama-model.cpp, llama_model_rope_type)
 _MROPE = frozenset({"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe",
-                    "qwen4exp", "qwen3tts", "glm4", "glm4moe", "hunyuan_vl", "dflash"})
+                    "qwen4exp", "qwen3tts", "glm4", "glm4moe", "hunyuan_vl", "dflash",
+                    "bailingmoe3"})
 # Which layers slide when the GGUF does not say (src/models/*.cpp load_swa_pattern): of
 # every n layers the last attends to everything (the first, where marked).
 _SWA_PATTERN = {"gemma2": (2, False), "gemma3": (6, False), "gemma3n": (5, False),

@@ -81,8 +81,10 @@ def _offload(cluster: Cluster, i: int) -> dict[str, Any]:
     return {"devices": list(devices), "extra_args": list(flags)} if devices else {}
 
 
-async def _wait_health(url: str, n: int, proc: subprocess.Popen[bytes],
+async def _wait_health(url: str, n: int, proc: subprocess.Popen[bytes], log: Path,
                        timeout_s: float) -> None:
+    """Until ``proc`` serves ``url`` with ``n`` backends ready: its health says so, and its
+    log that it is what listens there (not a server that took the port before it)."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
         while time.monotonic() < deadline:
@@ -90,7 +92,8 @@ async def _wait_health(url: str, n: int, proc: subprocess.Popen[bytes],
                 raise RuntimeError(f"kvroute serve exited with {proc.returncode}")
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                 async with http.get(url + "/health") as r:
-                    if r.status == 200 and (await r.json()).get("backends_ready", 0) >= n:
+                    if r.status == 200 and (await r.json()).get("backends_ready", 0) >= n \
+                            and f"listening on {url} " in log.read_text(errors="replace"):
                         return
             await asyncio.sleep(0.5)
     raise RuntimeError(f"kvroute at {url} not healthy within {timeout_s:.0f} s")
@@ -113,7 +116,7 @@ async def kvroute_serve(cfg_path: Path, policy: str, n: int, timeout_s: float,
                 stdout=fh, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            await _wait_health(url, n, proc, timeout_s)
+            await _wait_health(url, n, proc, log, timeout_s)
         except RuntimeError as e:
             await terminate(proc, 30.0)
             said = log.read_text(errors="replace")

@@ -27,7 +27,7 @@ from pathlib import Path
 from backends.binary import LlamaServerBinary
 from backends.config import AgentConfig
 from proxy.config.fields import ConfigError
-from proxy.config.load import Config, claim_port, load_config
+from proxy.config.load import Config, claim_port, load_config, to_listen
 from proxy.instance import Instance
 from proxy.routing.policies import describe
 
@@ -101,8 +101,14 @@ async def _serve(cfg: Config, sockets: list[socket.socket]) -> int:
         except ConfigError as e:  # (a disk tier directory it cannot read)
             print(f"kvroute: {e}", file=sys.stderr)
             return 2
-        for sock in sockets:  # bound since the start: nothing else took the port
-            await web.SockSite(runner, sock).start()
+        to_listen(sockets)  # bound since the start: nothing else took the port
+        try:
+            for sock in sockets:
+                await web.SockSite(runner, sock).start()
+        except OSError as e:
+            print(f"kvroute: proxy.port: cannot listen on {cfg.proxy.host}:{cfg.proxy.port}: "
+                  f"{e.strerror} (fix: pick another port with --port)", file=sys.stderr)
+            return 2
         url = f"http://{cfg.proxy.host}:{cfg.proxy.port}"
         ctx = sorted({b.slot_ctx for b in supervisor.ready()})
         log.info("serve.listening", url=url, policy=cfg.proxy.policy, ready=n_ready,

@@ -214,9 +214,12 @@ def test_serve_holds_its_port_while_backends_start(tmp_path: Path, llama_server_
             time.sleep(0.02)
             if s.state.is_file():
                 pids = s.backend_pids() if s.state.read_text().strip() else {}
-        with socket.socket() as taker, pytest.raises(OSError) as taken:
-            taker.bind(("127.0.0.1", port))
-        assert taken.value.errno == errno.EADDRINUSE
+        for reuse in (0, 1):  # (servers set SO_REUSEADDR: asyncio, aiohttp, uvicorn)
+            with socket.socket() as taker, pytest.raises(OSError) as taken:
+                taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, reuse)
+                taker.bind(("127.0.0.1", port))
+                taker.listen()
+            assert taken.value.errno == errno.EADDRINUSE
         s.wait_listening()
         status, body = post(f"http://127.0.0.1:{port}/v1/chat/completions", {
             "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4})

@@ -238,10 +238,15 @@ def check_port_free(cfg: Config) -> None:
 
 
 def claim_port(cfg: Config) -> list[socket.socket]:
-    """Sockets bound, not yet listening, to every address proxy.host resolves to (as
-    aiohttp's TCPSite binds them); ConfigError if one cannot be bound. `serve` holds them
-    from its start, so nothing takes the port while backends start (minutes on a first
-    run), and a client gets "connection refused" until the proxy listens."""
+    """Sockets bound, not yet listening, to every address proxy.host resolves to, as
+    aiohttp's TCPSite binds them (a family the machine lacks, IPv6 switched off, is
+    skipped as asyncio skips it); ConfigError if one cannot be bound, or none made.
+
+    `serve` holds them from its start, so nothing takes the port while backends start
+    (minutes on a first run), and a client gets "connection refused" until the proxy
+    listens. Held, they let no one share their address: SO_REUSEADDR is off then (else
+    another server setting it could bind and listen beside a socket that does not
+    listen yet); `to_listen` turns it back on, as asyncio has it, just before."""
     host, port = cfg.proxy.host, cfg.proxy.port
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -252,30 +257,53 @@ def claim_port(cfg: Config) -> list[socket.socket]:
     bound: list[socket.socket] = []
     try:
         for family, addr in dict.fromkeys((i[0], i[4]) for i in infos):
-            bound.append(_bind(family, addr, host, port))
-    except ConfigError:
+            s = _socket(family)
+            if s is not None:
+                bound.append(s)
+                _bind(s, addr, host, port)
+    except BaseException:
         for s in bound:
             s.close()
         raise
+    if not bound:
+        raise ConfigError(f"proxy.host: no address of {host!r} can be bound on this machine "
+                          "(fix: e.g. host: 127.0.0.1)")
     return bound
 
 
-def _bind(family: int, addr: Any, host: str, port: int) -> socket.socket:
-    s = socket.socket(family, socket.SOCK_STREAM)
-    # the options asyncio's create_server sets, so a port in TIME_WAIT is not busy
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def to_listen(sockets: list[socket.socket]) -> None:
+    """Sockets from `claim_port`, about to listen: SO_REUSEADDR on again, as asyncio
+    sets it (the connections they accept keep it, so a restart binds despite those in
+    TIME_WAIT)."""
+    for s in sockets:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+
+def _socket(family: int) -> socket.socket | None:
+    try:
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        return None
     if family == socket.AF_INET6:
-        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        except OSError:
+            s.close()
+            return None
+    return s
+
+
+def _bind(s: socket.socket, addr: Any, host: str, port: int) -> None:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
     try:
         s.bind(addr)
     except OSError as e:
-        s.close()
         why = "already in use" if e.errno == errno.EADDRINUSE else e.strerror
         raise ConfigError(
             f"proxy.port: {host}:{port} is {why} (fix: stop whatever listens there "
             "(another kvroute?), or pick another port with --port or proxy.port)"
         ) from None
-    return s
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)  # held: shared with no one
 
 
 def load_config(path: Path | None, *, check_port: bool = True,
