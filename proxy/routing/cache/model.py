@@ -104,10 +104,9 @@ class BackendCache(CachePrediction):
         self.ram_bytes = 0
         self.checkpointed = cap.memory.checkpointed
         self.lora_global = cap.lora
-        # while a checkpointed slot is busy: what its prompt started from (checkpoints
-        # kept, memory floor, tokens reused), to place its checkpoints again once the
-        # whole prompt is known (see extend_prompt)
-        self._ck_start: dict[int, tuple[Checkpoints, int, int]] = {}
+        # while a checkpointed slot is busy: where its prompt resumed, to place its
+        # checkpoints again once the whole prompt is known (see extend_prompt)
+        self._ck_start: dict[int, Resumed] = {}
         self._next_entry = 0
         self._clock = 0
         self.starts = 0  # tasks started so far (see `saved_idle`)
@@ -199,9 +198,9 @@ class BackendCache(CachePrediction):
             lcp = min(slot_lcp.get(p.slot, 0), held)
         r = reusable(mem, lcp, n_prompt, held, base, floor)
         kept = surviving(base, r.pos_next)
-        self._ck_start[p.slot] = (kept, r.floor, p.reuse)
-        s.checkpoints = created(mem, n_prompt, Resumed(p.reuse, kept, r.floor), user_starts,
-                                self._clock + 1, media_spans(prompt))
+        resumed = self._ck_start[p.slot] = Resumed(p.reuse, kept, r.floor)
+        s.checkpoints = created(mem, n_prompt, resumed, user_starts, self._clock + 1,
+                                media_spans(prompt))
         s.floor = r.floor
 
     def ram_by_size(self) -> Iterator[tuple[int, CacheHolder]]:
@@ -284,11 +283,10 @@ class BackendCache(CachePrediction):
             self.tree.assign(h, prompt)
         s.prompt = prompt
         s.n_tokens = len(prompt) // 4
-        start = self._ck_start.get(slot)
-        if start is not None:
-            kept, floor, reused = start
-            s.checkpoints = created(self.cap.memory, s.n_tokens, Resumed(reused, kept, floor),
-                                    user_starts, s.last_used, media_spans(prompt))
+        resumed = self._ck_start.get(slot)
+        if resumed is not None:
+            s.checkpoints = created(self.cap.memory, s.n_tokens, resumed, user_starts,
+                                    s.last_used, media_spans(prompt))
 
     def _save_idle_slot(self, i: int) -> None:
         """--cache-idle-slots: after a task starts, every idle slot is saved to RAM."""
