@@ -51,7 +51,8 @@ def _ready(info: BackendInfo, host: str) -> dict[str, object]:
             "ram_cache_bytes": info.ram_cache_bytes,
             "kv_bytes_per_token": info.kv_bytes_per_token, "model": info.model,
             "memory": dataclasses.asdict(info.memory), "modalities": sorted(info.modalities),
-            "lora": list(info.lora), "media_marker": info.media_marker}
+            "lora": list(info.lora), "alora": [list(t) for t in info.alora],
+            "media_marker": info.media_marker}
 
 
 def report(config: AgentConfig, supervisor: Supervisor[AgentConfig]) -> list[dict[str, object]]:

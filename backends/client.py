@@ -166,15 +166,15 @@ class BackendClient:
         except (KeyError, TypeError, ValueError) as e:
             return BadResponse(self.url, 200, f"{type(e).__name__} {e}: {str(data)[:400]}")
 
-    async def adapters(self) -> tuple[float, ...] | Failure:
-        """The global scale of each LoRA adapter it loaded (`/lora-adapters`; () when it
-        has none, or is older than the endpoint: a 404)."""
+    async def adapters(self) -> Adapters | Failure:
+        """Its LoRA adapters (`/lora-adapters`; none when it has none, or is older than the
+        endpoint: a 404)."""
         data = await self._json("GET", "/lora-adapters")
         if isinstance(data, BadResponse) and data.status == 404:
-            return ()
+            return Adapters()
         if isinstance(data, BackendDown | BadResponse):
             return data
-        got = adapter_scales(data)
+        got = adapter_list(data)
         return BadResponse(self.url, 200, str(data)[:500]) if got is None else got
 
     async def set_adapters(self, raw: bytes) -> Any | Failure:
@@ -270,18 +270,34 @@ def media_marker(raw: object) -> str:
     return raw if isinstance(raw, str) and 0 < len(raw) <= MAX_MARKER else ""
 
 
-def adapter_scales(raw: object) -> tuple[float, ...] | None:
-    """The scales of a `GET /lora-adapters` answer, by adapter id (None: not one)."""
+@dataclass(frozen=True)
+class Adapters:
+    """A server's LoRA adapters, by id: their global scales, and each one's aLoRA
+    invocation tokens (() for a plain adapter)."""
+
+    scales: tuple[float, ...] = ()
+    alora: tuple[tuple[int, ...], ...] = ()
+
+
+def adapter_list(raw: object) -> Adapters | None:
+    """The adapters of a `GET /lora-adapters` answer (None: not one)."""
     if not isinstance(raw, list):
         return None
-    got: dict[int, float] = {}
+    got: dict[int, tuple[float, tuple[int, ...]]] = {}
     for a in raw:
         i, scale = (a.get("id"), a.get("scale")) if isinstance(a, Mapping) else (None, None)
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(raw) \
                 or not isinstance(scale, int | float) or isinstance(scale, bool):
             return None
-        got[i] = float(scale)
-    return tuple(got[i] for i in range(len(raw))) if len(got) == len(raw) else None
+        inv = a.get("alora_invocation_tokens", [])
+        if not isinstance(inv, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in inv):
+            return None
+        got[i] = (float(scale), tuple(inv))
+    if len(got) != len(raw):
+        return None
+    return Adapters(tuple(got[i][0] for i in range(len(raw))),
+                    tuple(got[i][1] for i in range(len(raw))))
 
 
 def modalities(raw: object) -> frozenset[str]:

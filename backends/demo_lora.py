@@ -1,5 +1,6 @@
 """The demo LoRA adapters: random low-rank deltas on the demo model's attention, for
-`lora: [demo]` (and `demo1`, a second one) next to a demo model.
+`lora: [demo]` (and `demo1`, a second one, and `demo-alora`, an activated LoRA) next to
+a demo model.
 
 llama-server loads them with `--lora` (src/llama-adapter.cpp) and applies them to every
 request at their global scale, or per request by the body's `lora` field; the output
@@ -9,7 +10,11 @@ architecture (general.architecture must be the model's) and holds, for each tens
 changes, a pair `NAME.lora_a` (ggml {n_in, rank}) and `NAME.lora_b` ({rank, n_out}); the
 server adds scale * alpha / rank * B(A x) to that tensor's product. These change
 attn_q, attn_k and attn_v of every layer (K and V land in the cache) at rank 4 (~0.2 MB).
-Two seeds give two adapters; output is noise, as the model's is.
+Two seeds give two adapters; output is noise, as the model's is. `demo-alora` is a third
+seed whose file also names invocation tokens (`adapter.alora.invocation_tokens`, the
+Qwen2 tokens of " certainty check:"), which makes llama-server run it as an aLoRA: only
+from where those tokens last occur in the prompt, the KV before them left as the base
+model makes it (see proxy/routing/cache/lora.py).
 
 The file is cached by its architecture, sizes, rank, alpha and seed, as the demo models
 are.
@@ -25,7 +30,10 @@ from backends.binary import Progress, _print, cache_dir
 from backends.demo_gguf import ModelShape, Weights, synthesised
 
 # `lora: [demo, demo1]` in config.yaml: the name -> the adapter's seed
-DEMO_LORAS = {"demo": 0, "demo1": 1}
+DEMO_LORAS = {"demo": 0, "demo1": 1, "demo-alora": 2}
+# the Qwen2 ids of " certainty check:" (a granite-style intrinsic's invocation)
+DEMO_INVOCATION = (43643, 1779, 25)
+INVOCATIONS = {DEMO_LORAS["demo-alora"]: DEMO_INVOCATION}  # seed -> aLoRA invocation
 TARGETS = ("attn_q", "attn_k", "attn_v")  # in every layer of the llama and gemma3 demos
 ARCHS = ("llama", "gemma3")  # the demo architectures with those tensors in every layer
 
@@ -40,6 +48,7 @@ class DemoLoraParams:
     rank: int = 4
     alpha: float = 8.0  # the delta is scaled by alpha / rank
     seed: int = 0
+    invocation: tuple[int, ...] = ()  # aLoRA invocation tokens (): a plain adapter
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -48,8 +57,9 @@ class DemoLoraParams:
             raise ValueError("demo_lora: rank must be a positive integer")
 
     def tag(self) -> str:
+        inv = "-i" + ".".join(map(str, self.invocation)) if self.invocation else ""
         return (f"{self.arch}-L{self.n_layer}-E{self.n_embd}-Q{self.n_q}-KV{self.n_kv}"
-                f"-R{self.rank}-A{self.alpha:g}-s{self.seed}")
+                f"-R{self.rank}-A{self.alpha:g}-s{self.seed}{inv}")
 
 
 def for_model(text: ModelShape, seed: int = 0, arch: str = "llama") -> DemoLoraParams:
@@ -57,7 +67,8 @@ def for_model(text: ModelShape, seed: int = 0, arch: str = "llama") -> DemoLoraP
     refuses one whose shapes or architecture differ)."""
     return DemoLoraParams(arch=arch, n_layer=text.n_layer, n_embd=text.n_embd,
                           n_q=text.n_head * text.head_dim,
-                          n_kv=text.n_head_kv * text.head_dim, seed=seed)
+                          n_kv=text.n_head_kv * text.head_dim, seed=seed,
+                          invocation=INVOCATIONS.get(seed, ()))
 
 
 def demo_lora_path(params: DemoLoraParams | None = None) -> Path:
@@ -92,6 +103,11 @@ def write_lora(path: Path, params: DemoLoraParams) -> None:
     w.add_type("adapter")  # general.type: llama.cpp refuses a model file as an adapter
     w.add_string("adapter.type", "lora")
     w.add_float32("adapter.lora.alpha", params.alpha)
+    if params.invocation:
+        # (an array of uint32, as convert_lora_to_gguf.py writes it: the server refuses
+        # another element type)
+        w.add_key_value("adapter.alora.invocation_tokens", list(params.invocation),
+                        gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
     r = Weights(params.seed)
     outs = {"attn_q": params.n_q, "attn_k": params.n_kv, "attn_v": params.n_kv}
     for i in range(params.n_layer):

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import structlog
 
-from backends.client import BackendClient, BadResponse, Health, Props
+from backends.client import Adapters, BackendClient, BadResponse, Health, Props
 from backends.config import EXTERNAL_KV_BYTES, LLAMA, OPENAI, ExternalBackendConfig
 from backends.dialect import dialect_of
 from backends.info import BackendInfo, MiB
@@ -82,11 +82,11 @@ class ExternalBackend:
             hint = "check api_key" if key else "is it a llama-server?"
             return f"/props: {props} (fix: {hint})"
         adapters = await client.adapters()
-        if not isinstance(adapters, tuple):
+        if not isinstance(adapters, Adapters):
             # (asked of the server's loop: a long prefill under way may outlast the probe)
             log.warning("backend.adapters_unknown", backend=self.cfg.name, error=str(adapters),
                         effect="requests naming LoRA adapters are predicted as if it had none")
-            adapters = ()
+            adapters = Adapters()
         cfg = self.cfg
         kv = await self._kv_bytes()
         memory = await asyncio.to_thread(server_memory, self._gguf, (), props.slot_ctx,
@@ -95,7 +95,8 @@ class ExternalBackend:
             name=cfg.name, url=cfg.url, api_key=cfg.api_key, n_slots=props.total_slots,
             slot_ctx=props.slot_ctx, ram_cache_bytes=cfg.cache_ram_mib * MiB,
             kv_bytes_per_token=kv, model=props.model_alias, managed=False, memory=memory,
-            modalities=props.modalities, lora=adapters, media_marker=props.media_marker))
+            modalities=props.modalities, lora=adapters.scales, alora=adapters.alora,
+            media_marker=props.media_marker))
         return None
 
     async def _probe_openai(self, client: BackendClient) -> str | None:
@@ -154,5 +155,5 @@ def _remote_info(r: Reported) -> BackendInfo:
         name=r.cfg.name, url=r.cfg.url, api_key=r.cfg.api_key, n_slots=r.n_slots,
         slot_ctx=r.slot_ctx, ram_cache_bytes=r.ram_cache_bytes,
         kv_bytes_per_token=r.kv_bytes_per_token, model=r.model, managed=False,
-        memory=r.memory, kind=LLAMA, modalities=r.modalities, lora=r.lora,
+        memory=r.memory, kind=LLAMA, modalities=r.modalities, lora=r.lora, alora=r.alora,
         media_marker=r.media_marker)

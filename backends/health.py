@@ -15,7 +15,7 @@ from typing import Protocol
 
 import aiohttp
 
-from backends.client import BackendClient, Health, Props
+from backends.client import Adapters, BackendClient, Health, Props
 from backends.config import ManagedBackendConfig, SupervisionConfig
 from backends.info import BackendInfo, MiB
 from backends.memory import server_memory
@@ -70,7 +70,7 @@ class HealthCheck:
         if not isinstance(props, Props):
             return f"/props failed: {props}"
         adapters = await client.adapters()
-        if not isinstance(adapters, tuple):
+        if not isinstance(adapters, Adapters):
             return f"/lora-adapters failed: {adapters}"
         memory = await asyncio.to_thread(server_memory, cfg.model, spec.argv(),
                                          props.slot_ctx, props.total_slots)
@@ -80,7 +80,8 @@ class HealthCheck:
             # (of the layers whose cache grows with the context: a sliding one's does not)
             kv_bytes_per_token=memory.kv_bytes_per_token or kv_bytes_per_token,
             model=props.model_alias, managed=True, memory=memory,
-            modalities=props.modalities, lora=adapters, media_marker=props.media_marker,
+            modalities=props.modalities, lora=adapters.scales, alora=adapters.alora,
+            media_marker=props.media_marker,
         )
 
     async def watch(self, proc: Exits, info: BackendInfo,

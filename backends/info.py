@@ -31,6 +31,8 @@ class BackendInfo:
     modalities: frozenset[str] = frozenset()
     # the global scale of each LoRA adapter (/lora-adapters) when it became ready
     lora: tuple[float, ...] = ()
+    # each adapter's aLoRA invocation tokens (() for a plain adapter), by id
+    alora: tuple[tuple[int, ...], ...] = ()
     media_marker: str = ""  # where its completion prompts put media (/props; "": unknown)
 
     @property

@@ -57,6 +57,7 @@ class Reported:
     memory: MemoryKind = DENSE
     modalities: frozenset[str] = frozenset()
     lora: tuple[float, ...] = ()
+    alora: tuple[tuple[int, ...], ...] = ()
     media_marker: str = ""
 
     @property
@@ -117,6 +118,18 @@ def _lora(raw: object, where: str) -> tuple[float, ...]:
     return tuple(float(x) for x in raw)
 
 
+def _alora(raw: object, where: str) -> tuple[tuple[int, ...], ...]:
+    """An agent's ``alora``: each adapter's aLoRA invocation tokens (absent: an agent
+    before them, or none)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > 1024 or not all(
+            isinstance(t, list) and len(t) <= 4096
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in t) for t in raw):
+        raise BadReport(f"{where}.alora: expected a list of token id lists")
+    return tuple(tuple(t) for t in raw)
+
+
 def _memory(raw: object, where: str) -> MemoryKind:
     if not isinstance(raw, Mapping):
         raise BadReport(f"{where}.memory: expected an object")
@@ -160,6 +173,7 @@ def parse_report(link: AgentLink, item: object, i: int) -> Reported:
         model=model, memory=_memory(item.get("memory"), where),
         modalities=_modalities(item.get("modalities"), where),
         lora=_lora(item.get("lora"), where),
+        alora=_alora(item.get("alora"), where),
         media_marker=media_marker(item.get("media_marker")))
 
 

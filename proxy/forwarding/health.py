@@ -99,7 +99,7 @@ def capacity(info: BackendInfo) -> BackendCapacity:
     return BackendCapacity(name=info.name, n_slots=info.n_slots, slot_ctx=info.slot_ctx,
                            ram_cache_bytes=info.ram_cache_bytes,
                            kv_bytes_per_token=info.kv_bytes_per_token, memory=memory,
-                           lora=info.lora)
+                           lora=info.lora, alora=info.alora)
 
 
 class BackendHealth:

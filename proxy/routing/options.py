@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from proxy.routing.backend_state import BackendState, Queued
-from proxy.routing.cache.lora import Lora
+from proxy.routing.cache.lora import Lora, should_clear
 from proxy.routing.cache.predict import Placement
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import common_len
@@ -35,10 +35,11 @@ class Candidate:
         return common_len(q.prompt, self.prompt, 0) if self.goes_on(q) else 0
 
     def goes_on(self, q: Queued) -> bool:
-        """This request may reuse what queued request ``q`` leaves in its slot: it runs
-        under the adapters ``q`` runs under."""
+        """This request may reuse what queued request ``q`` leaves in its slot: its
+        adapters keep what ``q``'s leave (the same, or an aLoRA's over the base model's)."""
         cache = self.state.cache
-        return cache.lora_set(self.lora) == cache.lora_set(q.lora)
+        return not should_clear(cache.lora_set(q.lora), cache.lora_set(self.lora),
+                                cache.cap.alora)
 
     def matched(self) -> int:
         """The most tokens of the prompt one slot or RAM entry here holds."""
@@ -80,7 +81,7 @@ class Candidate:
             if held:
                 slot = max(held)[1]
                 p = cache.predict(slot, self.slot_lcp, self.ram_lcp, n, after_busy=True,
-                                  lora=self.lora)
+                                  lora=self.lora, prompt=self.prompt)
                 assert p is not None
                 if p.reuse >= first.reuse:
                     return p, slot
@@ -160,7 +161,7 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
     cache, rate = st.cache, st.rate
     best: tuple[tuple[float, float, int], Placement, int | None] | None = None
     for opt in _idle_options(c):
-        p = cache.predict(opt, c.slot_lcp, c.ram_lcp, n, lora=c.lora)
+        p = cache.predict(opt, c.slot_lcp, c.ram_lcp, n, lora=c.lora, prompt=c.prompt)
         assert p is not None, "idle slots exist"
         ttft = _ttft(backlog, p, n, rate, s)
         key = (ttft + _penalty(p, s, rate), ttft, cache.slots[p.slot].last_used)
@@ -203,7 +204,8 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
             if queued is not None and (wait is None or queued[0] < wait[0]):
                 wait = queued
             continue
-        p = st.cache.predict(i, c.slot_lcp, c.ram_lcp, n, after_busy=True, lora=c.lora)
+        p = st.cache.predict(i, c.slot_lcp, c.ram_lcp, n, after_busy=True, lora=c.lora,
+                             prompt=c.prompt)
         assert p is not None
         ttft = _ttft(max(backlog, st.slot_free_at.get(i, now) - now), p, n, rate, s)
         key = (ttft + _penalty(p, s, rate), ttft, slots[i].last_used)

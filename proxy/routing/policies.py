@@ -67,7 +67,8 @@ class _Baseline(Policy):
 
     def choose(self, cands: list[Candidate], ask: Ask) -> Choice:
         c = self.pick(cands)
-        p = c.state.cache.predict(None, c.slot_lcp, c.ram_lcp, ask.n, lora=c.lora)
+        p = c.state.cache.predict(None, c.slot_lcp, c.ram_lcp, ask.n, lora=c.lora,
+                                  prompt=c.prompt)
         reasons: dict[str, object] = {
             "policy": self.name,
             "why": self.name,

@@ -103,7 +103,8 @@ class SlotQueue:
     def _reuse(self, st: BackendState, rid: int) -> int:
         """What waiter ``rid``'s unpinned start on ``st`` reuses (-1: it cannot start)."""
         q = st.queued[rid]
-        p = st.cache.predict(None, *self.lcps(st.cache, q.prompt), q.n, lora=q.lora)
+        p = st.cache.predict(None, *self.lcps(st.cache, q.prompt), q.n, lora=q.lora,
+                             prompt=q.prompt)
         return -1 if p is None else p.reuse
 
     def _candidates(self, st: BackendState, landed: dict[int, int]) -> set[int]:
@@ -139,7 +140,7 @@ class SlotQueue:
         cache = st.cache
         held = self._tree.match(f.prompt).held
         slot_lcp, ram_lcp = self.split(cache, held)
-        p = cache.predict(slot, slot_lcp, ram_lcp, f.n, lora=f.lora)
+        p = cache.predict(slot, slot_lcp, ram_lcp, f.n, lora=f.lora, prompt=f.prompt)
         assert p is not None, "handed an idle slot"
         had = cache.held(p.slot) if self._disk.spilling(backend) else None
         # a peer's request is restored by the replica that routed it, if at all

@@ -308,7 +308,8 @@ class Router:
                 return None
             choice = Choice(backend, slot, None, why, cand.predict_queued(n, None)[0])
         else:
-            p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n, lora=lora)
+            p = st.cache.predict(slot, cand.slot_lcp, cand.ram_lcp, n, lora=lora,
+                                 prompt=sequence)
             choice = Choice(backend, slot, p, why)
         rid = self._ledger.new_id()
         r = Prompt(rid, sequence, n, False, now, None, (), lora=lora)

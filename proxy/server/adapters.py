@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 from structlog import get_logger
 
-from backends.client import BackendClient, BadResponse
+from backends.client import Adapters, BackendClient, BadResponse
 from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError
 from proxy.routing.cache.lora import requested, scales
 from proxy.server.handlers import read_body
@@ -43,10 +43,11 @@ async def watch(pool: Pool, session: aiohttp.ClientSession,
         got = await asyncio.gather(*(BackendClient(session, b.url, b.api_key, timeout=(
             _ASK_TIMEOUT_S)).adapters() for b in infos))
         for b, now in zip(infos, got, strict=True):
-            if isinstance(now, tuple) and pool.backends.get(b.name) is b \
-                    and now != pool.router.adapters(b.name):
-                get_logger().info("backend.adapters_changed", backend=b.name, scales=now)
-                pool.router.set_adapters(b.name, now)
+            if isinstance(now, Adapters) and pool.backends.get(b.name) is b \
+                    and now.scales != pool.router.adapters(b.name):
+                get_logger().info("backend.adapters_changed", backend=b.name,
+                                  scales=now.scales)
+                pool.router.set_adapters(b.name, now.scales)
 
 
 def add_routes(app: web.Application) -> None:

@@ -44,7 +44,9 @@ def test_a_ready_backend_becomes_an_external_llama_backend_of_the_agent() -> Non
     assert r.modalities == {"vision", "video"}
     assert (r.lora, r.media_marker) == ((), "")  # (nor adapters, nor a marker)
     (r,) = parse_answer(LINK, answer({**READY, "lora": [1, 0.5], "media_marker": "<m>"}))
-    assert (r.lora, r.media_marker) == ((1.0, 0.5), "<m>")
+    assert (r.lora, r.alora, r.media_marker) == ((1.0, 0.5), (), "<m>")
+    (r,) = parse_answer(LINK, answer({**READY, "lora": [1, 0], "alora": [[], [7, 8]]}))
+    assert r.alora == ((), (7, 8))  # (adapter 1 an aLoRA invoked by tokens 7 8)
 
 
 def test_a_backend_not_ready_carries_no_address() -> None:
@@ -67,6 +69,8 @@ def test_a_backend_not_ready_carries_no_address() -> None:
     ({"modalities": [1]}, "backends[0].modalities: expected a list of media kinds"),
     ({"lora": [True]}, "backends[0].lora: expected a list of adapter scales"),
     ({"lora": {"0": 1}}, "backends[0].lora: expected a list of adapter scales"),
+    ({"alora": [7, 8]}, "backends[0].alora: expected a list of token id lists"),
+    ({"alora": [[True]]}, "backends[0].alora: expected a list of token id lists"),
 ])
 def test_a_wrong_answer_is_refused_naming_the_field(change: dict[str, Any], says: str) -> None:
     with pytest.raises(BadReport, match=re.escape(says)):

@@ -35,6 +35,10 @@ def test_demo_names_resolve_to_the_adapters_of_the_model(tmp_path: Path,
     swa = load(tmp_path, {"model": "demo-swa", "lora": ["demo"]}, allow_missing_demo=True)
     assert swa.lora == (demo_lora_path(for_model(params, 0, "gemma3")),)
     assert "gemma3" in swa.lora[0].name and "llama" in a.name and "-s1." in b.name
+    alora = load(tmp_path, {"model": "demo", "lora": ["demo", "demo-alora"]},
+                 allow_missing_demo=True).lora
+    assert alora == (a, demo_lora_path(for_model(params, 2)))
+    assert alora[1].name.endswith("-s2-i43643.1779.25.gguf")  # (its invocation named)
 
 
 def test_files_or_an_error_naming_the_fix(tmp_path: Path, demo_model: Path) -> None:
@@ -94,6 +98,10 @@ def test_the_file_is_what_llama_cpp_reads(tmp_path: Path) -> None:
     meta = read_gguf_metadata(path)
     assert meta["general.architecture"] == "llama" and meta["general.type"] == "adapter"
     assert meta["adapter.type"] == "lora" and meta["adapter.lora.alpha"] == 8.0
+    assert "adapter.alora.invocation_tokens" not in meta
+    write_lora(path, DemoLoraParams(n_layer=2, invocation=(43643, 1779, 25)))
+    meta = read_gguf_metadata(path, arrays=True)
+    assert meta["adapter.alora.invocation_tokens"] == [43643, 1779, 25]
     with pytest.raises(ValueError, match="arch must be one of"):
         DemoLoraParams(arch="lfm2")
 

@@ -12,15 +12,27 @@ names the global set in such a request it sends to a server with adapters, and t
 model takes a request without the field as one naming the global set. A slot that never
 ran a request holds no set, which differs from every set of a server with adapters.
 
-aLoRA adapters (kept, not cleared, in some of those changes) are not modelled.
+An activated LoRA (aLoRA: an adapter whose file names invocation tokens, which
+`/lora-adapters` reports) changes those rules (``should_clear``, ``launched``): a change of set
+keeps the slot when the slot's last set enabled nothing or only aLoRAs and the new one
+enables only aLoRAs, because an aLoRA leaves the KV before its invocation as the base
+model makes it. At launch, an aLoRA-only set runs one aLoRA (two or more: the server
+refuses the request), from where the server's backward scan finds its invocation tokens
+in the prompt; the slot then reuses nothing from one token before there. Not found: the
+server sets that adapter's scale to 0 in the slot's set, which is then the set it keeps.
 """
 
 from __future__ import annotations
 
 import struct
+from functools import lru_cache
+
+from proxy.routing.tree.token_bytes import WIDTH
 
 Lora = tuple[tuple[int, float], ...]  # a request's `lora`: (id, scale), ascending ids
 Scales = tuple[float, ...]  # a scale per adapter the server loaded: the set a slot ran under
+# per adapter the server loaded, its aLoRA invocation tokens (() for a plain adapter)
+Invocations = tuple[tuple[int, ...], ...]
 
 _F32 = struct.Struct("f")
 
@@ -61,3 +73,67 @@ def scales(lora: Lora, n_adapters: int) -> Scales:
     """construct_lora_list: the set ``lora`` names on a server of ``n_adapters``."""
     named = dict(lora)
     return tuple(named.get(i, 0.0) for i in range(n_adapters))
+
+
+def enabled(scales: Scales) -> list[int]:
+    """lora_get_enabled_ids: the adapters of a set at a scale other than 0."""
+    return [i for i, x in enumerate(scales) if x != 0.0]
+
+
+def all_alora(scales: Scales, inv: Invocations) -> bool:
+    """lora_all_alora: the set enables at least one adapter, and only aLoRAs."""
+    on = enabled(scales)
+    return bool(on) and all(i < len(inv) and inv[i] for i in on)
+
+
+def should_clear(current: Scales, new: Scales, inv: Invocations) -> bool:
+    """Does a slot whose last request ran under ``current`` lose its cache to a request
+    under ``new`` (are_lora_equal, then lora_should_clear_cache)?"""
+    if current == new:
+        return False
+    keeps = (not enabled(current) or all_alora(current, inv)) and all_alora(new, inv)
+    return not keeps
+
+
+@lru_cache(maxsize=8)  # (asked once per backend and slot a request is weighed for)
+def invocation_start(prompt: bytes, seq: tuple[int, ...]) -> int:
+    """Where llama-server's scan finds ``seq`` in ``prompt`` (token bytes: native int32
+    ids), in tokens; the prompt's length when it does not.
+
+    The server walks the prompt backwards matching ``seq`` from its end, and on a
+    mismatch starts over with the next token, without comparing the mismatched one with
+    the end of ``seq``: it misses an occurrence right before a partial one. A Python
+    loop from the end: it runs only for requests naming an aLoRA, whose invocation sits
+    near the prompt's end; a prompt holding no occurrence is told apart first, in C."""
+    ids = memoryview(prompt).cast("i")
+    n = len(ids)
+    if not seq or struct.pack(f"{len(seq)}i", *seq) not in prompt:
+        return n
+    last = len(seq) - 1
+    m = last
+    for i in range(n - 1, -1, -1):
+        if ids[i] == seq[m]:
+            if m == 0:
+                return i
+            m -= 1
+        else:
+            m = last
+    return n
+
+
+def launched(named: Scales, inv: Invocations, prompt: bytes
+             ) -> tuple[Scales, int | None]:
+    """The set a slot keeps after launching a request under ``named`` whose prompt is
+    ``prompt`` (token bytes), and the most it reuses of its cache (None: no limit), as
+    an aLoRA runs from its invocation (see the module's text). A set enabling two or more
+    aLoRAs is refused by the server: returned as it is."""
+    if not all_alora(named, inv):
+        return named, None
+    on = enabled(named)
+    if len(on) != 1:
+        return named, None
+    i = on[0]
+    start = invocation_start(prompt, inv[i])
+    if start == len(prompt) // WIDTH:
+        return tuple(0.0 if j == i else x for j, x in enumerate(named)), None
+    return named, (start - 1 if start > 0 else None)

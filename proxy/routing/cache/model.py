@@ -58,7 +58,7 @@ from proxy.routing.cache.checkpoints import (
     reusable,
     surviving,
 )
-from proxy.routing.cache.lora import Scales
+from proxy.routing.cache.lora import Scales, launched
 from proxy.routing.cache.predict import (
     PLAIN,
     RAM,
@@ -132,7 +132,8 @@ class BackendCache(CachePrediction):
         server checkpoints there; see proxy/routing/cache/checkpoints.py) and the
         adapters it names."""
         user_starts, lora = launch
-        p = predicted or self.predict(slot, slot_lcp, ram_lcp, n_prompt, lora=lora)
+        p = predicted or self.predict(slot, slot_lcp, ram_lcp, n_prompt, lora=lora,
+                                      prompt=prompt)
         if p is None:
             return None
         first = self._next_entry
@@ -142,7 +143,7 @@ class BackendCache(CachePrediction):
             gone = self._save(p.slot)
             lcp = min(slot_lcp.get(p.slot, 0), s.n_tokens)
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
-            reuse, tier, recompute = self.landed(p.slot, entry, got, n_prompt, lora)
+            reuse, tier, recompute = self.landed(p.slot, entry, got, n_prompt, lora, prompt)
             p = Placement(p.slot, reuse, tier, entry, p.displaced, True, p.destroyed,
                           recompute)
         if self.checkpointed:
@@ -161,7 +162,7 @@ class BackendCache(CachePrediction):
         s.ram_copy = None
         s.prompt = prompt
         s.busy = True
-        s.lora = self.lora_set(lora)
+        s.lora = launched(self.lora_set(lora), self.cap.alora, prompt)[0]
         self.idle.remove(p.slot)
         self._clock += 1
         s.last_used = self._clock

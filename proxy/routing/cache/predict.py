@@ -23,7 +23,7 @@ from proxy.routing.cache.checkpoints import (
     loaded_floor,
     reusable,
 )
-from proxy.routing.cache.lora import Lora, Scales, scales
+from proxy.routing.cache.lora import Invocations, Lora, Scales, launched, scales, should_clear
 
 if TYPE_CHECKING:
     from proxy.routing.tree.radix import RadixTree
@@ -61,6 +61,7 @@ class BackendCapacity:
     kv_bytes_per_token: int
     memory: Memory = DENSE  # how the server can cut the KV back (checkpoints)
     lora: Scales = ()  # its LoRA adapters' global scales (/lora-adapters) when it started
+    alora: Invocations = ()  # each adapter's aLoRA invocation tokens (() for a plain one)
 
     def entry_bytes(self, n_tokens: int, n_checkpoints: int = 0) -> int:
         """Bytes of a RAM entry of ``n_tokens`` as the server counts them
@@ -183,6 +184,7 @@ class CachePrediction:
         *,
         after_busy: bool = False,
         lora: Lora | None = None,
+        prompt: bytes = b"",
     ) -> Placement | None:
         """Where a request would land and what it would reuse; pure. None: no idle slot.
 
@@ -191,7 +193,8 @@ class CachePrediction:
         running request's prompt (the output it adds is not foreseen).
 
         ``lora``: the adapters the request names (None: no `lora` field: kvroute names
-        the global scales for it, see proxy/routing/cache/lora.py)."""
+        the global scales for it, see proxy/routing/cache/lora.py); ``prompt``: its token
+        bytes, where an aLoRA it names finds its invocation (b"": not looked for)."""
         pinned = slot is not None
         if slot is None:
             slot = self.server_pick(slot_lcp, n_prompt)
@@ -218,11 +221,11 @@ class CachePrediction:
             entry, got = self._best_ram(ram_lcp, n_prompt, 0, 0, set())
         elif lcp < s.n_tokens:  # kept: tail truncated
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt, self._set_kept(slot, lora))
-        reuse, tier, recompute = self.landed(slot, entry, got, n_prompt, lora)
+        reuse, tier, recompute = self.landed(slot, entry, got, n_prompt, lora, prompt)
         return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, recompute)
 
     def landed(self, slot: int, entry: int | None, got: int, n_prompt: int,
-               lora: Lora | None) -> tuple[int, str, bool]:
+               lora: Lora | None, prompt: bytes = b"") -> tuple[int, str, bool]:
         """(reuse, tier, recompute) of a request landing in ``slot`` with ``got`` tokens
         shared with what it holds then, RAM entry ``entry`` loaded into it (None: none)."""
         recompute = False
@@ -231,6 +234,9 @@ class CachePrediction:
                 got = 0  # (a RAM entry loaded is lost with the rest)
             elif self._foreign(entry, lora):
                 got, recompute = 0, True
+            elif self.cap.alora and prompt:
+                most = launched(self.lora_set(lora), self.cap.alora, prompt)[1]
+                got = got if most is None else max(0, min(got, most))
         if self.checkpointed and got:
             got = (self._from_entry(entry, got, n_prompt) if entry is not None
                    else self._from_slot(slot, got, n_prompt))
@@ -318,12 +324,15 @@ class CachePrediction:
 
     def clears(self, slot: int, lora: Lora | None) -> bool:
         """A request naming ``lora`` (None: the global scales, which kvroute names for
-        it) finds ``slot`` cleared: the slot's last request ran under another set."""
-        return self.lora_set(lora) != self.slots[slot].lora
+        it) finds ``slot`` cleared: the slot's last request ran under another set (that
+        an aLoRA does not keep: see proxy/routing/cache/lora.py)."""
+        return should_clear(self.slots[slot].lora, self.lora_set(lora), self.cap.alora)
 
     def _foreign(self, entry: int | None, lora: Lora | None) -> bool:
-        """Was RAM entry ``entry`` made under other adapters than ``lora`` names?"""
-        return entry is not None and self.ram_lora.get(entry, ()) != self.lora_set(lora)
+        """Was RAM entry ``entry`` made under adapters whose KV ``lora``'s cannot use
+        (those a slot of the entry's set would be cleared for)?"""
+        return entry is not None and should_clear(self.ram_lora.get(entry, ()),
+                                                  self.lora_set(lora), self.cap.alora)
 
     def lora_set(self, lora: Lora | None) -> Scales:
         """The adapters a request naming ``lora`` (None: no `lora` field) runs under."""
@@ -360,7 +369,7 @@ class CachePrediction:
         if not self.lora_global:
             return True
         own = self.slots[slot].lora
-        return self.lora_set(lora) == own or any(
+        return not should_clear(self.lora_set(lora), own, self.cap.alora) or any(
             i != slot and s.lora == own for i, s in enumerate(self.slots))
 
     def _unique_tail(self, slot: int, lcp: int, new_lcp: int, n_new: int,
