@@ -82,7 +82,7 @@ async def test_the_alora_runs_only_from_its_invocation(client: TestClient[Any, A
                                                        ) -> None:
     """The same invoking prompt twice: the second reuses only what lies before the
     invocation (the server caps it there, though it holds all of it)."""
-    messages = [{"role": "user", "content": words(120, 81) + INVOKE + words(5, 82)}]
+    messages = [{"role": "user", "content": words(120, 81) + INVOKE + " " + words(5, 82)}]
     rows = [await turn(client, messages, ALORA) for _ in range(2)]
     assert [p for p, *_ in rows] == [r for _, r, *_ in rows], rows
     n = rows[1][2]
