@@ -16,9 +16,11 @@ filler ids, as many as the chunk's positions. Ids are negative: no token has the
 chunk matches only the same bytes, whole. The count depends on the projector and the
 image's size: known here for images under llava's fixed-size ``mlp`` projectors (read
 from the mmproj GGUF), learned per image size from the servers' reports under any
-other (`MediaCounts`). The ids stop at the chunk (``expand``) of an image whose count is
-not known yet, and of audio, video and media the server fetches itself (URLs): the
-prediction then never counts what it cannot know.
+other (`MediaCounts`). An audio clip's count depends on its decoded samples (whisper's
+30 s windows: tests/backends/test_demo_audio.py); it is learned per clip, by its bytes.
+The file's bytes, not the part's type, say which it is (mtmd-helper.cpp). The ids stop
+at the chunk (``expand``) of media whose count is not known yet, and of video and media
+the server fetches itself (URLs): the prediction then never counts what it cannot know.
 """
 
 from __future__ import annotations
@@ -77,11 +79,14 @@ class Image(NamedTuple):
 
     digest: bytes
     shape: bytes
+    audio: bool = False  # an audio clip: counted by its bytes, never by an image's count
 
 
 def image_of(data: bytes) -> Image:
-    """The `Image` of a file's bytes."""
+    """The `Image` of a file's bytes (an image's, or an audio clip's: `_is_audio`)."""
     digest = hashlib.blake2b(data, digest_size=16).digest()
+    if _is_audio(data):
+        return Image(digest, digest, audio=True)
     size = _size(data)
     return Image(digest, digest if size is None else b"%dx%d" % size)
 
@@ -143,10 +148,8 @@ def _is_audio(data: bytes) -> bool:
 
 def completion_media(sub: Mapping[str, Any]) -> tuple[Image | None, ...]:
     """The `Image` of each file of a completion subprompt's ``multimodal_data``, in
-    order, as ``media_of`` gives a chat's (None: audio, or not decodable)."""
-    files = map(_file, _listed(sub))
-    return tuple(None if data is None or _is_audio(data) else image_of(data)
-                 for data in files)
+    order, as ``media_of`` gives a chat's (None: not decodable)."""
+    return tuple(None if data is None else image_of(data) for data in map(_file, _listed(sub)))
 
 
 def ends_with_media(prompt: object, markers: Iterable[str]) -> bool:
@@ -179,10 +182,10 @@ def with_marker(text: str, markers: Iterable[str], marker: str) -> str:
 
 
 def media_of(body: Mapping[str, Any]) -> tuple[Image | None, ...]:
-    """The `Image` of each image part, in the order the server reads the media (None:
-    audio or video, whose positions are not modelled here, or bytes the server fetches
+    """The `Image` of each image or audio part, in the order the server reads the media
+    (None: video, whose positions are not modelled here, or bytes the server fetches
     itself or cannot decode)."""
-    return tuple(_image(t, part) if PART_KINDS[t] == VISION else None
+    return tuple(_image(t, part) if PART_KINDS[t] != VIDEO else None
                  for t, part in _parts(body))
 
 
@@ -292,7 +295,10 @@ class MediaCounts:
 
     def chunk(self, image: Image) -> array | None:
         """The ids of ``image`` (None: its count is not known)."""
-        n = self.model.positions if self.model is not None else self._learned.get(image.shape)
+        if self.model is not None:
+            n = None if image.audio else self.model.positions
+        else:
+            n = self._learned.get(image.shape)
         if n is None:
             return None
         if self.model is None:
@@ -301,8 +307,8 @@ class MediaCounts:
 
     def learn(self, ids: array, media: tuple[Image | None, ...], reported: int) -> bool:
         """A server gave ``reported`` positions to the prompt of ``ids`` (SENTINELs where
-        ``media`` go): learn the count of the one image size of it not known. False when
-        there is none, or more than one, or media that are not images."""
+        ``media`` go): learn the count of the one image size (or audio clip) of it not
+        known. False when there is none, or more than one, or media not decoded here."""
         if not self.learns or ids.count(SENTINEL) != len(media):
             return False
         shapes = [m.shape for m in media if m is not None]

@@ -19,14 +19,7 @@ clip in the slot or the RAM cache. What it shows:
 
 from __future__ import annotations
 
-import array
-import base64
 import dataclasses
-import io
-import math
-import random
-import struct
-import wave
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -35,9 +28,10 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+from audio import audio_part, samples, wav
 
 from backends.config import ManagedBackendConfig
-from backends.demo_audio import SAMPLE_RATE, ensure_demo_audio, for_model
+from backends.demo_audio import ensure_demo_audio, for_model
 from backends.demo_model import DemoModelParams, ensure_demo_model
 from backends.supervisor import Supervisor
 from proxy.config.load import Config
@@ -49,37 +43,10 @@ WINDOW = PARAMS.window_positions  # 150
 SYSTEM = {"role": "system", "content": "You listen to recordings."}
 
 
-def samples(seconds: float, rate: int = SAMPLE_RATE) -> int:
-    return round(seconds * rate)
-
-
-def wav(seed: int, seconds: float, extra: bytes = b"", rate: int = SAMPLE_RATE) -> bytes:
-    """A 16-bit mono WAV: a sine whose pitch depends on ``seed``, with noise. ``extra``
-    is appended as a LIST chunk after the samples: other bytes, the same samples."""
-    rng = random.Random(seed)
-    step = 2 * math.pi * (110 + 37 * seed % 2000) / rate
-    pcm = array.array("h", (int(8000 * math.sin(i * step)) + rng.randint(-800, 800)
-                            for i in range(samples(seconds, rate))))
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    data = out.getvalue()
-    if extra:
-        extra += b"\0" * (len(extra) % 2)  # RIFF chunks are word-aligned
-        data += b"LIST" + struct.pack("<I", len(extra)) + extra
-        data = data[:4] + struct.pack("<I", len(data) - 8) + data[8:]
-    return data
-
-
 def user(text: str, *clips: bytes) -> dict[str, Any]:
     """A user message: the text, then each clip."""
     parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
-    parts += [{"type": "input_audio",
-               "input_audio": {"data": base64.b64encode(c).decode(), "format": "wav"}}
-              for c in clips]
+    parts += [audio_part(c) for c in clips]
     return {"role": "user", "content": parts}
 
 

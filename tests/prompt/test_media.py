@@ -39,6 +39,8 @@ from proxy.prompt.media import (
 
 PNG = b"\x89PNG\r\n\x1a\nfake"
 B64 = base64.b64encode(PNG).decode()
+WAV = b"RIFF\x00\x00\x00\x00WAVEfmt "
+W64 = base64.b64encode(WAV).decode()
 
 
 @pytest.mark.parametrize(("url", "data"), [
@@ -72,7 +74,10 @@ def test_media_of_keys_by_bytes_in_the_servers_order() -> None:
                                      {"type": "image_url", "image_url": {"url": "http://x"}}]}]}
     a, b, c, d = media_of(body)
     assert a != b and a is not None and b is not None
-    assert c is None and d is None  # audio: positions not modelled; a URL: not read here
+    assert c == a and d is None  # (its bytes make an image, whatever the part); a URL: not read
+    (clip,) = media_of({"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": W64, "format": "wav"}}]}]})
+    assert clip == image_of(WAV) and clip is not None and clip.audio and clip.shape == clip.digest
     again = {"messages": [{"role": "user", "content": [img(B64)]}]}
     assert media_of(again) == (a,)
     assert media_kinds(body) == {"vision", "audio"}
@@ -141,8 +146,6 @@ def test_parts_join_as_the_server_joins_them(parts: list[dict[str, str]], joined
     assert _join_parts(parts) == joined
 
 
-WAV = b"RIFF\x00\x00\x00\x00WAVEfmt "
-W64 = base64.b64encode(WAV).decode()
 
 
 @pytest.mark.parametrize(("prompt", "kinds", "digests"), [
@@ -150,7 +153,7 @@ W64 = base64.b64encode(WAV).decode()
     ({"prompt_string": "x"}, set(), ()),
     ({"prompt_string": "x", "multimodal_data": [B64]}, {"vision"}, (True,)),
     ({"prompt_string": "x", "multimodal_data": [W64, B64]}, {"audio", "vision"},
-     (False, True)),
+     (True, True)),
     # a data URI or a URL decodes to bytes no loader takes: no kind, no digest
     ({"prompt_string": "x", "multimodal_data": [f"data:image/png;base64,{B64}", 3]}, set(),
      (False, False)),
