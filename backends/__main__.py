@@ -29,6 +29,9 @@ from backends.binary import (
     gpu_variant,
     llama_cpp_python_version,
 )
+from backends.demo_audio import ensure_demo_audio
+from backends.demo_audio import ensure_if_used as ensure_audio_if_used
+from backends.demo_audio import for_model as audio_for_model
 from backends.demo_lora import demo_lora_paths
 from backends.demo_lora import ensure_if_used as ensure_loras_if_used
 from backends.demo_mmproj import ensure_demo_mmproj, ensure_if_used, for_model
@@ -67,6 +70,8 @@ def prepare(config_path: Path | None, all_demos: bool = False,
         loras += (demo_lora_paths(params, DEMO_KINDS[DEMO].arch) or {}).values()
     mmproj = (ensure_demo_mmproj(for_model(params)) if all_demos
               else ensure_if_used(params, mmprojs))
+    audio = (ensure_demo_audio(audio_for_model(params)) if all_demos
+             else ensure_audio_if_used(params, mmprojs))
     return {
         "llama_server": {"path": str(binary.path), "version": binary.version,
                          "source": binary.source},
@@ -75,6 +80,7 @@ def prepare(config_path: Path | None, all_demos: bool = False,
                        "params": params.tag()},
         "other_demo_models": others,
         "demo_mmproj": None if mmproj is None else str(mmproj),
+        "demo_audio_mmproj": None if audio is None else str(audio),
         "demo_loras": [str(p) for p in ensure_loras_if_used(params, loras)],
         "llama_cpp_python": llama_cpp_python_version(),
         "libllama": str(libllama),

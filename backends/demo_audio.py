@@ -15,11 +15,13 @@ of 29.99 s to 59.98 s two. The encoder is tiny (2 layers of width 64) so that a 
 costs about as much CPU as its positions in text tokens. Output is noise, as the text
 model's is.
 
-The file is cached by its sizes and seed, as the demo models are.
+`mmproj: demo-audio` gives it to a demo model's backend. The file is cached by its sizes
+and seed, as the demo models are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from backends.binary import Progress, _print, cache_dir
 from backends.demo_gguf import ModelShape, Weights, synthesised
 
 PROJECTOR = "ultravox"  # clip.projector_type
+DEMO_AUDIO = "demo-audio"  # `mmproj: demo-audio` in config.yaml
 SAMPLE_RATE = 16000  # what mtmd resamples every clip to (whisper's)
 HOP = 160  # samples per mel frame (whisper's; clip.cpp fixes it, as the rate and the FFT)
 WINDOW_FRAMES = 3000  # mel frames per chunk: 30 s, whisper's input
@@ -87,6 +90,16 @@ def demo_audio_path(params: DemoAudioParams | None = None) -> Path:
     """Where the demo audio projector of these sizes lives (may not exist)."""
     params = params or DemoAudioParams()
     return cache_dir() / "models" / f"kvroute-mmproj-{PROJECTOR}-{params.tag()}.gguf"
+
+
+def ensure_if_used(text: ModelShape, mmprojs: Iterable[Path | None],
+                   progress: Progress = _print) -> Path | None:
+    """The demo audio projector for these text sizes, built if it is among ``mmprojs``
+    (the managed backends'): what `prepare` and `serve` build for a config."""
+    params = for_model(text)
+    if demo_audio_path(params) not in set(mmprojs):
+        return None
+    return ensure_demo_audio(params, progress)
 
 
 def _add_keys(w: Any, p: DemoAudioParams) -> None:

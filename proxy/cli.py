@@ -41,6 +41,7 @@ def _default_config_path(given: Path | None) -> Path | None:
 def _prepare_artifacts(cfg: Config | AgentConfig) -> None:
     """Obtain what the managed backends need; builds only on first use."""
     from backends.binary import ensure_libllama, ensure_llama_server
+    from backends.demo_audio import ensure_if_used as ensure_audio_if_used
     from backends.demo_lora import ensure_if_used as ensure_loras_if_used
     from backends.demo_mmproj import ensure_if_used
     from backends.demo_model import demo_kinds_for, ensure_demo_model
@@ -52,7 +53,9 @@ def _prepare_artifacts(cfg: Config | AgentConfig) -> None:
     demos = [b.model for b in cfg.managed() if b.is_demo]
     for kind in demo_kinds_for(cfg.demo_model, demos):  # demo, demo-swa, demo-hybrid
         ensure_demo_model(cfg.demo_model, kind=kind)
-    ensure_if_used(cfg.demo_model, (b.mmproj for b in cfg.managed()))  # `mmproj: demo`
+    mmprojs = [b.mmproj for b in cfg.managed()]
+    ensure_if_used(cfg.demo_model, mmprojs)  # `mmproj: demo`
+    ensure_audio_if_used(cfg.demo_model, mmprojs)  # `mmproj: demo-audio`
     ensure_loras_if_used(cfg.demo_model, (p for b in cfg.managed() for p in b.lora))
 
 

@@ -19,6 +19,8 @@ from backends.config import (
     ManagedBackendConfig,
     SupervisionConfig,
 )
+from backends.demo_audio import DEMO_AUDIO, demo_audio_path
+from backends.demo_audio import for_model as audio_for_model
 from backends.demo_lora import DEMO_LORAS, demo_lora_paths
 from backends.demo_mmproj import DEMO_MMPROJ, demo_mmproj_path, for_model
 from backends.demo_model import DEMO_KINDS, DemoModelParams, demo_model_path
@@ -42,7 +44,8 @@ def demo_params(raw: object) -> DemoModelParams:
 
 
 def _backend(raw: object, i: int, base: Path, demos: Mapping[str, Path],
-             demo_mmproj: Path, demo_loras: Mapping[str, Mapping[str, Path] | None],
+             demo_mmproj: Mapping[str, Path],
+             demo_loras: Mapping[str, Mapping[str, Path] | None],
              allow_missing_demo: bool) -> BackendConfig:
     """One entry of `backends:`; ``demos``: the demo models' files by name,
     ``demo_loras``: each one's demo adapters by name (None: none fit it)."""
@@ -114,16 +117,17 @@ def _external(sec: _Section, where: str, name: str, base: Path) -> ExternalBacke
     return ext
 
 
-def _mmproj(sec: _Section, where: str, base: Path, demo: Path | None,
+def _mmproj(sec: _Section, where: str, base: Path, demos: Mapping[str, Path] | None,
             allow_missing_demo: bool) -> Path | None:
-    """``mmproj: demo`` (the demo models' projector, ``demo``: None for a model it does
-    not fit) or the path of a projector GGUF."""
+    """``mmproj: demo`` or ``demo-audio`` (the demo models' projectors by name, ``demos``:
+    None for a model they do not fit) or the path of a projector GGUF."""
     raw = sec.get_str("mmproj", None, "demo")
     if raw is None:
         return None
-    if raw == DEMO_MMPROJ:
+    if raw in (DEMO_MMPROJ, DEMO_AUDIO):
+        demo = None if demos is None else demos[raw]
         if demo is None:
-            raise ConfigError(f"{where}mmproj: `demo` is the demo models' projector and "
+            raise ConfigError(f"{where}mmproj: `{raw}` is one of the demo models' projectors and "
                               "fits only them (fix: the path of this model's own mmproj "
                               ".gguf, or model: demo)")
         if demo.is_file() or allow_missing_demo:
@@ -233,7 +237,8 @@ def backend_list(top: _Section, base: Path, params: DemoModelParams,
     """`backends:`, each named once (none at all: only with ``optional``, a router whose
     agents run them)."""
     demos = {k: demo_model_path(params, kind=k) for k in DEMO_NAMES}
-    demo_mmproj = demo_mmproj_path(for_model(params))
+    demo_mmproj = {DEMO_MMPROJ: demo_mmproj_path(for_model(params)),
+                   DEMO_AUDIO: demo_audio_path(audio_for_model(params))}
     demo_loras = {k: demo_lora_paths(params, DEMO_KINDS[k].arch) for k in DEMO_NAMES}
     raw_backends = top._get("backends")
     if optional and raw_backends in (None, []):

@@ -11,6 +11,8 @@ import yaml
 from managed_config import error_of, load
 
 from backends.config import ManagedBackendConfig
+from backends.demo_audio import demo_audio_path
+from backends.demo_audio import for_model as audio_for_model
 from backends.demo_mmproj import DemoMmprojParams, demo_mmproj_path, ensure_if_used, for_model
 from backends.demo_model import DemoModelParams
 from backends.process import ServerSpec
@@ -25,6 +27,9 @@ def test_demo_resolves_to_the_projector_of_the_demo_sizes(tmp_path: Path,
     b = load(tmp_path, {"model": "demo", "mmproj": "demo"}, allow_missing_demo=True)
     assert b.mmproj == want and "T512" in want.name
     assert load(tmp_path, {"model": "demo"}).mmproj is None
+    audio = load(tmp_path, {"model": "demo", "mmproj": "demo-audio"}, allow_missing_demo=True)
+    assert audio.mmproj == demo_audio_path(audio_for_model(DemoModelParams()))
+    assert "ultravox" in audio.mmproj.name and "T512" in audio.mmproj.name
 
 
 def test_a_missing_demo_projector_says_how_to_build_it(tmp_path: Path,
@@ -51,7 +56,7 @@ def test_a_file_or_an_error_naming_the_fix(tmp_path: Path, demo_model: Path) -> 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     msg = error_of(tmp_path, {"model": str(model), "mmproj": "demo"})
-    assert "backends[0].mmproj: `demo` is the demo models' projector" in msg
+    assert "backends[0].mmproj: `demo` is one of the demo models' projectors" in msg
     assert "expected a non-empty string" in error_of(tmp_path, {"model": "demo", "mmproj": 3})
     # an external server's projector is its own business: it reports it in /props
     msg = error_of(tmp_path, {"url": "http://127.0.0.1:9", "mmproj": "demo"})
