@@ -279,6 +279,11 @@ class Adapters:
     alora: tuple[tuple[int, ...], ...] = ()
 
 
+def _token_id(t: object) -> bool:
+    """A vocabulary's token id (an int32 at least 0)."""
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+
+
 def adapter_list(raw: object) -> Adapters | None:
     """The adapters of a `GET /lora-adapters` answer (None: not one)."""
     if not isinstance(raw, list):
@@ -290,8 +295,7 @@ def adapter_list(raw: object) -> Adapters | None:
                 or not isinstance(scale, int | float) or isinstance(scale, bool):
             return None
         inv = a.get("alora_invocation_tokens", [])
-        if not isinstance(inv, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in inv):
+        if not isinstance(inv, list) or not all(_token_id(t) for t in inv):
             return None
         got[i] = (float(scale), tuple(inv))
     if len(got) != len(raw):

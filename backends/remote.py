@@ -124,8 +124,9 @@ def _alora(raw: object, where: str) -> tuple[tuple[int, ...], ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list) or len(raw) > 1024 or not all(
-            isinstance(t, list) and len(t) <= 4096
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in t) for t in raw):
+            isinstance(t, list) and len(t) <= 4096 and all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31 for x in t)
+            for t in raw):
         raise BadReport(f"{where}.alora: expected a list of token id lists")
     return tuple(tuple(t) for t in raw)
 

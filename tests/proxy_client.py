@@ -58,6 +58,12 @@ class Turn(NamedTuple):
     answer: str
 
 
+def close(predicted: int, reported: int, total: int) -> bool:
+    """A prediction within max(16, 2%) of the prompt (the answers' own tokens, random,
+    may retokenize otherwise when a later turn sends them back)."""
+    return abs(predicted - reported) <= max(16, total // 50)
+
+
 async def chat_turn(client: TestClient[Any, Any], body: dict[str, Any]) -> Turn:
     async with client.post("/v1/chat/completions", json=body) as r:
         data = await r.json()

@@ -21,14 +21,17 @@ from backends.config import (
 )
 from backends.demo_audio import DEMO_AUDIO, demo_audio_path
 from backends.demo_audio import for_model as audio_for_model
-from backends.demo_lora import DEMO_LORAS, demo_lora_paths
+from backends.demo_lora import DEMO_LORAS, INVOCATIONS, demo_lora_paths
 from backends.demo_mmproj import DEMO_MMPROJ, demo_mmproj_path, for_model
-from backends.demo_model import DEMO_KINDS, DemoModelParams, demo_model_path
+from backends.demo_model import DEMO_KINDS, QWEN2, DemoModelParams, demo_model_path
 from proxy.config.disk import slot_save_path
 from proxy.config.fields import ConfigError, _path, _Section, _show, unique_names
 
 # `model: demo`, `demo-swa` (sliding-window attention), `demo-hybrid` (recurrent layers)
 DEMO_NAMES = tuple(DEMO_KINDS)
+
+# the demo adapters that are aLoRAs (invoked by Qwen2 tokens)
+ALORA = frozenset(n for n, seed in DEMO_LORAS.items() if seed in INVOCATIONS)
 
 
 def demo_params(raw: object) -> DemoModelParams:
@@ -141,6 +144,15 @@ def _mmproj(sec: _Section, where: str, base: Path, demos: Mapping[str, Path] | N
     return path
 
 
+def _demo_loras(params: DemoModelParams, kind: str) -> dict[str, Path] | None:
+    """The demo adapters that fit demo model ``kind``: the aLoRA's invocation tokens are
+    Qwen2's, so it fits only the demo models of that vocabulary."""
+    paths = demo_lora_paths(params, DEMO_KINDS[kind].arch)
+    if paths is None or DEMO_KINDS[kind].vocab == QWEN2:
+        return paths
+    return {name: path for name, path in paths.items() if name not in ALORA}
+
+
 def _loras(sec: _Section, where: str, base: Path, demo: Mapping[str, Path] | None,
            allow_missing_demo: bool) -> tuple[Path, ...]:
     """``lora: [demo, demo1]`` (the demo models' two adapters, ``demo``: None for a
@@ -155,10 +167,12 @@ def _loras(sec: _Section, where: str, base: Path, demo: Mapping[str, Path] | Non
     out: list[Path] = []
     for name in items:
         if name in DEMO_LORAS:
-            if demo is None:
+            if demo is None or name not in demo:
+                fits = ("the demo models with attention in every layer" if name not in ALORA
+                        else "demo and demo-swa (its invocation is of their vocabulary)")
                 raise ConfigError(f"{where}lora: `{name}` is a demo adapter and fits only "
-                                  "the demo models with attention in every layer (fix: "
-                                  "the path of this model's own adapter, or model: demo)")
+                                  f"{fits} (fix: the path of this model's own adapter, or "
+                                  "model: demo)")
             path = demo[name]
             if not (path.is_file() or allow_missing_demo):
                 raise ConfigError(f"{where}lora: file not found: {path} (fix: run `python "
@@ -239,7 +253,7 @@ def backend_list(top: _Section, base: Path, params: DemoModelParams,
     demos = {k: demo_model_path(params, kind=k) for k in DEMO_NAMES}
     demo_mmproj = {DEMO_MMPROJ: demo_mmproj_path(for_model(params)),
                    DEMO_AUDIO: demo_audio_path(audio_for_model(params))}
-    demo_loras = {k: demo_lora_paths(params, DEMO_KINDS[k].arch) for k in DEMO_NAMES}
+    demo_loras = {k: _demo_loras(params, k) for k in DEMO_NAMES}
     raw_backends = top._get("backends")
     if optional and raw_backends in (None, []):
         return ()

@@ -75,7 +75,8 @@ class Image(NamedTuple):
     --image-min-tokens and --image-max-tokens bound it, alike on a pool's servers), so
     images of one size share it: ``shape`` is the size, or the digest when kvroute
     cannot be sure of the size stb_image decodes (see `_size`). (DeepSeek-V4 pads its
-    images by the position they start at: nothing is learned for it.)"""
+    images by the position they start at: nothing is learned for it.) An audio clip is
+    kept alike, ``shape`` its digest: its count depends on its decoded samples."""
 
     digest: bytes
     shape: bytes

@@ -74,6 +74,9 @@ class Candidate:
             alone = cache.predict_behind(self.slot_lcp, self.ram_lcp, 0, None, 0, n, self.lora)
             if alone.reuse >= min_tokens and alone.reuse > first.reuse:
                 first = alone
+        most = cache.alora_most(self.lora, self.prompt)
+        if most is not None and first.reuse > most:  # (an aLoRA runs from its invocation)
+            first = first._replace(reuse=most, tier=first.tier if most else "none")
         if min_tokens is not None:
             awaited = st.targets.values()
             held = [(got, i) for i, got in self.slot_lcp.items()

@@ -58,7 +58,8 @@ class RequestEnds:
             reuse = min(len(f.prompt) // 4 + more, n - 1)
         claims = d.claims and not _goes_on(f.prior, q)
         if f.slot is not None:
-            st.cache.extend_prompt(f.slot, q, user_starts)
+            most = st.cache.extend_prompt(f.slot, q, user_starts)
+            reuse = reuse if most is None else min(reuse, most)
         else:
             st.requeue(d.request_id, n, q)
         work = n - reuse + self._settings.request_overhead_tokens

@@ -126,8 +126,9 @@ def _media_counts(mmproj: Path | None, gguf: Path) -> MediaCounts:
     model = MediaModel.read(mmproj) if modelled and mmproj is not None else None
     if mmproj is not None and model is None:
         get_logger().info("media.positions_unknown", mmproj=str(mmproj),
-                          now="learned per image size from what its servers report"
-                          if modelled else "a prompt's ids stop at its first image or audio")
+                          now="learned per image size (audio: per clip) from what its "
+                          "servers report" if modelled
+                          else "a prompt's ids stop at its first image or audio")
     return MediaCounts(model, learns=modelled)
 
 

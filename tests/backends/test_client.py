@@ -25,6 +25,8 @@ ALORA = {"id": 1, "path": "b.gguf", "scale": 0.5, "task_name": "", "prompt_prefi
     ([{**PLAIN, "id": True}], None),
     ([{**ALORA, "id": 0, "alora_invocation_tokens": "x"}], None),
     ([{**ALORA, "id": 0, "alora_invocation_tokens": [1.5]}], None),
+    ([{**ALORA, "id": 0, "alora_invocation_tokens": [-2]}], None),  # (no token's id)
+    ([{**ALORA, "id": 0, "alora_invocation_tokens": [2**31]}], None),
 ])
 def test_adapters_are_read_by_id(raw: object, want: Adapters | None) -> None:
     assert adapter_list(raw) == want

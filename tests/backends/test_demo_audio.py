@@ -8,7 +8,7 @@ clip in the slot or the RAM cache. What it shows:
 
 - `/props` modalities {vision: false, video: false, audio: true}.
 - A clip takes 150 positions per whole 30 s window of (samples + 30 s of silence): 150
-  up to 29.98 s, 300 from 29.99 s to 59.97 s (DemoAudioParams.positions). mtmd writes no
+  up to 29.98 s, 300 from 29.99 s to 59.98 s (DemoAudioParams.positions). mtmd writes no
   marker tokens around it (Ultravox), so prompt_tokens = text + positions.
 - Each window is a chunk of its own ("decoding audio batch" once per window in the log),
   all keyed by the SHA-256 of the bytes sent (mtmd-helper.cpp), not of the samples: the

@@ -71,6 +71,7 @@ def test_a_backend_not_ready_carries_no_address() -> None:
     ({"lora": {"0": 1}}, "backends[0].lora: expected a list of adapter scales"),
     ({"alora": [7, 8]}, "backends[0].alora: expected a list of token id lists"),
     ({"alora": [[True]]}, "backends[0].alora: expected a list of token id lists"),
+    ({"alora": [[-2]]}, "backends[0].alora: expected a list of token id lists"),
 ])
 def test_a_wrong_answer_is_refused_naming_the_field(change: dict[str, Any], says: str) -> None:
     with pytest.raises(BadReport, match=re.escape(says)):

@@ -50,6 +50,11 @@ def test_files_or_an_error_naming_the_fix(tmp_path: Path, demo_model: Path) -> N
     msg = error_of(tmp_path, {"model": "demo-hybrid", "lora": ["demo"]},
                    allow_missing_demo=True)
     assert "backends[0].lora: `demo` is a demo adapter" in msg
+    msg = error_of(tmp_path, {"model": "demo-coder", "lora": ["demo-alora"]},
+                   allow_missing_demo=True)
+    assert "`demo-alora` is a demo adapter and fits only demo and demo-swa" in msg
+    assert load(tmp_path, {"model": "demo-coder", "lora": ["demo"]},
+                allow_missing_demo=True).lora  # (a plain one fits it)
     assert load(tmp_path, {"model": "demo", "lora": []}).lora == ()
     for bad in ([3], ["one.gguf", "one.gguf"], {"a": 1}):
         msg = error_of(tmp_path, {"model": "demo", "lora": bad})

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
 from audio import audio_part, wav
-from proxy_client import demo_chat, serving
+from proxy_client import close, demo_chat, serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
@@ -35,10 +35,6 @@ async def client(pool_config: Callable[..., Config]) -> AsyncIterator[TestClient
     b = dataclasses.replace(b, mmproj=ensure_demo_audio(for_model(DemoModelParams())))
     async with serving(dataclasses.replace(cfg, backends=(b,))) as c:
         yield c
-
-
-def close(p: int, r: int, total: int) -> bool:
-    return abs(p - r) <= max(16, total // 50)
 
 
 def asks(text: str, clip: bytes) -> dict[str, Any]:

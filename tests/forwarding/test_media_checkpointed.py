@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient
 from images import data_uri, png
-from proxy_client import carried_turns, demo_chat, serving
+from proxy_client import carried_turns, close, demo_chat, serving
 from texts import words
 
 from backends.config import ManagedBackendConfig
@@ -42,10 +42,6 @@ async def client(request: pytest.FixtureRequest, pool_config: Callable[..., Conf
         {"mmproj": mmproj} if count == "read" else {"extra_args": ("--mmproj", str(mmproj))}))
     async with serving(dataclasses.replace(cfg, backends=(b,))) as c:
         yield c
-
-
-def close(predicted: int, reported: int, total: int) -> bool:
-    return abs(predicted - reported) <= max(16, total // 50)
 
 
 def user(text: str, *images: bytes) -> dict[str, Any]:

@@ -146,8 +146,6 @@ def test_parts_join_as_the_server_joins_them(parts: list[dict[str, str]], joined
     assert _join_parts(parts) == joined
 
 
-
-
 @pytest.mark.parametrize(("prompt", "kinds", "digests"), [
     ("text", set(), ()),
     ({"prompt_string": "x"}, set(), ()),

@@ -1,7 +1,7 @@
 """Activated LoRA (aLoRA) adapters in the cache model: when a change of adapters keeps a
 slot's cache, where the server finds an aLoRA's invocation, and what it then reuses
 (the rules of proxy/routing/cache/lora.py; measured on real servers in
-tests/backends/test_demo_lora.py)."""
+tests/forwarding/test_alora_routing.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from proxy.routing.cache.lora import (
 )
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.predict import SLOT, BackendCapacity, Launch, Placement, ServerRules
+from proxy.routing.decision import Report
+from proxy.routing.routed import Routed
+from proxy.routing.router import Router
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.token_bytes import to_token_bytes
 
@@ -159,3 +162,27 @@ def test_a_ram_entry_of_the_base_model_serves_an_alora() -> None:
     p = run(c, [*P, *INV], ALORA, slot=0)
     assert (p.tier, p.recompute) == ("ram", False)
     assert p.reuse == n - 1
+
+
+@pytest.mark.parametrize("on_head", [False, True])
+def test_decided_on_the_head_the_alora_is_found_in_the_whole(on_head: bool) -> None:
+    """An aLoRA's invocation lies in the prompt's tail, past the head a long prompt is
+    routed on: extended to the whole, the prediction is capped at the invocation and the
+    slot keeps the aLoRA's set, as when decided on the whole."""
+    r = Router()
+    r.add_backend(make().cap)
+    first = r.decide([*P, *INV], launch=Launch(lora=NONE))  # (under the base model)
+    assert isinstance(first, Routed)
+    first.placed()
+    first.complete(Report(output_tokens=[5], reported_cached=0), now=0.0)
+    whole = [*P, *INV, 5, 11]  # the slot holds all but the 11; the aLoRA runs from INV
+    d = r.decide(P if on_head else whole, n_prompt=len(whole) if on_head else None,
+                 launch=Launch(lora=ALORA))
+    assert isinstance(d, Routed)
+    d.placed()
+    if on_head:
+        d = r.extend(d, whole)
+    assert d.predicted_cached == len(P) - 1
+    d.complete(Report(output_tokens=[5], reported_cached=len(P) - 1), now=1.0)
+    ((_, _, kept),) = r.peers.held_slots("b0")
+    assert kept == ((0, 0.0), (1, 1.0), (2, 0.0))  # (a base request is cleared next)

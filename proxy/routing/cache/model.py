@@ -58,7 +58,7 @@ from proxy.routing.cache.checkpoints import (
     reusable,
     surviving,
 )
-from proxy.routing.cache.lora import Scales, launched
+from proxy.routing.cache.lora import Lora, Scales, launched
 from proxy.routing.cache.predict import (
     PLAIN,
     RAM,
@@ -107,6 +107,9 @@ class BackendCache(CachePrediction):
         # while a checkpointed slot is busy: where its prompt resumed, to place its
         # checkpoints again once the whole prompt is known (see extend_prompt)
         self._ck_start: dict[int, Resumed] = {}
+        # the set each slot's last request named, on a backend with aLoRAs (the set it
+        # keeps depends on the whole prompt, which a head does not hold)
+        self._named: dict[int, Scales] = {}
         self._next_entry = 0
         self._clock = 0
         self.starts = 0  # tasks started so far (see `saved_idle`)
@@ -139,6 +142,7 @@ class BackendCache(CachePrediction):
         first = self._next_entry
         s = self.slots[p.slot]
         cleared = self.clears(p.slot, lora)
+        kept_set, most = self._launched(p.slot, lora, prompt, n_prompt)
         if p.saved:
             gone = self._save(p.slot)
             lcp = min(slot_lcp.get(p.slot, 0), s.n_tokens)
@@ -147,8 +151,10 @@ class BackendCache(CachePrediction):
             p = Placement(p.slot, reuse, tier, entry, p.displaced, True, p.destroyed,
                           recompute)
         if self.checkpointed:
-            # (a cleared slot keeps none of its checkpoints, nor of the entry loaded)
-            self._start_checkpoints(p, {} if cleared else slot_lcp, {} if cleared else ram_lcp,
+            # (a cleared slot keeps none of its checkpoints, nor of the entry loaded; an
+            # aLoRA's resumes no later than its invocation)
+            kept = {} if cleared else _at_most(slot_lcp, most)
+            self._start_checkpoints(p, kept, {} if cleared else _at_most(ram_lcp, most),
                                     prompt, n_prompt, user_starts)
         if p.ram_entry is not None:
             self.ram_bytes -= self.entry_size(p.ram_entry)
@@ -162,7 +168,7 @@ class BackendCache(CachePrediction):
         s.ram_copy = None
         s.prompt = prompt
         s.busy = True
-        s.lora = launched(self.lora_set(lora), self.cap.alora, prompt)[0]
+        s.lora = kept_set
         self.idle.remove(p.slot)
         self._clock += 1
         s.last_used = self._clock
@@ -172,6 +178,18 @@ class BackendCache(CachePrediction):
                 self._save_idle_slot(i)
         self.created = tuple(e for e in range(first, self._next_entry) if e in self.ram)
         return p
+
+    def _launched(self, slot: int, lora: Lora | None, prompt: bytes, n_prompt: int
+                  ) -> tuple[Scales, int | None]:
+        """The set ``slot`` keeps once a request under ``lora`` launches there, and the
+        most it reuses (see proxy/routing/cache/lora.py `launched`). Of a prompt's head,
+        the set as named (the invocation lies in the rest, `extend_prompt`)."""
+        named = self.lora_set(lora)
+        if not self.cap.alora:
+            return named, None
+        self._named[slot] = named
+        return launched(named, self.cap.alora, prompt) if n_prompt == len(prompt) // 4 \
+            else (named, None)
 
     def correct(self, slot: int, prompt: bytes, slot_lcp: dict[int, int],
                 ram_lcp: dict[int, int], n_prompt: int, launch: Launch = PLAIN
@@ -271,12 +289,14 @@ class BackendCache(CachePrediction):
             self._save_idle_slot(slot)
 
     def extend_prompt(self, slot: int, prompt: bytes, user_starts: Sequence[int] = ()
-                      ) -> None:
+                      ) -> int | None:
         """A busy slot's prompt turns out longer: ``prompt`` extends what it started
-        with (the request was decided on the prompt's head, see Router.extend)."""
+        with (the request was decided on the prompt's head, see Router.extend). Returns
+        the most the request reuses, as an aLoRA it names runs from its invocation (None:
+        no such limit)."""
         s = self.slots[slot]
         if not s.busy or s.prompt is None or not prompt.startswith(s.prompt):
-            return
+            return None
         h = self.slot_holder(slot)
         if self.tree.held_len(h) * 4 == len(s.prompt):
             self.tree.extend(h, prompt[len(s.prompt):])
@@ -288,6 +308,11 @@ class BackendCache(CachePrediction):
         if resumed is not None:
             s.checkpoints = created(self.cap.memory, s.n_tokens, resumed, user_starts,
                                     s.last_used, media_spans(prompt))
+        named = self._named.get(slot)
+        if named is None:
+            return None
+        s.lora, most = launched(named, self.cap.alora, prompt)
+        return most
 
     def _save_idle_slot(self, i: int) -> None:
         """--cache-idle-slots: after a task starts, every idle slot is saved to RAM."""
@@ -438,3 +463,8 @@ class BackendCache(CachePrediction):
             "ram_bytes": self.ram_bytes,
             "ram_cache_bytes": self.cap.ram_cache_bytes,
         }
+
+
+def _at_most(lcp: dict[int, int], most: int | None) -> dict[int, int]:
+    """``lcp`` with each holder's shared tokens no more than ``most`` (None: as it is)."""
+    return lcp if most is None else {k: min(v, most) for k, v in lcp.items()}

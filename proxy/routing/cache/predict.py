@@ -234,9 +234,8 @@ class CachePrediction:
                 got = 0  # (a RAM entry loaded is lost with the rest)
             elif self._foreign(entry, lora):
                 got, recompute = 0, True
-            elif self.cap.alora and prompt:
-                most = launched(self.lora_set(lora), self.cap.alora, prompt)[1]
-                got = got if most is None else max(0, min(got, most))
+            elif (most := self.alora_most(lora, prompt)) is not None:
+                got = min(got, most)
         if self.checkpointed and got:
             got = (self._from_entry(entry, got, n_prompt) if entry is not None
                    else self._from_slot(slot, got, n_prompt))
@@ -286,7 +285,8 @@ class CachePrediction:
         of the first ``k - n_slots + 1`` of them, summed: the prompts their slots hold
         when the starts after theirs save them. ``behind``'s tokens shared are those
         this request may reuse under its adapters (none when they differ: see
-        `Candidate.shared`); with no request ahead, the slot's own adapters decide."""
+        `Candidate.shared`); with no request ahead, the slot's own adapters decide. (An
+        aLoRA's cap on the reuse is left to the caller: `alora_most`.)"""
         order = sorted(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
         slot = order[k % len(order)]
         if behind is None:
@@ -321,6 +321,13 @@ class CachePrediction:
         reuse = max(0, min(got, n_prompt - 1))
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
         return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, recompute)
+
+    def alora_most(self, lora: Lora | None, prompt: bytes) -> int | None:
+        """The most a request under ``lora`` of ``prompt`` (token bytes) reuses because an
+        aLoRA it names runs from its invocation (None: no such limit)."""
+        if not self.cap.alora or not prompt:
+            return None
+        return launched(self.lora_set(lora), self.cap.alora, prompt)[1]
 
     def clears(self, slot: int, lora: Lora | None) -> bool:
         """A request naming ``lora`` (None: the global scales, which kvroute names for
@@ -369,8 +376,9 @@ class CachePrediction:
         if not self.lora_global:
             return True
         own = self.slots[slot].lora
-        return not should_clear(self.lora_set(lora), own, self.cap.alora) or any(
-            i != slot and s.lora == own for i, s in enumerate(self.slots))
+        inv = self.cap.alora
+        return not should_clear(self.lora_set(lora), own, inv) or any(
+            i != slot and not should_clear(s.lora, own, inv) for i, s in enumerate(self.slots))
 
     def _unique_tail(self, slot: int, lcp: int, new_lcp: int, n_new: int,
                      ram_ok: bool = True) -> int:
