@@ -29,6 +29,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from audio import audio_part, samples, wav
+from direct_server import DirectServer
 
 from backends.config import ManagedBackendConfig
 from backends.demo_audio import ensure_demo_audio, for_model
@@ -55,38 +56,12 @@ def cached(out: dict[str, Any]) -> tuple[int, int]:
     return out["timings"]["cache_n"], out["timings"]["prompt_n"]
 
 
-class Server:
+class Server(DirectServer):
     """The llama-server with the audio projector, and what a request's prompt holds."""
 
     def __init__(self, session: aiohttp.ClientSession, url: str, key: str, log: Path) -> None:
-        self.session, self.url, self.log = session, url, log
-        self.headers = {"Authorization": f"Bearer {key}"}
-
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self.session.post(self.url + path, json=body, headers=self.headers) as r:
-            assert r.status == 200, await r.text()
-            out: dict[str, Any] = await r.json()
-        return out
-
-    async def get(self, path: str) -> Any:
-        async with self.session.get(self.url + path, headers=self.headers) as r:
-            assert r.status == 200, await r.text()
-            return await r.json()
-
-    async def chat(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {"messages": messages, "max_tokens": 4, "temperature": 0}
-        return await self.post("/v1/chat/completions", body)
-
-    async def text_around(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The text tokens between the clips of the rendered prompt (each text piece is
-        tokenized on its own: a clip is a boundary BPE does not merge across)."""
-        marker = (await self.get("/props"))["media_marker"]
-        prompt = (await self.post("/apply-template", {"messages": messages}))["prompt"]
-        pieces: list[int] = []
-        for piece in prompt.split(marker):
-            body = {"content": piece, "parse_special": True}
-            pieces.append(len((await self.post("/tokenize", body))["tokens"]))
-        return pieces
+        super().__init__(session, url, key)
+        self.log = log
 
     async def positions(self, messages: list[dict[str, Any]]) -> tuple[int, int]:
         """(the clips' positions, the prompt's tokens) of a chat of messages."""

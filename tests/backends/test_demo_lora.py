@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 import pytest_asyncio
+from direct_server import DirectServer
 
 from backends.config import ManagedBackendConfig
 from backends.demo_lora import ensure_demo_lora, for_model
@@ -53,20 +54,9 @@ def prompt(tag: str) -> str:
     return " ".join(f"{tag} word{i} token{i * 7}" for i in range(30))
 
 
-class Server:
-    def __init__(self, session: aiohttp.ClientSession, url: str, key: str) -> None:
-        self.session, self.url = session, url
-        self.headers = {"Authorization": f"Bearer {key}"}
-
-    async def post(self, path: str, body: Any) -> Any:
-        async with self.session.post(self.url + path, json=body, headers=self.headers) as r:
-            assert r.status == 200, await r.text()
-            return await r.json()
-
+class Server(DirectServer):
     async def adapters(self) -> list[dict[str, Any]]:
-        async with self.session.get(self.url + "/lora-adapters", headers=self.headers) as r:
-            assert r.status == 200, await r.text()
-            out: list[dict[str, Any]] = await r.json()
+        out: list[dict[str, Any]] = await self.get("/lora-adapters")
         return out
 
     async def run(self, text: str, lora: Lora = None) -> tuple[int, int, str]:

@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+from direct_server import DirectServer
 from images import data_uri, png
 
 from backends.config import ManagedBackendConfig
@@ -56,39 +57,8 @@ IMAGE_TOKENS = DemoMmprojParams().n_patches  # 64
 SYSTEM = {"role": "system", "content": "You look at pictures."}
 
 
-class Server:
+class Server(DirectServer):
     """The llama-server with the projector, and what a request's prompt holds."""
-
-    def __init__(self, session: aiohttp.ClientSession, url: str, key: str) -> None:
-        self.session, self.url = session, url
-        self.headers = {"Authorization": f"Bearer {key}"}
-
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self.session.post(self.url + path, json=body, headers=self.headers) as r:
-            assert r.status == 200, await r.text()
-            out: dict[str, Any] = await r.json()
-        return out
-
-    async def get(self, path: str) -> Any:
-        async with self.session.get(self.url + path, headers=self.headers) as r:
-            assert r.status == 200, await r.text()
-            return await r.json()
-
-    async def chat(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """The answer to messages; its usage and timings say what was reused."""
-        body = {"messages": messages, "max_tokens": 4, "temperature": 0}
-        return await self.post("/v1/chat/completions", body)
-
-    async def n_tokens(self, text: str) -> int:
-        tokens = (await self.post("/tokenize", {"content": text, "parse_special": True}))
-        return len(tokens["tokens"])
-
-    async def text_around(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The text tokens between the images of the rendered prompt (each text piece is
-        tokenized on its own: an image is a boundary BPE does not merge across)."""
-        marker = (await self.get("/props"))["media_marker"]
-        prompt = (await self.post("/apply-template", {"messages": messages}))["prompt"]
-        return [await self.n_tokens(piece) for piece in prompt.split(marker)]
 
 
 def user(text: str, *images: bytes) -> dict[str, Any]:

@@ -6,6 +6,7 @@ tests/forwarding/test_alora_routing.py)."""
 from __future__ import annotations
 
 import pytest
+from cache_steps import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +19,7 @@ from proxy.routing.cache.lora import (
     should_clear,
 )
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import SLOT, BackendCapacity, Launch, Placement, ServerRules
+from proxy.routing.cache.predict import BackendCapacity, Launch, ServerRules
 from proxy.routing.decision import Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
@@ -108,20 +109,6 @@ def make(slots: int = 1, ram_bytes: int = 256 << 20) -> BackendCache:
     cap = BackendCapacity("b0", slots, 4096, ram_bytes, 1024, lora=(1.0, 0.0, 0.0),
                           alora=ADAPTERS)
     return BackendCache(cap, RadixTree(), ServerRules())
-
-
-def run(c: BackendCache, prompt: list[int], lora: Lora | None, slot: int | None = 0
-        ) -> Placement:
-    """Start ``prompt`` (predicted, then applied), finish it with one token."""
-    held = c.tree.match(prompt).held
-    slot_lcp = {i: n for (_, kind, i), n in held.items() if kind == SLOT}  # type: ignore[misc]
-    ram_lcp = {i: n for (_, kind, i), n in held.items() if kind != SLOT}  # type: ignore[misc]
-    q = to_token_bytes(prompt)
-    want = c.predict(slot, slot_lcp, ram_lcp, len(prompt), lora=lora, prompt=q)
-    p = c.start(slot, q, slot_lcp, ram_lcp, len(prompt), launch=Launch((), lora))
-    assert p is not None and want is not None and p.reuse == want.reuse
-    c.finish(p.slot, to_token_bytes([*prompt, 5]), len(prompt) + 1)
-    return p
 
 
 def test_a_conversation_asks_an_alora_then_goes_on() -> None:

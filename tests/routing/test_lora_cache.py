@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from cache_steps import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.routing.cache.lora import Lora, f32, requested, scales
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import SLOT, BackendCapacity, Launch, Placement, ServerRules
+from proxy.routing.cache.predict import SLOT, BackendCapacity, Launch, ServerRules
 from proxy.routing.decision import Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
@@ -61,19 +62,6 @@ def make(adapters: tuple[float, ...] = (1.0, 1.0), slots: int = 1,
          ram_bytes: int = 256 << 20) -> BackendCache:
     cap = BackendCapacity("b0", slots, 4096, ram_bytes, 1024, lora=adapters)
     return BackendCache(cap, RadixTree(), ServerRules())
-
-
-def run(c: BackendCache, prompt: list[int], lora: Lora | None, slot: int | None = 0
-        ) -> Placement:
-    held = c.tree.match(prompt).held
-    slot_lcp = {i: n for (_, kind, i), n in held.items() if kind == SLOT}  # type: ignore[misc]
-    ram_lcp = {i: n for (_, kind, i), n in held.items() if kind != SLOT}  # type: ignore[misc]
-    want = c.predict(slot, slot_lcp, ram_lcp, len(prompt), lora=lora)
-    p = c.start(slot, to_token_bytes(prompt), slot_lcp, ram_lcp, len(prompt),
-                launch=Launch((), lora))
-    assert p is not None and want is not None and p.reuse == want.reuse
-    c.finish(p.slot, to_token_bytes([*prompt, 7]), len(prompt) + 1)
-    return p
 
 
 def test_the_servers_steps() -> None:
