@@ -6,10 +6,14 @@ never offers it). What it models of smg 1.13.0's cache_aware policy
 
 - an approximate tree of the request prompts each worker was sent (here over tokens, not
   characters; no eviction: smg's tree holds ~2^26 characters, more than a replay sends);
-- load = requests in flight per worker. Imbalanced when max - min > ``balance_abs`` (64)
-  and max > min x ``balance_rel`` (1.5): then the shortest queue;
-- else, if the best match ratio (matched tokens / prompt tokens) > ``cache_threshold``
-  (0.5), the worker with the best match; else the worker with the smallest tree;
+- load = requests in flight per worker, as smg counts them for llama-servers (which
+  report no load of their own): from dispatch to the end of the answer;
+- if the best match ratio (matched tokens / prompt tokens) > ``cache_threshold`` (0.3,
+  what `smg launch` runs with; its log prints it), the workers holding that match, less
+  those that spill (load > 1.5 x the mean and > the mean + min(64, max(4, 2 sqrt(mean))):
+  ``cache_aware.rs``, candidate_requires_spill); if all spill, the workers that do not;
+- else (a miss) every worker; among those, the fewest in flight, ties at random
+  (``least_load.rs``, with no load reports);
 - the prompt goes into the chosen worker's tree either way;
 - requests are sent unpinned: the server picks the slot, or queues the request FIFO
   (the simulator sends a queued ``smg_like`` request to the server's queue, it is not
@@ -18,6 +22,8 @@ never offers it). What it models of smg 1.13.0's cache_aware policy
 
 from __future__ import annotations
 
+import math
+import random
 from bisect import bisect_left, insort
 from typing import ClassVar
 
@@ -68,16 +74,17 @@ class _PromptSet:
 class SmgLike(_Baseline):
     name = "smg_like"
     description = ("simulation baseline (loadtest only): SGLang smg cache_aware, "
-                   "match ratio > 0.5 else smallest tree, shortest queue if imbalanced")
+                   "match ratio > 0.3 else fewest in flight, holders that spill skipped")
     server_queues: ClassVar[bool] = True  # a request with no idle slot waits in the server
 
-    cache_threshold = 0.5
-    balance_abs = 64
-    balance_rel = 1.5
+    cache_threshold = 0.3
+    spill_rel = 1.5
+    spill_abs = 64
 
     def __init__(self, settings: RouterSettings, seed: int) -> None:
         super().__init__(settings, seed)
         self.trees: dict[str, _PromptSet] = {}
+        self.rng = random.Random(seed)
         self.last_why = ""
 
     def choose(self, cands: list[Candidate], ask: object) -> Choice:
@@ -88,22 +95,24 @@ class SmgLike(_Baseline):
         q = self._q
         trees = [self.trees.setdefault(c.name, _PromptSet()) for c in cands]
         loads = [c.state.inflight for c in cands]
-        hi, lo = max(loads), min(loads)
-        if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
-            i = loads.index(lo)
-            self.last_why = "imbalanced"
-        else:
-            n = max(1, len(q) // 4)
-            matches = [t.match(q) for t in trees]
-            best = max(range(len(cands)), key=lambda k: (matches[k], -trees[k].size))
-            if matches[best] / n > self.cache_threshold:
-                i = best
-                self.last_why = "match"
-            else:
-                i = min(range(len(cands)), key=lambda k: (trees[k].size, k))
-                self.last_why = "smallest tree"
+        everyone = range(len(cands))
+        matches = [t.match(q) for t in trees]
+        best = max(matches)
+        pool: list[int] = list(everyone)
+        self.last_why = "miss"
+        if best / max(1, len(q) // 4) > self.cache_threshold:
+            fine = [k for k in everyone if not self._spills(loads[k], loads)]
+            holders = [k for k in fine if matches[k] == best]
+            pool, self.last_why = (holders, "match") if holders else (fine or pool, "spill")
+        low = min(loads[k] for k in pool)
+        i = self.rng.choice([k for k in pool if loads[k] == low])
         trees[i].insert(q)
         return cands[i]
+
+    def _spills(self, load: int, loads: list[int]) -> bool:
+        mean = sum(loads) / len(loads)
+        margin = min(self.spill_abs, max(4, math.ceil(2 * math.sqrt(mean))))
+        return load > self.spill_rel * mean and load > mean + margin
 
 
 def register() -> None:

@@ -3,9 +3,18 @@ and stays out of the proxy's policies."""
 
 from __future__ import annotations
 
+import pytest
+
 from loadtest.simulate import SimBackend, simulate
-from loadtest.smg_like import _PromptSet
+from loadtest.smg_like import SmgLike, _PromptSet
+from proxy.routing.backend_state import BackendState
+from proxy.routing.cache.model import BackendCache
+from proxy.routing.cache.predict import BackendCapacity, ServerRules
+from proxy.routing.options import Candidate
 from proxy.routing.policies import POLICIES
+from proxy.routing.settings import RouterSettings
+from proxy.routing.tree.radix import RadixTree
+from proxy.routing.tree.token_bytes import to_token_bytes
 from tests.loadtest.test_simulate import conversations
 
 
@@ -27,3 +36,34 @@ def test_smg_like_runs_unpinned_and_queues_in_the_server() -> None:
     assert got.requests == len(trace) and got.rejected == 0
     assert 0 < got.hit_ratio < 1
     assert "smg_like" not in POLICIES  # a simulation baseline, not a proxy policy
+
+
+def _cands(inflight: list[int], prompt: list[int]) -> list[Candidate]:
+    out = []
+    for i, n in enumerate(inflight):
+        cache = BackendCache(BackendCapacity(f"b{i}", 2, 4096, 0, 1024), RadixTree(),
+                             ServerRules())
+        out.append(Candidate(f"b{i}", BackendState(cache, rate=1000.0, inflight=n), {}, {},
+                             to_token_bytes(prompt)))
+    return out
+
+
+HISTORY = list(range(100, 140))  # 40 tokens sent to b0 first
+
+
+@pytest.mark.parametrize("prompt, inflight, want, why", [
+    ([*HISTORY, *range(500, 550)], [9, 1, 5], "b0", "match"),  # 40/90 > 0.3: its holder
+    ([*HISTORY, *range(500, 600)], [9, 1, 5], "b1", "miss"),  # 40/140 <= 0.3: fewest
+    ([*HISTORY, *range(500, 550)], [30, 1, 2], "b1", "spill"),  # its holder spills
+])
+def test_smg_like_follows_smgs_rules(prompt: list[int], inflight: list[int], want: str,
+                                     why: str) -> None:
+    """smg 1.13.0 cache_aware as `smg launch` runs it: a match ratio over 0.3 goes to the
+    worker holding it unless that one spills (over 1.5x the mean load and the mean plus a
+    margin), else the fewest requests in flight."""
+    smg = SmgLike(RouterSettings(), seed=0)
+    smg.trees["b0"] = _PromptSet()
+    smg.trees["b0"].insert(to_token_bytes(HISTORY))
+    smg._q = to_token_bytes(prompt)  # (what `choose` keeps for `pick`)
+    got = smg.pick(_cands(inflight, prompt))
+    assert (got.name, smg.last_why) == (want, why)
