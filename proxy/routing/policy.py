@@ -50,10 +50,18 @@
   Elsewhere it would prefill the history a second time. Priced as the queue's wait,
   one service time for the leader and each follower ahead, then the rest of the
   prompt; chosen by score.
-- The choice minimises ``ttft + queue_cost_weight x (prompt - reuse) / rate(b)``: the
-  uncached prefill also delays every request that queues behind it on that backend, so
-  recomputing a long prefix elsewhere to save a little of this request's ttft is a bad
-  trade (on the Mooncake trace it costs hit ratio *and* mean ttft; BENCHMARKS.md).
+- The choice minimises ``ttft + queue_cost(b) x added(b) / rate(b)``, where ``added`` is
+  the prefill the placement adds there (its uncached prompt, and the history it
+  destroys, which its owner prefills again on return) and ``queue_cost(b) =
+  queue_cost_weight x (1 + queue_cost_per_waiter x waiting(b))``, ``waiting(b)`` the
+  requests waiting there for a slot: that prefill delays every request served after it
+  on that backend, the more the longer its queue. So recomputing a long prefix elsewhere
+  to save a little of this request's ttft is a bad trade, and past the servers' knee a
+  worse one: a turn moved off its history's busy backend prefills that history again
+  in a queue as long. (The chat replays of BENCHMARKS.md, simulated at 700-1,500
+  prefill tokens/s, 5 seeds: 2 and 1 beside 1 and 0 raise reuse on the conversation
+  trace by 4-8% on average and lower mean ttft; a burst of new sessions over one
+  prefix still spreads, which a constant weight of 2.5 or more no longer does.)
 - Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
   in-flight request (only the latter once its first token came: it then only decodes,
   see ``Router.prefilled``). A backend is eligible only if its work after taking the request
@@ -189,14 +197,17 @@ def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
     for c in cands:
         st = c.state
         plain, wait, follow = best_options(c, n, s, now, session)
+        # NOTE: the uncached prefill also delays the requests served after it there
+        queue_cost = s.queue_cost_weight * (1.0 + s.queue_cost_per_waiter * len(st.waiting))
         ttfts[c.name] = round(plain.ttft, 4)
         matched[c.name] = c.matched()
         for opt, into in ((plain, evals), (wait, waits), (follow, follows)):
             if opt is None:
                 continue
-            uncached = n - (opt.placement.reuse if opt.placement is not None else 0)
-            # NOTE: the uncached prefill also delays every request queued behind it
-            score = opt.score + s.queue_cost_weight * uncached / st.rate
+            p = opt.placement
+            uncached = n - (p.reuse if p is not None else 0)
+            # (what it destroys is prefilled there again when its owner returns)
+            score = opt.score + queue_cost * (uncached + (p.destroyed if p else 0)) / st.rate
             work = st.work + uncached + s.request_overhead_tokens
             into.append(Evaluated(c, score, opt.placement, opt.pin, work, opt.queued,
                                   opt.ttft, opt.leader))

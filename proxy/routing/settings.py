@@ -37,7 +37,10 @@ class RouterSettings:
     displace_weight: float = 0.1  # fraction of displaced tokens' prefill time charged
     destroy_weight: float = 8.0  # x prefill time of unique tokens a placement destroys
     min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
-    queue_cost_weight: float = 1.0  # extra charge on uncached prefill s (delays the queue)
+    # extra charge on the prefill s a placement adds (it delays the queue), times 1 +
+    # per_waiter x the requests waiting there for a slot (see policy.py)
+    queue_cost_weight: float = 2.0
+    queue_cost_per_waiter: float = 1.0
     # a slot saved to disk is restored into the chosen idle slot when it holds at least
     # this many more of the prompt than the slot would reuse (reading KV from disk costs
     # a small fraction of computing it, but a round trip and the server's loop)
@@ -83,6 +86,7 @@ class RouterSettings:
             "load_slack_tokens": self.load_slack_tokens,
             "load_slack_s": self.load_slack_s,
             "queue_cost_weight": self.queue_cost_weight,
+            "queue_cost_per_waiter": self.queue_cost_per_waiter,
             "ram_load_s_per_token": self.ram_load_s_per_token,
             "request_overhead_tokens": self.request_overhead_tokens,
             "displace_weight": self.displace_weight,

@@ -192,8 +192,40 @@ def two_backends(
 def test_queue_cost_weight_charges_recomputed_prefixes(
     backlog0: float, weight: float, want: str
 ) -> None:
-    s = RouterSettings(queue_cost_weight=weight, default_prefill_tps=1000.0)
+    s = RouterSettings(queue_cost_weight=weight, queue_cost_per_waiter=0.0,
+                       default_prefill_tps=1000.0)
     cands = two_backends(1000.0, backlog0=backlog0)
+    got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
+    assert got.backend == want, got.reasons
+
+
+@pytest.mark.parametrize(
+    ("waiting1", "per_waiter", "want"),
+    [
+        # b0 holds DOC behind 10 s of backlog; b1's two slots are busy: queued there,
+        # 2.5 s (a service time over its slots) + 3.1 s of prefill, plus 3.1 s charged
+        (0, 0.5, "b1"),  # 8.7 s against b0's 10.2 s: b1
+        (2, 0.0, "b1"),
+        (2, 0.5, "b0"),  # the recompute delays b1's 2 waiters too: 2 x 3.1 s charged
+        (1, 1.0, "b0"),
+    ],
+)
+def test_queue_cost_grows_with_the_requests_waiting_there(
+    waiting1: int, per_waiter: float, want: str
+) -> None:
+    """Past the servers' knee the prefill a recompute adds delays every request queued
+    behind it: moving a turn off its history's busy backend onto one where others wait
+    costs them all."""
+    s = RouterSettings(queue_cost_weight=1.0, queue_cost_per_waiter=per_waiter,
+                       default_prefill_tps=1000.0)
+    cands = two_backends(1000.0, backlog0=10.0)
+    b1 = cands[1].state
+    for slot in (0, 1):
+        busy = to_token_bytes(list(range(300_000 + 1_000 * slot, 300_500 + 1_000 * slot)))
+        b1.cache.start(slot, busy, {}, {}, 500)
+    for rid in range(waiting1):
+        other = to_token_bytes(list(range(400_000 + 1_000 * rid, 400_400 + 1_000 * rid)))
+        b1.enqueue(rid, 400, other, None)
     got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
     assert got.backend == want, got.reasons
 
