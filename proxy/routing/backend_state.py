@@ -59,8 +59,8 @@ class BackendState:
     # slot -> session hint of the request last placed there (absent: none given)
     slot_session: dict[int, str] = field(default_factory=dict)
     # this replica's requests sent, streamed, whose launch on the server is not heard
-    # yet (see Report.unlaunched_at_end)
-    unlaunched: set[int] = field(default_factory=set)
+    # yet, in sending order (see Report.unlaunched_at_end)
+    unlaunched: dict[int, None] = field(default_factory=dict)
 
     def occupy(self, slot: int, session: str | None) -> None:
         """A request of ``session`` was placed in ``slot``."""

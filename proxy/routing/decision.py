@@ -84,7 +84,7 @@ class Report:
     when the task's slot first joins a batch, usually the step that launches it; a
     request still unheard when another's answer ended was then most likely launched
     after that answer's slot was freed (its HTTP thread still tokenizing a long prompt),
-    and the server saved that slot as an idle one (see outcomes._saved_as_idle for
+    and the server saved that slot as an idle one (see outcomes._saved_at for
     when it may not have)."""
 
     output_tokens: Sequence[int] | array | bytes = ()

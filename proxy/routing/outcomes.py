@@ -113,13 +113,13 @@ class RequestEnds:
         f = routed.entry
         st = self._backends.get(f.backend)
         if st is not None and f.live and not f.observed:
-            st.unlaunched.add(routed.request_id)
+            st.unlaunched[routed.request_id] = None
 
     def launched(self, routed: Routed) -> None:
         """The server launched the request: its stream's head came."""
         st = self._backends.get(routed.entry.backend)
         if st is not None:
-            st.unlaunched.discard(routed.request_id)
+            st.unlaunched.pop(routed.request_id, None)
 
     def complete(self, routed: Routed, report: Report, *, now: float = 0.0
                  ) -> list[Handoff]:
@@ -133,7 +133,7 @@ class RequestEnds:
             return []  # backend was removed meanwhile: nothing to learn
         self._ledger.end(decision.request_id)
         self._unposted.posted(decision.request_id)
-        st.unlaunched.discard(decision.request_id)
+        st.unlaunched.pop(decision.request_id, None)
         st.release(f.work, now)
         st.learn(self._settings, now - f.started, report.prompt_ms, report.prompt_n)
         if st.rate_learned:
@@ -145,17 +145,45 @@ class RequestEnds:
         cached = report.reported_cached
         if cached is not None and cached != decision.predicted_cached:
             self.mispredictions += 1
-        cache = st.cache
         slot = self._ended_in(st, f, decision.request_id, report.reported_slot)
-        if slot is not None:
-            cache.finish_generated(slot, out)
-            prefilling = report.unlaunched_at_end > 0 and any(
-                g.slot is not None and not g.prefilled and r not in st.unlaunched
-                for r, g in self._ledger.on(f.backend))
-            if _saved_as_idle(st, slot, report, prefilling):
-                cache.saved_idle(slot)
+        saver = None if slot is None else self._saved_as_idle(st, f, slot, report, out)
         self._peers.told_freed(f, slot if slot is not None else f.slot, decision.request_id)
-        return self._queue.drain(st, decision.backend, now)
+        handoffs = self._queue.drain(st, decision.backend, now)
+        if saver is None:
+            return handoffs
+        # sent once the saver is known posted: it then launches first, the slot idle
+        return [self._held_for(h, saver) for h in handoffs]
+
+    def _saved_as_idle(self, st: BackendState, f: Inflight, slot: int, report: Report,
+                       out: bytes) -> int | None:
+        """The request in ``slot`` ended there: the model records what it holds, and a
+        save of it as an idle slot if a start the server launched after its end made
+        one (see `_saved_at`). Returns the unlaunched start whose launch saves it (None:
+        none does), its saves then named as its own (`Unposted`)."""
+        cache = st.cache
+        cache.finish_generated(slot, out)
+        prefilling = report.unlaunched_at_end > 0 and any(
+            g.slot is not None and not g.prefilled and r not in st.unlaunched
+            for r, g in self._ledger.on(f.backend))
+        peers_wait = any((g := self._ledger.get(r)) is not None and g.observed
+                         for r in st.queued)
+        saved = _saved_at(st, report, prefilling, peers_wait)
+        if saved is None:
+            return None
+        made = cache.saved_idle(slot)
+        if saved == _BY_A_START or not st.unlaunched:
+            return None  # (heard launched since: posted before anything sent now)
+        saver = next(reversed(st.unlaunched))
+        self._unposted.started(saver, f.backend, made)
+        return saver
+
+    def _held_for(self, h: Handoff, saver: int) -> Handoff:
+        """Hand-off ``h``, sent after ``saver`` (unless it waits for another creator)."""
+        g = self._ledger.get(h.request_id)
+        if h.after is not None or g is None or g.observed:
+            return h
+        g.wait_for(saver)
+        return replace(h, after=saver)
 
     def _ended_in(self, st: BackendState, f: Inflight, rid: int,
                   reported_slot: int | None) -> int | None:
@@ -219,7 +247,7 @@ class RequestEnds:
         made = self._unposted.created(decision.request_id) if prior is not None else []
         self._ledger.end(decision.request_id)
         self._unposted.posted(decision.request_id)
-        st.unlaunched.discard(decision.request_id)
+        st.unlaunched.pop(decision.request_id, None)
         st.release(f.work, now)
         if not sent:
             self._peers.told_withdrawn(f, decision.request_id)
@@ -260,23 +288,33 @@ class RequestEnds:
         return self.abort(routed, now=now, held=kept, sent=False, prior=routed.entry.prior)
 
 
-def _saved_as_idle(st: BackendState, slot: int, report: Report,
-                   prefilling: bool) -> bool:
-    """Did the server launch a task after the request's ``slot`` was freed, and so save
-    it to RAM as an idle one (--cache-idle-slots)? A start the model made after the read
-    before its last step did (see ``Report``). So did, most likely, a request sent whose
-    stream's head had not come when the answer ended (its HTTP thread was still
-    tokenizing it), but not always: the server sends that head when the slot joins a
-    batch, and a launched slot waits out of it while another slot's prefill fills the
-    batch (``prefilling``), or while the slot generating runs under other LoRA
-    adapters. Nor when a waiter is handed a slot now (sent after the end, it may be
-    posted first and take this one). In those cases nothing is saved: the lesser error
-    (a reuse under-predicted, never one the server cannot give)."""
+# `_saved_at`: a slot freed was saved as an idle one by a start the model made (it heard
+# of the end after that start), or it is saved by the launch of a start not heard yet
+_BY_A_START, _BY_AN_UNLAUNCHED = 0, 1
+
+
+def _saved_at(st: BackendState, report: Report, prefilling: bool,
+              peers_wait: bool) -> int | None:
+    """Did the server launch a task after the request's slot was freed, and so save it
+    to RAM as an idle one (--cache-idle-slots)? A start the model made after the read
+    before its last step did (see ``Report``): ``_BY_A_START``. So does, most likely, a
+    request sent whose stream's head had not come when the answer ended (its HTTP
+    thread was still tokenizing it): ``_BY_AN_UNLAUNCHED``. Not always: the server sends
+    that head when the slot joins a batch, and a launched slot waits out of it while
+    another slot's prefill fills the batch (``prefilling``), or while the slot
+    generating runs under other LoRA adapters; nor when another replica's request
+    waits here (that replica sends it when handed a slot, and the server may post it
+    first and give it this slot: ``peers_wait``). In those cases nothing is saved
+    (None): the lesser error (a reuse under-predicted, never one the server cannot
+    give). This replica's waiters handed a slot at this end are sent only once that
+    start is known posted (`RequestEnds._held_for`): they launch after it."""
     before = report.starts_before_end
     if before is not None and st.cache.starts > before:
-        return True
-    return (report.unlaunched_at_end > 0 and not prefilling and not st.cache.lora_global
-            and not st.waiting and slot not in st.targets.values())
+        return _BY_A_START
+    if (report.unlaunched_at_end > 0 and not prefilling and not st.cache.lora_global
+            and not peers_wait):
+        return _BY_AN_UNLAUNCHED
+    return None
 
 
 def _goes_on(prior: Prior | None, prompt: bytes) -> bool:

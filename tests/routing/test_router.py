@@ -648,12 +648,10 @@ def test_a_start_unlaunched_when_a_slot_ended_saved_that_slot(heard_first: bool)
     assert r.unlaunched("a") == 0
 
 
-@pytest.mark.parametrize("why", ["waiter for the slot", "another slot prefilling",
-                                 "adapters"])
+@pytest.mark.parametrize("why", ["another slot prefilling", "adapters"])
 def test_nothing_is_saved_for_an_unlaunched_start_when_the_order_is_unknown(why: str
                                                                              ) -> None:
-    """As above, Y unlaunched when X ends, but the server's order cannot be told: a
-    waiter handed a slot at that end may be posted first and take X's slot; a slot
+    """As above, Y unlaunched when X ends, but the server's order cannot be told: a slot
     still prefilling, or a slot under other adapters, keeps Y's slot out of the batch
     (its head then comes late, though it was launched). Nothing is saved."""
     r = Router()
@@ -669,13 +667,50 @@ def test_nothing_is_saved_for_an_unlaunched_start_when_the_order_is_unknown(why:
     x.first_token()
     if why != "another slot prefilling":
         other.first_token()
-    if why == "waiter for the slot":  # X's next turn waits for its slot
-        q = decide(r, [*range(1000, 1500), 5, 6, *range(7000, 7050)])
-        assert q.queued
     r.complete(x, Report(output_tokens=[5, 6], starts_before_end=r.starts("a"),
                          unlaunched_at_end=r.unlaunched("a")))
     ram = r.snapshot()["backends"]["a"]["ram_entries"]  # type: ignore[index]
     assert not [e for e in ram if e["tokens"] == 502], ram
+
+
+@pytest.mark.parametrize("peer_waits", [False, True])
+def test_a_waiter_handed_a_slot_an_unlaunched_start_saves_is_sent_after_it(
+        peer_waits: bool) -> None:
+    """X and Z run, Y is sent to the third slot; X's next turn Q waits for X's slot; X
+    ends before Y's head comes. The server launches Y after X's slot freed and saves
+    that slot as an idle one, unless Q is posted before Y and takes it: Q is handed X's
+    slot but sent only once Y is known posted, so the save is certain (seen live: the
+    model saved nothing, and a later turn loaded that entry: predicted 3, reported 123).
+    Another replica's waiter is sent by that replica, whose order is not known: nothing
+    is saved at Y's launch then (that waiter's own start saves X's slot)."""
+    r = Router()
+    r.add_backend(cap("a", slots=3))
+    x = decide(r, list(range(1000, 1500)))
+    z = decide(r, list(range(2000, 2600)))
+    for d in (x, z):
+        d.sending()
+        d.launched()
+        d.first_token()
+    y = decide(r, list(range(3000, 3400)))
+    y.sending()
+    peer = None
+    if peer_waits:  # (it waits for X's slot too, ahead of this replica's waiters)
+        peer = r.observe_start("a", x.slot, to_token_bytes(list(range(4000, 4300))))
+        assert peer is not None
+    q = decide(r, [*range(1000, 1500), 5, 6, *range(7000, 7050)])
+    assert q.queued and not r.unposted(y.request_id)  # (Y's own start saved nothing)
+    got = r.complete(x, Report(output_tokens=[5, 6], starts_before_end=r.starts("a"),
+                               unlaunched_at_end=r.unlaunched("a")))
+    if peer is not None:
+        assert [h.request_id for h in got] == [peer.request_id]
+        assert not r.unposted(y.request_id)
+        return
+    ram = r.snapshot()["backends"]["a"]["ram_entries"]  # type: ignore[index]
+    assert [e for e in ram if e["tokens"] == 502] and r.unposted(y.request_id), ram
+    assert [(h.request_id, h.after) for h in got] == [(q.request_id, y.request_id)]
+    assert r.held_for(q) == y.request_id
+    y.posted()
+    assert r.held_for(q) is None
 
 
 def test_another_replicas_start_is_never_waited_for_launching() -> None:

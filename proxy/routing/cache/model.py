@@ -279,14 +279,16 @@ class BackendCache(CachePrediction):
             if e in self.ram:
                 self._drop_entry(e)
 
-    def saved_idle(self, slot: int) -> None:
+    def saved_idle(self, slot: int) -> tuple[int, ...]:
         """A task started on the server after the request in ``slot`` ended there, but
         the model heard of that end later (two slots ending in one server step: the
         first answer read hands a queued request the other slot; a request sent while
         the answer's last step ran): the server saved this slot as an idle one at that
-        start (--cache-idle-slots), so the model does now."""
+        start (--cache-idle-slots), so the model does now. Returns the entries made."""
+        first = self._next_entry
         if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
             self._save_idle_slot(slot)
+        return tuple(e for e in range(first, self._next_entry) if e in self.ram)
 
     def extend_prompt(self, slot: int, prompt: bytes, user_starts: Sequence[int] = ()
                       ) -> int | None:
