@@ -20,8 +20,8 @@ from proxy.routing.router import Router
 # A slot whose client left during its prefill is watched until its server is done with
 # it, for at most FREE_WAIT_MARGIN_S + twice the rest of the prefill.
 FREE_WAIT_MARGIN_S = 10.0
-# A request held until the request whose start creates the RAM entry it loads is known
-# posted (see `SlotWaits.after`) is sent anyway after this long (or first_byte_timeout)
+# A request held until the request it is sent after is known posted (see
+# `SlotWaits.after`) is sent anyway after this long (or first_byte_timeout)
 AFTER_WAIT_S = 10.0
 # ... and checks this often whether the router still has that request unposted (it may
 # have ended, or its backend left, without its attempt telling)
@@ -73,11 +73,13 @@ class SlotWaits:
 
     async def after(self, routed: Routed) -> None:
         """Hold a request predicted to load a RAM entry that another request's start
-        creates until that request is known posted on the server (`posted`): the server
+        creates (or handed a slot that start saves as an idle one, whose content it
+        keeps) until that request is known posted on the server (`posted`): the server
         launches tasks in the order its HTTP threads post them, and a long prompt's
         tokenization there posts it after a short one sent a moment later, whose lookup
-        would then come before the entry exists. Released at once if that request ends
-        or its backend leaves; sent anyway after AFTER_WAIT_S (or first_byte_timeout)."""
+        would then come before the entry exists (or which would take the slot before the
+        save). Released at once if that request ends or its backend leaves; sent anyway
+        after AFTER_WAIT_S (or first_byte_timeout)."""
         creator = self.router.held_for(routed)
         if creator is None:
             return

@@ -31,7 +31,8 @@ class Decision:
     # conversation's): replicas that chose that slot at once settle who keeps it
     # (proxy/replicas/claims.py)
     claims: bool = False
-    # the request whose start creates the RAM entry this one loads, while it is not known
+    # the request whose start creates the RAM entry this one loads (or, handed a slot, saves
+    # that slot as an idle one before this one keeps its content), while it is not known
     # posted on the server: send this one only once it is (proxy/routing/posting.py)
     after: int | None = None
     # send it with cache_prompt false: the server loads into its slot a RAM entry made

@@ -275,7 +275,7 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlo
     it, then the rest of the prompt; the leader's prompt beyond the shared part is
     truncated then (charged as destroyed, as for ``_behind_waiter``). Whether it beats
     an idle slot elsewhere is the choice's to say, by score: the prefill it saves is
-    charged ``queue_cost_weight`` over there. A request naming its session never follows
+    charged its queue cost over there. A request naming its session never follows
     another named session's request, whose history it would truncate; one naming none
     follows any: nothing tells it from that conversation's next turn (from a client
     that names no session), and sharing more with the waiter than any holder has, it

@@ -12,6 +12,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Literal
 
 from proxy.routing.backend_state import BackendState, share_rate
 from proxy.routing.cache.predict import CONTINUATION_SLACK, Launch
@@ -152,7 +153,7 @@ class RequestEnds:
         if saver is None:
             return handoffs
         # sent once the saver is known posted: it then launches first, the slot idle
-        return [self._held_for(h, saver) for h in handoffs]
+        return [self._held_for(h, slot, saver) for h in handoffs]
 
     def _saved_as_idle(self, st: BackendState, f: Inflight, slot: int, report: Report,
                        out: bytes) -> int | None:
@@ -165,22 +166,26 @@ class RequestEnds:
         prefilling = report.unlaunched_at_end > 0 and any(
             g.slot is not None and not g.prefilled and r not in st.unlaunched
             for r, g in self._ledger.on(f.backend))
-        peers_wait = any((g := self._ledger.get(r)) is not None and g.observed
-                         for r in st.queued)
+        peers_wait = any(t == slot and (g := self._ledger.get(r)) is not None and g.observed
+                         for r, t in st.targets.items())
         saved = _saved_at(st, report, prefilling, peers_wait)
         if saved is None:
             return None
         made = cache.saved_idle(slot)
-        if saved == _BY_A_START or not st.unlaunched:
-            return None  # (heard launched since: posted before anything sent now)
+        if saved == "start" or not made or not st.unlaunched:
+            return None  # (none unlaunched now: heard since, posted before any sent now)
+        # the one sent last: the likeliest to be launched after the slot freed
         saver = next(reversed(st.unlaunched))
         self._unposted.started(saver, f.backend, made)
         return saver
 
-    def _held_for(self, h: Handoff, saver: int) -> Handoff:
-        """Hand-off ``h``, sent after ``saver`` (unless it waits for another creator)."""
+    def _held_for(self, h: Handoff, slot: int, saver: int) -> Handoff:
+        """Hand-off ``h``, sent after ``saver`` when it keeps what freed ``slot`` holds
+        (posted first, it would take the slot before the save; a request replacing the
+        slot's content saves it itself), unless it waits for another creator."""
         g = self._ledger.get(h.request_id)
-        if h.after is not None or g is None or g.observed:
+        if (h.slot != slot or h.tier != "slot" or h.after is not None or g is None
+                or g.observed):
             return h
         g.wait_for(saver)
         return replace(h, after=saver)
@@ -288,32 +293,30 @@ class RequestEnds:
         return self.abort(routed, now=now, held=kept, sent=False, prior=routed.entry.prior)
 
 
-# `_saved_at`: a slot freed was saved as an idle one by a start the model made (it heard
-# of the end after that start), or it is saved by the launch of a start not heard yet
-_BY_A_START, _BY_AN_UNLAUNCHED = 0, 1
-
-
 def _saved_at(st: BackendState, report: Report, prefilling: bool,
-              peers_wait: bool) -> int | None:
+              peers_wait: bool) -> Literal["start", "unlaunched"] | None:
     """Did the server launch a task after the request's slot was freed, and so save it
     to RAM as an idle one (--cache-idle-slots)? A start the model made after the read
-    before its last step did (see ``Report``): ``_BY_A_START``. So does, most likely, a
-    request sent whose stream's head had not come when the answer ended (its HTTP
-    thread was still tokenizing it): ``_BY_AN_UNLAUNCHED``. Not always: the server sends
-    that head when the slot joins a batch, and a launched slot waits out of it while
-    another slot's prefill fills the batch (``prefilling``), or while the slot
-    generating runs under other LoRA adapters; nor when another replica's request
-    waits here (that replica sends it when handed a slot, and the server may post it
-    first and give it this slot: ``peers_wait``). In those cases nothing is saved
-    (None): the lesser error (a reuse under-predicted, never one the server cannot
-    give). This replica's waiters handed a slot at this end are sent only once that
-    start is known posted (`RequestEnds._held_for`): they launch after it."""
+    before its last step did (see ``Report``): "start". So does, most likely, a request
+    sent whose stream's head had not come when the answer ended (its HTTP thread was
+    still tokenizing it): "unlaunched". Not always: the server sends that head when the
+    slot joins a batch, and a launched slot waits out of it while another slot's
+    prefill fills the batch (``prefilling``), or while the slot generating runs under
+    other LoRA adapters; nor when another replica's request waits for this slot (that
+    replica sends it when handed the slot, and the server may post it first:
+    ``peers_wait``). In those cases nothing is saved (None): the lesser error (a reuse
+    under-predicted, never one the server cannot give). This replica's waiters handed
+    the slot at this end are sent only once that start is known posted
+    (`RequestEnds._held_for`): they launch after it. Not covered: a request decided
+    later and pinned to the slot before that start is posted, another replica's told
+    later, or that start failing before its launch; each leaves the model an entry the
+    server lacks (a reuse over-predicted, once)."""
     before = report.starts_before_end
     if before is not None and st.cache.starts > before:
-        return _BY_A_START
+        return "start"
     if (report.unlaunched_at_end > 0 and not prefilling and not st.cache.lora_global
             and not peers_wait):
-        return _BY_AN_UNLAUNCHED
+        return "unlaunched"
     return None
 
 

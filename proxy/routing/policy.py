@@ -54,8 +54,9 @@
   the prefill the placement adds there (its uncached prompt, and the history it
   destroys, which its owner prefills again on return) and ``queue_cost(b) =
   queue_cost_weight x (1 + queue_cost_per_waiter x waiting(b))``, ``waiting(b)`` the
-  requests waiting there for a slot: that prefill delays every request served after it
-  on that backend, the more the longer its queue. So recomputing a long prefix elsewhere
+  requests waiting there for any slot: that prefill delays the requests that come to
+  that backend after it, and the more of them the further past its knee the backend
+  runs (requests wait only when no slot is idle). So recomputing a long prefix elsewhere
   to save a little of this request's ttft is a bad trade, and past the servers' knee a
   worse one: a turn moved off its history's busy backend prefills that history again
   in a queue as long. (The chat replays of BENCHMARKS.md, simulated at 700-1,500
@@ -83,7 +84,8 @@
   one exists, while sessions whose own part is small next to the shared prefix (a big
   system prompt and short turns) still reuse it: the charge is proportional. With no
   empty slot idle on any candidate, every option takes something: destroyed tokens are
-  then charged once their prefill time, what their owner pays on return.
+  then charged once their prefill time, what their owner pays on return (and, as
+  prefill added there, the queue cost below).
 - Among equal-cost options, the slot whose content is least valuable to lose wins:
   ``displace_weight`` x displaced tokens / rate is added (empty and short slots first),
   then least recently used. A tenth of their prefill time: content displaced into a
@@ -138,7 +140,7 @@ class Evaluated(NamedTuple):
     """An option of one candidate, with what it adds to the cluster's load."""
 
     cand: Candidate
-    score: float  # the option's, plus the queue cost of its uncached prefill
+    score: float  # the option's, plus the queue cost of the prefill it adds
     placement: Placement | None
     pin: int | None
     work: int  # the backend's in-flight work after taking the request
@@ -271,7 +273,8 @@ def _within_bound(f: _Field, k: int, s: RouterSettings, session: str | None,
 # charges more to keep a second conversation out of a slot whose history it would
 # truncate while an empty slot can take it; with no empty slot idle anywhere, the
 # alternative displaces some slot's content too, and the surcharge only moves the damage:
-# the plain cost remains (simulated on both traces: reuse and mean TTFT equal or better)
+# their prefill time remains, with its queue cost (simulated on both traces: reuse and
+# mean TTFT equal or better)
 _DESTROY_WEIGHT_NO_EMPTY = 1.0
 
 

@@ -64,8 +64,9 @@ class Inflight:
                                       reasons={**d.reasons, "reuse": reuse, "tier": tier})
 
     def wait_for(self, creator: int | None) -> None:
-        """The RAM entry it loads is created by ``creator``'s start, not known posted yet
-        (None: no such request; see ``Decision.after``)."""
+        """It is sent after ``creator``, not known posted yet: that start creates the RAM
+        entry it loads, or saves the slot it keeps (None: no such request; see
+        ``Decision.after``)."""
         d = self.prediction
         if d is not None and d.after != creator:
             self.prediction = replace(d, after=creator)

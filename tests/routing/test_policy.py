@@ -145,6 +145,7 @@ def test_baselines_let_the_server_pick(policy: str) -> None:
         ("load_slack_tokens", -1),
         ("load_slack_s", -0.5),
         ("queue_cost_weight", -1.0),
+        ("queue_cost_per_waiter", -0.5),
         ("slot_prompt_similarity", 1.5),
         ("max_resident_tokens", 0),
     ],
@@ -206,16 +207,16 @@ def test_queue_cost_weight_charges_recomputed_prefixes(
         # 2.5 s (a service time over its slots) + 3.1 s of prefill, plus 3.1 s charged
         (0, 0.5, "b1"),  # 8.7 s against b0's 10.2 s: b1
         (2, 0.0, "b1"),
-        (2, 0.5, "b0"),  # the recompute delays b1's 2 waiters too: 2 x 3.1 s charged
+        (2, 0.5, "b0"),  # 2 waiters there (past its knee): 2 x 3.1 s charged
         (1, 1.0, "b0"),
     ],
 )
 def test_queue_cost_grows_with_the_requests_waiting_there(
     waiting1: int, per_waiter: float, want: str
 ) -> None:
-    """Past the servers' knee the prefill a recompute adds delays every request queued
-    behind it: moving a turn off its history's busy backend onto one where others wait
-    costs them all."""
+    """Past the servers' knee (requests wait there for any slot) the prefill a recompute
+    adds delays every request that comes after it: moving a turn off its history's busy
+    backend onto one where others wait costs more than its own ttft shows."""
     s = RouterSettings(queue_cost_weight=1.0, queue_cost_per_waiter=per_waiter,
                        default_prefill_tps=1000.0)
     cands = two_backends(1000.0, backlog0=10.0)

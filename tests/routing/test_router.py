@@ -673,16 +673,17 @@ def test_nothing_is_saved_for_an_unlaunched_start_when_the_order_is_unknown(why:
     assert not [e for e in ram if e["tokens"] == 502], ram
 
 
-@pytest.mark.parametrize("peer_waits", [False, True])
-def test_a_waiter_handed_a_slot_an_unlaunched_start_saves_is_sent_after_it(
-        peer_waits: bool) -> None:
-    """X and Z run, Y is sent to the third slot; X's next turn Q waits for X's slot; X
-    ends before Y's head comes. The server launches Y after X's slot freed and saves
-    that slot as an idle one, unless Q is posted before Y and takes it: Q is handed X's
-    slot but sent only once Y is known posted, so the save is certain (seen live: the
-    model saved nothing, and a later turn loaded that entry: predicted 3, reported 123).
-    Another replica's waiter is sent by that replica, whose order is not known: nothing
-    is saved at Y's launch then (that waiter's own start saves X's slot)."""
+@pytest.mark.parametrize("waiter", ["next turn", "unrelated", "peer"])
+def test_a_waiter_keeping_a_slot_an_unlaunched_start_saves_is_sent_after_it(
+        waiter: str) -> None:
+    """X and Z run, Y is sent to the third slot; Q waits; X ends before Y's head comes.
+    The server launches Y after X's slot freed and saves that slot as an idle one,
+    unless Q is posted before Y and keeps it: X's next turn, handed X's slot, is sent
+    only once Y is known posted, so the save is certain (seen live: the model saved
+    nothing, and a later turn loaded that entry: predicted 3, reported 123). An
+    unrelated Q replaces X's content, saving it at its own start: not held. Another
+    replica's request waiting for X's slot is sent by that replica, whose order is not
+    known: nothing is saved at Y's launch then (its own start saves X's slot)."""
     r = Router()
     r.add_backend(cap("a", slots=3))
     x = decide(r, list(range(1000, 1500)))
@@ -693,22 +694,23 @@ def test_a_waiter_handed_a_slot_an_unlaunched_start_saves_is_sent_after_it(
         d.first_token()
     y = decide(r, list(range(3000, 3400)))
     y.sending()
-    peer = None
-    if peer_waits:  # (it waits for X's slot too, ahead of this replica's waiters)
-        peer = r.observe_start("a", x.slot, to_token_bytes(list(range(4000, 4300))))
-        assert peer is not None
-    q = decide(r, [*range(1000, 1500), 5, 6, *range(7000, 7050)])
+    if waiter == "peer":  # (it waits for X's slot, ahead of this replica's waiters)
+        q = r.observe_start("a", x.slot, to_token_bytes(list(range(4000, 4300))))
+        assert q is not None
+    else:
+        q = decide(r, [*range(1000, 1500), 5, 6, *range(7000, 7050)] if waiter == "next turn"
+                   else list(range(8000, 8300)))
     assert q.queued and not r.unposted(y.request_id)  # (Y's own start saved nothing)
     got = r.complete(x, Report(output_tokens=[5, 6], starts_before_end=r.starts("a"),
                                unlaunched_at_end=r.unlaunched("a")))
-    if peer is not None:
-        assert [h.request_id for h in got] == [peer.request_id]
+    assert [h.request_id for h in got] == [q.request_id]
+    if waiter == "peer":
         assert not r.unposted(y.request_id)
         return
     ram = r.snapshot()["backends"]["a"]["ram_entries"]  # type: ignore[index]
     assert [e for e in ram if e["tokens"] == 502] and r.unposted(y.request_id), ram
-    assert [(h.request_id, h.after) for h in got] == [(q.request_id, y.request_id)]
-    assert r.held_for(q) == y.request_id
+    after = y.request_id if waiter == "next turn" else None
+    assert got[0].after == after and r.held_for(q) == after
     y.posted()
     assert r.held_for(q) is None
 
