@@ -108,7 +108,7 @@ class Booking:
             st.cache.restore(placed.slot, sequence)
             p = from_disk(st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n,
                                          launch=Launch(user_starts, lora)))
-            self._unposted.started(rid, choice.backend, st.cache.created)
+            self._unposted.started(rid, choice.backend, st.cache.created, st.cache.starts)
             return p, None
         beyond = self.beyond_head(choice.backend, choice.placement, slot_lcp, ram_lcp,
                                   len(q)) if r.head else None
@@ -120,7 +120,7 @@ class Booking:
         # NOTE: unpinned stays unpinned: an empty slot then may load from RAM
         p = st.cache.start(choice.slot, q, slot_lcp, ram_lcp, n, choice.placement,
                            Launch(user_starts, lora))
-        self._unposted.started(rid, choice.backend, st.cache.created)
+        self._unposted.started(rid, choice.backend, st.cache.created, st.cache.starts)
         return p, beyond
 
     def record(self, r: Prompt, choice: Choice, cand: Candidate, placed: Placement | None,

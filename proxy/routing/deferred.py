@@ -76,7 +76,7 @@ class Deferred:
                                Launch(u.user_starts, u.lora))
         assert p is not None and p.slot == f.slot, "placed where predicted"
         f.wait_for(self._unposted.creator(u.request_id, u.backend, p.ram_entry))
-        self._unposted.started(u.request_id, u.backend, st.cache.created)
+        self._unposted.started(u.request_id, u.backend, st.cache.created, st.cache.starts)
         if (p.reuse, p.tier) != (u.predicted.reuse, u.predicted.tier):
             more = u.predicted.reuse - p.reuse  # tokens to prefill beyond the prediction
             st.work += more

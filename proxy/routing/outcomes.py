@@ -172,11 +172,15 @@ class RequestEnds:
         if saved is None:
             return None
         made = cache.saved_idle(slot)
-        if saved == "start" or not made or not st.unlaunched:
-            return None  # (none unlaunched now: heard since, posted before any sent now)
-        # the one sent last: the likeliest to be launched after the slot freed
-        saver = next(reversed(st.unlaunched))
-        self._unposted.started(saver, f.backend, made)
+        if not made:
+            return None
+        # the start made last after the read, or the one sent last: the likeliest to be
+        # launched after the slot freed (None: posted since, before any sent now)
+        before = report.starts_before_end
+        saver = (self._unposted.since(f.backend, before) if saved == "start" and before
+                 is not None else next(reversed(st.unlaunched), None))
+        if saver is not None:
+            self._unposted.started(saver, f.backend, made)
         return saver
 
     def _held_for(self, h: Handoff, slot: int, saver: int) -> Handoff:
@@ -306,7 +310,7 @@ def _saved_at(st: BackendState, report: Report, prefilling: bool,
     replica sends it when handed the slot, and the server may post it first:
     ``peers_wait``). In those cases nothing is saved (None): the lesser error (a reuse
     under-predicted, never one the server cannot give). This replica's waiters handed
-    the slot at this end are sent only once that start is known posted
+    the slot at this end are sent only once that start (either kind) is known posted
     (`RequestEnds._held_for`): they launch after it. Not covered: a request decided
     later and pinned to the slot before that start is posted, another replica's told
     later, or that start failing before its launch; each leaves the model an entry the

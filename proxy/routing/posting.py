@@ -22,9 +22,16 @@ class Unposted:
     def __init__(self) -> None:
         self._creator: dict[tuple[str, int], int] = {}  # (backend, entry) -> request id
         self._created: dict[int, list[tuple[str, int]]] = {}  # request id -> its entries
+        # backend -> {request id: the number of its start there}, oldest first
+        self._open: dict[str, dict[int, int]] = {}
 
-    def started(self, rid: int, backend: str, entries: Iterable[int]) -> None:
-        """``rid`` started on ``backend`` in the model, its start creating ``entries``."""
+    def started(self, rid: int, backend: str, entries: Iterable[int],
+                start: int | None = None) -> None:
+        """``rid`` started on ``backend`` in the model, its start creating ``entries``;
+        ``start``: that start's number there (`BackendCache.starts` after it), when it
+        is the request's own (not only entries named its own)."""
+        if start is not None:
+            self._open.setdefault(backend, {})[rid] = start
         keys = [(backend, e) for e in entries]
         if keys:
             self._created.setdefault(rid, []).extend(keys)
@@ -47,7 +54,18 @@ class Unposted:
         """Did ``rid``'s start create entries while it is not known posted?"""
         return rid in self._created
 
+    def since(self, backend: str, start: int) -> int | None:
+        """The request started last on ``backend``, if that start came after its number
+        ``start`` and the request is not known posted (None: no such request)."""
+        opened = self._open.get(backend)
+        if not opened:
+            return None
+        rid = next(reversed(opened))
+        return rid if opened[rid] > start else None
+
     def posted(self, rid: int) -> None:
         """``rid`` is known posted on its server, or it ended (or its backend left)."""
         for k in self._created.pop(rid, ()):
             self._creator.pop(k, None)
+        for opened in self._open.values():
+            opened.pop(rid, None)

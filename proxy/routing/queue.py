@@ -158,7 +158,7 @@ class SlotQueue:
         assert p is not None
         after = None if f.observed else self._unposted.creator(rid, backend, p.ram_entry)
         if not f.observed:  # (a peer's request: sent by its replica, its posting not seen)
-            self._unposted.started(rid, backend, cache.created)
+            self._unposted.started(rid, backend, cache.created, cache.starts)
         f.slot = p.slot
         st.follow_to(rid, p.slot)  # handed it pinned when rid ends: see drain
         st.occupy(p.slot, f.session)

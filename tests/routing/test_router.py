@@ -622,6 +622,42 @@ def test_a_slot_ended_before_a_hand_off_was_saved_by_it() -> None:
     assert handed[0].predicted_cached == len(a) + len(a_out)
 
 
+@pytest.mark.parametrize("posted_first", [False, True])
+def test_a_waiter_keeping_a_slot_a_start_saved_is_sent_after_that_start(
+        posted_first: bool) -> None:
+    """As above, A and B end in one server step, B's read first hands Q B's slot; A's
+    next turn waits for A's slot. Q's start saves A's slot as an idle one, unless A's
+    turn is posted before Q (a short prompt tokenized first) and keeps the slot: it is
+    sent only once Q is known posted (seen live: the model saved A's slot, the server
+    did not, and a later turn was predicted to load it: 123 predicted, 3 reported). Q
+    posted by then: nothing to wait for."""
+    def toks(seed: int, n: int) -> list[int]:
+        return [1000 + seed * 10000 + i for i in range(n)]
+
+    a, b, q = [1, 2, 3, *toks(1, 3300)], [1, 2, 3, *toks(2, 2000)], [1, 2, 3, *toks(3, 2100)]
+    r = Router()
+    r.add_backend(BackendCapacity("x", 2, 8192, 1 << 30, 8192))
+    da = r.place(r.decide(a, defer=True))
+    db = r.place(r.decide(b, defer=True))
+    dq = r.decide(q, defer=True)
+    a_out = toks(9, 29)
+    d2 = r.decide([*a, *a_out, *toks(5, 400)], defer=True)
+    assert dq.queued and d2.queued
+    a_end = r.starts("x")  # A's end reached the proxy (its answer not yet read)
+    h = r.complete(db, Report(output_tokens=toks(8, 29)))  # B's read first: Q gets slot 1
+    assert [x.request_id for x in h] == [dq.request_id]
+    if posted_first:
+        dq.posted()
+    got = r.complete(da, Report(output_tokens=a_out, starts_before_end=a_end))
+    assert [(x.request_id, x.slot, x.tier) for x in got] == [(d2.request_id, da.slot, "slot")]
+    ram = r.snapshot()["backends"]["x"]["ram_entries"]  # type: ignore[index]
+    assert [e for e in ram if e["tokens"] == len(a) + len(a_out)], ram
+    after = None if posted_first else dq.request_id
+    assert got[0].after == after and r.held_for(d2) == after
+    dq.posted()
+    assert r.held_for(d2) is None
+
+
 @pytest.mark.parametrize("heard_first", [False, True])
 def test_a_start_unlaunched_when_a_slot_ended_saved_that_slot(heard_first: bool) -> None:
     """Y is sent while X's slot is busy; X ends. If Y's launch was not heard by then
