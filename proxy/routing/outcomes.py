@@ -159,8 +159,8 @@ class RequestEnds:
                        out: bytes) -> int | None:
         """The request in ``slot`` ended there: the model records what it holds, and a
         save of it as an idle slot if a start the server launched after its end made
-        one (see `_saved_at`). Returns the unlaunched start whose launch saves it (None:
-        none does), its saves then named as its own (`Unposted`)."""
+        one (see `_saved_at`). Returns the request whose launch saves it, not known
+        posted yet (None: none such), the save then named its own (`Unposted`)."""
         cache = st.cache
         cache.finish_generated(slot, out)
         prefilling = report.unlaunched_at_end > 0 and any(
@@ -174,8 +174,9 @@ class RequestEnds:
         made = cache.saved_idle(slot)
         if not made:
             return None
-        # the start made last after the read, or the one sent last: the likeliest to be
-        # launched after the slot freed (None: posted since, before any sent now)
+        # this replica's start made last after the read, or its request sent last: the
+        # likeliest to be launched after the slot freed (None: posted since, before any
+        # sent now, or another replica's start)
         before = report.starts_before_end
         saver = (self._unposted.since(f.backend, before) if saved == "start" and before
                  is not None else next(reversed(st.unlaunched), None))

@@ -8,6 +8,10 @@ when the server launches it. A request sent a moment after it and posted first (
 prompt behind a long one) would launch first and find no entry to load: so a request
 predicted to load such an entry names its creator (``Decision.after``), and the proxy
 sends it only once the creator is known posted (its answer's head came, or it ended).
+So does a request handed a slot whose idle save such a start makes, and whose content
+it keeps (proxy/routing/outcomes.py `_saved_at`): posted first, it would take the slot
+before the save. An answer that comes whole (not streamed) shows it posted only at its
+end: a request held for it waits for that end, or AFTER_WAIT_S (proxy/forwarding/waits.py).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from collections.abc import Iterable
 
 
 class Unposted:
-    """Of the requests started in the model and not known posted, the RAM entries their
-    starts created."""
+    """Of this replica's requests started in the model and not known posted, the RAM
+    entries their starts created (or the idle saves named theirs), and per backend the
+    order of their starts."""
 
     def __init__(self) -> None:
         self._creator: dict[tuple[str, int], int] = {}  # (backend, entry) -> request id
@@ -55,8 +60,8 @@ class Unposted:
         return rid in self._created
 
     def since(self, backend: str, start: int) -> int | None:
-        """The request started last on ``backend``, if that start came after its number
-        ``start`` and the request is not known posted (None: no such request)."""
+        """Of this replica's requests started on ``backend`` and not known posted, the
+        last one, if its start came after number ``start`` (None: no such request)."""
         opened = self._open.get(backend)
         if not opened:
             return None

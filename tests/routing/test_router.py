@@ -630,13 +630,15 @@ def test_a_waiter_keeping_a_slot_a_start_saved_is_sent_after_that_start(
     turn is posted before Q (a short prompt tokenized first) and keeps the slot: it is
     sent only once Q is known posted (seen live: the model saved A's slot, the server
     did not, and a later turn was predicted to load it: 123 predicted, 3 reported). Q
-    posted by then: nothing to wait for."""
+    posted by then: nothing to wait for (C, started before the read and not posted
+    either, is no saver)."""
     def toks(seed: int, n: int) -> list[int]:
         return [1000 + seed * 10000 + i for i in range(n)]
 
     a, b, q = [1, 2, 3, *toks(1, 3300)], [1, 2, 3, *toks(2, 2000)], [1, 2, 3, *toks(3, 2100)]
     r = Router()
-    r.add_backend(BackendCapacity("x", 2, 8192, 1 << 30, 8192))
+    r.add_backend(BackendCapacity("x", 3, 8192, 1 << 30, 8192))
+    r.place(r.decide([1, 2, 3, *toks(6, 1500)], defer=True))  # C, running throughout
     da = r.place(r.decide(a, defer=True))
     db = r.place(r.decide(b, defer=True))
     dq = r.decide(q, defer=True)
