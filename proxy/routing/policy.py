@@ -61,8 +61,8 @@
   worse one: a turn moved off its history's busy backend prefills that history again
   in a queue as long. (The chat replays of BENCHMARKS.md, simulated at 700-1,500
   prefill tokens/s, 5 seeds: 2 and 1 beside 1 and 0 raise reuse on the conversation
-  trace by 4-8% on average and lower mean ttft; a burst of new sessions over one
-  prefix still spreads, which a constant weight of 2.5 or more no longer does.)
+  trace by 2-8% on average and lower mean ttft; a burst of new sessions over one
+  prefix still spreads: a constant weight of 2.5 or more herds it.)
 - Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
   in-flight request (only the latter once its first token came: it then only decodes,
   see ``Router.prefilled``). A backend is eligible only if its work after taking the request
