@@ -265,35 +265,42 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlo
             ) -> Option | None:
     """Following the waiter of ``c`` that shares the most of the prompt, at least
     ``wait_min_tokens`` (None: none does): the request waits for the slot that waiter
-    is handed, and is handed it once that waiter ends, finding its prompt there.
+    is handed, and is handed it once that waiter and the followers before it end.
 
     A conversation's next turn, or an agent's side call over its history, sent while
     the previous request still waits here: that request is in no slot, so no holder
     shows the history, and landing elsewhere would prefill it a second time (and keep
     two copies of it). Expected ttft: the queue's expected wait (as for the server's
     queue), one service time for the leader and one for each follower already behind
-    it, then the rest of the prompt; the leader's prompt beyond the shared part is
-    truncated then (charged as destroyed, as for ``_behind_waiter``). Whether it beats
-    an idle slot elsewhere is the choice's to say, by score: the prefill it saves is
-    charged its queue cost over there. A request naming its session never follows
-    another named session's request, whose history it would truncate; one naming none
-    follows any: nothing tells it from that conversation's next turn (from a client
-    that names no session), and sharing more with the waiter than any holder has, it
-    most likely is one. (Other replicas' waiters wait for a given slot: no leaders.)"""
+    it, then the rest of the prompt. It finds the prompt of the last of those in the
+    slot (the leader's, none following it yet): what it shares with that one is what it
+    reuses, and that one's prompt beyond the shared part is truncated then (charged as
+    destroyed, as for ``_behind_waiter``). Whether it beats an idle slot elsewhere is the
+    choice's to say, by score: the prefill it saves is charged its queue cost over there.
+    A request naming its session never follows another named session's request, whose
+    history it would truncate; one naming none follows any: nothing tells it from that
+    conversation's next turn (from a client that names no session), and sharing more
+    with the waiter than any holder has, it most likely is one. (Other replicas' waiters
+    wait for a given slot: no leaders.)"""
     st = c.state
     # the top sharer only: it reuses the most, and any other shares a part of its prompt
     # at most: when it is another named session's, that part is a prompt sessions share
     # (a system prompt), not this conversation's history, which following is for
     shared, leader = next(st.waiting.sharing(c.prompt), (0, -1))
+    if shared < s.wait_min_tokens:
+        return None
+    # handed the slot after the leader's followers, it finds the last one's prompt there
+    behind = st.followers.get(leader, ())
+    ahead = st.queued[behind[-1]] if behind else st.queued[leader]
+    if behind:
+        shared = c.shared(ahead)
     shared = min(shared, n - 1)
     if shared < s.wait_min_tokens:
         return None
-    ahead = st.queued[leader]
     if (session is not None and (ahead.session or session) != session) or not c.goes_on(ahead):
         return None
     service = st.service_s or s.default_service_s
-    behind = len(st.followers.get(leader, ()))
-    wait = backlog + service / len(st.cache.slots) + (1 + behind) * service
+    wait = backlog + service / len(st.cache.slots) + (1 + len(behind)) * service
     p = Placement(FOLLOWS, shared, "slot", None, 0, False, max(0, ahead.n - shared))
     ttft = _ttft(wait, p, n, st.rate, s)
     return Option(ttft + _penalty(p, s, st.rate), ttft, p, None, True, leader)

@@ -112,6 +112,7 @@ def test_a_leader_aborted_with_an_idle_slot_hands_it_to_its_follower() -> None:
 
 
 OTHER = list(range(700_000, 700_100))
+FIRST = [*TURN[:2800], *range(800_000, 800_200)]  # a side call over most of TURN
 
 
 @pytest.mark.parametrize(("why", "prompt", "session", "follows"), [
@@ -228,3 +229,26 @@ def _check_nothing_stranded(r: Router, live: list[Routed]) -> None:
             assert any(d.entry.slot is not None for d in live if d.backend == name), name
         for rid, leader in st_.leader_of.items():
             assert rid in st_.followers[leader] and leader in st_.queued
+
+
+@pytest.mark.parametrize(("why", "prompt", "reuses"), [
+    # (FIRST, the follower already behind TURN, shares 2,800 tokens of it)
+    ("it extends the follower ahead", [*FIRST, *OTHER], len(FIRST)),
+    ("it extends the leader, and shares 2,800 tokens with the follower ahead",
+     [*TURN, *OTHER], 2800),
+])
+def test_a_second_follower_reuses_what_it_shares_with_the_one_ahead(
+        why: str, prompt: list[int], reuses: int) -> None:
+    """Followers are handed the leader's slot in turn: the second finds the first one's
+    prompt there, not the leader's, and is priced by what it shares with that one."""
+    r, lead, first, _ = leader_waiting()
+    one = decide(r, FIRST, now=1.6)
+    assert one.reasons["follows"] == lead.request_id
+    two = decide(r, prompt, now=1.7)
+    assert two.reasons["follows"] == lead.request_id, why
+    assert two.predicted_cached == reuses, why
+    handed = {}
+    for d in (first, lead, one):
+        handed |= {h.request_id: h for h in r.complete(d, Report(output_tokens=[7] * 4),
+                                                      now=3.0)}
+    assert handed[two.request_id].predicted_cached == reuses, why
