@@ -30,7 +30,7 @@ from loadtest.workloads import agentic  # noqa: E402
 from proxy.prompt.builder import PromptBuilder  # noqa: E402
 from proxy.replicas.bases import Bases  # noqa: E402
 from proxy.replicas.events import Event, Kind, encode  # noqa: E402
-from proxy.routing.cache.predict import BackendCapacity  # noqa: E402
+from proxy.routing.cache.values import BackendCapacity  # noqa: E402
 from proxy.routing.decision import Report  # noqa: E402
 from proxy.routing.routed import Routed  # noqa: E402
 from proxy.routing.router import Router  # noqa: E402

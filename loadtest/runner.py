@@ -386,7 +386,7 @@ def fleet_estimate(workload: wl.Workload, runs: list[PolicyRun],
     from backends.demo_model import ensure_demo_model
     from backends.memory import gguf_kv_bytes_per_token
     from loadtest.bounds import run_estimate
-    from proxy.routing.cache.predict import BackendCapacity
+    from proxy.routing.cache.values import BackendCapacity
 
     ctx = args.ctx or needed_ctx(workload, args.max_tokens)
     kv = gguf_kv_bytes_per_token(ensure_demo_model(kind=args.model))

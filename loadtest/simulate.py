@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from loadtest.trace import BLOCK, VOCAB_HI, VOCAB_LO, TraceRequest, block_start
 from proxy.routing.cache.checkpoints import DENSE, Memory
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity, Launch
+from proxy.routing.cache.values import RAM, SLOT, BackendCapacity, Launch
 from proxy.routing.decision import Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from proxy.routing.cache.lora import Lora
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import SLOT, Launch, Placement
+from proxy.routing.cache.values import SLOT, Launch, Placement
 from proxy.routing.tree.token_bytes import to_token_bytes
 
 

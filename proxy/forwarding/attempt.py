@@ -38,7 +38,7 @@ from proxy.prompt.media import (
 )
 from proxy.reporting.outcome import Outcome, held_output
 from proxy.routing.cache.lora import Lora, requested
-from proxy.routing.cache.predict import Launch
+from proxy.routing.cache.values import Launch
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend, Report
 from proxy.routing.routed import Routed
 from proxy.routing.tree.token_bytes import to_token_bytes

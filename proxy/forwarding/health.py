@@ -52,7 +52,7 @@ from proxy.config.settings import HealthSettings
 from proxy.forwarding.upstream import Response
 from proxy.observability.metrics import ProxyMetrics
 from proxy.routing.cache.checkpoints import Memory
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.router import Router
 
 CLOSED, OPEN = "closed", "open"

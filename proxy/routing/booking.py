@@ -11,14 +11,7 @@ from typing import Any, NamedTuple
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.lora import Lora
-from proxy.routing.cache.predict import (
-    CONTINUATION_SLACK,
-    RAM,
-    SLOT,
-    Launch,
-    Placement,
-    from_disk,
-)
+from proxy.routing.cache.values import CONTINUATION_SLACK, RAM, SLOT, Launch, Placement, from_disk
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
 from proxy.routing.deferred import Deferred, Unplaced
 from proxy.routing.head import most_held

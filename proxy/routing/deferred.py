@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.lora import Lora
-from proxy.routing.cache.predict import Launch, Placement, from_disk
+from proxy.routing.cache.values import Launch, Placement, from_disk
 from proxy.routing.posting import Unposted
 from proxy.routing.routed import Ledger
 

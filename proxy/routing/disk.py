@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.routing.backend_state import BackendState
-from proxy.routing.cache.predict import DISK, Placement
+from proxy.routing.cache.values import DISK, Placement
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 

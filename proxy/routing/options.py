@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from proxy.routing.backend_state import BackendState, Queued
 from proxy.routing.cache.lora import Lora, should_clear
-from proxy.routing.cache.predict import Placement
+from proxy.routing.cache.values import Placement
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import common_len
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Literal
 
 from proxy.routing.backend_state import BackendState, share_rate
-from proxy.routing.cache.predict import CONTINUATION_SLACK, Launch
+from proxy.routing.cache.values import CONTINUATION_SLACK, Launch
 from proxy.routing.decision import Handoff, Report
 from proxy.routing.deferred import Deferred
 from proxy.routing.observed import PeerRequests

@@ -114,7 +114,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from proxy.routing.backend_state import BackendState
-from proxy.routing.cache.predict import CONTINUATION_SLACK, Placement
+from proxy.routing.cache.values import CONTINUATION_SLACK, Placement
 from proxy.routing.options import FOLLOWS, Candidate, best_options
 from proxy.routing.settings import RouterSettings
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import RAM, SLOT, CacheHolder, Launch, from_disk
+from proxy.routing.cache.values import RAM, SLOT, CacheHolder, Launch, from_disk
 from proxy.routing.decision import Handoff
 from proxy.routing.disk import DiskIndex
 from proxy.routing.observed import PeerRequests

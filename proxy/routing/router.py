@@ -28,11 +28,7 @@ from proxy.routing.backend_state import BackendState, peer_rate
 from proxy.routing.booking import Booking, Prompt, is_claim
 from proxy.routing.cache.lora import Lora, Scales
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import (
-    PLAIN,
-    BackendCapacity,
-    Launch,
-)
+from proxy.routing.cache.values import PLAIN, BackendCapacity, Launch
 from proxy.routing.decision import (
     Decision,
     Handoff,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.routing.cache.predict import ServerRules
+from proxy.routing.cache.values import ServerRules
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from backends.memory import (
 )
 from backends.process import free_port
 from proxy.routing.cache.checkpoints import Memory
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 
 MiB = 1 << 20
 

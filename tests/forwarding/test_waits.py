@@ -9,7 +9,7 @@ from proxy.forwarding.waits import SlotWaits
 from proxy.observability.logging import get_logger
 from proxy.observability.metrics import ProxyMetrics
 from proxy.reporting.recorder import Recorder
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.decision import Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router

@@ -9,7 +9,7 @@ from loadtest.simulate import SimBackend, simulate
 from loadtest.smg_like import SmgLike, _PromptSet
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import BackendCapacity, ServerRules
+from proxy.routing.cache.values import BackendCapacity, ServerRules
 from proxy.routing.options import Candidate
 from proxy.routing.policies import POLICIES
 from proxy.routing.settings import RouterSettings

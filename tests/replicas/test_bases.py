@@ -12,7 +12,7 @@ from proxy.replicas.bases import MIN_BASE, OVERHEAD, PER_SLOT, Bases
 from proxy.replicas.bus import ReplicaBus
 from proxy.replicas.events import Event, Kind, decode, encode
 from proxy.replicas.peers import PeerView, PoolPort
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
 

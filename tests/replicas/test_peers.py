@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from proxy.replicas.claims import Claims
 from proxy.replicas.events import Event, Kind, decode, encode
 from proxy.replicas.peers import PEER_TIMEOUT_S, PeerView, PoolPort, Teller
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.decision import Handoff, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router

@@ -39,7 +39,7 @@ from proxy.replicas.bases import Bases
 from proxy.replicas.bus import LIVE_QUEUE, SUBJECT, ReplicaBus, snapshot_subject
 from proxy.replicas.events import MAX_TOKENS, Event, Kind, decode, encode
 from proxy.replicas.peers import PeerView, PoolPort, Teller
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.router import Router
 from proxy.routing.tree.token_bytes import to_token_bytes
 from proxy.server.keys import ROUTER

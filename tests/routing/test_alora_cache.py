@@ -19,7 +19,7 @@ from proxy.routing.cache.lora import (
     should_clear,
 )
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import BackendCapacity, Launch, ServerRules
+from proxy.routing.cache.values import BackendCapacity, Launch, ServerRules
 from proxy.routing.decision import Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router

@@ -7,7 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import RAM, SLOT, BackendCapacity, Placement, ServerRules
+from proxy.routing.cache.values import RAM, SLOT, BackendCapacity, Placement, ServerRules
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.token_bytes import to_token_bytes
 

@@ -23,7 +23,7 @@ from proxy.routing.cache.checkpoints import (
     surviving,
 )
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.token_bytes import to_token_bytes
 

@@ -7,7 +7,7 @@ import pytest
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import DISK, SLOT, BackendCapacity, Placement
+from proxy.routing.cache.values import DISK, SLOT, BackendCapacity, Placement
 from proxy.routing.deferred import Deferred, Unplaced
 from proxy.routing.disk import DiskIndex
 from proxy.routing.observed import PeerRequests

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from proxy.routing.cache.lora import Lora, f32, requested, scales
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import SLOT, BackendCapacity, Launch, ServerRules
+from proxy.routing.cache.values import SLOT, BackendCapacity, Launch, ServerRules
 from proxy.routing.decision import Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router

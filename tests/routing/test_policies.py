@@ -7,7 +7,7 @@ import pytest
 from proxy.cli import main
 from proxy.config.fields import ConfigError
 from proxy.config.load import load_config
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.decision import Report
 from proxy.routing.policies import POLICIES, REGISTRY, describe, make_policy
 from proxy.routing.routed import Routed

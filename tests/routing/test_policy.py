@@ -9,7 +9,7 @@ import pytest
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.decision import Report
 from proxy.routing.options import Candidate
 from proxy.routing.policy import choose_prefix

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.decision import Handoff, NeedWholePrompt, NoBackend, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router

@@ -14,7 +14,7 @@ import proxy.routing.queue as queue_module
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.checkpoints import DENSE, Memory, reusable
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.predict import BackendCapacity, Placement
+from proxy.routing.cache.values import BackendCapacity, Placement
 from proxy.routing.decision import Report
 from proxy.routing.options import Candidate
 from proxy.routing.routed import Routed

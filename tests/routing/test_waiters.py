@@ -3,7 +3,7 @@ freed slots are handed out in."""
 
 from __future__ import annotations
 
-from proxy.routing.cache.predict import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.decision import Handoff, Report
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router

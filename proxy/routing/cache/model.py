@@ -37,20 +37,17 @@ The sequences themselves live in a shared :class:`~proxy.routing.tree.radix.Radi
 ``(backend, SLOT, i)`` and ``(backend, RAM, entry_id)``; this class keeps the lengths the
 server has (the tree may have evicted tails) and the RAM LRU order. No I/O.
 
-Predictions (pure) are in proxy/routing/cache/predict.py, with the model's value types (re-exported
-here); this module holds the state and applies what happens when requests start and end.
+Predictions (pure) are in proxy/routing/cache/predict.py, the value types in
+proxy/routing/cache/values.py; this module holds the state and applies what happens when
+requests start and end.
 """
 
 from __future__ import annotations
 
 from bisect import insort
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
-
-from sortedcontainers import SortedList
+from collections.abc import Sequence
 
 from proxy.routing.cache.checkpoints import (
-    Checkpoints,
     Resumed,
     created,
     loaded_floor,
@@ -59,12 +56,10 @@ from proxy.routing.cache.checkpoints import (
     surviving,
 )
 from proxy.routing.cache.lora import Lora, Scales, launched
-from proxy.routing.cache.predict import (
+from proxy.routing.cache.ram import RamTier
+from proxy.routing.cache.values import (
     PLAIN,
-    RAM,
     BackendCapacity,
-    CacheHolder,
-    CachePrediction,
     Launch,
     Placement,
     ServerRules,
@@ -73,7 +68,7 @@ from proxy.routing.cache.predict import (
 from proxy.routing.tree.radix import RadixTree
 
 
-class BackendCache(CachePrediction):
+class BackendCache(RamTier):
     """Model of one backend's slots and RAM prompt cache."""
 
     def __init__(self, cap: BackendCapacity, tree: RadixTree, rules: ServerRules | None = None,
@@ -81,27 +76,11 @@ class BackendCache(CachePrediction):
         self.cap = cap
         self.tree = tree
         self.rules = rules or ServerRules()
-        # RAM entries whose sequences stay in the tree: every one of `track_min_tokens` or
-        # more, and smaller ones only while there are no more than `max_tracked` in all
-        # (the largest stay). Every prompt of a chat template starts with the same tokens,
-        # so every holder is matched by every request: a RAM tier full of small prompts
-        # (thousands fit in 1 GiB) would make each decision walk all of them (5.7 ms a
-        # decision after 10k small requests on the demo model, against 0.1 ms). Large
-        # entries are few (the RAM's size bounds them) and are what a load saves most on:
-        # tracking only the 64 largest loses 6.5 points of hit ratio on the Mooncake replay.
-        # Untracked entries keep their place in the byte LRU (evictions stay exact) but
-        # are not matched: the model may miss a load the server makes.
-        self.max_tracked = max_tracked
-        self.track_min_tokens = track_min_tokens
-        self._tracked: SortedList[tuple[int, int]] = SortedList()  # (tokens, entry id)
+        self._init_ram(max_tracked, track_min_tokens)
         self.slots = [Slot() for _ in range(cap.n_slots)]
         # indices of the idle slots, ascending; read-only outside start/_free/clear (the
         # policy scans them for every request and backend, and most slots are busy)
         self.idle: list[int] = list(range(cap.n_slots))
-        self.ram: OrderedDict[int, int] = OrderedDict()  # entry id -> tokens, oldest first
-        self.ram_checkpoints: dict[int, Checkpoints] = {}
-        self.ram_lora: dict[int, Scales] = {}
-        self.ram_bytes = 0
         self.checkpointed = cap.memory.checkpointed
         self.lora_global = cap.lora
         # while a checkpointed slot is busy: where its prompt resumed, to place its
@@ -110,7 +89,6 @@ class BackendCache(CachePrediction):
         # the set each slot's last request named, on a backend with aLoRAs (the set it
         # keeps depends on the whole prompt, which a head does not hold)
         self._named: dict[int, Scales] = {}
-        self._next_entry = 0
         self._clock = 0
         self.starts = 0  # tasks started so far (see `saved_idle`)
         # the RAM entries the last `start` created (still in RAM): the server creates
@@ -222,11 +200,6 @@ class BackendCache(CachePrediction):
                                 media_spans(prompt))
         s.floor = r.floor
 
-    def ram_by_size(self) -> Iterator[tuple[int, CacheHolder]]:
-        """(tokens, holder) of the RAM entries the tree holds, largest first (lazily)."""
-        for n, e in reversed(self._tracked):
-            yield n, self.ram_holder(e)
-
     def held(self, slot: int) -> bytes | None:
         """What an idle slot is known to hold (int32 token bytes), None when busy or
         empty."""
@@ -272,24 +245,6 @@ class BackendCache(CachePrediction):
         s.ram_copy = None
         s.checkpoints, s.floor = (), loaded_floor(self.cap.memory, s.n_tokens)
 
-    def forget_ram(self, entries: Iterable[int]) -> None:
-        """These RAM entries were never made: the start that created them in the model
-        never reached the server (see Router.withdraw)."""
-        for e in entries:
-            if e in self.ram:
-                self._drop_entry(e)
-
-    def saved_idle(self, slot: int) -> tuple[int, ...]:
-        """A task started on the server after the request in ``slot`` ended there, but
-        the model heard of that end later (two slots ending in one server step: the
-        first answer read hands a queued request the other slot; a request sent while
-        the answer's last step ran): the server saved this slot as an idle one at that
-        start (--cache-idle-slots), so the model does now. Returns the entries made."""
-        first = self._next_entry
-        if self.rules.cache_idle_slots and self.cap.ram_cache_bytes:
-            self._save_idle_slot(slot)
-        return tuple(e for e in range(first, self._next_entry) if e in self.ram)
-
     def extend_prompt(self, slot: int, prompt: bytes, user_starts: Sequence[int] = ()
                       ) -> int | None:
         """A busy slot's prompt turns out longer: ``prompt`` extends what it started
@@ -315,20 +270,6 @@ class BackendCache(CachePrediction):
             return None
         s.lora, most = launched(named, self.cap.alora, prompt)
         return most
-
-    def _save_idle_slot(self, i: int) -> None:
-        """--cache-idle-slots: after a task starts, every idle slot is saved to RAM."""
-        unified = self.rules.kv_unified
-        s = self.slots[i]
-        if s.n_tokens == 0:
-            return
-        if s.ram_copy is None or s.ram_copy not in self.ram:  # else: already saved
-            self._save(i, keep=not unified)
-        if unified:  # [TAG_IDLE_SLOT_CLEAR]: the slot's KV is freed
-            self.tree.drop(self.slot_holder(i))
-            s.n_tokens = 0
-            s.ram_copy = None
-            s.checkpoints, s.floor = (), 0
 
     def finish(self, slot: int, sequence: bytes | None, n_tokens: int) -> None:
         """The request in ``slot`` ended; the slot now holds ``sequence`` (None: unknown)."""
@@ -375,73 +316,6 @@ class BackendCache(CachePrediction):
         prompt, s.prompt, s.ram_copy = s.prompt, None, None
         self._ck_start.pop(slot, None)
         return prompt
-
-    def _save(self, slot: int, keep: bool = False) -> set[int]:
-        """server_prompt_cache::alloc + update: save a slot's state; returns entries gone.
-
-        ``keep``: the slot keeps its content (an idle-slot copy); otherwise its holder
-        moves to the new entry (the slot is about to be overwritten)."""
-        s = self.slots[slot]
-        h = self.slot_holder(slot)
-        limit = self.cap.ram_cache_bytes
-        gone: set[int] = set()
-        new_bytes = self.cap.entry_bytes(s.n_tokens, len(s.checkpoints))
-        if limit == 0 or new_bytes > limit or s.n_tokens == 0:
-            return gone
-        if s.ram_copy is not None and s.ram_copy in self.ram:
-            return gone  # our own copy is still there: "already in the cache, skipping"
-        ram_of_me = self._ram_relations(h)
-        if any(contains for _, contains in ram_of_me):
-            return gone  # "prompt is already in the cache, skipping"
-        for e, contains in ram_of_me:
-            if not contains:  # an entry that is a prefix of the slot state is obsolete
-                self._drop_entry(e)
-                gone.add(e)
-        e = self._next_entry
-        self._next_entry += 1
-        if keep:
-            self.tree.copy(h, self.ram_holder(e))
-            s.ram_copy = e
-        else:
-            self.tree.move(h, self.ram_holder(e))
-        self.ram[e] = s.n_tokens
-        if s.checkpoints:
-            self.ram_checkpoints[e] = s.checkpoints
-        if s.lora:
-            self.ram_lora[e] = s.lora
-        self.ram_bytes += new_bytes
-        self._tracked.add((s.n_tokens, e))
-        tracked = self._tracked
-        while len(tracked) > self.max_tracked and tracked[0][0] < self.track_min_tokens:
-            _, e_small = tracked.pop(0)  # smallest (then oldest) leaves the tree
-            self.tree.drop(self.ram_holder(e_small))
-        while self.ram_bytes > limit and self.ram:
-            old = next(iter(self.ram))
-            self._drop_entry(old)
-            gone.add(old)
-        return gone
-
-    def _ram_relations(self, h: CacheHolder) -> list[tuple[int, bool]]:
-        """RAM entries that contain slot ``h``'s sequence (True) or are a prefix of it."""
-        name = self.cap.name
-        ram = self.ram
-        containing, prefixes = self.tree.relations(h)
-        out = []
-        for x in containing:
-            if x[1] == RAM and x[0] == name and x[2] in ram:  # type: ignore[index]
-                out.append((x[2], True))  # type: ignore[index]
-        for x in prefixes:
-            if x[1] == RAM and x[0] == name and x[2] in ram:  # type: ignore[index]
-                out.append((x[2], False))  # type: ignore[index]
-        return out
-
-    def _drop_entry(self, e: int) -> None:
-        self.ram_bytes -= self.entry_size(e)
-        n = self.ram.pop(e)
-        self.ram_checkpoints.pop(e, None)
-        self.ram_lora.pop(e, None)
-        self.tree.drop(self.ram_holder(e))
-        self._tracked.discard((n, e))
 
     def clear(self) -> None:
         """Forget everything (backend gone or restarted)."""
