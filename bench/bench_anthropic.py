@@ -40,7 +40,8 @@ from backends.supervisor import Supervisor
 from proxy.anthropic.routes import chat_body
 from proxy.app import create_app
 from proxy.config.load import Config, ProxyConfig, RoutingConfig
-from proxy.forwarding.send import JSON, Exchange, Relay, Target, send
+from proxy.forwarding.answer import JSON, Relay
+from proxy.forwarding.send import Exchange, Target, send
 from proxy.reporting.outcome import Outcome
 from proxy.routing.decision import Report
 from proxy.server.handlers import read_json

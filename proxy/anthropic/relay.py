@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from proxy.errors import ErrorFormat, anthropic_error
-from proxy.forwarding.send import JSON, Relay, first_choice
+from proxy.forwarding.answer import JSON, Relay, first_choice
 from proxy.reporting.outcome import reported_reuse
 
 _STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use"}

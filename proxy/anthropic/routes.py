@@ -25,7 +25,8 @@ from proxy.anthropic.convert import anthropic_to_chat
 from proxy.anthropic.relay import AnthropicErrors, AnthropicRelay
 from proxy.anthropic.validate import validate
 from proxy.errors import BadRequest
-from proxy.forwarding.send import JSON, encoded
+from proxy.forwarding.answer import JSON
+from proxy.forwarding.send import encoded
 from proxy.prompt.chat_request import PromptError
 from proxy.prompt.media import media_kinds
 from proxy.server.handlers import counted, pool_for, prompt_for, read_json, unrouted

@@ -15,8 +15,8 @@ from aiohttp import web
 from backends.info import BackendInfo
 from proxy.disk.store import SlotStore
 from proxy.errors import BadRequest, NoBackendAvailable
+from proxy.forwarding.answer import JSON, Relay
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.send import JSON, Relay
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import SlotWaits
 from proxy.observability.tracing import Tracing

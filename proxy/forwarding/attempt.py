@@ -27,9 +27,10 @@ from proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from proxy.forwarding.answer import JSON
 from proxy.forwarding.asked import Asked, Forwarding, PendingPrompt, whole_prompt
 from proxy.forwarding.assemble import assembler_for, runs_on_when_left
-from proxy.forwarding.send import JSON, Exchange, Target, send, upstream_payload
+from proxy.forwarding.send import Exchange, Target, send, upstream_payload
 from proxy.prompt.media import (
     cut_short,
     media_kinds,

@@ -24,10 +24,11 @@ from backends.info import BackendInfo
 from proxy.disk.store import SlotStore
 from proxy.disk.tier import DiskTier
 from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError, UpstreamTimeout
+from proxy.forwarding.answer import AS_IS, JSON, Relay
 from proxy.forwarding.asked import Asked, Contest, PendingPrompt, whole_prompt
 from proxy.forwarding.attempt import Attempt
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.send import AS_IS, JSON, Exchange, Relay, Target, send, upstream_payload
+from proxy.forwarding.send import Exchange, Target, send, upstream_payload
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import BackendLeft, SlotWaits
 from proxy.observability.tracing import Tracing

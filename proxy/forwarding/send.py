@@ -1,7 +1,8 @@
 """Send one request to a backend and relay its answer, reading cache feedback on the way.
 
 `send()` is the reusable core: it takes an already-chosen `Target`, the client's body
-(raw bytes + parsed), and a `Relay` that decides how upstream answers reach the client.
+(raw bytes + parsed), and a `Relay` (proxy/forwarding/answer.py, with the reading of
+the answer's events) that decides how upstream answers reach the client.
 The default `Relay` passes OpenAI / llama.cpp bytes through untouched (event by event,
 no buffering); another API (Anthropic `/v1/messages`) subclasses it to translate
 the body and each stream event, while the feedback (`Outcome`) is always read from the
@@ -18,9 +19,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import aiohttp
 import orjson
@@ -29,23 +30,26 @@ from aiohttp import web
 from backends.info import BackendInfo
 from proxy.errors import (
     RESPONSE_STARTED,
-    ErrorFormat,
     UpstreamError,
     UpstreamTimeout,
     sse_error_event,
 )
+from proxy.forwarding.answer import (
+    AS_IS,
+    JSON,
+    Relay,
+    absorb_body,
+    answer_bytes,
+    assembled,
+    first_output,
+    sse_events,
+    translate_event,
+)
 from proxy.forwarding.assemble import Assembler
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.upstream import ConnectionDropped, Response, TransportError, Upstream
+from proxy.forwarding.upstream import Response, TransportError, Upstream
 from proxy.observability.logging import get_logger
 from proxy.reporting.outcome import Outcome
-
-JSON = dict[str, Any]
-
-# One SSE event from a backend: llama-server's are a few KB (a token, a tool call's
-# argument delta, the final timings); a bound keeps a broken backend's endless line from
-# growing the proxy's memory without end.
-MAX_EVENT_BYTES = 16 << 20
 
 # Client errors writing to a peer that went away; the upstream request is then dropped
 # (leaving `async with` closes its connection, which makes llama-server cancel the task).
@@ -70,39 +74,6 @@ class Target:
         if self.tier is not None:
             h["X-Kvroute-Tier"] = self.tier
         return h
-
-
-class Relay:
-    """How upstream answers reach the client. The default relays them unchanged.
-
-    Subclasses translate: return a new JSON body / a list of SSE event bytes, or None to
-    relay the upstream's bytes as they are.
-    """
-
-    error_format: ErrorFormat = ErrorFormat.OPENAI
-    # True when `event` writes the client's stream in another API's shape: an upstream
-    # event it cannot read is then dropped, not relayed raw into that stream
-    translates_events: bool = False
-
-    def body(self, obj: JSON) -> JSON | None:
-        """A complete (non-streaming) 2xx upstream body."""
-        return None
-
-    def event(self, obj: JSON) -> list[bytes] | None:
-        """One upstream SSE `data:` object."""
-        return None
-
-    def done(self) -> list[bytes] | None:
-        """The upstream's `data: [DONE]`."""
-        return None
-
-    def error(self, status: int, body: bytes) -> bytes | None:
-        """An upstream error body (status >= 400)."""
-        return None
-
-
-AS_IS = Relay()  # answers relayed as the backend sent them
-
 
 
 class ExchangeEvents(Protocol):
@@ -175,25 +146,12 @@ def encoded(body: JSON) -> bytes:
         return json.dumps(body, separators=(",", ":")).encode()
 
 
-def first_choice(obj: JSON) -> tuple[JSON, JSON]:
-    """A chat answer's first choice and its message ({} for either it does not have)."""
-    choices = obj.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else {}
-    choice = choice if isinstance(choice, dict) else {}
-    msg = choice.get("message")
-    return choice, msg if isinstance(msg, dict) else {}
-
-
 def backend_headers(info: BackendInfo) -> dict[str, str]:
     """Headers the backend gets: its own key, never the client's."""
     h = {"Content-Type": "application/json"}
     if info.api_key:
         h["Authorization"] = f"Bearer {info.api_key}"
     return h
-
-
-def _is_usage_only(obj: JSON) -> bool:
-    return "usage" in obj and not obj.get("choices")
 
 
 async def send(ex: Exchange, events: ExchangeEvents | None = None) -> web.StreamResponse:
@@ -265,11 +223,11 @@ async def _answer_head(ex: Exchange, events: ExchangeEvents | None) -> _Head:
                 if upstream.status >= 400 or not ctype.startswith("text/event-stream"):
                     return _Head(upstream, target, ctype, await upstream.read(), None, [],
                                  False)
-                stream = _events(upstream)
+                stream = sse_events(upstream)
                 if ex.assemble is None:
-                    first = await _first_output(stream, outcome, ex.relay, ex.strip_usage)
+                    first = await first_output(stream, outcome, ex.relay, ex.strip_usage)
                     return _Head(upstream, target, ctype, b"", stream, first, False)
-                data = _answer(await _assembled(stream, outcome, ex.assemble, name),
+                data = answer_bytes(await assembled(stream, outcome, ex.assemble, name),
                                outcome, ex.relay)
                 return _Head(upstream, target, "application/json", data, None, [], True)
     except TimeoutError as e:
@@ -293,7 +251,7 @@ def _final_body(ex: Exchange, head: _Head) -> tuple[bytes, str]:
         return (data, ctype) if translated is None else (translated, "application/json")
     if ctype.startswith("application/json") or relay.translates_events:
         # (also a backend that ignored "stream"; a translated answer must be JSON)
-        absorbed = _absorb_body(data, ex.outcome, relay)
+        absorbed = absorb_body(data, ex.outcome, relay)
         if absorbed is None:  # a broken (external) backend: retried elsewhere
             raise UpstreamError(f"backend {ex.target.info.name} answered with a body "
                                 "that is not JSON")
@@ -304,101 +262,6 @@ def _final_body(ex: Exchange, head: _Head) -> tuple[bytes, str]:
 def _close(upstream: Response | None) -> None:
     if upstream is not None:
         upstream.close()
-
-
-def _absorb_body(data: bytes, outcome: Outcome, relay: Relay) -> bytes | None:
-    """The client's bytes for a JSON answer `data`; None if `data` is not JSON."""
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    outcome.absorb(obj, final=True)
-    outcome.complete = True
-    if isinstance(obj, dict):
-        translated = relay.body(obj)
-        if translated is not None:
-            return orjson.dumps(translated)
-    return data
-
-
-async def _assembled(events: AsyncIterator[list[bytes]], outcome: Outcome,
-                     assemble: Assembler, name: str) -> JSON:
-    """The whole stream, fed to `assemble` and `outcome`: the assembled answer. An error
-    event becomes the error answer llama-server would have sent instead (its `code` as
-    the status, set in `outcome`)."""
-    async for lines in events:
-        data = b"".join(ln[5:].strip() for ln in lines if ln.startswith(b"data:"))
-        if not data or data == b"[DONE]":
-            continue
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict):
-            continue
-        if "error" in obj:
-            err = obj["error"]
-            code = err.get("code") if isinstance(err, dict) else None
-            outcome.status = code if isinstance(code, int) and 400 <= code < 600 else 500
-            return obj
-        outcome.absorb(obj)
-        assemble.add(obj)
-    body = assemble.body()
-    if body is None:
-        raise UpstreamError(f"backend {name} ended its stream before the answer did")
-    outcome.complete = True
-    return body
-
-
-def _answer(obj: JSON, outcome: Outcome, relay: Relay) -> bytes:
-    """The bytes the client gets for an assembled answer (or error) `obj`."""
-    raw = orjson.dumps(obj)
-    if outcome.status >= 400:
-        return relay.error(outcome.status, raw) or raw
-    translated = relay.body(obj)
-    return raw if translated is None else orjson.dumps(translated)
-
-
-async def _events(upstream: Response) -> AsyncIterator[list[bytes]]:
-    """The upstream's SSE events, each as its lines, "\n" kept (a blank line ends an
-    event). An event over MAX_EVENT_BYTES is a broken backend (ConnectionDropped)."""
-    event: list[bytes] = []
-    size = 0  # bytes of `event` and `tail`
-    tail = bytearray()  # an unfinished line: grown in place, not rejoined per chunk
-    async for chunk in upstream.chunks():
-        size += len(chunk)
-        if size > MAX_EVENT_BYTES:
-            raise ConnectionDropped(f"an event of the stream is over {MAX_EVENT_BYTES} bytes")
-        if b"\n" not in chunk:
-            tail += chunk
-            continue
-        if tail:
-            tail += chunk
-            lines = bytes(tail).split(b"\n")
-        else:
-            lines = chunk.split(b"\n")
-        tail = bytearray(lines.pop())  # the part after the last "\n"
-        for line in lines:
-            if line.strip():
-                event.append(line + b"\n")
-            elif event:
-                yield event
-                event = []
-        size = len(tail) + sum(map(len, event))
-    if tail.strip():
-        event.append(bytes(tail))
-    if event:
-        yield event
-
-
-async def _first_output(events: AsyncIterator[list[bytes]], outcome: Outcome, relay: Relay,
-                        strip_usage: bool) -> list[bytes]:
-    """Read events until one gives the client something ([] at the end of the stream)."""
-    async for ev in events:
-        out = list(_translate_event(ev, outcome, relay, strip_usage))
-        if out:
-            return out
-    return []
 
 
 async def _relay_stream(ex: Exchange, head: _Head) -> web.StreamResponse:
@@ -459,7 +322,7 @@ async def _relay_events(resp: web.StreamResponse, ex: Exchange, head: _Head) -> 
     async for ev in events:
         if outcome.complete:
             continue  # past the end ([DONE] again, stray events): read, not relayed
-        for chunk in _translate_event(ev, outcome, relay, ex.strip_usage):
+        for chunk in translate_event(ev, outcome, relay, ex.strip_usage):
             await resp.write(chunk)
     if not outcome.complete and not outcome.errored:
         # ended without its end: the client must not take it for a whole answer
@@ -470,29 +333,3 @@ async def _relay_events(resp: web.StreamResponse, ex: Exchange, head: _Head) -> 
         await resp.write(sse_error_event(err, relay.error_format))
 
 
-def _translate_event(lines: list[bytes], outcome: Outcome, relay: Relay,
-                     strip_usage: bool) -> Iterable[bytes]:
-    """Feed one SSE event to `outcome` and return the bytes the client gets for it."""
-    raw = b"".join(lines)
-    data = b"".join(ln[5:].strip() for ln in lines if ln.startswith(b"data:"))
-    if not data:
-        return (raw + b"\n",)
-    if data == b"[DONE]":
-        outcome.complete = True
-        return relay.done() or (raw + b"\n",)
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        obj = None
-    if not isinstance(obj, dict):
-        return () if relay.translates_events else (raw + b"\n",)
-    if "error" in obj:
-        outcome.complete = False
-        outcome.errored = True
-    outcome.absorb(obj)
-    if obj.get("stop") is True:  # llama-native streams end with stop:true, no [DONE]
-        outcome.complete = True
-    if strip_usage and _is_usage_only(obj):
-        return ()
-    translated = relay.event(obj)
-    return (raw + b"\n",) if translated is None else translated

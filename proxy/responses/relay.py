@@ -28,7 +28,7 @@ import string
 import time
 from typing import Any
 
-from proxy.forwarding.send import JSON, Relay, first_choice
+from proxy.forwarding.answer import JSON, Relay, first_choice
 from proxy.reporting.outcome import reported_reuse
 
 _ALPHABET = string.ascii_letters + string.digits

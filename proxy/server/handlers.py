@@ -21,8 +21,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from backends.config import ManagedBackendConfig
 from backends.dialect import CHAT_PATH, PASSTHROUGH_GET, PASSTHROUGH_POST
 from proxy.errors import BadRequest, NotFound, PayloadTooLarge, RequestTimeout
+from proxy.forwarding.answer import AS_IS, JSON, Relay
 from proxy.forwarding.asked import PendingPrompt
-from proxy.forwarding.send import AS_IS, JSON, Relay
 from proxy.observability.metrics import CONTENT_TYPE
 from proxy.prompt.chat_request import PromptError
 from proxy.prompt.infill import (

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from proxy.forwarding.send import encoded, first_choice, upstream_payload
+from proxy.forwarding.answer import first_choice
+from proxy.forwarding.send import encoded, upstream_payload
 
 BIG = 1 << 70  # past 64 bits: orjson refuses it, json writes it
 

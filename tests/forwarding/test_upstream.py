@@ -311,10 +311,10 @@ async def test_endless_answer_head_is_cut() -> None:
 
 
 async def test_sse_events_split_anywhere_come_out_whole() -> None:
-    """The relay's event splitter (forward._events) over this client: an event cut
+    """The relay's event splitter (answer.sse_events) over this client: an event cut
     mid-line, CRLF line ends, a two-line event and a last line with no newline all come
     out as the events the backend meant, each as soon as its blank line is in."""
-    from proxy.forwarding.send import _events
+    from proxy.forwarding.answer import sse_events
 
     pieces = [b"data: {\"a\":", b" 1}\n", b"\ndata: x\r\n\r", b"\nid: 7\ndata: y\n\n",
               b"data: [DONE]"]
@@ -336,7 +336,7 @@ async def test_sse_events_split_anywhere_come_out_whole() -> None:
     async with raw_server(stream) as url:
         r = await up.request("POST", url, "/x", b"{}", {})
         got = []
-        async for event in _events(r):
+        async for event in sse_events(r):
             got.append((b"".join(event), sent.is_set()))
         r.release()
     await up.close()
@@ -348,7 +348,7 @@ async def test_sse_events_split_anywhere_come_out_whole() -> None:
 async def test_endless_sse_line_is_cut_at_the_event_bound() -> None:
     """A broken backend's line that never ends (or one in \\r line ends only) was
     buffered without bound and rejoined with every chunk (50 MB: 9 s, +260 MB)."""
-    from proxy.forwarding.send import MAX_EVENT_BYTES, _events
+    from proxy.forwarding.answer import MAX_EVENT_BYTES, sse_events
 
     async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_head(reader)
@@ -365,7 +365,7 @@ async def test_endless_sse_line_is_cut_at_the_event_bound() -> None:
         r = await up.request("POST", url, "/x", b"{}", {})
         got = []
         with pytest.raises(ConnectionDropped, match="over"):
-            async for event in _events(r):
+            async for event in sse_events(r):
                 got.append(b"".join(event))
         r.close()
     await up.close()
