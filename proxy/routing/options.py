@@ -277,27 +277,30 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlo
     reuses, and that one's prompt beyond the shared part is truncated then (charged as
     destroyed, as for ``_behind_waiter``). Whether it beats an idle slot elsewhere is the
     choice's to say, by score: the prefill it saves is charged its queue cost over there.
-    A request naming its session never follows another named session's request, whose
-    history it would truncate; one naming none follows any: nothing tells it from that
-    conversation's next turn (from a client that names no session), and sharing more
-    with the waiter than any holder has, it most likely is one. (Other replicas' waiters
-    wait for a given slot: no leaders.)"""
+    A request naming its session never follows another named session's request (the
+    leader or a follower ahead), whose history it would truncate; one naming none
+    follows any: nothing tells it from that conversation's next turn (from a client
+    that names no session), and sharing more with the waiter than any holder has, it
+    most likely is one. (Other replicas' waiters wait for a given slot: no leaders.)"""
     st = c.state
     # the top sharer only: it reuses the most, and any other shares a part of its prompt
     # at most: when it is another named session's, that part is a prompt sessions share
     # (a system prompt), not this conversation's history, which following is for
     shared, leader = next(st.waiting.sharing(c.prompt), (0, -1))
-    if shared < s.wait_min_tokens:
+    if leader < 0 or shared < s.wait_min_tokens:
         return None
     # handed the slot after the leader's followers, it finds the last one's prompt there
     behind = st.followers.get(leader, ())
-    ahead = st.queued[behind[-1]] if behind else st.queued[leader]
+    queue = [st.queued[leader], *(st.queued[r] for r in behind)]
+    ahead = queue[-1]
     if behind:
         shared = c.shared(ahead)
     shared = min(shared, n - 1)
-    if shared < s.wait_min_tokens:
+    if shared < s.wait_min_tokens or not c.goes_on(ahead):
         return None
-    if (session is not None and (ahead.session or session) != session) or not c.goes_on(ahead):
+    # (an unnamed follower ahead may be the leader's session's next turn, as this one
+    # would be another's: every one named must be this session)
+    if session is not None and any((q.session or session) != session for q in queue):
         return None
     service = st.service_s or s.default_service_s
     wait = backlog + service / len(st.cache.slots) + (1 + len(behind)) * service

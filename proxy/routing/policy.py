@@ -225,14 +225,16 @@ def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
 
 
 def _add_follows(evals: list[Evaluated], follows: list[Evaluated], most: int) -> None:
-    """Add the follows whose leader shares more than ``most``, what any holder anywhere
-    holds (else waiting for that holder, or running on it, reuses as much); by score
-    only, unlike a wait: the holder of that prefix is not running yet, so nothing else
-    reuses it, and a burst of new sessions over it is priced by the service times of
-    those following already. A follow replaces its backend's plain option when that is
-    the queue for any slot predicted to reuse as much (from the leader's prompt, in the
-    server's order): it does so only if it starts after the leader, in its slot, which
-    following makes sure of (the proxy, not the server, orders its waiters)."""
+    """Add the follows that reuse more than ``most`` (what they share with the prompt
+    they find in the slot: their leader's, or the last follower's ahead), what any
+    holder anywhere holds (else waiting for that holder, or running on it, reuses as
+    much); by score only, unlike a wait: the holder of that prefix is not running yet,
+    so nothing else reuses it, and a burst of new sessions over it is priced by the
+    service times of those following already. A follow replaces its backend's plain
+    option when that is the queue for any slot predicted to reuse as much (from that
+    prompt, in the server's order): it does so only if it starts after the leader, in
+    its slot, which following makes sure of (the proxy, not the server, orders its
+    waiters)."""
     for f in follows:
         assert f.placement is not None
         if f.placement.reuse <= most:

@@ -252,3 +252,16 @@ def test_a_second_follower_reuses_what_it_shares_with_the_one_ahead(
         handed |= {h.request_id: h for h in r.complete(d, Report(output_tokens=[7] * 4),
                                                       now=3.0)}
     assert handed[two.request_id].predicted_cached == reuses, why
+
+
+@pytest.mark.parametrize(("session", "follows"), [("s1", True), (None, True), ("s2", False)])
+def test_a_named_request_follows_only_behind_its_own_session(session: str | None,
+                                                             follows: bool) -> None:
+    """TURN (session s1) waits, an unnamed side call over it follows: a request over
+    that side call follows them when it names s1 or nothing, never when it names
+    another session (it would truncate what may be s1's next turn)."""
+    r, lead, _, _ = leader_waiting(session="s1")
+    one = decide(r, FIRST, now=1.6)
+    assert one.reasons["follows"] == lead.request_id
+    two = decide(r, [*FIRST, *OTHER], now=1.7, session=session)
+    assert ("follows" in two.reasons) == follows
