@@ -87,7 +87,7 @@ def absorb_body(data: bytes, outcome: Outcome, relay: Relay) -> bytes | None:
 
 
 async def assembled(events: AsyncIterator[list[bytes]], outcome: Outcome,
-                     assemble: Assembler, name: str) -> JSON:
+                    assemble: Assembler, name: str) -> JSON:
     """The whole stream, fed to `assemble` and `outcome`: the assembled answer. An error
     event becomes the error answer llama-server would have sent instead (its `code` as
     the status, set in `outcome`)."""
@@ -157,7 +157,7 @@ async def sse_events(upstream: Response) -> AsyncIterator[list[bytes]]:
 
 
 async def first_output(events: AsyncIterator[list[bytes]], outcome: Outcome, relay: Relay,
-                        strip_usage: bool) -> list[bytes]:
+                       strip_usage: bool) -> list[bytes]:
     """Read events until one gives the client something ([] at the end of the stream)."""
     async for ev in events:
         out = list(translate_event(ev, outcome, relay, strip_usage))
@@ -167,7 +167,7 @@ async def first_output(events: AsyncIterator[list[bytes]], outcome: Outcome, rel
 
 
 def translate_event(lines: list[bytes], outcome: Outcome, relay: Relay,
-                     strip_usage: bool) -> Iterable[bytes]:
+                    strip_usage: bool) -> Iterable[bytes]:
     """Feed one SSE event to `outcome` and return the bytes the client gets for it."""
     raw = b"".join(lines)
     data = b"".join(ln[5:].strip() for ln in lines if ln.startswith(b"data:"))

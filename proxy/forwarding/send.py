@@ -228,7 +228,7 @@ async def _answer_head(ex: Exchange, events: ExchangeEvents | None) -> _Head:
                     first = await first_output(stream, outcome, ex.relay, ex.strip_usage)
                     return _Head(upstream, target, ctype, b"", stream, first, False)
                 data = answer_bytes(await assembled(stream, outcome, ex.assemble, name),
-                               outcome, ex.relay)
+                                    outcome, ex.relay)
                 return _Head(upstream, target, "application/json", data, None, [], True)
     except TimeoutError as e:
         _close(upstream)
@@ -331,5 +331,3 @@ async def _relay_events(resp: web.StreamResponse, ex: Exchange, head: _Head) -> 
         if ex.health is not None:
             ex.health.failed(name, err.message)
         await resp.write(sse_error_event(err, relay.error_format))
-
-

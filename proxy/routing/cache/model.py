@@ -35,11 +35,12 @@ Mirrors the pinned build (../shared/notes/llama-server.md, "Slots", "The prompt 
 
 The sequences themselves live in a shared :class:`~proxy.routing.tree.radix.RadixTree` under holders
 ``(backend, SLOT, i)`` and ``(backend, RAM, entry_id)``; this class keeps the lengths the
-server has (the tree may have evicted tails) and the RAM LRU order. No I/O.
+server has (the tree may have evicted tails); proxy/routing/cache/ram.py keeps the RAM
+LRU order. No I/O.
 
 Predictions (pure) are in proxy/routing/cache/predict.py, the value types in
-proxy/routing/cache/values.py; this module holds the state and applies what happens when
-requests start and end.
+proxy/routing/cache/values.py; this module holds the slots' state and applies what
+happens when requests start and end.
 """
 
 from __future__ import annotations
