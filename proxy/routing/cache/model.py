@@ -136,12 +136,7 @@ class BackendCache(RamTier):
             self._start_checkpoints(p, kept, {} if cleared else _at_most(ram_lcp, most),
                                     prompt, n_prompt, user_starts)
         if p.ram_entry is not None:
-            self.ram_bytes -= self.entry_size(p.ram_entry)
-            n = self.ram.pop(p.ram_entry)
-            self.ram_checkpoints.pop(p.ram_entry, None)
-            self.ram_lora.pop(p.ram_entry, None)
-            self._tracked.discard((n, p.ram_entry))
-            self.tree.move(self.ram_holder(p.ram_entry), self.slot_holder(p.slot))
+            self._load_entry(p.ram_entry, p.slot)
         self.tree.assign(self.slot_holder(p.slot), prompt)
         s.n_tokens = n_prompt
         s.ram_copy = None

@@ -141,9 +141,18 @@ class RamTier(CachePrediction):
         return out
 
     def _drop_entry(self, e: int) -> None:
+        self.tree.drop(self.ram_holder(e))
+        self._unlist(e)
+
+    def _load_entry(self, e: int, slot: int) -> None:
+        """The server loads entry ``e`` into ``slot``: moved out of RAM, not copied."""
+        self.tree.move(self.ram_holder(e), self.slot_holder(slot))
+        self._unlist(e)
+
+    def _unlist(self, e: int) -> None:
+        """Entry ``e`` leaves the RAM tier's accounts (its sequence left the tree)."""
         self.ram_bytes -= self.entry_size(e)
         n = self.ram.pop(e)
         self.ram_checkpoints.pop(e, None)
         self.ram_lora.pop(e, None)
-        self.tree.drop(self.ram_holder(e))
         self._tracked.discard((n, e))
