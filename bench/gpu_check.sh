@@ -17,7 +17,10 @@ command -v nvidia-smi >/dev/null \
   || fail "nvidia-smi not found (fix: install the NVIDIA driver; this check needs an NVIDIA GPU)"
 caps=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>&1) \
   || fail "nvidia-smi failed: $caps (fix: a driver that lists the GPUs: nvidia-smi -L)"
-arch=$(printf '%s\n' "$caps" | head -n 1 | tr -d '. ')
+# No `| head` here: under pipefail, printf killed by head's early exit (SIGPIPE) would
+# end the script with 141.
+arch=${caps%%$'\n'*}
+arch=${arch//[. ]/}
 [[ "$arch" =~ ^[0-9]+$ ]] \
   || fail "no compute capability in nvidia-smi's answer ($caps) (fix: a driver of 2022 or later)"
 n=$(printf '%s\n' "$caps" | grep -c .)
