@@ -43,8 +43,8 @@ import yaml
 from loadtest import workloads as wl
 from loadtest.client import LoadClient, Result
 from loadtest.fleet import Cluster, external_config, fresh_servers
+from loadtest.launch import kvroute_serve, write_config
 from loadtest.replica_set import Balancer, Broker, Replica, start_replica, wait_ready
-from loadtest.runner import kvroute_serve, write_config
 from loadtest.soak_faults import (
     DirWatch,
     Faults,

@@ -14,7 +14,7 @@ import yaml
 
 from loadtest.__main__ import main
 from loadtest.fleet import Cluster, busy_loops, policy_variant, split_policies
-from loadtest.runner import write_config
+from loadtest.launch import write_config
 
 
 @pytest.mark.parametrize("text, policies", [

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from loadtest.fleet import Cluster
-from loadtest.runner import kvroute_serve, write_config
+from loadtest.launch import kvroute_serve, write_config
 
 
 @pytest.mark.timeout(180)
