@@ -7,7 +7,8 @@ routing was developed on; the conversation trace (real chat sessions) is the hel
 check. ``--disk`` adds a managed run with the disk tier per trace (smg has none): its
 reuse against the workload's oracle.
 
-Prints one line per run with the ratios and whether each target holds:
+Prints one line per run with the ratios, the rate each router's servers prefilled at
+(the machine's speed in that run), and whether each target holds:
 RAM 128 MiB reuse >= smg and mean TTFT <= 0.9x; RAM 32 MiB reuse >= 1.2x smg and mean
 TTFT <= 0.8x; disk reuse >= 0.9x the oracle. A run already in ``--out`` is read, not
 repeated (an interrupted matrix resumes).
@@ -55,6 +56,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _tps(run: dict[str, Any]) -> str:
+    """The rate the servers prefilled at in that run (what the machine gave them)."""
+    tps = run.get("servers", {}).get("prefill_tps")
+    return f"{tps:.0f}" if tps else "-"
+
+
 def _line(trace: str, ram: int, seed: int, doc: dict[str, Any]) -> tuple[str, bool]:
     runs = _by_policy(doc)
     k, s = runs["prefix"], runs["smg:cache_aware"]
@@ -69,7 +76,8 @@ def _line(trace: str, ram: int, seed: int, doc: dict[str, Any]) -> tuple[str, bo
             f"{f', LRU estimate {lru:.3f}' if lru is not None else ''}, mean TTFT "
             f"{k['ttft_mean']:.2f} / {s['ttft_mean']:.2f} s = {ttft:.2f}x (<= {want_ttft}), "
             f"p90 {k['ttft_p90']:.2f} / {s['ttft_p90']:.2f} s, exact "
-            f"{k['prediction_exact']:.3f}, ok {k['ok']}/{k['requests']}: "
+            f"{k['prediction_exact']:.3f}, ok {k['ok']}/{k['requests']}, servers' prefill "
+            f"{_tps(k)} / {_tps(s)} tok/s: "
             f"{'met' if ok else 'MISSED'}"), ok
 
 

@@ -1,6 +1,6 @@
 """Starting what a load-test run measures: `kvroute serve` as a subprocess on a generated
 config (waited for on /health, stopped with SIGTERM), one managed llama-server for the
-no-proxy baseline, and reading kvroute's /metrics at the end of a run."""
+no-proxy baseline, and reading kvroute's and the servers' /metrics at the end of a run."""
 
 from __future__ import annotations
 
@@ -148,3 +148,29 @@ async def scrape_metrics(url: str) -> dict[str, Any]:
     if n:
         out["prediction_error_mean"] = out["prediction_error_sum"] / n
     return out
+
+
+async def scrape_servers(urls: list[str]) -> dict[str, float]:
+    """The llama-servers' prefill over a run: prompt tokens and seconds summed over
+    ``urls`` (their /metrics), and their ratio, the rate the machine gave them in that
+    run (runs on a noisy machine differ by it). Empty if a server does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    tokens = seconds = 0.0
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            for url in urls:
+                async with http.get(url + "/metrics") as r:
+                    if r.status != 200:
+                        return {}
+                    text = await r.text()
+                for fam in text_string_to_metric_families(text):
+                    for s in fam.samples:
+                        if s.name == "llamacpp:prompt_tokens_total":
+                            tokens += s.value
+                        elif s.name == "llamacpp:prompt_seconds_total":
+                            seconds += s.value
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+    return {"prompt_tokens": tokens, "prompt_seconds": seconds,
+            "prefill_tps": tokens / seconds if seconds else 0.0}

@@ -32,6 +32,7 @@ class PolicyRun:
     outcome: RunOutcome
     metrics: dict[str, Any] = field(default_factory=dict)  # scraped from kvroute /metrics
     startup_s: float = 0.0
+    servers: dict[str, float] = field(default_factory=dict)  # the fresh servers' prefill
 
 
 def pct(xs: Sequence[float], q: float) -> float | None:
@@ -106,7 +107,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "requests_per_backend": dict(sorted(per_backend.items())),
         "prediction_error_mean": sum(errs) / len(errs) if errs else None,
         "prediction_exact": exact, "mispredicted": classes,
-        "kvroute_metrics": run.metrics,
+        "kvroute_metrics": run.metrics, "servers": run.servers,
         "wall_s": wall, "startup_s": run.startup_s,
     }
 

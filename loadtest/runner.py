@@ -39,7 +39,13 @@ from loadtest.fleet import (
     split_policies,
     split_router,
 )
-from loadtest.launch import direct_backend, kvroute_serve, scrape_metrics, write_config
+from loadtest.launch import (
+    direct_backend,
+    kvroute_serve,
+    scrape_metrics,
+    scrape_servers,
+    write_config,
+)
 from loadtest.report import PolicyRun
 from loadtest.trace import TRACES
 from proxy.routing.policies import POLICIES
@@ -130,13 +136,16 @@ async def run_one(policy: str, workload: wl.Workload, cluster: Cluster, work_dir
                                                   cluster.backends, pol))
     async with fresh_servers(cluster, work_dir / "logs" / tag) as urls:
         if peer == "kvroute":
-            return await through_kvroute(external_config(work_dir / f"{tag}.yaml", cluster,
-                                                         urls, pol))
-        async with smg_router(find_smg(args.smg), urls, pol,
-                              work_dir / f"{tag}.smg.log") as url:
-            started = time.monotonic() - t0
-            outcome = await LoadClient(url, **client_kw).run(workload)
-        return PolicyRun(policy, rate, outcome, {}, started)
+            run = await through_kvroute(external_config(work_dir / f"{tag}.yaml", cluster,
+                                                        urls, pol))
+        else:
+            async with smg_router(find_smg(args.smg), urls, pol,
+                                  work_dir / f"{tag}.smg.log") as url:
+                started = time.monotonic() - t0
+                outcome = await LoadClient(url, **client_kw).run(workload)
+            run = PolicyRun(policy, rate, outcome, {}, started)
+        run.servers = await scrape_servers(urls)
+        return run
 
 
 async def run_all(args: argparse.Namespace,
