@@ -1,8 +1,9 @@
 """kvroute beside smg on real servers: both chat replays, RAM 32 and 128 MiB, N runs each.
 
 Each cell is one `python -m loadtest run` (fresh external llama-servers per router, the
-same seeded requests to both), repeated ``--runs`` times with a new seed per run, so a
-claim holds on more than one sample of the trace. The synthetic trace is the one the
+same seeded requests to both, the router run first alternating with the seed), repeated
+``--runs`` times with a new seed per run, so a claim holds on more than one sample of
+the trace. The synthetic trace is the one the
 routing was developed on; the conversation trace (real chat sessions) is the held-out
 check. ``--disk`` adds a managed run with the disk tier per trace (smg has none): its
 reuse against the workload's oracle.
@@ -42,8 +43,11 @@ def _run(out: Path, trace: str, ram: int, seed: int, args: argparse.Namespace,
                "--rate", str(RATES.get(trace, 2.0)), "--seed", str(seed),
                "--cache-ram-mib", str(ram), "--ctx", "16384", "--max-tokens", "8",
                "--out", str(out)]
+        # which router runs first alternates with the seed: a machine that slows down
+        # or speeds up over a cell then favours neither
+        order = "prefix,smg:cache_aware" if seed % 2 == 0 else "smg:cache_aware,prefix"
         cmd += (["--kv-disk", "--policies", "prefix"] if disk else
-                ["--external", "--policies", "prefix,smg:cache_aware", "--smg", args.smg])
+                ["--external", "--policies", order, "--smg", args.smg])
         subprocess.run(cmd, cwd=ROOT, check=True)
     return json.loads(report.read_text())
 
