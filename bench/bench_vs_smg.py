@@ -8,8 +8,9 @@ routing was developed on; the conversation trace (real chat sessions) is the hel
 check. ``--disk`` adds a managed run with the disk tier per trace (smg has none): its
 reuse against the workload's oracle.
 
-Prints one line per run with the ratios, the rate each router's servers prefilled at
-(the machine's speed in that run), and whether each target holds:
+Prints one line per run with the ratios, each router's servers' prefill throughput
+(their /metrics: lower on a slowed machine, and after longer reused prefixes), and
+whether each target holds:
 RAM 128 MiB reuse >= smg and mean TTFT <= 0.9x; RAM 32 MiB reuse >= 1.2x smg and mean
 TTFT <= 0.8x; disk reuse >= 0.9x the oracle. A run already in ``--out`` is read, not
 repeated (an interrupted matrix resumes).
@@ -61,7 +62,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _tps(run: dict[str, Any]) -> str:
-    """The rate the servers prefilled at in that run (what the machine gave them)."""
+    """The prefill throughput of that run's servers (loadtest/launch.py)."""
     tps = run.get("servers", {}).get("prefill_tps")
     return f"{tps:.0f}" if tps else "-"
 

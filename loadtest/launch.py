@@ -152,8 +152,10 @@ async def scrape_metrics(url: str) -> dict[str, Any]:
 
 async def scrape_servers(urls: list[str]) -> dict[str, float]:
     """The llama-servers' prefill over a run: prompt tokens and seconds summed over
-    ``urls`` (their /metrics), and their ratio, the rate the machine gave them in that
-    run (runs on a noisy machine differ by it). Empty if a server does not answer."""
+    ``urls`` (their /metrics: a batch's prompt tokens and its time), and their ratio, the
+    servers' prefill throughput: lower on a machine slowed by others, and for tokens
+    prefilled after a long reused prefix (they attend to more). Empty if a server does
+    not answer."""
     from prometheus_client.parser import text_string_to_metric_families
 
     tokens = seconds = 0.0
