@@ -26,7 +26,7 @@ from proxy.anthropic.relay import AnthropicErrors, AnthropicRelay
 from proxy.anthropic.validate import validate
 from proxy.errors import BadRequest
 from proxy.forwarding.answer import JSON
-from proxy.forwarding.send import encoded
+from proxy.forwarding.payload import encoded
 from proxy.prompt.chat_request import PromptError
 from proxy.prompt.media import media_kinds
 from proxy.server.handlers import counted, pool_for, prompt_for, read_json, unrouted

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from backends.dialect import CHAT_PATH, NATIVE_PATHS, OPENAI_PATHS
+from backends.dialect import CHAT_PATH
 from backends.info import BackendInfo
 from proxy.errors import (
     BadRequest,
@@ -27,15 +27,14 @@ from proxy.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from proxy.forwarding.answer import JSON
 from proxy.forwarding.asked import Asked, Forwarding, PendingPrompt, whole_prompt
-from proxy.forwarding.assemble import assembler_for, runs_on_when_left
-from proxy.forwarding.send import Exchange, Target, send, upstream_payload
+from proxy.forwarding.assemble import runs_on_when_left
+from proxy.forwarding.payload import for_backend, upstream_payload
+from proxy.forwarding.send import Exchange, Target, send
 from proxy.prompt.media import (
     cut_short,
     media_kinds,
     media_positions,
-    prompt_for,
 )
 from proxy.reporting.outcome import Outcome, held_output
 from proxy.routing.cache.lora import Lora, requested
@@ -43,12 +42,6 @@ from proxy.routing.cache.values import Launch
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend, Report
 from proxy.routing.routed import Routed
 from proxy.routing.tree.token_bytes import to_token_bytes
-
-
-def _wants_usage(body: JSON) -> bool:
-    opts = body.get("stream_options")
-    return isinstance(opts, dict) and opts.get("include_usage") is True
-
 
 # a request that claims its slot moves at most this often (each move costs a claim's
 # window); then it is sent where it was last decided
@@ -232,42 +225,20 @@ class Attempt:
             self.routed.restore_failed()
 
     async def _send(self) -> web.StreamResponse:
-        info, body, path, d = self.info, self.body, self.path, self.routed.prediction
-        dialect = info.dialect
-        pinned = dialect.pins_slots
-        extra: JSON = {}
-        if d.slot is not None and pinned:
-            extra["id_slot"] = d.slot
-        if not dialect.any_model_name:
-            extra["model"] = info.model  # (it may know only its own name: see _named)
-        if self.media and info.media_marker and "prompt" in body:
-            # a completion's media markers: the one this backend's server cuts at
-            markers = {b.media_marker for b in self.fw.backends.values()}
-            extra["prompt"] = prompt_for(body["prompt"], markers, info.media_marker)
-        if d.recompute:
-            extra["cache_prompt"] = False  # (see Decision.recompute)
-        if self.lora is None and (named := self.named_lora(info.name)):
-            # named, so the server never runs it over KV made under other adapters
-            extra["lora"] = [{"id": i, "scale": s} for i, s in named]
-        strip_usage = False
-        if body.get("stream") is True and path in OPENAI_PATHS and not _wants_usage(body):
-            extra["stream_options"] = {"include_usage": True}
-            strip_usage = True
-        assemble = None if body.get("stream") is True else assembler_for(path, body)
-        self.streams = body.get("stream") is True or assemble is not None
-        if assemble is not None:
-            # streamed upstream so that a client that leaves stops it (proxy/forwarding/assemble.py)
-            extra["stream"] = True
-            if path in OPENAI_PATHS:
-                extra["stream_options"] = {"include_usage": True}
-        if path in NATIVE_PATHS and "return_tokens" not in body and dialect.returns_tokens:
-            extra["return_tokens"] = True  # exact generated ids: the slot holds these
-        target = Target(info, d.slot if pinned else None, d.predicted_cached, d.tier)
+        info, d = self.info, self.routed.prediction
+        out = for_backend(
+            self.body, self.path, info, d.slot, recompute=d.recompute,
+            lora=self.named_lora(info.name) if self.lora is None else None,
+            markers={b.media_marker for b in self.fw.backends.values()} if self.media
+            else frozenset())
+        self.streams = out.streams
+        target = Target(info, d.slot if info.dialect.pins_slots else None,
+                        d.predicted_cached, d.tier)
         return await send(Exchange(
-            self.fw.upstream, self.request, target, path,
-            upstream_payload(self.raw, body, extra), self.outcome, relay=self.relay,
-            strip_usage=strip_usage, health=self.fw.health,
-            first_byte_timeout=self.fw.first_byte_timeout, assemble=assemble), self)
+            self.fw.upstream, self.request, target, self.path,
+            upstream_payload(self.raw, self.body, out.fields), self.outcome,
+            relay=self.relay, strip_usage=out.strip_usage, health=self.fw.health,
+            first_byte_timeout=self.fw.first_byte_timeout, assemble=out.assemble), self)
 
     def take_rest(self, task: asyncio.Task[array | None]) -> None:
         # NOTE: as soon as the rest is tokenized, not when the answer comes: requests

@@ -28,7 +28,8 @@ from proxy.forwarding.answer import AS_IS, JSON, Relay
 from proxy.forwarding.asked import Asked, Contest, PendingPrompt, whole_prompt
 from proxy.forwarding.attempt import Attempt
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.send import Exchange, Target, send, upstream_payload
+from proxy.forwarding.payload import upstream_payload
+from proxy.forwarding.send import Exchange, Target, send
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import BackendLeft, SlotWaits
 from proxy.observability.tracing import Tracing

@@ -30,7 +30,7 @@ from aiohttp import web
 from backends.dialect import CHAT_PATH
 from proxy.errors import BadRequest, NotFound
 from proxy.forwarding.answer import JSON
-from proxy.forwarding.send import encoded
+from proxy.forwarding.payload import encoded
 from proxy.prompt.chat_request import PromptError
 from proxy.prompt.media import media_kinds
 from proxy.responses.convert import responses_to_chat

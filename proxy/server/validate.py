@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from proxy.errors import BadRequest
-from proxy.forwarding.send import encoded
+from proxy.forwarding.payload import encoded
 from proxy.server.keys import SETTINGS
 
 if TYPE_CHECKING:
