@@ -44,8 +44,8 @@ def _run(out: Path, trace: str, ram: int, seed: int, args: argparse.Namespace,
                "--rate", str(RATES.get(trace, 2.0)), "--seed", str(seed),
                "--cache-ram-mib", str(ram), "--ctx", "16384", "--max-tokens", "8",
                "--out", str(out)]
-        # which router runs first alternates with the seed: a machine that slows down
-        # or speeds up over a cell then favours neither
+        # which router runs first alternates with the seed: over an even number of
+        # runs, a machine that slows down or speeds up over a cell favours neither
         order = "prefix,smg:cache_aware" if seed % 2 == 0 else "smg:cache_aware,prefix"
         cmd += (["--kv-disk", "--policies", "prefix"] if disk else
                 ["--external", "--policies", order, "--smg", args.smg])

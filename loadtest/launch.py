@@ -141,6 +141,8 @@ async def scrape_metrics(url: str) -> dict[str, Any]:
                                   "kvroute_reported_cached_tokens_total"):
                 key = s.name.removeprefix("kvroute_").removesuffix("_total")
                 per.setdefault(b, {})[key] = s.value
+            elif s.name == "kvroute_retries_total":
+                out["retries"] = out.get("retries", 0) + s.value
             elif b and s.name == "kvroute_requests_total":
                 d = per.setdefault(b, {})
                 d["requests"] = d.get("requests", 0) + s.value
@@ -172,7 +174,7 @@ async def scrape_servers(urls: list[str]) -> dict[str, float]:
                             tokens += s.value
                         elif s.name == "llamacpp:prompt_seconds_total":
                             seconds += s.value
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, TimeoutError, ValueError):  # (ValueError: not Prometheus text)
         return {}
     return {"prompt_tokens": tokens, "prompt_seconds": seconds,
             "prefill_tps": tokens / seconds if seconds else 0.0}

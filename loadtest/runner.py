@@ -3,9 +3,8 @@
 Each policy gets fresh backends (empty caches): `kvroute serve` as a subprocess on a
 generated config (loadtest/launch.py; it stops its llama-servers). `direct` is the
 no-proxy baseline: one llama-server (same slots and threads) started in-process by the
-Supervisor. A peer
-router (``smg:<policy>``) and, with ``--external``, kvroute get fresh llama-servers of
-the runner's as external backends (loadtest/fleet.py). `--target`
+Supervisor. A peer router (``smg:<policy>``) and, with ``--external``, kvroute get fresh
+llama-servers of the runner's as external backends (loadtest/fleet.py). `--target`
 measures any OpenAI-compatible URL (e.g. another router) on the same workload instead.
 With `--rates` the whole comparison is repeated per arrival rate: a sweep, whose TTFT
 percentiles per rate show where each policy's knee is.

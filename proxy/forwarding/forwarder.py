@@ -16,7 +16,6 @@ from functools import partial
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from backends.crash_loop import Unavailable
@@ -28,7 +27,7 @@ from proxy.forwarding.answer import AS_IS, JSON, Relay
 from proxy.forwarding.asked import Asked, Contest, PendingPrompt, whole_prompt
 from proxy.forwarding.attempt import Attempt
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.payload import upstream_payload
+from proxy.forwarding.payload import with_own_name
 from proxy.forwarding.send import Exchange, Target, send
 from proxy.forwarding.upstream import Upstream
 from proxy.forwarding.waits import BackendLeft, SlotWaits
@@ -221,7 +220,7 @@ class Forwarder:
         for attempt in (1, 2):
             outcome = Outcome(started=time.perf_counter())
             try:
-                payload = _named(raw, info) if method == "POST" else raw
+                payload = with_own_name(raw, info) if method == "POST" else raw
                 return await send(Exchange(
                     self.upstream, request, Target(info), path, payload, outcome, relay=relay,
                     method=method, health=self.health,
@@ -234,16 +233,3 @@ class Forwarder:
                 self.recorder.retried("passthrough", e)
                 info = pick()
         raise AssertionError("unreachable")
-
-
-def _named(raw: bytes, info: BackendInfo) -> bytes:
-    """The body for ``info``: a server of the OpenAI API (vLLM, SGLang) answers 404 to a
-    `model` it does not serve, and a pool takes any of its aliases (and, alone, any
-    name), so it gets its own. A llama-server takes any name: the body as it is."""
-    if info.dialect.any_model_name or not raw:
-        return raw
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return raw
-    return upstream_payload(raw, body, {"model": info.model}) if isinstance(body, dict) else raw

@@ -1,5 +1,6 @@
 """What goes upstream: the fields kvroute sets on a request for the backend it chose
-(`for_backend`), and the client's body with them (`upstream_payload`, `encoded`)."""
+(`for_backend`; a call it forwards as it is gets only the model's name: `with_own_name`),
+and the client's body with them (`upstream_payload`, `encoded`)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def for_backend(body: JSON, path: str, info: BackendInfo, slot: int | None, *,
     if slot is not None and dialect.pins_slots:
         fields["id_slot"] = slot
     if not dialect.any_model_name:
-        fields["model"] = info.model
+        fields["model"] = info.model  # (it may know only its own name: see with_own_name)
     if markers and info.media_marker and "prompt" in body:
         fields["prompt"] = prompt_for(body["prompt"], markers, info.media_marker)
     if recompute:
@@ -97,3 +98,16 @@ def encoded(body: JSON) -> bytes:
         return orjson.dumps(body)
     except TypeError:
         return json.dumps(body, separators=(",", ":")).encode()
+
+
+def with_own_name(raw: bytes, info: BackendInfo) -> bytes:
+    """The body for ``info``: a server of the OpenAI API (vLLM, SGLang) answers 404 to a
+    `model` it does not serve, and a pool takes any of its aliases (and, alone, any
+    name), so it gets its own. A llama-server takes any name: the body as it is."""
+    if info.dialect.any_model_name or not raw:
+        return raw
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw
+    return upstream_payload(raw, body, {"model": info.model}) if isinstance(body, dict) else raw

@@ -70,8 +70,8 @@ MEDIA = {"prompt_string": "look: <__media__>", "multimodal_data": ["x"]}
 def test_the_fields_a_backend_gets(body: dict[str, Any], path: str, info: BackendInfo,
                                    kw: dict[str, Any], fields: dict[str, Any], strip: bool,
                                    streams: bool) -> None:
-    slot = kw.pop("slot")
-    out = for_backend(body, path, info, slot, **kw)
+    rest = {k: v for k, v in kw.items() if k != "slot"}
+    out = for_backend(body, path, info, kw["slot"], **rest)
     assert (out.fields, out.strip_usage, out.streams) == (fields, strip, streams)
     want = {CHAT: ChatAssembler, NATIVE: NativeAssembler}[path] \
         if out.fields.get("stream") is True else type(None)

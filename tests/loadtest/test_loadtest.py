@@ -194,8 +194,13 @@ async def test_external_chat_replay_is_predicted(tmp_path: Path, llama_server_bi
     s = summarize(run)
     assert s["ok"] == s["requests"] >= 30
     assert s["reused_ratio"] > 0.2
-    # the servers' own count of what they prefilled: what the answers say they did not reuse
-    assert s["servers"]["prompt_tokens"] == s["prompt_tokens"] - s["reused_tokens"]
+    # the servers' own count of what they prefilled: what the answers say they did not
+    # reuse, and more only when a request was retried elsewhere after a prefill
+    uncached = s["prompt_tokens"] - s["reused_tokens"]
+    if s["kvroute_metrics"].get("retries", 0) == 0:
+        assert s["servers"]["prompt_tokens"] == uncached
+    else:
+        assert s["servers"]["prompt_tokens"] > uncached
     assert s["servers"]["prefill_tps"] > 0
     off = s["mispredicted"]
     assert sum(off.values()) <= 1, off
