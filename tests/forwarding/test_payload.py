@@ -10,7 +10,7 @@ import pytest
 from backends.config import LLAMA, OPENAI
 from backends.info import BackendInfo
 from proxy.forwarding.assemble import ChatAssembler, NativeAssembler
-from proxy.forwarding.payload import encoded, for_backend, upstream_payload
+from proxy.forwarding.payload import encoded, for_backend, upstream_payload, with_own_name
 
 BIG = 1 << 70  # past 64 bits: orjson refuses it, json writes it
 
@@ -76,3 +76,18 @@ def test_the_fields_a_backend_gets(body: dict[str, Any], path: str, info: Backen
     want = {CHAT: ChatAssembler, NATIVE: NativeAssembler}[path] \
         if out.fields.get("stream") is True else type(None)
     assert isinstance(out.assemble, want)
+
+
+@pytest.mark.parametrize(("raw", "kind", "sent"), [
+    (b'{"model":"x","input":"hi"}', OPENAI, {"model": "m", "input": "hi"}),
+    (b'{"input":"hi"}', OPENAI, {"model": "m", "input": "hi"}),
+    (b'{"model":"x","input":"hi"}', LLAMA, {"model": "x", "input": "hi"}),  # any name
+    (b'["hi"]', OPENAI, ["hi"]),  # not an object: the server says what it makes of it
+])
+def test_a_forwarded_call_names_the_model_a_backend_serves(raw: bytes, kind: str,
+                                                           sent: object) -> None:
+    assert json.loads(with_own_name(raw, backend(kind))) == sent
+
+
+def test_a_forwarded_body_that_is_not_json_goes_as_it_is() -> None:
+    assert with_own_name(b"{not json", backend(OPENAI)) == b"{not json"
