@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from backends.client import BackendClient
 from backends.process import free_port
 from loadtest.fleet import Cluster, policy_variant, terminate
 
@@ -161,20 +162,19 @@ async def scrape_servers(urls: list[str]) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     tokens = seconds = 0.0
+    async with aiohttp.ClientSession() as http:
+        texts = [await BackendClient(http, url, timeout=5).metrics() for url in urls]
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
-            for url in urls:
-                async with http.get(url + "/metrics") as r:
-                    if r.status != 200:
-                        return {}
-                    text = await r.text()
-                for fam in text_string_to_metric_families(text):
-                    for s in fam.samples:
-                        if s.name == "llamacpp:prompt_tokens_total":
-                            tokens += s.value
-                        elif s.name == "llamacpp:prompt_seconds_total":
-                            seconds += s.value
-    except (aiohttp.ClientError, TimeoutError, ValueError):  # (ValueError: not Prometheus text)
+        for text in texts:
+            if not isinstance(text, str):
+                return {}
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    if s.name == "llamacpp:prompt_tokens_total":
+                        tokens += s.value
+                    elif s.name == "llamacpp:prompt_seconds_total":
+                        seconds += s.value
+    except ValueError:  # not Prometheus text
         return {}
     return {"prompt_tokens": tokens, "prompt_seconds": seconds,
             "prefill_tps": tokens / seconds if seconds else 0.0}
