@@ -42,7 +42,7 @@ CLAUDE_CODE_PKG := $(CLAUDE_CODE_DIR)/node_modules/@anthropic-ai/claude-code/pac
 .PHONY: run test lint artifacts claude-code system-packages vulkan-packages test-setup python-setup bench clean
 
 # llama-cpp-python is installed without its libllama: llama-server's build (make
-# artifacts) is the same llama.cpp and serves the tokenizer too (backends/binary.py,
+# artifacts) is the same llama.cpp and serves the tokenizer too (backends/libllama.py,
 # libllama_dir). Not from pip's cache, which would hand that wheel to installs that want
 # the library.
 $(STAMP): pyproject.toml

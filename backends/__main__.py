@@ -24,7 +24,6 @@ from typing import Any
 from backends.binary import (
     BinaryError,
     cache_dir,
-    ensure_libllama,
     ensure_llama_server,
     gpu_variant,
     llama_cpp_python_version,
@@ -37,6 +36,7 @@ from backends.demo_lora import ensure_if_used as ensure_loras_if_used
 from backends.demo_mmproj import ensure_demo_mmproj, ensure_if_used, for_model
 from backends.demo_model import DEMO, DEMO_KINDS, DemoModelParams, demo_kinds_for, ensure_demo_model
 from backends.gpu import GPUS, NATIVE_ENV
+from backends.libllama import ensure_libllama
 
 
 def prepare(config_path: Path | None, all_demos: bool = False,

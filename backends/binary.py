@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.metadata
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -149,7 +148,8 @@ def cached_recipe(gpu: str | None = None) -> str | None:
     return stamp.read_text() if stamp.is_file() else None
 
 
-def _cached(gpu: str) -> LlamaServerBinary | None:
+def cached_llama_server(gpu: str) -> LlamaServerBinary | None:
+    """The cached build of ``gpu``'s variant, if it is built from this recipe."""
     cache = cache_dir()
     path = binary_path(cache, gpu)
     if not (path.is_file() and os.access(path, os.X_OK)):
@@ -176,7 +176,7 @@ def find_llama_server(configured: str | Path | None = None,
     on_path = shutil.which("llama-server")
     if on_path:
         return LlamaServerBinary(Path(on_path).resolve(), binary_version(Path(on_path)), "path")
-    return _cached(gpu_variant(gpu))
+    return cached_llama_server(gpu_variant(gpu))
 
 
 def _source_candidates(cache: Path, version: str) -> list[Path]:
@@ -348,47 +348,6 @@ def build_llama_server(progress: Progress = _print, jobs: int | None = None,
     version_stamp(cache, gpu).write_text(version + "\n")
     recipe_stamp(cache, gpu).write_text(build_recipe(gpu))
     return LlamaServerBinary(dest, version, "built")
-
-
-# llama-cpp-python's own override of where its libllama is
-LIB_ENV = "LLAMA_CPP_LIB_PATH"
-
-
-def package_libllama() -> Path | None:
-    """llama-cpp-python's own libllama, if its install compiled one (`make` installs it
-    without: one build of llama.cpp then serves the server and the tokenizer)."""
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.origin is None:
-        return None
-    lib = Path(spec.origin).parent / "lib" / "libllama.so"
-    return lib if lib.is_file() else None
-
-
-def libllama_dir() -> Path | None:
-    """Where the tokenizer's libllama is: $LLAMA_CPP_LIB_PATH, else llama-cpp-python's own,
-    else the cached cpu build's (the same llama.cpp: the cache is per version)."""
-    if os.environ.get(LIB_ENV):
-        return Path(os.environ[LIB_ENV])
-    if (own := package_libllama()) is not None:
-        return own.parent
-    # the builds asked for first; every variant's libllama tokenizes alike
-    for gpu in dict.fromkeys((requested_gpu(), "cpu")):
-        for native in (not portable(), portable()):
-            lib = binary_path(cache_dir(), gpu, native).with_name("libllama.so")
-            if lib.is_file():
-                return lib.parent
-    return None
-
-
-def ensure_libllama(progress: Progress = _print) -> Path:
-    """The tokenizer's libllama directory, building the cpu variant if there is none."""
-    found = libllama_dir()
-    if found is not None:
-        return found
-    with cache_lock():
-        if _cached("cpu") is None:
-            build_llama_server(progress, gpu="cpu")
-    return binary_path(cache_dir(), "cpu").parent
 
 
 def ensure_llama_server(

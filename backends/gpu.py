@@ -26,7 +26,7 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
-    # shared libraries: libllama serves the proxy's tokenizer too (binary.libllama_dir),
+    # shared libraries: libllama serves the proxy's tokenizer too (libllama.libllama_dir),
     # so llama.cpp is compiled once; $ORIGIN lets the binary find them beside itself
     # wherever its directory is copied (a GPU variant still loads the driver's and
     # toolkit's libraries, as any GPU program)

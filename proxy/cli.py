@@ -40,11 +40,12 @@ def _default_config_path(given: Path | None) -> Path | None:
 
 def _prepare_artifacts(cfg: Config | AgentConfig) -> None:
     """Obtain what the managed backends need; builds only on first use."""
-    from backends.binary import ensure_libllama, ensure_llama_server
+    from backends.binary import ensure_llama_server
     from backends.demo_audio import ensure_if_used as ensure_audio_if_used
     from backends.demo_lora import ensure_if_used as ensure_loras_if_used
     from backends.demo_mmproj import ensure_if_used
     from backends.demo_model import demo_kinds_for, ensure_demo_model
+    from backends.libllama import ensure_libllama
 
     if cfg.managed():
         _warn_on_version(ensure_llama_server(cfg.llama_server))

@@ -126,8 +126,8 @@ def report(config_path: Path | None) -> dict[str, Any]:
 
 def _bindings() -> dict[str, Any]:
     """llama-cpp-python: its version, whether it imports, the libllama it loads."""
-    from backends.binary import libllama_dir
     from backends.binary import llama_cpp_python_version as lcp_version
+    from backends.libllama import libllama_dir
 
     lcp: dict[str, Any] = {"version": lcp_version(), "importable": False, "error": None,
                            "libllama": str(d) if (d := libllama_dir()) else None}

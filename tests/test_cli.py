@@ -390,7 +390,8 @@ def test_doctor_reports_bad_config(tmp_path: Path, llama_server_bin: Path) -> No
 
 def test_prepare_is_deterministic_and_idempotent(tmp_path: Path, llama_server_bin: Path) -> None:
     """`python -m backends prepare` on a tiny demo model in a private cache."""
-    from backends.binary import LIB_ENV, cache_dir, libllama_dir
+    from backends.binary import cache_dir
+    from backends.libllama import LIB_ENV, libllama_dir
 
     cache = tmp_path / "cache" / "v"
     cache.parent.mkdir()

@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 import yaml
 
-from backends.binary import LIB_ENV, find_llama_server
+from backends.binary import find_llama_server
 from backends.demo_model import demo_model_path
 from backends.gpu import NATIVE_ENV, binary_path, portable
+from backends.libllama import LIB_ENV
 from proxy import cli
 from proxy.config.load import load_config
 

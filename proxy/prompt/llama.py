@@ -1,7 +1,7 @@
 """llama-cpp-python's bindings, imported with their library found.
 
 `make` installs llama-cpp-python without compiling libllama: the llama-server build's
-libllama, the same llama.cpp version, serves the tokenizer too (backends/binary.py,
+libllama, the same llama.cpp version, serves the tokenizer too (backends/libllama.py,
 libllama_dir). The bindings read where it is from $LLAMA_CPP_LIB_PATH when they are
 imported, so every import of them goes through this module; the variable is set for that
 import only, not for the servers and tools this process starts.
@@ -13,7 +13,7 @@ import importlib
 import os
 from types import ModuleType
 
-from backends.binary import LIB_ENV, libllama_dir, package_libllama
+from backends.libllama import LIB_ENV, libllama_dir, package_libllama
 
 
 def _import() -> ModuleType:
