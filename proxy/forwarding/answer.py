@@ -14,7 +14,8 @@ import orjson
 
 from proxy.errors import ErrorFormat, UpstreamError
 from proxy.forwarding.assemble import Assembler
-from proxy.forwarding.upstream import ConnectionDropped, Response
+from proxy.forwarding.transport import ConnectionDropped
+from proxy.forwarding.upstream import Response
 from proxy.reporting.outcome import Outcome
 
 JSON = dict[str, Any]

@@ -44,7 +44,8 @@ from proxy.forwarding.answer import (
 )
 from proxy.forwarding.assemble import Assembler
 from proxy.forwarding.health import BackendHealth
-from proxy.forwarding.upstream import Response, TransportError, Upstream
+from proxy.forwarding.transport import TransportError
+from proxy.forwarding.upstream import Response, Upstream
 from proxy.observability.logging import get_logger
 from proxy.reporting.outcome import Outcome
 

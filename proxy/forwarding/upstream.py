@@ -17,13 +17,9 @@ timeout and a timeout between reads.
     resp.release()                                # connection back to the pool
     resp.close()                                  # or dropped (stops llama-server's task)
 
-Errors, exception hierarchy:
-
-    TransportError           the exchange failed below HTTP
-    +-- ConnectFailed        no connection could be made: nothing was sent
-    +-- ConnectionDropped    closed or broken before the answer ended
-    TimeoutError             no connection within `connect_timeout`, or no byte of the
-                             answer for `read_timeout` s
+It fails with transport.py's errors (ConnectFailed: nothing was sent; ConnectionDropped:
+the answer broke off), or TimeoutError: no connection within `connect_timeout`, or no byte
+of the answer for `read_timeout` s.
 """
 
 from __future__ import annotations
@@ -38,24 +34,14 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from proxy.forwarding.transport import ConnectFailed, ConnectionDropped
+
 # Answer bytes buffered (not yet taken by the reader) before reading from the backend
 # pauses: a client slower than the backend must not make the proxy hold the whole stream.
 _HIGH_WATER = 1 << 20
 # An answer's status line and headers larger than this end the connection (llama-server's
 # are < 1 KiB; an external backend gone wrong must not grow them without bound).
 _MAX_HEAD = 64 << 10
-
-
-class TransportError(Exception):
-    """The exchange with a backend failed below HTTP."""
-
-
-class ConnectFailed(TransportError):
-    """No connection could be made: nothing was sent."""
-
-
-class ConnectionDropped(TransportError):
-    """The backend closed or broke the connection before its answer ended."""
 
 
 @dataclass(frozen=True)

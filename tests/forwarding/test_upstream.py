@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from aiohttp import web
 
-from proxy.forwarding.upstream import ConnectFailed, ConnectionDropped, Upstream
+from proxy.forwarding.transport import ConnectFailed, ConnectionDropped
+from proxy.forwarding.upstream import Upstream
 
 pytestmark = pytest.mark.timeout(30)
 
