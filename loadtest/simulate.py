@@ -25,14 +25,13 @@ import gc
 import heapq
 import math
 import time
-from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loadtest.trace import BLOCK, VOCAB_HI, VOCAB_LO, TraceRequest, block_start
+from loadtest.trace import BlockPrompts, TraceRequest
 from proxy.routing.cache.checkpoints import DENSE, Memory
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.values import RAM, SLOT, BackendCapacity, Launch
@@ -96,34 +95,6 @@ class SimResult:
         return self.requests / self.cpu_s if self.cpu_s else 0.0
 
 
-class _Blocks:
-    """Prompt bytes per trace request, joined from views into one precomputed ramp.
-
-    A block is a slice of the ramp; memoising views rather than copies keeps the source
-    of every join in ~600 KB of cache-warm memory instead of a copy per distinct block
-    (~90 MB on the Mooncake trace, a page fault and cache miss per first use)."""
-
-    def __init__(self, block: int = BLOCK) -> None:
-        ramp = array("i", range(VOCAB_LO, VOCAB_HI))
-        self._ramp = memoryview((ramp + ramp[:block]).tobytes())  # wrap-around, no modulo
-        self._block = block
-        self._memo: dict[int, memoryview] = {}  # hash id -> its block (ids repeat a lot)
-
-    def _get(self, h: int) -> memoryview:
-        start = 4 * block_start(h)
-        b = self._memo[h] = self._ramp[start : start + 4 * self._block]
-        return b
-
-    def prompt(self, r: TraceRequest) -> bytes:
-        memo = self._memo
-        get = self._get
-        parts = [memo.get(h) or get(h) for h in r.hash_ids]
-        cut = 4 * (r.input_length - (len(parts) - 1) * self._block)
-        if cut < len(parts[-1]):
-            parts[-1] = parts[-1][:cut]
-        return b"".join(parts)
-
-
 @dataclass
 class _Req:
     idx: int
@@ -185,7 +156,7 @@ def simulate(
         # the server itself searches every RAM entry it has (the router's model may not)
         servers[cap.name] = _Server(BackendCache(cap, truth_tree, s.rules,
                                                  max_tracked=1 << 62))
-    blocks = _Blocks()
+    blocks = BlockPrompts()
     filler = bytes(4 * max((r.output_length for r in trace), default=0))  # token 0
     events: list[tuple[float, int, int, _Req | None]] = []  # (t, order, kind, req)
     for i, r in enumerate(trace):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from array import array
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,13 @@ import pytest
 from loadtest.__main__ import DEFAULT_TRACE, main
 from loadtest.bounds import oracle_hit_ratio
 from loadtest.simulate import SimBackend, plan_capacity, simulate
-from loadtest.trace import TraceRequest, block_tokens, load_mooncake, request_tokens
+from loadtest.trace import (
+    BlockPrompts,
+    TraceRequest,
+    block_tokens,
+    load_mooncake,
+    request_tokens,
+)
 from proxy.routing.cache.checkpoints import Memory
 
 
@@ -48,6 +55,14 @@ def test_block_tokens_deterministic_and_distinct() -> None:
     assert block_tokens(5)[0] != block_tokens(6)[0]
     r = TraceRequest(0, 700, 1, (5, 6))
     assert request_tokens(r) == (block_tokens(5) + block_tokens(6))[:700]
+
+
+@pytest.mark.parametrize("length", [1, 512, 700, 1536])
+def test_block_prompts_are_the_requests_tokens_as_bytes(length: int) -> None:
+    # one id per block of the length, as in a Mooncake trace; block 301 wraps past the
+    # vocabulary's end
+    r = TraceRequest(0, length, 1, (301, 5, 6)[:-(-length // 512)])
+    assert BlockPrompts().prompt(r) == array("i", request_tokens(r)).tobytes()
 
 
 def test_prefix_beats_round_robin_and_stays_below_oracle() -> None:
