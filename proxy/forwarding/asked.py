@@ -14,7 +14,7 @@ from aiohttp import web
 
 from backends.info import BackendInfo
 from proxy.disk.store import SlotStore
-from proxy.errors import BadRequest, NoBackendAvailable
+from proxy.errors import BadRequest, ProxyError
 from proxy.forwarding.answer import JSON, Relay
 from proxy.forwarding.health import BackendHealth
 from proxy.forwarding.upstream import Upstream
@@ -23,6 +23,7 @@ from proxy.observability.tracing import Tracing
 from proxy.prompt.media import LearnMedia
 from proxy.reporting.recorder import Recorder
 from proxy.routing.cache.lora import Lora
+from proxy.routing.decision import NoBackend
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 
@@ -87,7 +88,7 @@ class Forwarding(Protocol):
     def serving(self, path: str, media: frozenset[str] = frozenset()
                 ) -> frozenset[str] | None: ...
 
-    def unavailable(self, reason: str) -> NoBackendAvailable: ...
+    def no_backend_error(self, nb: NoBackend) -> ProxyError: ...
 
     def slot_store(self, backend: str) -> SlotStore | None: ...
 

@@ -20,13 +20,7 @@ from aiohttp import web
 
 from backends.dialect import CHAT_PATH
 from backends.info import BackendInfo
-from proxy.errors import (
-    BadRequest,
-    NoBackendAvailable,
-    ProxyError,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from proxy.errors import NoBackendAvailable, UpstreamError, UpstreamTimeout
 from proxy.forwarding.asked import Asked, Forwarding, PendingPrompt, whole_prompt
 from proxy.forwarding.assemble import runs_on_when_left
 from proxy.forwarding.payload import for_backend, upstream_payload
@@ -138,7 +132,7 @@ class Attempt:
                                          defer=True, among=self.among,
                                          launch=self.launch(whole))
         if isinstance(got, NoBackend):
-            raise _no_backend_error(got, self.fw)
+            raise self.fw.no_backend_error(got)
         assert not isinstance(got, NeedWholePrompt), "only ever for a head"
         return got
 
@@ -390,12 +384,3 @@ class Attempt:
                                      if self.media and self.whole else 0)
             finally:
                 self.fw.tracing.end(self.span, self.reported(), self.outcome)
-
-
-def _no_backend_error(nb: NoBackend, fw: Forwarding) -> ProxyError:
-    # NOTE: prompts too long for every *ready* backend are mostly rejected before
-    # `decide` (max_context counts tripped backends too, which may come back).
-    if nb.kind in ("too_long", "empty"):
-        return BadRequest(nb.reason, code="context_length_exceeded"
-                          if nb.kind == "too_long" else "invalid_request_error")
-    return fw.unavailable(nb.reason)

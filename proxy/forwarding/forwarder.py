@@ -22,7 +22,13 @@ from backends.crash_loop import Unavailable
 from backends.info import BackendInfo
 from proxy.disk.store import SlotStore
 from proxy.disk.tier import DiskTier
-from proxy.errors import BadRequest, NoBackendAvailable, UpstreamError, UpstreamTimeout
+from proxy.errors import (
+    BadRequest,
+    NoBackendAvailable,
+    ProxyError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from proxy.forwarding.answer import AS_IS, JSON, Relay
 from proxy.forwarding.asked import Asked, Contest, PendingPrompt, whole_prompt
 from proxy.forwarding.attempt import Attempt
@@ -38,6 +44,7 @@ from proxy.prompt.media import LearnMedia
 from proxy.reporting.outcome import Outcome
 from proxy.reporting.recorder import Recorder
 from proxy.routing.cache.lora import Lora
+from proxy.routing.decision import NoBackend
 from proxy.routing.router import Router
 
 
@@ -138,6 +145,16 @@ class Forwarder:
         if why is None:
             return NoBackendAvailable(reason, retry_after=1)
         return NoBackendAvailable(f"{reason}: {why.reason}", retry_after=why.retry_after)
+
+    def no_backend_error(self, nb: NoBackend) -> ProxyError:
+        """What the client is told when the router found no backend for its request: a
+        400 for a prompt that is empty or too long for every backend, else the 503."""
+        # NOTE: prompts too long for every *ready* backend are mostly rejected before
+        # `decide` (`routed`: max_context counts tripped backends too, which may come back)
+        if nb.kind in ("too_long", "empty"):
+            return BadRequest(nb.reason, code="context_length_exceeded"
+                              if nb.kind == "too_long" else "invalid_request_error")
+        return self.unavailable(nb.reason)
 
     def slot_store(self, backend: str) -> SlotStore | None:
         """The disk tier's store of the directory ``backend`` reads (None: it has none)."""
