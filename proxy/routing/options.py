@@ -102,18 +102,20 @@ class Option(NamedTuple):
     leader: int | None = None  # the waiter it follows (see _follow)
 
 
-def best_options(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None
-                 ) -> tuple[Option, Option | None, Option | None]:
+def best_options(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None,
+                 none_idle: bool = False) -> tuple[Option, Option | None, Option | None]:
     """Cheapest way to run on backend ``c`` now or in the server's queue, cheapest
     way waiting for one of its busy slots (None: no such slot), and following the
     waiter that shares most of the prompt (None: none worth it, see ``_follow``).
+    ``none_idle``: every candidate backend has work (see ``_WAITERS_PER_SLOT``).
 
     The score adds the displacement and destruction penalties to the ttft, so that
     between otherwise equal backends a new conversation lands where it evicts the least
     (spreading content) and never wipes out history it could have left alone."""
     backlog = max(0.0, c.state.busy_until - now)
-    return (_plain_option(c, n, s, now, backlog), _wait_option(c, n, s, now, session, backlog),
-            _follow(c, n, s, session, backlog))
+    cap = _WAITERS_PER_SLOT_NONE_IDLE if none_idle else _WAITERS_PER_SLOT
+    return (_plain_option(c, n, s, now, backlog),
+            _wait_option(c, n, s, now, session, backlog, cap), _follow(c, n, s, session, backlog))
 
 
 # A prompt sharing fewer tokens with a backend's slots and RAM entries (a chat template's
@@ -184,7 +186,7 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
 
 
 def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None,
-                 backlog: float) -> Option | None:
+                 backlog: float, cap: int) -> Option | None:
     """Waiting for a busy slot that holds much of the prompt (a side call sent with its
     session's turn, a turn sent before the previous answer ended): the caller holds the
     request and sends it pinned there when the slot frees (Router: targets, Handoff).
@@ -203,7 +205,9 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
         if session is not None and st.slot_session.get(i, session) != session:
             continue
         if i in awaited:
-            queued = _behind_waiter(c, i, n, s, session, now, awaited.count(i))
+            waiters = awaited.count(i)
+            queued = None if waiters >= cap else _behind_waiter(c, i, n, s, session, now,
+                                                                  waiters)
             if queued is not None and (wait is None or queued[0] < wait[0]):
                 wait = queued
             continue
@@ -217,10 +221,14 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
     return None if wait is None else Option(wait[0][0], wait[0][1], wait[1], wait[2], True)
 
 
-# Waiters one busy slot may have. The second one waits for the first one's turn as well;
-# more would queue a burst of new conversations over one prefix behind each other while
-# other backends stand idle (each recompute elsewhere looks slower than one more turn).
+# Waiters one busy slot may have; each waits for the turns of those ahead as well. While
+# a backend is idle, two: more would queue a burst of new conversations over one prefix
+# behind each other while it stands idle (each recompute there looks slower than one
+# more turn). With none idle, a recompute takes its prefill from a busy backend's queue,
+# and a third sibling of a long document waits (the chat replays, simulated at 750 and
+# 850 tokens/s with the load bound's like exemption: more runs ahead of smg, none behind).
 _WAITERS_PER_SLOT = 2
+_WAITERS_PER_SLOT_NONE_IDLE = 3
 
 
 def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: str | None,
@@ -235,14 +243,15 @@ def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: 
     prefill, and its copy of the document later takes a second place in a RAM tier that
     holds a few prompts. Behind the waiter it finds the waiter's prompt in the slot, so
     it reuses what the two share (the server keeps that prefix in the slot and
-    truncates the rest). It waits for the running request's end, the waiter's prefill,
-    then one service time (the learned duration of a request, or ``default_service_s``,
-    as for the server's queue). The waiter's own tail beyond the shared part is
-    truncated then: charged as destroyed. Unnamed requests only: the waiter may be
+    truncates the rest). It waits for the running request's end, the last waiter's
+    prefill, then one service time (the learned duration of a request, or
+    ``default_service_s``, as for the server's queue) for each waiter ahead. The last
+    waiter's tail beyond the shared part is truncated then: charged as destroyed.
+    ``waiters``: those waiting for the slot now. Unnamed requests only: the waiter may be
     another session's turn, which the request behind it would truncate, and the policy
     cannot tell."""
     st = c.state
-    if session is not None or waiters >= _WAITERS_PER_SLOT:
+    if session is not None:
         return None
     ahead = st.queued[[r for r, t in st.targets.items() if t == slot][-1]]
     shared = min(c.shared(ahead), n - 1)
@@ -251,7 +260,7 @@ def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: 
     tail = max(0, ahead.n - shared)
     p = Placement(slot, shared, "slot", None, 0, False, tail)
     rate = st.rate
-    free = max(now, st.slot_free_at.get(slot, now)) + tail / rate + (
+    free = max(now, st.slot_free_at.get(slot, now)) + tail / rate + waiters * (
         st.service_s or s.default_service_s)
     ttft = _ttft(max(st.busy_until - now, free - now, 0.0), p, n, rate, s)
     return (ttft + _penalty(p, s, rate), ttft, st.cache.slots[slot].last_used), p, slot

@@ -34,9 +34,9 @@
   ttft = the slot's expected end (its prefill in the backlog, then the backend's mean
   time after prefill) + the rest of the prompt. Taken only when that is sooner than
   running now anywhere (a burst of new sessions over one prefix still spreads), at most
-  ``_WAITERS_PER_SLOT`` (options.py) waiters per slot (the second, an unnamed request
-  only, waits for the first one's turn too and reuses what it shares with the first
-  one's prompt), and
+  two waiters per slot, three when no backend is idle (``_WAITERS_PER_SLOT``,
+  options.py; each after the first, an unnamed request only, waits for the turns ahead
+  too and reuses what it shares with the last one's prompt), and
   never for a slot running another named session's request (its next turn is due: see
   ``options.best_options``); a waiter whose slot runs far past its expected end
   (``wait_grace_s``) is routed again. Without it such a call recomputes the history
@@ -73,7 +73,9 @@
   is always eligible. If none is, the one with least work after the request is. Exempt:
   a request that continues the whole sequence a slot holds (the next turn of the
   conversation there), and one that reuses a slot last used by the session it names
-  (an agent's summary or title call): moving either recomputes its history elsewhere.
+  (an agent's summary or title call): moving either recomputes its history elsewhere;
+  and, with no backend idle, one that reuses ``continuation_min_tokens`` from a slot
+  and prefills no more than the slack there (another question over a long document).
 - Destroying unique content is charged ``destroy_weight`` x its prefill time: when the
   server *keeps* a slot (the prompt shares >= ``keep_threshold`` of it) it truncates the
   slot's sequence after the common prefix without saving it, so a conversation's own
@@ -186,6 +188,7 @@ class _Field(NamedTuple):
     matched: dict[str, int]  # longest match per backend
     total: int  # in-flight work of all candidates
     total_rate: float
+    none_idle: bool  # every candidate has work
 
 
 def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
@@ -196,9 +199,10 @@ def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
     ttfts: dict[str, float] = {}
     matched: dict[str, int] = {}
     total, total_rate = 0, 0.0
+    none_idle = all(c.state.work for c in cands)
     for c in cands:
         st = c.state
-        plain, wait, follow = best_options(c, n, s, now, session)
+        plain, wait, follow = best_options(c, n, s, now, session, none_idle)
         # NOTE: the uncached prefill also delays the requests served after it there
         queue_cost = s.queue_cost_weight * (1.0 + s.queue_cost_per_waiter * len(st.waiting))
         ttfts[c.name] = round(plain.ttft, 4)
@@ -221,7 +225,7 @@ def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
     fastest = min(e.ttft for e in evals)
     evals += [e for e in waits if e.ttft < fastest]
     _add_follows(evals, follows, max(matched.values()))
-    return _Field(evals, ttfts, matched, total, total_rate)
+    return _Field(evals, ttfts, matched, total, total_rate, none_idle)
 
 
 def _add_follows(evals: list[Evaluated], follows: list[Evaluated], most: int) -> None:
@@ -268,7 +272,22 @@ def _within_bound(f: _Field, k: int, s: RouterSettings, session: str | None,
             or e.work <= s.load_factor * (f.total + e.work - work) / k + slack
             or e.leader is not None
             or _continues(e.cand, e.placement, s.continuation_min_tokens, known)
-            or _own_history(e.cand, e.placement, session, s.continuation_min_tokens)]
+            or _own_history(e.cand, e.placement, session, s.continuation_min_tokens)
+            or (f.none_idle and _adds_little(e, s, slack))]
+
+
+def _adds_little(e: Evaluated, s: RouterSettings, slack: float) -> bool:
+    """Does option ``e`` reuse at least ``continuation_min_tokens`` from a slot and
+    prefill no more than the bound's slack there? With no backend idle, such a request
+    cannot run its backend's queue away, while moving it recomputes what it reuses on a
+    backend busy too, which the bound then finds over it in turn (a sibling of a long
+    prompt still in prefill: one document, another question). A slot only: reusing a RAM
+    entry, new conversations over a shared prefix would pile onto the backend holding
+    it; taking another conversation's slot is charged the history it destroys."""
+    p = e.placement
+    return (p is not None and p.tier == "slot" and p.slot != FOLLOWS
+            and p.reuse >= s.continuation_min_tokens
+            and e.work - e.cand.state.work - s.request_overhead_tokens <= slack)
 
 
 # Destroyed tokens cost their owner one recomputation when it returns. ``destroy_weight``

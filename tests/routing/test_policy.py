@@ -56,7 +56,12 @@ def test_concurrent_sessions_on_shared_system_prompt_spread() -> None:
     ds = [decide(r, session(i), now=1.0) for i in range(1, 9)]  # all in flight at once
     per = Counter(d.backend for d in ds)
     assert len(per) == 4, per  # no herding on the backend holding the prefix
-    assert max(per.values()) <= 3
+    assert max(per.values()) <= 4
+    # the holder's beyond three wait for its slot, every backend busy: each other one
+    # recomputes the 20k prompt behind another recompute
+    over = [d for d in ds if d.backend == "b0"][3:]
+    assert all(d.reasons.get("waits_for_slot") is not None and d.predicted_cached >= len(SYSTEM)
+               for d in over), [d.reasons for d in over]
 
 
 def test_shared_prefix_everywhere_gives_no_preference() -> None:
@@ -330,3 +335,34 @@ def test_queued_option_is_priced_with_the_reuse_it_will_get() -> None:
     c = decide(r, session(1), now=0.1)
     assert c.slot is None and c.backend == a.backend
     assert c.predicted_cached >= len(SYSTEM) and c.reasons["queued"] == 1
+
+
+@pytest.mark.parametrize(
+    ("other_busy", "own", "stays"),
+    [
+        (True, 40, True),  # adds 40 tokens where it reuses 20k: waits for the document
+        (False, 40, False),  # an idle backend: spread, as new conversations over a prompt
+        (True, 4000, False),  # its own part is past the bound's slack (3,000 tokens)
+    ],
+)
+def test_a_sibling_adding_little_stays_with_its_prefix_over_the_load_bound(
+        other_busy: bool, own: int, stays: bool) -> None:
+    """The Mooncake replay's case: a request over a 20k document (another question) while
+    the first one over it is still in prefill on b0, no session named. b0 is over the
+    load bound; recomputing the document on b1 takes as long as waiting for b0's slot
+    and adds 20k tokens to a backend that is busy too, then over the bound in turn. With
+    no backend idle, a request adding no more than the bound's slack where it reuses a
+    slot stays; with one idle, the bound spreads it (see test_never_pins_a_busy_slot)."""
+    r = cluster(n=2, slots=1, default_prefill_tps=1500.0)
+    doc = list(range(300_000, 320_000))
+    first = decide(r, [*doc, *range(1, 38)])
+    assert first.backend == "b0"
+    if other_busy:
+        assert decide(r, list(range(400_000, 402_000))).backend == "b1"
+    sibling = decide(r, [*doc, *range(500_000, 500_000 + own)])
+    assert (sibling.backend == "b0") is stays, sibling.reasons
+    if stays:
+        assert sibling.reasons["waits_for_slot"] == first.slot
+        assert sibling.predicted_cached == len(doc)
+    else:
+        assert "over bound" in str(sibling.reasons["why"]), sibling.reasons

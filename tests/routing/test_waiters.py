@@ -24,9 +24,10 @@ def decide(r: Router, tokens: list[int], now: float) -> Routed:
 def test_siblings_queue_behind_the_first_waiter_of_their_slot() -> None:
     """Three requests over one document, sent together, the other slot busy with a
     long unrelated request: the first runs, the second waits for its slot, the third
-    waits behind the second and reuses the document from the second's prompt (the other
-    slot, freed first, would make it recompute the document). A fourth does not queue
-    there: two waiters per slot at most."""
+    and fourth wait behind the second and reuse the document from the prompt ahead (the
+    other slot, freed first, would make them recompute the document). A fifth does not
+    queue there: with no backend idle, three waiters per slot at most (two while one is
+    idle: see test_policy.py, test_concurrent_sessions_on_shared_system_prompt_spread)."""
     r = Router()
     r.add_backend(cap("a", slots=2))
     w = decide(r, list(range(500_000, 500_300)), now=0.0)
@@ -35,19 +36,23 @@ def test_siblings_queue_behind_the_first_waiter_of_their_slot() -> None:
     d1 = decide(r, [*DOC, *[1] * 10], now=1.0)
     d2 = decide(r, [*DOC, *[2] * 10], now=1.5)
     d3 = decide(r, [*DOC, *[3] * 10], now=1.6)
-    for d in (d2, d3):
+    d4 = decide(r, [*DOC, *[4] * 10], now=1.65)
+    for d in (d2, d3, d4):
         assert d.queued and d.reasons["waits_for_slot"] == d1.slot
-    assert d3.predicted_cached == len(DOC)
-    d4 = decide(r, [*DOC, *[4] * 10], now=1.7)
-    assert d4.queued and "waits_for_slot" not in d4.reasons
+        assert d.predicted_cached == len(DOC)
+    d5 = decide(r, [*DOC, *[5] * 10], now=1.7)
+    assert d5.queued and "waits_for_slot" not in d5.reasons
     got = r.complete(d1, Report(output_tokens=[7] * 4, reported_cached=0), now=2.5)
     assert got == [Handoff(d2.request_id, "a", d1.slot, len(DOC))]
     got = r.complete(d2, Report(output_tokens=[7] * 4, reported_cached=len(DOC)), now=3.0)
     assert got == [Handoff(d3.request_id, "a", d1.slot, len(DOC))]
     got = r.complete(du, Report(output_tokens=[7] * 4, reported_cached=0), now=3.5)
-    assert [h.request_id for h in got] == [d4.request_id]
-    r.complete(d3, Report(reported_cached=len(DOC)), now=4.0)
-    r.complete(d4, Report(reported_cached=got[0].predicted_cached), now=4.0)
+    assert [h.request_id for h in got] == [d5.request_id]
+    five = got[0].predicted_cached
+    got = r.complete(d3, Report(output_tokens=[7] * 4, reported_cached=len(DOC)), now=4.0)
+    assert got == [Handoff(d4.request_id, "a", d1.slot, len(DOC))]
+    r.complete(d4, Report(reported_cached=len(DOC)), now=4.5)
+    r.complete(d5, Report(reported_cached=five), now=4.5)
     assert r.mispredictions == 0 and r.snapshot()["inflight"] == 0
 
 
