@@ -14,7 +14,9 @@ class RouterSettings:
     load_slack_s: float = 2.0  # slack on the bound, in seconds of prefill at the mean rate
     load_slack_tokens: int = 0  # extra absolute slack on the bound, in tokens of work
     # a request that continues a conversation a backend holds whole (at least this many
-    # tokens) is exempt from the load bound there: see choose_prefix
+    # tokens) is exempt from the load bound there, as is, with no backend idle, one
+    # reusing this many from a slot and prefilling no more than the bound's slack
+    # there: see choose_prefix
     continuation_min_tokens: int = 1024
     # a request may wait for a busy slot holding at least this many of its tokens (and
     # is handed a freed slot first when it reuses that many there; see queue.py)
