@@ -50,19 +50,23 @@
   Elsewhere it would prefill the history a second time. Priced as the queue's wait,
   one service time for the leader and each follower ahead, then the rest of the
   prompt; chosen by score.
-- The choice minimises ``ttft + queue_cost(b) x added(b) / rate(b)``, where ``added`` is
+- The choice minimises ``ttft + queue_cost x added(b) / rate(b)``, where ``added`` is
   the prefill the placement adds there (its uncached prompt, and the history it
-  destroys, which its owner prefills again on return) and ``queue_cost(b) =
-  queue_cost_weight x (1 + queue_cost_per_waiter x waiting(b))``, ``waiting(b)`` the
-  requests waiting there for any slot: that prefill delays the requests that come to
-  that backend after it, and the more of them the further past its knee the backend
-  runs (requests wait only when no slot is idle). So recomputing a long prefix elsewhere
-  to save a little of this request's ttft is a bad trade, and past the servers' knee a
-  worse one: a turn moved off its history's busy backend prefills that history again
-  in a queue as long. (The chat replays of BENCHMARKS.md, simulated at 700-1,500
-  prefill tokens/s, 5 seeds: 2 and 1 beside 1 and 0 raise reuse on the conversation
-  trace by 2-8% on average and lower mean ttft; a burst of new sessions over one
-  prefix still spreads: a constant weight of 2.5 or more herds it.)
+  destroys, which its owner prefills again on return) and ``queue_cost =
+  queue_cost_weight x (1 + queue_cost_per_waiter x waiting)``, ``waiting`` the requests
+  waiting for any slot, per backend, over the candidates: that prefill delays the
+  requests that come after it, and the more of them the further past its knee the
+  fleet runs (requests wait only when no slot is idle). So recomputing a long prefix
+  elsewhere to save a little of this request's ttft is a bad trade, and past the
+  servers' knee a worse one. The fleet's mean, not the backend's own count: the choice
+  spreads load, so a prefill added where none waits yet delays as many soon; counted
+  per backend, a turn's history on a queued backend looks dear to reuse and the turn
+  moves off it, recomputing it. (The chat replays of BENCHMARKS.md, simulated at
+  700-1,500 prefill tokens/s, 5 seeds: 2 and 1 beside 1 and 0 raise reuse on the
+  conversation trace by 2-8% on average and lower mean ttft; a burst of new sessions
+  over one prefix still spreads: a constant weight of 2.5 or more herds it. The fleet's
+  mean against the backend's count, at 750 and 850 tokens/s, 20 seeds: more runs
+  ahead of smg on reuse and TTFT, 99 of 120 against 96.)
 - Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
   in-flight request (only the latter once its first token came: it then only decodes,
   see ``Router.prefilled``). A backend is eligible only if its work after taking the request
@@ -200,11 +204,13 @@ def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
     matched: dict[str, int] = {}
     total, total_rate = 0, 0.0
     none_idle = all(c.state.work for c in cands)
+    waiting = sum(len(c.state.waiting) for c in cands) / len(cands)
+    # NOTE: an uncached prefill also delays the requests served after it: the fleet's,
+    # whose load the choice spreads, so the mean waiting per backend prices it anywhere
+    queue_cost = s.queue_cost_weight * (1.0 + s.queue_cost_per_waiter * waiting)
     for c in cands:
         st = c.state
         plain, wait, follow = best_options(c, n, s, now, session, none_idle)
-        # NOTE: the uncached prefill also delays the requests served after it there
-        queue_cost = s.queue_cost_weight * (1.0 + s.queue_cost_per_waiter * len(st.waiting))
         ttfts[c.name] = round(plain.ttft, 4)
         matched[c.name] = c.matched()
         for opt, into in ((plain, evals), (wait, waits), (follow, follows)):

@@ -40,7 +40,7 @@ class RouterSettings:
     destroy_weight: float = 8.0  # x prefill time of unique tokens a placement destroys
     min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
     # extra charge on the prefill s a placement adds (it delays the queue), times 1 +
-    # per_waiter x the requests waiting there for a slot (see policy.py)
+    # per_waiter x the requests waiting for a slot per backend (see policy.py)
     queue_cost_weight: float = 2.0
     queue_cost_per_waiter: float = 1.0
     # a slot saved to disk is restored into the chosen idle slot when it holds at least

@@ -206,22 +206,24 @@ def test_queue_cost_weight_charges_recomputed_prefixes(
 
 
 @pytest.mark.parametrize(
-    ("waiting1", "per_waiter", "want"),
+    ("waiting0", "waiting1", "per_waiter", "want"),
     [
         # b0 holds DOC behind 10 s of backlog; b1's two slots are busy: queued there,
         # 2.5 s (a service time over its slots) + 3.1 s of prefill, plus 3.1 s charged
-        (0, 0.5, "b1"),  # 8.7 s against b0's 10.2 s: b1
-        (2, 0.0, "b1"),
-        (2, 0.5, "b0"),  # 2 waiters there (past its knee): 2 x 3.1 s charged
-        (1, 1.0, "b0"),
+        (0, 0, 0.5, "b1"),  # 8.7 s against b0's 10.2 s: b1
+        (0, 4, 0.0, "b1"),
+        (0, 4, 0.5, "b0"),  # 2 waiting per backend (past the knee): 2 x 3.1 s charged
+        (0, 2, 1.0, "b0"),
+        (4, 0, 0.5, "b0"),  # waiting at the holder counts as much: the fleet's queue
     ],
 )
-def test_queue_cost_grows_with_the_requests_waiting_there(
-    waiting1: int, per_waiter: float, want: str
+def test_queue_cost_grows_with_the_requests_waiting_in_the_fleet(
+    waiting0: int, waiting1: int, per_waiter: float, want: str
 ) -> None:
-    """Past the servers' knee (requests wait there for any slot) the prefill a recompute
-    adds delays every request that comes after it: moving a turn off its history's busy
-    backend onto one where others wait costs more than its own ttft shows."""
+    """Past the servers' knee (requests wait for a slot) the prefill a recompute adds
+    delays the requests that come after it: moving a turn off its history's busy
+    backend costs more than its own ttft shows, wherever the others wait (the choice
+    spreads them)."""
     s = RouterSettings(queue_cost_weight=1.0, queue_cost_per_waiter=per_waiter,
                        default_prefill_tps=1000.0)
     cands = two_backends(1000.0, backlog0=10.0)
@@ -229,9 +231,10 @@ def test_queue_cost_grows_with_the_requests_waiting_there(
     for slot in (0, 1):
         busy = to_token_bytes(list(range(300_000 + 1_000 * slot, 300_500 + 1_000 * slot)))
         b1.cache.start(slot, busy, {}, {}, 500)
-    for rid in range(waiting1):
-        other = to_token_bytes(list(range(400_000 + 1_000 * rid, 400_400 + 1_000 * rid)))
-        b1.enqueue(rid, 400, other, None)
+    for i, (st, k) in enumerate(((cands[0].state, waiting0), (b1, waiting1))):
+        for rid in range(k):
+            first = 400_000 + 10_000 * i + 1_000 * rid
+            st.enqueue(100 * i + rid, 400, to_token_bytes(list(range(first, first + 400))), None)
     got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
     assert got.backend == want, got.reasons
 
