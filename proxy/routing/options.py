@@ -103,7 +103,7 @@ class Option(NamedTuple):
 
 
 def best_options(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None,
-                 none_idle: bool = False) -> tuple[Option, Option | None, Option | None]:
+                 *, none_idle: bool) -> tuple[Option, Option | None, Option | None]:
     """Cheapest way to run on backend ``c`` now or in the server's queue, cheapest
     way waiting for one of its busy slots (None: no such slot), and following the
     waiter that shares most of the prompt (None: none worth it, see ``_follow``).
@@ -226,7 +226,8 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
 # behind each other while it stands idle (each recompute there looks slower than one
 # more turn). With none idle, a recompute takes its prefill from a busy backend's queue,
 # and a third sibling of a long document waits (the chat replays, simulated at 750 and
-# 850 tokens/s with the load bound's like exemption: more runs ahead of smg, none behind).
+# 850 tokens/s together with policy.py's ``_adds_little`` exemption from the load bound:
+# reuse at or above two waiters' in every run, higher in a few).
 _WAITERS_PER_SLOT = 2
 _WAITERS_PER_SLOT_NONE_IDLE = 3
 
@@ -234,7 +235,8 @@ _WAITERS_PER_SLOT_NONE_IDLE = 3
 def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: str | None,
                    now: float, waiters: int
                    ) -> tuple[tuple[float, float, int], Placement, int] | None:
-    """Waiting for busy ``slot`` behind the request already waiting for it: (key,
+    """Waiting for busy ``slot`` behind the requests already waiting for it (after the
+    last of them): (key,
     placement, slot) as in ``best_options``, or None when not an option.
 
     Requests over one document sent together (the Mooncake replay: one prefix, another

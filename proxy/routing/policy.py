@@ -12,7 +12,8 @@
 - A prefix that every backend holds costs the same everywhere, so it gives no preference:
   only the match *beyond* the best alternative moves the choice (reported as
   ``beyond_alt``). A 20k-token system prompt shared by many sessions therefore does not
-  herd them, and the load bound below spreads them even when one backend holds it alone.
+  herd them, and the load bound below spreads them even when one backend holds it alone
+  (while a backend is idle: see its exemptions).
 - ``backlog(b)`` is the modelled prefill queue: each decision adds its uncached tokens /
   rate to a per-backend virtual finish time; ``rate(b)`` is learned (EWMA,
   ``rate_ewma_alpha``) from the ``prompt_n`` / ``prompt_ms`` the backend reports; until
@@ -34,9 +35,9 @@
   ttft = the slot's expected end (its prefill in the backlog, then the backend's mean
   time after prefill) + the rest of the prompt. Taken only when that is sooner than
   running now anywhere (a burst of new sessions over one prefix still spreads), at most
-  two waiters per slot, three when no backend is idle (``_WAITERS_PER_SLOT``,
-  options.py; each after the first, an unnamed request only, waits for the turns ahead
-  too and reuses what it shares with the last one's prompt), and
+  ``_WAITERS_PER_SLOT`` waiters per slot, ``_WAITERS_PER_SLOT_NONE_IDLE`` when no
+  backend is idle (options.py; each after the first, an unnamed request only, waits for
+  the turns ahead too and reuses what it shares with the last one's prompt), and
   never for a slot running another named session's request (its next turn is due: see
   ``options.best_options``); a waiter whose slot runs far past its expected end
   (``wait_grace_s``) is routed again. Without it such a call recomputes the history
@@ -53,8 +54,8 @@
 - The choice minimises ``ttft + queue_cost x added(b) / rate(b)``, where ``added`` is
   the prefill the placement adds there (its uncached prompt, and the history it
   destroys, which its owner prefills again on return) and ``queue_cost =
-  queue_cost_weight x (1 + queue_cost_per_waiter x waiting)``, ``waiting`` the requests
-  waiting for any slot, per backend, over the candidates: that prefill delays the
+  queue_cost_weight x (1 + queue_cost_per_waiter x waiting)``, ``waiting`` the mean, over
+  the candidate backends, of the requests waiting for any slot: that prefill delays the
   requests that come after it, and the more of them the further past its knee the
   fleet runs (requests wait only when no slot is idle). So recomputing a long prefix
   elsewhere to save a little of this request's ttft is a bad trade, and past the
@@ -64,9 +65,9 @@
   moves off it, recomputing it. (The chat replays of BENCHMARKS.md, simulated at
   700-1,500 prefill tokens/s, 5 seeds: 2 and 1 beside 1 and 0 raise reuse on the
   conversation trace by 2-8% on average and lower mean ttft; a burst of new sessions
-  over one prefix still spreads: a constant weight of 2.5 or more herds it. The fleet's
-  mean against the backend's count, at 750 and 850 tokens/s, 20 seeds: more runs
-  ahead of smg on reuse and TTFT, 99 of 120 against 96.)
+  over one prefix still spreads: a constant weight of 2.5 or more herds it. The same
+  replays at 750 and 850 tokens/s, 20 seeds: the fleet's mean puts reuse and TTFT
+  ahead of smg's in as many runs as the backend's own count or more.)
 - Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
   in-flight request (only the latter once its first token came: it then only decodes,
   see ``Router.prefilled``). A backend is eligible only if its work after taking the request
@@ -78,8 +79,9 @@
   a request that continues the whole sequence a slot holds (the next turn of the
   conversation there), and one that reuses a slot last used by the session it names
   (an agent's summary or title call): moving either recomputes its history elsewhere;
-  and, with no backend idle, one that reuses ``continuation_min_tokens`` from a slot
-  and prefills no more than the slack there (another question over a long document).
+  and, with no backend idle (none without in-flight work), an unnamed one that reuses
+  ``continuation_min_tokens`` from a slot and prefills no more than the slack there
+  (another question over a long document; see ``_adds_little``).
 - Destroying unique content is charged ``destroy_weight`` x its prefill time: when the
   server *keeps* a slot (the prompt shares >= ``keep_threshold`` of it) it truncates the
   slot's sequence after the common prefix without saving it, so a conversation's own
@@ -91,7 +93,7 @@
   system prompt and short turns) still reuse it: the charge is proportional. With no
   empty slot idle on any candidate, every option takes something: destroyed tokens are
   then charged once their prefill time, what their owner pays on return (and, as
-  prefill added there, the queue cost below).
+  prefill added there, the queue cost above).
 - Among equal-cost options, the slot whose content is least valuable to lose wins:
   ``displace_weight`` x displaced tokens / rate is added (empty and short slots first),
   then least recently used. A tenth of their prefill time: content displaced into a
@@ -210,7 +212,7 @@ def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
     queue_cost = s.queue_cost_weight * (1.0 + s.queue_cost_per_waiter * waiting)
     for c in cands:
         st = c.state
-        plain, wait, follow = best_options(c, n, s, now, session, none_idle)
+        plain, wait, follow = best_options(c, n, s, now, session, none_idle=none_idle)
         ttfts[c.name] = round(plain.ttft, 4)
         matched[c.name] = c.matched()
         for opt, into in ((plain, evals), (wait, waits), (follow, follows)):
@@ -258,7 +260,7 @@ def _add_follows(evals: list[Evaluated], follows: list[Evaluated], most: int) ->
             evals.append(f)
 
 
-def _within_bound(f: _Field, k: int, s: RouterSettings, session: str | None,
+def _within_bound(f: _Field, k: int, n: int, s: RouterSettings, session: str | None,
                   known: int | None) -> list[Evaluated]:
     """The options whose backend stays within the load bound after taking the request.
 
@@ -269,9 +271,10 @@ def _within_bound(f: _Field, k: int, s: RouterSettings, session: str | None,
     still moves it off a swamped backend). So does a request of the session whose
     history the slot holds (a side call): that the client names its session tells it
     from a new conversation over a shared prompt; and a follower (see ``options._follow``),
-    whose history only its leader's slot will hold. An idle backend is always within the
-    bound: with k backends and one request in flight, the mean is 1/k of it, and a long
-    prompt would be "over" everywhere."""
+    whose history only its leader's slot will hold; and, with no backend idle, a request
+    adding little where a slot holds much of it (``_adds_little``). An idle backend is
+    always within the bound: with k backends and one request in flight, the mean is 1/k
+    of it, and a long prompt would be "over" everywhere."""
     slack = s.load_slack_tokens + s.load_slack_s * f.total_rate / k
     return [e for e in f.evals
             if not (work := e.cand.state.work)
@@ -279,21 +282,25 @@ def _within_bound(f: _Field, k: int, s: RouterSettings, session: str | None,
             or e.leader is not None
             or _continues(e.cand, e.placement, s.continuation_min_tokens, known)
             or _own_history(e.cand, e.placement, session, s.continuation_min_tokens)
-            or (f.none_idle and _adds_little(e, s, slack))]
+            or (f.none_idle and _adds_little(e, n, s, session, slack))]
 
 
-def _adds_little(e: Evaluated, s: RouterSettings, slack: float) -> bool:
-    """Does option ``e`` reuse at least ``continuation_min_tokens`` from a slot and
-    prefill no more than the bound's slack there? With no backend idle, such a request
-    cannot run its backend's queue away, while moving it recomputes what it reuses on a
-    backend busy too, which the bound then finds over it in turn (a sibling of a long
-    prompt still in prefill: one document, another question). A slot only: reusing a RAM
+def _adds_little(e: Evaluated, n: int, s: RouterSettings, session: str | None,
+                 slack: float) -> bool:
+    """Does option ``e`` of an unnamed request reuse at least ``continuation_min_tokens``
+    from a slot and prefill no more than the bound's slack there? With no backend idle,
+    moving it recomputes what it reuses on a backend busy too, which the bound then
+    finds over it in turn (a sibling of a long prompt still in prefill: one document,
+    another question), while it adds little where it is; the backlog term still moves
+    it, and the next such request, off a swamped backend. Unnamed: a named session's
+    request stays with its own history already (``_own_history``), and a new one over
+    another's shared prompt is what the bound spreads. A slot only: reusing a RAM
     entry, new conversations over a shared prefix would pile onto the backend holding
     it; taking another conversation's slot is charged the history it destroys."""
     p = e.placement
-    return (p is not None and p.tier == "slot" and p.slot != FOLLOWS
-            and p.reuse >= s.continuation_min_tokens
-            and e.work - e.cand.state.work - s.request_overhead_tokens <= slack)
+    return (session is None and p is not None and p.tier == "slot"
+            and p.slot != FOLLOWS  # (a follow has a leader: within the bound already)
+            and p.reuse >= s.continuation_min_tokens and n - p.reuse <= slack)
 
 
 # Destroyed tokens cost their owner one recomputation when it returns. ``destroy_weight``
@@ -328,7 +335,7 @@ def choose_prefix(
     if not _any_empty(cands) and s.destroy_weight > _DESTROY_WEIGHT_NO_EMPTY:
         s = _with_no_empty_slot(s)
     f = _price(cands, n, s, now, session)
-    allowed = _within_bound(f, len(cands), s, session, known)
+    allowed = _within_bound(f, len(cands), n, s, session, known)
     why = "lowest expected ttft"
     if not allowed:
         allowed = [min(f.evals, key=lambda e: e.work)]

@@ -14,9 +14,8 @@ class RouterSettings:
     load_slack_s: float = 2.0  # slack on the bound, in seconds of prefill at the mean rate
     load_slack_tokens: int = 0  # extra absolute slack on the bound, in tokens of work
     # a request that continues a conversation a backend holds whole (at least this many
-    # tokens) is exempt from the load bound there, as is, with no backend idle, one
-    # reusing this many from a slot and prefilling no more than the bound's slack
-    # there: see choose_prefix
+    # tokens) is exempt from the load bound there, and so, under load, is one reusing
+    # this many from a slot (see policy.py, _adds_little)
     continuation_min_tokens: int = 1024
     # a request may wait for a busy slot holding at least this many of its tokens (and
     # is handed a freed slot first when it reuses that many there; see queue.py)
@@ -40,7 +39,8 @@ class RouterSettings:
     destroy_weight: float = 8.0  # x prefill time of unique tokens a placement destroys
     min_rate_sample_tokens: int = 32  # ignore rate samples from smaller prefills (noise)
     # extra charge on the prefill s a placement adds (it delays the queue), times 1 +
-    # per_waiter x the requests waiting for a slot per backend (see policy.py)
+    # per_waiter x the mean, over the candidate backends, of the requests waiting for a
+    # slot (see policy.py)
     queue_cost_weight: float = 2.0
     queue_cost_per_waiter: float = 1.0
     # a slot saved to disk is restored into the chosen idle slot when it holds at least

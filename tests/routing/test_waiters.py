@@ -1,5 +1,5 @@
-"""Requests the proxy holds for a slot: a second waiter behind the first, and the order
-freed slots are handed out in."""
+"""Requests the proxy holds for a slot: waiters behind waiters, and the order freed slots
+are handed out in."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def decide(r: Router, tokens: list[int], now: float) -> Routed:
 def test_siblings_queue_behind_the_first_waiter_of_their_slot() -> None:
     """Three requests over one document, sent together, the other slot busy with a
     long unrelated request: the first runs, the second waits for its slot, the third
-    and fourth wait behind the second and reuse the document from the prompt ahead (the
-    other slot, freed first, would make them recompute the document). A fifth does not
-    queue there: with no backend idle, three waiters per slot at most (two while one is
-    idle: see test_policy.py, test_concurrent_sessions_on_shared_system_prompt_spread)."""
+    behind the second and the fourth behind the third, each reusing the document from
+    the prompt ahead (the other slot, freed first, would make them recompute it). A
+    fifth does not queue there: with no backend idle, three waiters per slot at most
+    (two while one is idle: test_policy.py, concurrent sessions on a shared prompt)."""
     r = Router()
     r.add_backend(cap("a", slots=2))
     w = decide(r, list(range(500_000, 500_300)), now=0.0)
