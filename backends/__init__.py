@@ -1,7 +1,7 @@
 """llama-server backends: obtain the binary and the demo model, run and supervise servers.
 
     binary.py      find or build llama-server; the cache
-    libllama.py    where the tokenizer's libllama is (the cpu build's unless pip compiled one)
+    libllama.py    where the tokenizer's libllama is ($LLAMA_CPP_LIB_PATH, pip's, a cached build's)
     gpu.py         its build variants (cpu, cuda, vulkan; portable or native): cmake flags
     cpu.py         the CPU features that pick ggml's kernels
     vendor_patch.py  kvroute's fixes to the vendored llama.cpp (patches/), applied once
