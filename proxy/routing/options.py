@@ -236,8 +236,8 @@ def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: 
                    now: float, waiters: int
                    ) -> tuple[tuple[float, float, int], Placement, int] | None:
     """Waiting for busy ``slot`` behind the requests already waiting for it (after the
-    last of them): (key,
-    placement, slot) as in ``best_options``, or None when not an option.
+    last of them): (key, placement, slot) as in ``best_options``, or None when not an
+    option.
 
     Requests over one document sent together (the Mooncake replay: one prefix, another
     question each) arrive while the first of them is still being prefilled. The second
