@@ -1,7 +1,7 @@
-"""Command line: ``python -m loadtest simulate|run ...``.
+"""Command line: ``python -m loadtest simulate|run|soak|sweep ...``.
 
-Each subcommand is one ``add_parser`` call plus one handler in ``_COMMANDS``; add ``run``
-and ``soak`` the same way.
+Each subcommand is one ``add_parser`` call plus one handler in ``_COMMANDS``; a new one is
+added the same way.
 """
 
 from __future__ import annotations
@@ -162,8 +162,21 @@ def _soak(args: argparse.Namespace) -> int:
     return main_soak(args)
 
 
+def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from loadtest.sweep import add_arguments
+
+    add_arguments(sub.add_parser(
+        "sweep", help="the smg matrix simulated over many seeds, judged on its targets"))
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from loadtest.sweep import main_sweep
+
+    return main_sweep(args)
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "simulate": _simulate, "run": _run, "soak": _soak}
+    "simulate": _simulate, "run": _run, "soak": _soak, "sweep": _sweep}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -172,6 +185,7 @@ def parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     _add_run(sub)
     _add_soak(sub)
+    _add_sweep(sub)
     return p
 
 

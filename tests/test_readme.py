@@ -218,3 +218,26 @@ def test_every_link_to_a_file_exists() -> None:
 
 def test_the_readme_is_short() -> None:
     assert len(README.splitlines()) <= 200
+
+
+def _loadtest_commands() -> list[list[str]]:
+    """Each `python -m loadtest ...` line in the guides' shell blocks, continuations
+    joined, comments and `...` (a placeholder) dropped."""
+    out = []
+    for doc in sorted((REPO / "docs").glob("*.md")):
+        for block in re.findall(r"^```sh\n(.*?)^```$", doc.read_text(), re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                if "-m loadtest " in line and not line.lstrip().startswith("#"):
+                    argv = shlex.split(line.split("-m loadtest ", 1)[1], comments=True)
+                    out.append([a for a in argv if a != "..."])
+    return out
+
+
+def test_the_guides_loadtest_commands_parse() -> None:
+    """A loadtest flag renamed or dropped fails here, not in a reader's shell."""
+    from loadtest.__main__ import parser
+
+    commands = _loadtest_commands()
+    assert {c[0] for c in commands} >= {"simulate", "run", "soak", "sweep"}
+    for argv in commands:
+        parser().parse_args(argv)
