@@ -117,8 +117,10 @@ class BlockPrompts:
     def prompt(self, r: TraceRequest) -> bytes:
         memo = self._memo
         get = self._get
-        parts = [memo.get(h) or get(h) for h in r.hash_ids]
-        cut = 4 * (r.input_length - (len(parts) - 1) * self._block)
+        # the blocks the length reaches: a line may carry more ids than its length needs
+        n = -(-r.input_length // self._block)
+        parts = [memo.get(h) or get(h) for h in r.hash_ids[:n]]
+        cut = 4 * (r.input_length - (n - 1) * self._block)
         if cut < len(parts[-1]):
             parts[-1] = parts[-1][:cut]
         return b"".join(parts)

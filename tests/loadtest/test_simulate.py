@@ -57,11 +57,13 @@ def test_block_tokens_deterministic_and_distinct() -> None:
     assert request_tokens(r) == (block_tokens(5) + block_tokens(6))[:700]
 
 
-@pytest.mark.parametrize("length", [1, 512, 700, 1536])
-def test_block_prompts_are_the_requests_tokens_as_bytes(length: int) -> None:
-    # one id per block of the length, as in a Mooncake trace; block 301 wraps past the
-    # vocabulary's end
-    r = TraceRequest(0, length, 1, (301, 5, 6)[:-(-length // 512)])
+@pytest.mark.parametrize(("length", "ids"), [
+    (1, 1), (512, 1), (700, 2), (1536, 3),  # one id per block, as in a Mooncake trace
+    (1, 3), (512, 2), (700, 3),  # more ids than the length needs: the first ones count
+])
+def test_block_prompts_are_the_requests_tokens_as_bytes(length: int, ids: int) -> None:
+    # block 301 wraps past the vocabulary's end
+    r = TraceRequest(0, length, 1, (301, 5, 6)[:ids])
     assert BlockPrompts().prompt(r) == array("i", request_tokens(r)).tobytes()
 
 
