@@ -36,7 +36,9 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--slots", type=int, default=8, help="slots per backend")
     p.add_argument("--ram-tokens", type=int, default=4_000_000, help="RAM cache per backend")
     p.add_argument("--kv-bytes-per-token", type=int, default=131_072)
-    p.add_argument("--prefill-tps", type=float, default=20_000.0)
+    p.add_argument("--prefill-tps", type=float, default=20_000.0, help="at a context's start")
+    p.add_argument("--prefill-s-per-position", type=float, default=0.0,
+                   help="a token's extra prefill seconds per token before it (attention)")
     p.add_argument("--decode-tps", type=float, default=40.0, help="per slot")
     p.add_argument("--time-scale", type=float, default=1.0, help=">1 replays faster")
     p.add_argument("--seed", type=int, default=0)
@@ -116,6 +118,7 @@ def _simulate(args: argparse.Namespace) -> int:
         ram_cache_tokens=ram_tokens,
         kv_bytes_per_token=args.kv_bytes_per_token,
         prefill_tps=args.prefill_tps,
+        prefill_s_per_position=args.prefill_s_per_position,
         decode_tps=args.decode_tps,
         memory=_memory(args.memory, args.swa_window),
     )

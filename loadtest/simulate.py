@@ -4,8 +4,10 @@ Each backend is a :class:`~proxy.routing.cache.model.BackendCache` (the same lla
 the router uses, but its own instance: the "truth") plus a prefill queue and per-slot
 decode:
 
-- prefill is one FIFO compute queue per backend at ``prefill_tps`` (uncached tokens only;
-  tokens loaded from the RAM cache cost ``ram_load_s_per_token``);
+- prefill is one FIFO compute queue per backend at ``prefill_tps`` at a context's start,
+  each token slower by ``prefill_s_per_position`` per token before it (attention; see
+  proxy/routing/prefill.py), uncached tokens only; tokens loaded from the RAM cache cost
+  ``ram_load_s_per_token``;
 - decode runs in the slot at ``decode_tps`` per slot after the first token;
 - a request the router queued (no idle slot, or waiting for a busy one) is held, as the
   proxy holds it, until the router hands it a slot (``Handoff``), then sent pinned there;
@@ -36,6 +38,7 @@ from proxy.routing.cache.checkpoints import DENSE, Memory
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.values import RAM, SLOT, BackendCapacity, Launch
 from proxy.routing.decision import Report
+from proxy.routing.prefill import PrefillCost
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
@@ -51,7 +54,8 @@ class SimBackend:
     slot_ctx: int = 262_144
     ram_cache_tokens: int = 1_000_000  # host-RAM prompt cache size, in tokens of KV
     kv_bytes_per_token: int = 131_072  # Llama-3-8B f16
-    prefill_tps: float = 20_000.0
+    prefill_tps: float = 20_000.0  # at position 0
+    prefill_s_per_position: float = 0.0  # a token's extra seconds per token before it
     decode_tps: float = 40.0  # per slot
     ram_load_s_per_token: float = 2e-6
     memory: Memory = DENSE  # sliding-window or hybrid: reuse up to checkpoints
@@ -136,6 +140,7 @@ def simulate(
     ``user_starts``: where each one's user messages start (checkpointed memory)."""
     be = backend or SimBackend()
     kvb = be.kv_bytes_per_token
+    prefill = PrefillCost(1.0 / be.prefill_tps, be.prefill_s_per_position)
     caps = [
         BackendCapacity(f"b{i}", be.n_slots, be.slot_ctx, be.ram_cache_tokens * kvb, kvb,
                         memory=be.memory)
@@ -189,7 +194,7 @@ def simulate(
         if p is None:
             return False
         req.slot, req.reuse = p.slot, p.reuse
-        req.prefill_s = (req.n - p.reuse) / be.prefill_tps
+        req.prefill_s = prefill.seconds(p.reuse, req.n)
         load = be.ram_load_s_per_token * p.reuse if p.tier == "ram" else 0.0
         begin = max(now, srv.compute_free)
         srv.compute_free = begin + req.prefill_s + load

@@ -12,6 +12,7 @@ from sortedcontainers import SortedList
 
 from proxy.routing.cache.lora import Lora
 from proxy.routing.cache.model import BackendCache
+from proxy.routing.prefill import PrefillCost
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.waiters import WaiterTree
 
@@ -30,7 +31,12 @@ class BackendState:
     """Router-side state of one backend (mutable; owned by the Router)."""
 
     cache: BackendCache
-    rate: float  # learned prefill tokens/s
+    # learned mean prefill tokens/s: a throughput, for bounds counted in tokens (the load
+    # bound's slack, how long a wait may last)
+    rate: float
+    # the time a given range of a prompt takes to prefill (grows with its positions):
+    # what every expected time is made of (see proxy/routing/prefill.py)
+    prefill: PrefillCost = field(init=False)
     rate_learned: bool = False
     busy_until: float = 0.0  # virtual finish time of the modelled prefill queue
     work: int = 0  # in-flight work, tokens
@@ -141,10 +147,17 @@ class BackendState:
             if self.waits_any(rid):
                 yield self.queued[rid]
 
+    def __post_init__(self) -> None:
+        self.prefill = PrefillCost.at_rate(self.rate)
+
+    def prefill_s(self, reuse: int, n: int) -> float:
+        """Expected prefill time of a prompt's positions ``[reuse, n)`` here."""
+        return self.prefill.seconds(reuse, n)
+
     def learn(self, s: RouterSettings, took: float, prompt_ms: float | None,
-              prompt_n: int | None) -> None:
+              prompt_n: int | None, reused: int | None) -> None:
         """A request here completed in ``took`` seconds; the backend reported evaluating
-        ``prompt_n`` tokens in ``prompt_ms``."""
+        ``prompt_n`` tokens after the ``reused`` it kept, in ``prompt_ms``."""
         a = s.rate_ewma_alpha
         if took > 0:
             self.service_s = _ewma(self.service_s, took, a)
@@ -155,6 +168,8 @@ class BackendState:
             sample = prompt_n / (prompt_ms / 1000.0)
             self.rate = (1 - a) * self.rate + a * sample if self.rate_learned else sample
             self.rate_learned = True
+            start = reused or 0
+            self.prefill.learn(prompt_ms / 1000.0, start, start + prompt_n, a)
 
     def expect_free(self, slot: int, now: float) -> None:
         """A request was placed in ``slot``: when it should free. The modelled prefill
@@ -167,6 +182,8 @@ class BackendState:
         return {
             **self.cache.snapshot(),
             "prefill_tps": round(self.rate, 1),
+            "prefill_s_per_token": self.prefill.per_token,
+            "prefill_s_per_position": self.prefill.per_position,
             "rate_learned": self.rate_learned,
             "work_tokens": self.work,
             "inflight": self.inflight,
@@ -189,13 +206,20 @@ def peer_rate(states: Iterable[BackendState], default: float) -> float:
 
 
 def share_rate(states: Collection[BackendState], default: float) -> None:
-    """Price the backends that reported no prefill yet at their peers' learned rate.
-    Not the default: the same model on the same kind of device, mostly (one managed
-    llama-server per GPU), and a measured rate beats a constant."""
+    """Price the backends that reported no prefill yet at their peers' learned rate and
+    prefill terms (their mean). Not the default: the same model on the same kind of
+    device, mostly (one managed llama-server per GPU), and a measured rate beats a
+    constant."""
     peer = peer_rate(states, default)
+    learned = [st.prefill for st in states if st.prefill.learned]
+    terms = PrefillCost(sum(p.per_token for p in learned) / len(learned),
+                        sum(p.per_position for p in learned) / len(learned)) \
+        if learned else PrefillCost.at_rate(default)
     for st in states:
         if not st.rate_learned:
             st.rate = peer
+        if not st.prefill.learned:
+            st.prefill.copy_terms(terms)
 
 
 def _ewma(old: float, sample: float, alpha: float) -> float:

@@ -137,7 +137,7 @@ class Booking:
         work = n - reuse + self.settings.request_overhead_tokens
         st.work += work
         st.inflight += 1
-        st.busy_until = max(st.busy_until, now) + (n - reuse) / st.rate
+        st.busy_until = max(st.busy_until, now) + st.prefill_s(reuse, n)
         if slot is not None:
             st.expect_free(slot, now)
         f = self._ledger.add(rid, Inflight(choice.backend, slot, q, n, work, now, beyond,

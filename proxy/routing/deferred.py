@@ -81,6 +81,6 @@ class Deferred:
             more = u.predicted.reuse - p.reuse  # tokens to prefill beyond the prediction
             st.work += more
             f.work += more
-            st.busy_until += more / st.rate
+            st.busy_until += st.prefill_s(p.reuse, u.n) - st.prefill_s(u.predicted.reuse, u.n)
             st.expect_free(p.slot, f.started)
             f.revise(p.reuse, p.tier)

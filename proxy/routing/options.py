@@ -12,10 +12,11 @@ from typing import NamedTuple
 from proxy.routing.backend_state import BackendState, Queued
 from proxy.routing.cache.lora import Lora, should_clear
 from proxy.routing.cache.values import Placement
+from proxy.routing.prefill import PrefillCost
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.token_bytes import common_len
 
-__all__ = ["FOLLOWS", "RELATED_TOKENS", "Candidate", "Option", "best_options"]
+__all__ = ["FOLLOWS", "RELATED_TOKENS", "Candidate", "Option", "best_options", "redo_s"]
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ is ~4x slower
@@ -163,13 +164,13 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
                   backlog: float) -> Option:
     """The cheapest idle slot of ``c``, or, none being idle, the server's queue."""
     st = c.state
-    cache, rate = st.cache, st.rate
+    cache, cost = st.cache, st.prefill
     best: tuple[tuple[float, float, int], Placement, int | None] | None = None
     for opt in _idle_options(c):
         p = cache.predict(opt, c.slot_lcp, c.ram_lcp, n, lora=c.lora, prompt=c.prompt)
         assert p is not None, "idle slots exist"
-        ttft = _ttft(backlog, p, n, rate, s)
-        key = (ttft + _penalty(p, s, rate), ttft, cache.slots[p.slot].last_used)
+        ttft = _ttft(backlog, p, n, cost, s)
+        key = (ttft + _penalty(p, s, cost), ttft, cache.slots[p.slot].last_used)
         if best is None or key < best[0]:
             best = (key, p, opt)
     if best is not None:
@@ -181,8 +182,8 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
         wait_s = backlog + service / cache.cap.n_slots
     else:
         wait_s = max(backlog, st.slot_free_at.get(slot, now) - now)
-    ttft = _ttft(wait_s, p, n, rate, s)
-    return Option(ttft + _penalty(p, s, rate), ttft, p, slot, True)
+    ttft = _ttft(wait_s, p, n, cost, s)
+    return Option(ttft + _penalty(p, s, cost), ttft, p, slot, True)
 
 
 def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None,
@@ -196,7 +197,7 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
     would take its history just before (the destruction charge prices history alike,
     however soon it is needed)."""
     st = c.state
-    slots, rate = st.cache.slots, st.rate
+    slots, cost = st.cache.slots, st.prefill
     wait: tuple[tuple[float, float, int], Placement, int] | None = None
     awaited = list(st.targets.values())
     for i, got in c.slot_lcp.items():
@@ -214,8 +215,8 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
         p = st.cache.predict(i, c.slot_lcp, c.ram_lcp, n, after_busy=True, lora=c.lora,
                              prompt=c.prompt)
         assert p is not None
-        ttft = _ttft(max(backlog, st.slot_free_at.get(i, now) - now), p, n, rate, s)
-        key = (ttft + _penalty(p, s, rate), ttft, slots[i].last_used)
+        ttft = _ttft(max(backlog, st.slot_free_at.get(i, now) - now), p, n, cost, s)
+        key = (ttft + _penalty(p, s, cost), ttft, slots[i].last_used)
         if wait is None or key < wait[0]:
             wait = (key, p, i)
     return None if wait is None else Option(wait[0][0], wait[0][1], wait[1], wait[2], True)
@@ -261,11 +262,11 @@ def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: 
         return None
     tail = max(0, ahead.n - shared)
     p = Placement(slot, shared, "slot", None, 0, False, tail)
-    rate = st.rate
-    free = max(now, st.slot_free_at.get(slot, now)) + tail / rate + waiters * (
-        st.service_s or s.default_service_s)
-    ttft = _ttft(max(st.busy_until - now, free - now, 0.0), p, n, rate, s)
-    return (ttft + _penalty(p, s, rate), ttft, st.cache.slots[slot].last_used), p, slot
+    cost = st.prefill
+    free = max(now, st.slot_free_at.get(slot, now)) + cost.seconds(shared, ahead.n) + (
+        waiters * (st.service_s or s.default_service_s))
+    ttft = _ttft(max(st.busy_until - now, free - now, 0.0), p, n, cost, s)
+    return (ttft + _penalty(p, s, cost), ttft, st.cache.slots[slot].last_used), p, slot
 
 
 # A follower's placement names no slot: its leader's, not known until it is handed one
@@ -316,18 +317,25 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlo
     service = st.service_s or s.default_service_s
     wait = backlog + service / len(st.cache.slots) + (1 + len(behind)) * service
     p = Placement(FOLLOWS, shared, "slot", None, 0, False, max(0, ahead.n - shared))
-    ttft = _ttft(wait, p, n, st.rate, s)
-    return Option(ttft + _penalty(p, s, st.rate), ttft, p, None, True, leader)
+    ttft = _ttft(wait, p, n, st.prefill, s)
+    return Option(ttft + _penalty(p, s, st.prefill), ttft, p, None, True, leader)
 
 
-def _ttft(wait: float, p: Placement, n: int, rate: float, s: RouterSettings) -> float:
+def _ttft(wait: float, p: Placement, n: int, cost: PrefillCost, s: RouterSettings) -> float:
     """Expected time to first token: waiting, then the uncached prefill (and a RAM load)."""
-    ttft = wait + (n - p.reuse) / rate
+    ttft = wait + cost.seconds(p.reuse, n)
     if p.tier == "ram":
         ttft += s.ram_load_s_per_token * p.reuse
     return ttft
 
 
-def _penalty(p: Placement, s: RouterSettings, rate: float) -> float:
+def redo_s(p: Placement, cost: PrefillCost, tokens: int) -> float:
+    """Prefill time of ``tokens`` of the slot's previous content, prefilled again when
+    its owner returns: they follow the prefix it shares with this prompt."""
+    return cost.seconds(p.reuse, p.reuse + tokens)
+
+
+def _penalty(p: Placement, s: RouterSettings, cost: PrefillCost) -> float:
     """Seconds charged for what a placement takes away from the slot's current content."""
-    return (s.displace_weight * p.displaced + s.destroy_weight * p.destroyed) / rate
+    return (s.displace_weight * redo_s(p, cost, p.displaced)
+            + s.destroy_weight * redo_s(p, cost, p.destroyed))

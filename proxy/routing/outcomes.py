@@ -65,7 +65,7 @@ class RequestEnds:
             st.requeue(d.request_id, n, q)
         work = n - reuse + self._settings.request_overhead_tokens
         st.work += work - f.work
-        st.busy_until += ((n - reuse) - (f.n - d.predicted_cached)) / st.rate
+        st.busy_until += st.prefill_s(reuse, n) - st.prefill_s(d.predicted_cached, f.n)
         f.prompt, f.n, f.work, f.beyond = q, n, work, None
         f.user_starts = user_starts
         f.prediction = replace(d, prompt_tokens=n, predicted_cached=reuse, claims=claims)
@@ -84,7 +84,7 @@ class RequestEnds:
             more = decision.predicted_cached
             st.work += more
             f.work += more
-            st.busy_until += more / st.rate
+            st.busy_until += st.prefill_s(0, more)
         d = routed.prediction
         f.prediction = replace(d, predicted_cached=0, tier="none", restore=None,
                                reasons={**d.reasons, "reuse": 0, "tier": "none",
@@ -136,7 +136,8 @@ class RequestEnds:
         self._unposted.posted(decision.request_id)
         st.unlaunched.pop(decision.request_id, None)
         st.release(f.work, now)
-        st.learn(self._settings, now - f.started, report.prompt_ms, report.prompt_n)
+        st.learn(self._settings, now - f.started, report.prompt_ms, report.prompt_n,
+                 report.reported_cached)
         if st.rate_learned:
             share_rate(self._backends.values(), self._settings.default_prefill_tps)
         if f.observed:

@@ -2,7 +2,7 @@
 
 ``prefix`` (default) picks the option with the lowest *expected time to first token*:
 
-    ttft(b, option) = backlog(b) + slot_wait(b) + (prompt - reuse) / rate(b)
+    ttft(b, option) = backlog(b) + slot_wait(b) + prefill(b, reuse, prompt)
                       + ram_load_s_per_token * reuse   (only when reuse comes from RAM)
 
 - ``reuse`` comes from the cache model (proxy/routing/cache/model.py), which mirrors llama-server:
@@ -14,10 +14,14 @@
   ``beyond_alt``). A 20k-token system prompt shared by many sessions therefore does not
   herd them, and the load bound below spreads them even when one backend holds it alone
   (while a backend is idle: see its exemptions).
-- ``backlog(b)`` is the modelled prefill queue: each decision adds its uncached tokens /
-  rate to a per-backend virtual finish time; ``rate(b)`` is learned (EWMA,
-  ``rate_ewma_alpha``) from the ``prompt_n`` / ``prompt_ms`` the backend reports; until
-  it reports one, the mean learned rate of the others, or ``default_prefill_tps``.
+- ``prefill(b, reuse, prompt)``: the time positions ``[reuse, prompt)`` take there, a
+  per-token term and one growing with each token's position (attention), fitted to the
+  ``prompt_n`` / ``prompt_ms`` after the reused tokens the backend reports, recent
+  prefills weighing most (``rate_ewma_alpha``; proxy/routing/prefill.py). Until it
+  reports one, its peers' mean terms, or ``default_prefill_tps`` at every position.
+- ``backlog(b)`` is the modelled prefill queue: each decision adds its prefill time to
+  a per-backend virtual finish time. ``rate(b)``, below, is the mean tokens/s of its
+  recent prefills (EWMA), for bounds counted in tokens.
 - ``slot_wait(b)``: when no slot is idle the request is not pinned (a pinned request to a
   busy slot would disturb it) and queues on the server; it waits about one mean service
   time (EWMA of observed durations, ``default_service_s`` until learned) / n_slots. Its
@@ -51,7 +55,7 @@
   Elsewhere it would prefill the history a second time. Priced as the queue's wait,
   one service time for the leader and each follower ahead, then the rest of the
   prompt; chosen by score.
-- The choice minimises ``ttft + queue_cost x added(b) / rate(b)``, where ``added`` is
+- The choice minimises ``ttft + queue_cost x added(b)``, where ``added`` is the time of
   the prefill the placement adds there (its uncached prompt, and the history it
   destroys, which its owner prefills again on return) and ``queue_cost =
   queue_cost_weight x (1 + queue_cost_per_waiter x waiting)``, ``waiting`` the mean, over
@@ -95,12 +99,12 @@
   then charged once their prefill time, what their owner pays on return (and, as
   prefill added there, the queue cost above).
 - Among equal-cost options, the slot whose content is least valuable to lose wins:
-  ``displace_weight`` x displaced tokens / rate is added (empty and short slots first),
-  then least recently used. A tenth of their prefill time: content displaced into a
-  small RAM tier is soon evicted from it, so long conversations are worth keeping in
-  their slots (the chat replay of BENCHMARKS.md, simulated: best at 0.1 of 0 to 1).
-  A ``session`` hint breaks remaining ties by rendezvous hash, so new conversations of
-  one session stick together while distinct sessions spread.
+  ``displace_weight`` x the displaced tokens' prefill time is added (empty and short slots
+  first), then least recently used. A tenth of their prefill time: content displaced into
+  a small RAM tier is soon evicted from it, so long conversations are worth keeping in
+  their slots (the chat replay of BENCHMARKS.md, simulated: best at 0.1 of 0 to 1). A
+  ``session`` hint breaks remaining ties by rendezvous hash, so new conversations of one
+  session stick together while distinct sessions spread.
 - A prompt sharing fewer than 16 tokens with all a backend holds (a chat template's
   opening) takes an empty slot there if one is idle: the near tie would otherwise be
   decided by timing.
@@ -123,7 +127,7 @@ from typing import NamedTuple
 
 from proxy.routing.backend_state import BackendState
 from proxy.routing.cache.values import CONTINUATION_SLACK, Placement
-from proxy.routing.options import FOLLOWS, Candidate, best_options
+from proxy.routing.options import FOLLOWS, Candidate, best_options, redo_s
 from proxy.routing.settings import RouterSettings
 
 __all__ = ["BackendState", "Choice", "RouterSettings", "choose_prefix"]
@@ -221,7 +225,9 @@ def _price(cands: list[Candidate], n: int, s: RouterSettings, now: float,
             p = opt.placement
             uncached = n - (p.reuse if p is not None else 0)
             # (what it destroys is prefilled there again when its owner returns)
-            score = opt.score + queue_cost * (uncached + (p.destroyed if p else 0)) / st.rate
+            added = st.prefill_s(0, n) if p is None else (
+                st.prefill_s(p.reuse, n) + redo_s(p, st.prefill, p.destroyed))
+            score = opt.score + queue_cost * added
             work = st.work + uncached + s.request_overhead_tokens
             into.append(Evaluated(c, score, opt.placement, opt.pin, work, opt.queued,
                                   opt.ttft, opt.leader))

@@ -94,7 +94,7 @@ class SlotQueue:
             started = self._ledger[rid].started
             waited = now - started
             k = (-1.0 if waited >= s.wait_starve_s
-                 else (queued[rid].n - reuse) / st.rate / (1.0 + s.wait_ageing * waited)
+                 else st.prefill_s(reuse, queued[rid].n) / (1.0 + s.wait_ageing * waited)
                  / (1 + len(followers.get(rid, ()))), started)
             if k < key:
                 best, key = rid, k

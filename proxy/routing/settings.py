@@ -31,7 +31,7 @@ class RouterSettings:
     wait_grace_s: float = 30.0
     max_resident_tokens: int = 64_000_000  # cap on tokens in the router's tree (LRU leaves)
     default_prefill_tps: float = 1500.0  # prefill tokens/s until a backend reports timings
-    rate_ewma_alpha: float = 0.2  # weight of a new prefill-rate sample
+    rate_ewma_alpha: float = 0.2  # weight of a new prefill sample (rate, prefill.py's fit)
     ram_load_s_per_token: float = 2e-6  # cost of restoring one token of KV from host RAM
     request_overhead_tokens: int = 256  # work units per request beyond its uncached prompt
     default_service_s: float = 5.0  # request duration assumed until one is observed

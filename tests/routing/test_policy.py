@@ -13,6 +13,7 @@ from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.decision import Report
 from proxy.routing.options import Candidate
 from proxy.routing.policy import choose_prefix
+from proxy.routing.prefill import PrefillCost
 from proxy.routing.routed import Routed
 from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
@@ -202,6 +203,29 @@ def test_queue_cost_weight_charges_recomputed_prefixes(
     s = RouterSettings(queue_cost_weight=weight, queue_cost_per_waiter=0.0,
                        default_prefill_tps=1000.0)
     cands = two_backends(1000.0, backlog0=backlog0)
+    got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
+    assert got.backend == want, got.reasons
+
+
+@pytest.mark.parametrize(
+    ("per_token", "per_position", "backlog0", "want"),
+    [
+        # one rate: recomputing DOC + 100 on b1 takes 3.1 s, less than 3.5 s + 0.1 s
+        (0.001, 0.0, 3.5, "b1"),
+        # by position, faster at first: 1.55 s + 2.4 s for the positions = 3.95 s on
+        # b1, against 3.5 s + 0.2 s for the last 100 positions on b0
+        (0.0005, 5e-7, 3.5, "b0"),
+        (0.0005, 5e-7, 4.0, "b1"),  # 4.2 s
+    ],
+)
+def test_prefill_is_priced_by_the_positions_it_covers(
+    per_token: float, per_position: float, backlog0: float, want: str
+) -> None:
+    # b0 holds the 3,000-token DOC behind a backlog; b1 is idle and empty
+    s = RouterSettings(queue_cost_weight=0.0)
+    cands = two_backends(1000.0, backlog0=backlog0)
+    for c in cands:
+        c.state.prefill = PrefillCost(per_token, per_position)
     got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
     assert got.backend == want, got.reasons
 

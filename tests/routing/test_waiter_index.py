@@ -153,7 +153,7 @@ def scan_next_waiter(r: Router, st: BackendState, now: float) -> int:
         started = r._ledger[rid].started
         waited, rs = now - started, r.settings
         k = (-1.0 if waited >= rs.wait_starve_s else
-             (st.queued[rid].n - p.reuse) / st.rate / (1 + rs.wait_ageing * waited)
+             st.prefill_s(p.reuse, st.queued[rid].n) / (1 + rs.wait_ageing * waited)
              / (1 + len(st.followers.get(rid, ()))), started)
         if k < key:
             best, key = rid, k
