@@ -68,6 +68,9 @@ class BackendState:
     # yet, in sending order (see Report.unlaunched_at_end)
     unlaunched: dict[int, None] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.prefill = PrefillCost.at_rate(self.rate)
+
     def occupy(self, slot: int, session: str | None) -> None:
         """A request of ``session`` was placed in ``slot``."""
         if session is None:
@@ -146,9 +149,6 @@ class BackendState:
         for rid in reversed(self.queued):
             if self.waits_any(rid):
                 yield self.queued[rid]
-
-    def __post_init__(self) -> None:
-        self.prefill = PrefillCost.at_rate(self.rate)
 
     def prefill_s(self, reuse: int, n: int) -> float:
         """Expected prefill time of a prompt's positions ``[reuse, n)`` here."""

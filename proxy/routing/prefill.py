@@ -8,8 +8,8 @@ attention over every token before it, which grows with its position. Prefilling 
 
 seconds (the second term: the sum of their positions). On the demo model on one CPU
 thread the two terms are equal near position 1,500 (the servers' timings in the smg
-matrix: 1,300 tokens/s at the start of a context, 5e-7 s per token per position), so
-a 10,000-token prompt takes ~3.5x what its first tokens' rate says, and tokens after a
+matrix: 1,300 tokens/s at the start of a context, 5.2e-7 s per token per position), so
+a 10,000-token prompt takes ~4x what its first tokens' rate says, and tokens after a
 long reused prefix cost more than the first ones did. A single learned rate is then
 too slow for short prompts and far too fast for long ones; on a GPU with flash
 attention ``per_position`` is learned near 0 and the model is that rate.
@@ -17,8 +17,8 @@ attention ``per_position`` is learned near 0 and the model is that rate.
 Both are fitted by least squares to the backend's reported prefills, older samples
 weighted down by ``(1 - alpha)`` per new one (a window of ~1 / alpha prefills, so it
 follows a machine that slows down). Until the fit is well posed (prefills of more than
-one length) or while it gives a negative term, the model is a single rate: the samples'
-total time over their total tokens.
+one length) or while it gives a negative term, the model is a single rate, fitted to
+the same samples.
 """
 
 from __future__ import annotations
