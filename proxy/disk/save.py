@@ -27,9 +27,10 @@ __all__ = ["Saver", "saves", "spill_estimate"]
 _SAVE_TIMEOUT_S = 120.0  # off the request path: a large slot on a slow disk
 # A spill is on the request path, paid once to spare a prefill later: taken when it is
 # this short (a few percent of a cold prefill of the same tokens on any hardware kvroute
-# serves), or when it is at most SPILL_SHARE of the prefill it spares at the backend's
-# learned rate (a long agent conversation: seconds of prefill against a fraction of one
-# to save it, even at the cautious first guess of the write rate below).
+# serves), or when it is at most SPILL_SHARE of the prefill it spares, as long as the
+# backend's timings say those positions take (a long agent conversation: seconds of
+# prefill against a fraction of one to save it, even at the cautious first guess of the
+# write rate below).
 SPILL_MAX_S = 0.25
 SPILL_SHARE = 0.05
 # How long a spill may take before the request goes on without it: its estimate several
@@ -133,9 +134,9 @@ class Saver:
         if tokens is None or len(tokens) // 4 - keeps < self.cfg.min_tokens:
             return
         router = self.catalog.router_of(info.name)
-        estimate = spill_estimate(len(tokens) // 4, len(tokens) // 4 - keeps,
-                                  info.kv_bytes_per_token or 0, self.write_bps,
-                                  router.prefill_rate(info.name) if router else None)
+        held = len(tokens) // 4
+        estimate = spill_estimate(held, info.kv_bytes_per_token or 0, self.write_bps,
+                                  router.prefill_s(info.name, keeps, held) if router else None)
         if estimate is None:
             return  # lost: the request would wait too long (the idle save wakes too late)
         pending = self._pending.get(key)
@@ -207,11 +208,11 @@ def saves(info: BackendInfo) -> bool:
     return info.memory.name == "dense" and not info.lora
 
 
-def spill_estimate(held: int, spared: int, kv_bytes_per_token: int, write_bps: float,
-                   prefill_tps: float | None) -> float | None:
+def spill_estimate(held: int, kv_bytes_per_token: int, write_bps: float,
+                   spared_s: float | None) -> float | None:
     """How long saving a slot of ``held`` tokens takes, if it pays to wait for it: it
-    spares a prefill of ``spared`` tokens (None: it does not pay)."""
+    spares a prefill of ``spared_s`` seconds (None: not known; it does not pay then)."""
     took = held * kv_bytes_per_token / write_bps
-    if took <= SPILL_MAX_S or (prefill_tps and took <= SPILL_SHARE * spared / prefill_tps):
+    if took <= SPILL_MAX_S or (spared_s is not None and took <= SPILL_SHARE * spared_s):
         return took
     return None

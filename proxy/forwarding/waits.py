@@ -132,8 +132,10 @@ class SlotWaits:
         says it does (unknown, as on any abort, when it cannot tell in time)."""
         decision = routed.prediction
         assert decision.slot is not None
-        left = decision.prompt_tokens - decision.predicted_cached
-        limit = FREE_WAIT_MARGIN_S + 2 * left / (self.router.prefill_rate(info.name) or 1.0)
+        prefill = self.router.prefill_s(info.name, decision.predicted_cached,
+                                        decision.prompt_tokens)
+        limit = FREE_WAIT_MARGIN_S + 2 * (prefill if prefill is not None else
+                                          decision.prompt_tokens - decision.predicted_cached)
         if self.first_byte_timeout is not None:
             limit = min(limit, self.first_byte_timeout)
 

@@ -32,7 +32,7 @@ class BackendState:
 
     cache: BackendCache
     # learned mean prefill tokens/s: a throughput, for bounds counted in tokens (the load
-    # bound's slack, how long a wait may last)
+    # bound's slack, how long a stalled backend's batches may take)
     rate: float
     # the time a given range of a prompt takes to prefill (grows with its positions):
     # what every expected time is made of (see proxy/routing/prefill.py)
@@ -168,8 +168,8 @@ class BackendState:
             sample = prompt_n / (prompt_ms / 1000.0)
             self.rate = (1 - a) * self.rate + a * sample if self.rate_learned else sample
             self.rate_learned = True
-            start = reused or 0
-            self.prefill.learn(prompt_ms / 1000.0, start, start + prompt_n, a)
+            if reused is not None:  # (else where the evaluated tokens start is unknown)
+                self.prefill.learn(prompt_ms / 1000.0, reused, reused + prompt_n, a)
 
     def expect_free(self, slot: int, now: float) -> None:
         """A request was placed in ``slot``: when it should free. The modelled prefill

@@ -261,7 +261,7 @@ def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: 
     if shared < s.wait_min_tokens:
         return None
     tail = max(0, ahead.n - shared)
-    p = Placement(slot, shared, "slot", None, 0, False, tail)
+    p = Placement(slot, shared, "slot", None, 0, False, tail, held=ahead.n)
     cost = st.prefill
     free = max(now, st.slot_free_at.get(slot, now)) + cost.seconds(shared, ahead.n) + (
         waiters * (st.service_s or s.default_service_s))
@@ -316,7 +316,8 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlo
         return None
     service = st.service_s or s.default_service_s
     wait = backlog + service / len(st.cache.slots) + (1 + len(behind)) * service
-    p = Placement(FOLLOWS, shared, "slot", None, 0, False, max(0, ahead.n - shared))
+    p = Placement(FOLLOWS, shared, "slot", None, 0, False, max(0, ahead.n - shared),
+                  held=ahead.n)
     ttft = _ttft(wait, p, n, st.prefill, s)
     return Option(ttft + _penalty(p, s, st.prefill), ttft, p, None, True, leader)
 
@@ -331,8 +332,9 @@ def _ttft(wait: float, p: Placement, n: int, cost: PrefillCost, s: RouterSetting
 
 def redo_s(p: Placement, cost: PrefillCost, tokens: int) -> float:
     """Prefill time of ``tokens`` of the slot's previous content, prefilled again when
-    its owner returns: they follow the prefix it shares with this prompt."""
-    return cost.seconds(p.reuse, p.reuse + tokens)
+    its owner returns: the last ones it held."""
+    end = max(p.held, tokens)
+    return cost.seconds(end - tokens, end)
 
 
 def _penalty(p: Placement, s: RouterSettings, cost: PrefillCost) -> float:

@@ -112,7 +112,8 @@
   ``slot_prompt_similarity``, ``keep_threshold``, ``ram_min_share``, ``cache_idle_slots``
   and ``kv_unified`` mirror the server's settings (see proxy/routing/cache/model.py) and must
   match its flags.
-- ``min_rate_sample_tokens``: smaller prefills are not used to learn the rate (noise).
+- ``min_rate_sample_tokens``: smaller prefills are not used to learn the rate nor the
+  prefill time (noise).
 
 ``round_robin``, ``least_loaded`` (fewest in-flight requests) and ``random`` are the
 baselines: they choose only the backend and let the server pick the slot.

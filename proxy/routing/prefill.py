@@ -16,18 +16,23 @@ attention ``per_position`` is learned near 0 and the model is that rate.
 
 Both are fitted by least squares to the backend's reported prefills, older samples
 weighted down by ``(1 - alpha)`` per new one (a window of ~1 / alpha prefills, so it
-follows a machine that slows down). Until the fit is well posed (prefills of more than
-one length) or while it gives a negative term, the model is a single rate, fitted to
-the same samples.
+follows a machine that slows down). The position term is learned only from prefills
+whose mean positions differ enough (``_SPREAD``): from two of similar length, timing
+noise alone would make it anything (1,000 tokens in 1.0 s and 1,100 in 1.2 s fit a
+10,000-token prompt at 92 s). Until then, and while a fit would give a negative term,
+the position term stays what it was (a peer's, or 0) and the per-token term is fitted
+under it; one rate when even that is negative. (With alpha 1 each prefill is fitted
+alone: no position term is learned.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# the fit is used once the samples' lengths vary enough to tell the terms apart: the
-# normal equations' determinant at least this fraction of its largest possible value
-_WELL_POSED = 1e-6
+# the position term is fitted once the samples' mean positions m vary this much:
+# var(m) / mean(m^2) (weighted as the fit weighs them), the normal equations'
+# determinant over its largest possible value; 0.05 is a spread of ~23% of the mean
+_SPREAD = 0.05
 
 
 @dataclass(slots=True)
@@ -38,7 +43,8 @@ class PrefillCost:
     per_position: float = 0.0  # seconds per token per token before it
     learned: bool = False  # fitted to this backend's own timings
     # the weighted normal equations: sums of x1^2, x1 x2, x2^2, x1 y, x2 y, where x1 =
-    # tokens, x2 = the sum of their positions, y = seconds
+    # tokens, x2 = the sum of their positions (per_token absorbs the half token by which
+    # the formula's sum differs), y = seconds
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
 
     @classmethod
@@ -62,22 +68,27 @@ class PrefillCost:
         self._sums = (s11 + x1 * x1, s12 + x1 * x2, s22 + x2 * x2, s1y + x1 * seconds,
                       s2y + x2 * seconds)
         self.learned = True
-        self.per_token, self.per_position = fit(*self._sums)
+        self.per_token, self.per_position = fit(self._sums, self.per_position)
 
     def copy_terms(self, other: PrefillCost) -> None:
         """Price like ``other`` (a peer's fit, for a backend that reported nothing yet)."""
         self.per_token, self.per_position = other.per_token, other.per_position
 
 
-def fit(s11: float, s12: float, s22: float, s1y: float, s2y: float) -> tuple[float, float]:
+def fit(sums: tuple[float, float, float, float, float], per_position: float
+        ) -> tuple[float, float]:
     """(per_token, per_position) minimising the weighted squared error, from the normal
-    equations' sums; one rate (per_position 0) when they cannot tell the terms apart or
-    give a negative one."""
+    equations' sums; when their positions do not tell the terms apart, or the two give
+    a negative term, ``per_position`` is kept and the per-token term fitted under it,
+    and when that is not positive either, one rate."""
+    s11, s12, s22, s1y, s2y = sums
     det = s11 * s22 - s12 * s12
-    if det > _WELL_POSED * s11 * s22:
-        per_token = (s22 * s1y - s12 * s2y) / det
-        per_position = (s11 * s2y - s12 * s1y) / det
-        if per_token > 0 and per_position >= 0:
-            return per_token, per_position
+    if det >= _SPREAD * s11 * s22:
+        both = ((s22 * s1y - s12 * s2y) / det, (s11 * s2y - s12 * s1y) / det)
+        if both[0] > 0 and both[1] >= 0:
+            return both
+    per_token = (s1y - per_position * s12) / s11
+    if per_token > 0:
+        return per_token, per_position
     # least squares with per_position 0; s1y > 0 as every sample's seconds are
     return s1y / s11, 0.0

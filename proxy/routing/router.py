@@ -24,7 +24,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Collection, Sequence
 
-from proxy.routing.backend_state import BackendState, peer_rate
+from proxy.routing.backend_state import BackendState, peer_rate, share_rate
 from proxy.routing.booking import Booking, Prompt, is_claim
 from proxy.routing.cache.lora import Lora, Scales
 from proxy.routing.cache.model import BackendCache
@@ -119,6 +119,7 @@ class Router:
         rank, replicas = self._spread
         self._backends[cap.name] = BackendState(
             cache, rate=rate, empty_from=rank * cap.n_slots // replicas)
+        share_rate(self._backends.values(), self.settings.default_prefill_tps)
 
     def remove_backend(self, name: str) -> None:
         """Forget everything a dead or unhealthy backend held."""
@@ -372,6 +373,12 @@ class Router:
         """`backend`'s learned prefill rate (tokens/s), if it is routed."""
         st = self._backends.get(backend)
         return None if st is None else st.rate
+
+    def prefill_s(self, backend: str, reuse: int, n: int) -> float | None:
+        """How long `backend` takes to prefill a prompt's positions [reuse, n), if it is
+        routed (proxy/routing/prefill.py)."""
+        st = self._backends.get(backend)
+        return None if st is None else st.prefill_s(reuse, n)
 
     def snapshot(self) -> dict[str, object]:
         self._deferred.apply()

@@ -536,8 +536,10 @@ def test_not_moved_off_its_history_on_the_head_alone() -> None:
     d = decide(r, x)
     warm = decide(r, list(range(40_000, 41_500)))  # the other backend, learning its rate
     assert warm.backend != d.backend
-    r.complete(d, Report(output_tokens=[7] * 4, prompt_ms=7_800.0, prompt_n=len(x)), now=8.0)
-    r.complete(warm, Report(prompt_ms=1_000.0, prompt_n=1500), now=8.0)  # 2.5x faster
+    r.complete(d, Report(output_tokens=[7] * 4, reported_cached=0, prompt_ms=7_800.0,
+                         prompt_n=len(x)), now=8.0)
+    r.complete(warm, Report(reported_cached=0, prompt_ms=1_000.0, prompt_n=1500),
+               now=8.0)  # 2.5x faster
     tool = list(range(20_000, 20_600))
     turn = decide(r, [*x, 7, 7, 7, 7, *tool], now=8.0)
     assert (turn.backend, turn.slot) == (d.backend, d.slot)

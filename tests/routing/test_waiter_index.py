@@ -192,7 +192,7 @@ def landing_reference(cache: BackendCache, slot_lcp: dict[int, int],
             got = reusable(cache.cap.memory, got, n_prompt, n_slot, (), 0).n_past
     reuse = max(0, min(got, n_prompt - 1))
     tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
-    return Placement(slot, reuse, tier, entry, displaced, saved, destroyed)
+    return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, held=n_slot)
 
 
 def check_landings(r: Router, tokens: list[int]) -> None:

@@ -128,7 +128,7 @@ class BackendCache(RamTier):
             entry, got = self._best_ram(ram_lcp, n_prompt, lcp, s.n_tokens, gone)
             reuse, tier, recompute = self.landed(p.slot, entry, got, n_prompt, lora, prompt)
             p = Placement(p.slot, reuse, tier, entry, p.displaced, True, p.destroyed,
-                          recompute)
+                          recompute, p.held)
         if self.checkpointed:
             # (a cleared slot keeps none of its checkpoints, nor of the entry loaded; an
             # aLoRA's resumes no later than its invocation)

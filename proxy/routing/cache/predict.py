@@ -125,7 +125,8 @@ class CachePrediction:
         elif lcp < s.n_tokens:  # kept: tail truncated
             destroyed = self._unique_tail(slot, lcp, lcp, n_prompt, self._set_kept(slot, lora))
         reuse, tier, recompute = self.landed(slot, entry, got, n_prompt, lora, prompt)
-        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, recompute)
+        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, recompute,
+                         s.n_tokens)
 
     def landed(self, slot: int, entry: int | None, got: int, n_prompt: int,
                lora: Lora | None, prompt: bytes = b"") -> tuple[int, str, bool]:
@@ -223,7 +224,8 @@ class CachePrediction:
                 got = reusable(self.cap.memory, got, n_prompt, n_slot, (), 0).n_past
         reuse = max(0, min(got, n_prompt - 1))
         tier = "none" if reuse == 0 else ("ram" if entry is not None else "slot")
-        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, recompute)
+        return Placement(slot, reuse, tier, entry, displaced, saved, destroyed, recompute,
+                         n_slot)
 
     def alora_most(self, lora: Lora | None, prompt: bytes) -> int | None:
         """The most a request under ``lora`` of ``prompt`` (token bytes) reuses because an

@@ -107,6 +107,9 @@ class Placement(NamedTuple):  # not a frozen dataclass: its __init__ is ~4x slow
     # slot the server keeps (it looks at neither): sent with cache_prompt false, it
     # reuses nothing rather than run over that KV
     recompute: bool = False
+    # tokens the slot held before: the displaced and destroyed ones are the last of them
+    # (what they cost to prefill again depends on their positions)
+    held: int = 0
 
 
 def from_disk(p: Placement | None) -> Placement | None:
