@@ -10,8 +10,12 @@ from hypothesis import strategies as st
 
 from proxy.routing.backend_state import BackendState, share_rate
 from proxy.routing.cache.model import BackendCache
-from proxy.routing.cache.values import BackendCapacity
+from proxy.routing.cache.values import BackendCapacity, Placement
+from proxy.routing.decision import Report
+from proxy.routing.options import redo_s
 from proxy.routing.prefill import PrefillCost
+from proxy.routing.routed import Routed
+from proxy.routing.router import Router
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 
@@ -126,3 +130,38 @@ def test_a_backend_learns_from_the_range_it_reported_and_peers_share_the_terms()
     share_rate([a, b], s.default_prefill_tps)
     assert not b.prefill.learned
     assert b.prefill_s(3000, 4000) == pytest.approx(4.5)  # a's terms, until b reports
+
+
+def test_a_backends_backlog_and_expected_ttft_are_its_prefills_by_position() -> None:
+    # a backend that timed 3,000 tokens from the start and 3,000 after 6,000 reused: the
+    # next request's expected TTFT there is its own prefill by position, then the one's
+    # behind the first's
+    truth = PrefillCost(0.0008, 5e-7)
+    r = Router()
+    r.add_backend(BackendCapacity("a", 2, 16384, 0, 8192))
+    for k, reused in enumerate((0, 6000)):
+        d = r.decide(list(range(10_000 * (k + 1), 10_000 * (k + 1) + reused + 3000)))
+        assert isinstance(d, Routed)
+        r.complete(d, Report(reported_cached=reused, prompt_n=3000, prompt_ms=1000
+                             * truth.seconds(reused, reused + 3000)), now=1.0)
+    first = r.decide(list(range(50_000, 54_000)), now=2.0)
+    assert isinstance(first, Routed)
+    assert first.prediction.reasons["ttft_s"]["a"] == pytest.approx(
+        truth.seconds(0, 4000), abs=1e-3)
+    second = r.decide(list(range(60_000, 61_000)), now=2.0)
+    assert isinstance(second, Routed)  # behind the first's 4,000 positions (11.2 s)
+    assert second.prediction.reasons["ttft_s"]["a"] == pytest.approx(
+        truth.seconds(0, 4000) + truth.seconds(0, 1000), abs=1e-3)
+
+
+@pytest.mark.parametrize(("held", "reuse", "tokens", "want"), [
+    (6000, 6000, 500, (5500, 6000)),   # a tail truncated after the prompt's prefix
+    (6000, 8000, 500, (5500, 6000)),   # the slot's tail, not positions after the reuse
+    (6000, 0, 6000, (0, 6000)),        # all it held
+    (0, 300, 200, (0, 200)),           # nothing held recorded: from the start
+])
+def test_what_a_placement_takes_is_priced_at_the_positions_it_held(
+        held: int, reuse: int, tokens: int, want: tuple[int, int]) -> None:
+    cost = PrefillCost(0.001, 1e-6)
+    p = Placement(0, reuse, "slot", None, tokens, True, 0, held=held)
+    assert redo_s(p, cost, tokens) == pytest.approx(cost.seconds(*want))
