@@ -108,13 +108,13 @@ def best_options(c: Candidate, n: int, s: RouterSettings, now: float, session: s
     """Cheapest way to run on backend ``c`` now or in the server's queue, cheapest
     way waiting for one of its busy slots (None: no such slot), and following the
     waiter that shares most of the prompt (None: none worth it, see ``_follow``).
-    ``none_idle``: every candidate backend has work (see ``_WAITERS_PER_SLOT``).
+    ``none_idle``: every candidate backend has work (see ``_WAITERS_PER_SLOT_IDLE``).
 
     The score adds the displacement and destruction penalties to the ttft, so that
     between otherwise equal backends a new conversation lands where it evicts the least
     (spreading content) and never wipes out history it could have left alone."""
     backlog = max(0.0, c.state.busy_until - now)
-    cap = _WAITERS_PER_SLOT_NONE_IDLE if none_idle else _WAITERS_PER_SLOT
+    cap = None if none_idle else _WAITERS_PER_SLOT_IDLE
     return (_plain_option(c, n, s, now, backlog),
             _wait_option(c, n, s, now, session, backlog, cap), _follow(c, n, s, session, backlog))
 
@@ -187,7 +187,7 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
 
 
 def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None,
-                 backlog: float, cap: int) -> Option | None:
+                 backlog: float, cap: int | None) -> Option | None:
     """Waiting for a busy slot that holds much of the prompt (a side call sent with its
     session's turn, a turn sent before the previous answer ended): the caller holds the
     request and sends it pinned there when the slot frees (Router: targets, Handoff).
@@ -206,9 +206,8 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
         if session is not None and st.slot_session.get(i, session) != session:
             continue
         if i in awaited:
-            waiters = awaited.count(i)
-            queued = None if waiters >= cap else _behind_waiter(c, i, n, s, session, now,
-                                                                  waiters)
+            full = cap is not None and awaited.count(i) >= cap
+            queued = None if full else _behind_waiter(c, i, n, s, session, now)
             if queued is not None and (wait is None or queued[0] < wait[0]):
                 wait = queued
             continue
@@ -222,20 +221,17 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
     return None if wait is None else Option(wait[0][0], wait[0][1], wait[1], wait[2], True)
 
 
-# Waiters one busy slot may have; each waits for the turns of those ahead as well. While
-# a backend is idle, two: more would queue a burst of new conversations over one prefix
-# behind each other while it stands idle (each recompute there looks slower than one
-# more turn). With none idle, a recompute takes its prefill from a busy backend's queue,
-# and a third sibling of a long document waits (the chat replays, simulated at 750 and
-# 850 tokens/s together with policy.py's ``_adds_little`` exemption from the load bound:
-# reuse at or above two waiters' in every run, higher in a few).
-_WAITERS_PER_SLOT = 2
-_WAITERS_PER_SLOT_NONE_IDLE = 3
+# Waiters one busy slot may have while a backend is idle: more would queue a burst of new
+# conversations over one prefix behind each other there, while turns not yet learned
+# (a slot's end is its prefill until requests here have ended) look short. With none
+# idle, a recompute takes its prefill from a busy backend's queue, and the turns ahead,
+# each priced by what it prefills (``_turns_s``), decide alone: a burst of questions
+# over one long document waits behind the first rather than prefill it again elsewhere.
+_WAITERS_PER_SLOT_IDLE = 2
 
 
 def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: str | None,
-                   now: float, waiters: int
-                   ) -> tuple[tuple[float, float, int], Placement, int] | None:
+                   now: float) -> tuple[tuple[float, float, int], Placement, int] | None:
     """Waiting for busy ``slot`` behind the requests already waiting for it (after the
     last of them): (key, placement, slot) as in ``best_options``, or None when not an
     option.
@@ -246,27 +242,44 @@ def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: 
     prefill, and its copy of the document later takes a second place in a RAM tier that
     holds a few prompts. Behind the waiter it finds the waiter's prompt in the slot, so
     it reuses what the two share (the server keeps that prefix in the slot and
-    truncates the rest). It waits for the running request's end, the last waiter's
-    prefill, then one service time (the learned duration of a request, or
-    ``default_service_s``, as for the server's queue) for each waiter ahead. The last
+    truncates the rest). It waits for the running request's end, then the turns of the
+    waiters ahead (``_turns_s``: each one's own prefill and decode, so a burst of ten
+    questions over one long document queues behind the first rather than prefilling it
+    again on another backend, where it would hold up everything after it). The last
     waiter's tail beyond the shared part is truncated then: charged as destroyed.
-    ``waiters``: those waiting for the slot now. Unnamed requests only: the waiter may be
-    another session's turn, which the request behind it would truncate, and the policy
-    cannot tell."""
+    Unnamed requests only: the waiter may be another session's turn, which the request
+    behind it would truncate, and the policy cannot tell."""
     st = c.state
     if session is not None:
         return None
-    ahead = st.queued[[r for r, t in st.targets.items() if t == slot][-1]]
+    queue = [st.queued[r] for r, t in st.targets.items() if t == slot]
+    ahead = queue[-1]
     shared = min(c.shared(ahead), n - 1)
     if shared < s.wait_min_tokens:
         return None
     tail = max(0, ahead.n - shared)
     p = Placement(slot, shared, "slot", None, 0, False, tail, held=ahead.n)
     cost = st.prefill
-    free = max(now, st.slot_free_at.get(slot, now)) + cost.seconds(shared, ahead.n) + (
-        waiters * (st.service_s or s.default_service_s))
+    free = max(now, st.slot_free_at.get(slot, now)) + _turns_s(st, slot, queue, s)
     ttft = _ttft(max(st.busy_until - now, free - now, 0.0), p, n, cost, s)
     return (ttft + _penalty(p, s, cost), ttft, st.cache.slots[slot].last_used), p, slot
+
+
+def _turns_s(st: BackendState, slot: int, queue: list[Queued], s: RouterSettings) -> float:
+    """Seconds the requests waiting for busy ``slot`` keep it, one after another: each
+    prefills what it does not share with the prompt before it (the running request's,
+    then the previous waiter's), then decodes for as long as a request here does after
+    its prefill. A flat service time per waiter would price a burst of turns over one
+    long document (each reusing it whole) like as many fresh prefills of it."""
+    cost, sl = st.prefill, st.cache.slots[slot]
+    after = st.after_prefill_s if st.service_s else s.default_service_s
+    h = st.cache.slot_holder(slot)
+    before = st.cache.tree.tokens_of(h) if sl.n_tokens else b""
+    total = 0.0
+    for q in queue:
+        total += cost.seconds(min(common_len(before, q.prompt, 0), q.n - 1), q.n) + after
+        before = q.prompt
+    return total
 
 
 # A follower's placement names no slot: its leader's, not known until it is handed one

@@ -39,9 +39,10 @@
   ttft = the slot's expected end (its prefill in the backlog, then the backend's mean
   time after prefill) + the rest of the prompt. Taken only when that is sooner than
   running now anywhere (a burst of new sessions over one prefix still spreads), at most
-  ``_WAITERS_PER_SLOT`` waiters per slot, ``_WAITERS_PER_SLOT_NONE_IDLE`` when no
-  backend is idle (options.py; each after the first, an unnamed request only, waits for
-  the turns ahead too and reuses what it shares with the last one's prompt), and
+  ``_WAITERS_PER_SLOT_IDLE`` waiters per slot while a backend is idle (options.py; each
+  after the first, an unnamed request only, waits for the turns ahead too, each priced
+  by its own prefill and decode, and reuses what it shares with the last one's
+  prompt), and
   never for a slot running another named session's request (its next turn is due: see
   ``options.best_options``); a waiter whose slot runs far past its expected end
   (``wait_grace_s``) is routed again. Without it such a call recomputes the history

@@ -22,38 +22,50 @@ def decide(r: Router, tokens: list[int], now: float) -> Routed:
 
 
 def test_siblings_queue_behind_the_first_waiter_of_their_slot() -> None:
-    """Three requests over one document, sent together, the other slot busy with a
-    long unrelated request: the first runs, the second waits for its slot, the third
-    behind the second and the fourth behind the third, each reusing the document from
-    the prompt ahead (the other slot, freed first, would make them recompute it). A
-    fifth does not queue there: with no backend idle, three waiters per slot at most
-    (two while one is idle: test_policy.py, concurrent sessions on a shared prompt)."""
+    """Five requests over one document, sent together, the other slot busy with a long
+    unrelated request: the first runs, the second waits for its slot and each of the
+    others behind the one before, each reusing the document from the prompt ahead (the
+    other slot, freed first, would make them recompute it). With no backend idle, each
+    turn ahead is priced by its own prefill (its last ten tokens) and decode, not as a
+    fresh prefill of the document, so the fifth queues there too."""
     r = Router()
     r.add_backend(cap("a", slots=2))
     w = decide(r, list(range(500_000, 500_300)), now=0.0)
     r.complete(w, Report(prompt_ms=200.0, prompt_n=300), now=0.3)  # 1500 tokens/s, 0.3 s a request
     du = decide(r, list(range(200_000, 203_000)), now=0.5)
     d1 = decide(r, [*DOC, *[1] * 10], now=1.0)
-    d2 = decide(r, [*DOC, *[2] * 10], now=1.5)
-    d3 = decide(r, [*DOC, *[3] * 10], now=1.6)
-    d4 = decide(r, [*DOC, *[4] * 10], now=1.65)
-    for d in (d2, d3, d4):
+    ds = [decide(r, [*DOC, *[k] * 10], now=1.4 + 0.1 * k) for k in range(2, 6)]
+    for d in ds:
         assert d.queued and d.reasons["waits_for_slot"] == d1.slot
         assert d.predicted_cached == len(DOC)
-    d5 = decide(r, [*DOC, *[5] * 10], now=1.7)
-    assert d5.queued and "waits_for_slot" not in d5.reasons
-    got = r.complete(d1, Report(output_tokens=[7] * 4, reported_cached=0), now=2.5)
-    assert got == [Handoff(d2.request_id, "a", d1.slot, len(DOC))]
-    got = r.complete(d2, Report(output_tokens=[7] * 4, reported_cached=len(DOC)), now=3.0)
-    assert got == [Handoff(d3.request_id, "a", d1.slot, len(DOC))]
-    got = r.complete(du, Report(output_tokens=[7] * 4, reported_cached=0), now=3.5)
-    assert [h.request_id for h in got] == [d5.request_id]
-    five = got[0].predicted_cached
-    got = r.complete(d3, Report(output_tokens=[7] * 4, reported_cached=len(DOC)), now=4.0)
-    assert got == [Handoff(d4.request_id, "a", d1.slot, len(DOC))]
-    r.complete(d4, Report(reported_cached=len(DOC)), now=4.5)
-    r.complete(d5, Report(reported_cached=five), now=4.5)
+    before, reused, t = d1, 0, 2.5
+    for d in ds:
+        got = r.complete(before, Report(output_tokens=[7] * 4, reported_cached=reused), now=t)
+        assert got == [Handoff(d.request_id, "a", d1.slot, len(DOC))]
+        before, reused, t = d, len(DOC), t + 0.5
+    r.complete(before, Report(reported_cached=len(DOC)), now=t)
+    assert r.complete(du, Report(output_tokens=[7] * 4, reported_cached=0), now=t) == []
     assert r.mispredictions == 0 and r.snapshot()["inflight"] == 0
+
+
+def test_the_turns_ahead_of_a_waiter_are_priced_by_what_each_prefills() -> None:
+    """A request's learned duration here is long (6.5 s: a 6,000-token prefill, then
+    0.5 s). Three siblings over a document wait for the slot of the one running: the
+    third would wait for two turns ahead. Each of those prefills one token and decodes
+    for 0.5 s, so it waits (~3.5 s) rather than recompute the document in the other
+    slot once its long request ends (~5 s); two flat durations (13 s) would send it
+    there."""
+    r = Router()
+    r.add_backend(cap("a", slots=2))
+    w = decide(r, list(range(500_000, 506_000)), now=0.0)
+    r.complete(w, Report(prompt_ms=6000.0, prompt_n=6000), now=6.5)
+    du = decide(r, list(range(200_000, 203_000)), now=7.0)
+    d1 = decide(r, [*DOC, 1], now=7.1)
+    ds = [decide(r, [*DOC, k], now=7.2 + 0.1 * k) for k in (2, 3, 4)]
+    assert [d.reasons.get("waits_for_slot") for d in ds] == [d1.slot] * 3, \
+        [d.reasons for d in ds]
+    assert [d.predicted_cached for d in ds] == [len(DOC)] * 3
+    assert du.slot != d1.slot
 
 
 def test_a_freed_slot_goes_to_the_waiter_that_loads_its_prefix_from_ram() -> None:
