@@ -114,7 +114,7 @@ def best_options(c: Candidate, n: int, s: RouterSettings, now: float, session: s
     between otherwise equal backends a new conversation lands where it evicts the least
     (spreading content) and never wipes out history it could have left alone."""
     backlog = max(0.0, c.state.busy_until - now)
-    cap = None if none_idle else _WAITERS_PER_SLOT_IDLE
+    cap = _WAITERS_PER_SLOT_MOST if none_idle else _WAITERS_PER_SLOT_IDLE
     return (_plain_option(c, n, s, now, backlog),
             _wait_option(c, n, s, now, session, backlog, cap), _follow(c, n, s, session, backlog))
 
@@ -187,7 +187,7 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
 
 
 def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None,
-                 backlog: float, cap: int | None) -> Option | None:
+                 backlog: float, cap: int) -> Option | None:
     """Waiting for a busy slot that holds much of the prompt (a side call sent with its
     session's turn, a turn sent before the previous answer ended): the caller holds the
     request and sends it pinned there when the slot frees (Router: targets, Handoff).
@@ -206,8 +206,8 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
         if session is not None and st.slot_session.get(i, session) != session:
             continue
         if i in awaited:
-            full = cap is not None and awaited.count(i) >= cap
-            queued = None if full else _behind_waiter(c, i, n, s, session, now)
+            queued = None if awaited.count(i) >= cap else _behind_waiter(c, i, n, s, session,
+                                                                          now)
             if queued is not None and (wait is None or queued[0] < wait[0]):
                 wait = queued
             continue
@@ -221,13 +221,16 @@ def _wait_option(c: Candidate, n: int, s: RouterSettings, now: float, session: s
     return None if wait is None else Option(wait[0][0], wait[0][1], wait[1], wait[2], True)
 
 
-# Waiters one busy slot may have while a backend is idle: more would queue a burst of new
-# conversations over one prefix behind each other there, while turns not yet learned
-# (a slot's end is its prefill until requests here have ended) look short. With none
-# idle, a recompute takes its prefill from a busy backend's queue, and the turns ahead,
-# each priced by what it prefills (``_turns_s``), decide alone: a burst of questions
-# over one long document waits behind the first rather than prefill it again elsewhere.
+# Waiters one busy slot may have while a backend has no work: more would queue a burst of
+# new conversations over one prefix behind each other there, while the running
+# request's end looks near (it decodes for no time until requests here have ended:
+# ``BackendState.expect_free``). With every backend working, a recompute takes its
+# prefill from a busy backend's queue, and the turns ahead, each priced by what it
+# prefills (``_turns_s``), decide: a burst of questions over one long document waits
+# behind the first rather than prefill it again elsewhere. The second bound only keeps
+# a decision's cost (a walk over the waiters) bounded: the replays never reach it.
 _WAITERS_PER_SLOT_IDLE = 2
+_WAITERS_PER_SLOT_MOST = 16
 
 
 def _behind_waiter(c: Candidate, slot: int, n: int, s: RouterSettings, session: str | None,
@@ -269,12 +272,12 @@ def _turns_s(st: BackendState, slot: int, queue: list[Queued], s: RouterSettings
     """Seconds the requests waiting for busy ``slot`` keep it, one after another: each
     prefills what it does not share with the prompt before it (the running request's,
     then the previous waiter's), then decodes for as long as a request here does after
-    its prefill. A flat service time per waiter would price a burst of turns over one
-    long document (each reusing it whole) like as many fresh prefills of it."""
-    cost, sl = st.prefill, st.cache.slots[slot]
-    after = st.after_prefill_s if st.service_s else s.default_service_s
-    h = st.cache.slot_holder(slot)
-    before = st.cache.tree.tokens_of(h) if sl.n_tokens else b""
+    its prefill (a whole request's time until that is learned). A flat request duration
+    per waiter would price a burst of turns over one long document (each reusing it
+    whole) like as many fresh prefills of it."""
+    cost = st.prefill
+    after = st.after_prefill_s or st.service_s or s.default_service_s
+    before = st.cache.slots[slot].prompt or b""
     total = 0.0
     for q in queue:
         total += cost.seconds(min(common_len(before, q.prompt, 0), q.n - 1), q.n) + after

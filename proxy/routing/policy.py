@@ -39,16 +39,16 @@
   ttft = the slot's expected end (its prefill in the backlog, then the backend's mean
   time after prefill) + the rest of the prompt. Taken only when that is sooner than
   running now anywhere (a burst of new sessions over one prefix still spreads), at most
-  ``_WAITERS_PER_SLOT_IDLE`` waiters per slot while a backend is idle (options.py; each
-  after the first, an unnamed request only, waits for the turns ahead too, each priced
-  by its own prefill and decode, and reuses what it shares with the last one's
-  prompt), and
-  never for a slot running another named session's request (its next turn is due: see
-  ``options.best_options``); a waiter whose slot runs far past its expected end
-  (``wait_grace_s``) is routed again. Without it such a call recomputes the history
-  elsewhere, or lands in another session's slot and destroys that history; and requests
-  over one document sent together (the Mooncake replay's siblings: one prefix, another
-  question) would each recompute it and each leave a copy of it in the small RAM tier.
+  ``_WAITERS_PER_SLOT_IDLE`` waiters per slot while a backend has no work (options.py;
+  each after the first, an unnamed request only, waits for the turns ahead too, each
+  priced by its own prefill and decode, and reuses what it shares with the last one's
+  prompt), and never for a slot running another named session's request (its next
+  turn is due: see ``options.best_options``); a waiter whose slot runs far past its
+  expected end (``wait_grace_s``) is routed again. Without it such a call recomputes
+  the history elsewhere, or lands in another session's slot and destroys that history;
+  and requests over one document sent together (the Mooncake replay's siblings: one
+  prefix, another question) would each recompute it and each leave a copy of it in the
+  small RAM tier.
 - Following a waiter: a request sharing at least ``wait_min_tokens`` with a request
   the proxy holds, more than any slot or RAM entry holds (a turn sent while the
   previous one waits, an agent's side call over it), may queue behind it: it is handed

@@ -25,9 +25,8 @@ def test_siblings_queue_behind_the_first_waiter_of_their_slot() -> None:
     """Five requests over one document, sent together, the other slot busy with a long
     unrelated request: the first runs, the second waits for its slot and each of the
     others behind the one before, each reusing the document from the prompt ahead (the
-    other slot, freed first, would make them recompute it). With no backend idle, each
-    turn ahead is priced by its own prefill (its last ten tokens) and decode, not as a
-    fresh prefill of the document, so the fifth queues there too."""
+    other slot, freed first, would make them recompute it). With no backend idle there
+    is no cap of two or three waiters: the fifth queues there too."""
     r = Router()
     r.add_backend(cap("a", slots=2))
     w = decide(r, list(range(500_000, 500_300)), now=0.0)
@@ -51,21 +50,22 @@ def test_siblings_queue_behind_the_first_waiter_of_their_slot() -> None:
 def test_the_turns_ahead_of_a_waiter_are_priced_by_what_each_prefills() -> None:
     """A request's learned duration here is long (6.5 s: a 6,000-token prefill, then
     0.5 s). Three siblings over a document wait for the slot of the one running: the
-    third would wait for two turns ahead. Each of those prefills one token and decodes
-    for 0.5 s, so it waits (~3.5 s) rather than recompute the document in the other
-    slot once its long request ends (~5 s); two flat durations (13 s) would send it
-    there."""
+    third waits for two turns ahead, each one token's prefill and 0.5 s after it (~3 s
+    in all), where the server's queue would recompute the document once the other
+    slot's long request ends (~9.7 s); two flat durations (13 s) would send it there."""
     r = Router()
     r.add_backend(cap("a", slots=2))
     w = decide(r, list(range(500_000, 506_000)), now=0.0)
-    r.complete(w, Report(prompt_ms=6000.0, prompt_n=6000), now=6.5)
-    du = decide(r, list(range(200_000, 203_000)), now=7.0)
+    r.complete(w, Report(prompt_ms=6000.0, prompt_n=6000, reported_cached=0), now=6.5)
+    decide(r, list(range(200_000, 203_000)), now=7.0)  # the other slot: a long request
     d1 = decide(r, [*DOC, 1], now=7.1)
     ds = [decide(r, [*DOC, k], now=7.2 + 0.1 * k) for k in (2, 3, 4)]
     assert [d.reasons.get("waits_for_slot") for d in ds] == [d1.slot] * 3, \
         [d.reasons for d in ds]
     assert [d.predicted_cached for d in ds] == [len(DOC)] * 3
-    assert du.slot != d1.slot
+    # the third's alternative: queued on the server, the document prefilled again
+    assert 6.0 < ds[2].reasons["ttft_s"]["a"] < 13.0
+    assert r.snapshot()["backends"]["a"]["after_prefill_s"] == 0.5
 
 
 def test_a_freed_slot_goes_to_the_waiter_that_loads_its_prefix_from_ram() -> None:
