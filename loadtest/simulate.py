@@ -6,8 +6,10 @@ decode:
 
 - prefill is one FIFO compute queue per backend at ``prefill_tps`` at a context's start,
   each token slower by ``prefill_s_per_position`` per token before it (attention; see
-  proxy/routing/prefill.py), uncached tokens only; tokens loaded from the RAM cache cost
-  ``ram_load_s_per_token``;
+  proxy/routing/prefill.py), uncached tokens only, each request's prefill time times a
+  log-normal factor of mean 1 and sigma ``prefill_noise`` (live servers' times scatter
+  about their fit with the other slot's batch and the machine; drawn from the seed, so
+  a replay repeats); tokens loaded from the RAM cache cost ``ram_load_s_per_token``;
 - decode runs in the slot at ``decode_tps`` per slot after the first token;
 - a request the router queued (no idle slot, or waiting for a busy one) is held, as the
   proxy holds it, until the router hands it a slot (``Handoff``), then sent pinned there;
@@ -26,6 +28,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -56,6 +59,7 @@ class SimBackend:
     kv_bytes_per_token: int = 131_072  # Llama-3-8B f16
     prefill_tps: float = 20_000.0  # at position 0
     prefill_s_per_position: float = 0.0  # a token's extra seconds per token before it
+    prefill_noise: float = 0.0  # sigma of the log-normal factor on each prefill's time
     decode_tps: float = 40.0  # per slot
     ram_load_s_per_token: float = 2e-6
     memory: Memory = DENSE  # sliding-window or hybrid: reuse up to checkpoints
@@ -139,42 +143,91 @@ def simulate(
     token ids (a chat replay, tokenized through the template as the server does);
     ``user_starts``: where each one's user messages start (checkpointed memory)."""
     be = backend or SimBackend()
-    kvb = be.kv_bytes_per_token
-    prefill = PrefillCost(1.0 / be.prefill_tps, be.prefill_s_per_position)
-    caps = [
-        BackendCapacity(f"b{i}", be.n_slots, be.slot_ctx, be.ram_cache_tokens * kvb, kvb,
-                        memory=be.memory)
-        for i in range(n_backends)
-    ]
     s = settings or RouterSettings(default_prefill_tps=be.prefill_tps)
     if policy == "smg_like":
         from loadtest.smg_like import register
 
         register()
-    router = Router(policy, settings=s, seed=seed)
-    # a baseline after a router that holds nothing: what has no slot waits in the server
-    server_queues = getattr(router._policy, "server_queues", False)
-    truth_tree = RadixTree()
-    servers: dict[str, _Server] = {}
-    for cap in caps:
-        router.add_backend(cap)
-        # the server itself searches every RAM entry it has (the router's model may not)
-        servers[cap.name] = _Server(BackendCache(cap, truth_tree, s.rules,
-                                                 max_tracked=1 << 62))
-    blocks = BlockPrompts()
-    filler = bytes(4 * max((r.output_length for r in trace), default=0))  # token 0
-    events: list[tuple[float, int, int, _Req | None]] = []  # (t, order, kind, req)
+    replay = _Replay(trace, Router(policy, settings=s, seed=seed), n_backends, be, seed)
     for i, r in enumerate(trace):
-        events.append((r.timestamp_ms / 1000.0 / time_scale, i, 0, None))
-    heapq.heapify(events)
-    order = len(trace)
-    ttfts: list[float] = []
-    prompt_tokens = reused = held_tokens = rejected = 0
+        replay.events.append((r.timestamp_ms / 1000.0 / time_scale, i, 0, None))
+    heapq.heapify(replay.events)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    # NOTE: the replay allocates millions of small containers but makes no reference
+    # cycles (tree nodes are unlinked by hand), so the cyclic GC only re-scans the
+    # ever larger trees: ~5% of the replay's CPU. Paused for the loop only.
+    gc_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        replay.run(prompts, user_starts)
+    finally:
+        if gc_enabled:
+            gc.enable()
+    return replay.result(policy, time.perf_counter() - wall0, time.process_time() - cpu0)
 
-    def lcps(name: str, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
+
+class _Replay:
+    """One replay's state: the router deciding, the servers it sends to (each a model of
+    its own: the truth), the events to come (arrival 0, end of prefill 2, end 1) and the
+    tallies."""
+
+    def __init__(self, trace: Sequence[TraceRequest], router: Router, n_backends: int,
+                 be: SimBackend, seed: int) -> None:
+        self.trace, self.router, self.be = trace, router, be
+        kvb = be.kv_bytes_per_token
+        self.prefill = PrefillCost(1.0 / be.prefill_tps, be.prefill_s_per_position)
+        # a baseline after a router that holds nothing: what has no slot waits in the
+        # server
+        self.server_queues = getattr(router._policy, "server_queues", False)
+        self.truth_tree = RadixTree()
+        self.servers: dict[str, _Server] = {}
+        for i in range(n_backends):
+            cap = BackendCapacity(f"b{i}", be.n_slots, be.slot_ctx, be.ram_cache_tokens * kvb,
+                                  kvb, memory=be.memory)
+            router.add_backend(cap)
+            # the server itself searches every RAM entry it has (the router's model may not)
+            self.servers[cap.name] = _Server(BackendCache(cap, self.truth_tree,
+                                                          router.settings.rules,
+                                                          max_tracked=1 << 62))
+        # one factor per request, drawn up front from a stream of its own: every policy
+        # replayed with a seed meets the same noise on the same request (their difference
+        # is not the draws'); of mean 1, as the scatter about a least-squares fit
+        sigma = be.prefill_noise
+        rng = random.Random(f"prefill noise {seed}")
+        self.noise = [rng.lognormvariate(-sigma * sigma / 2, sigma) if sigma else 1.0
+                      for _ in trace]
+        self.blocks = BlockPrompts()
+        self.filler = bytes(4 * max((r.output_length for r in trace), default=0))  # token 0
+        self.events: list[tuple[float, int, int, _Req | None]] = []
+        self.order = len(trace)
+        self.held: dict[int, _Req] = {}  # queued decisions, by request id
+        self.ttfts: list[float] = []
+        self.starts: list[tuple[int, str, int, int, float]] = []
+        self.prompt_tokens = self.reused = self.held_tokens = self.rejected = 0
+
+    def run(self, prompts: Sequence[bytes] | None,
+            user_starts: Sequence[tuple[int, ...]] | None) -> None:
+        events = self.events
+        while events:
+            now, idx, kind, req = heapq.heappop(events)
+            if kind == 0:
+                q = prompts[idx] if prompts is not None else self.blocks.prompt(self.trace[idx])
+                self.arrive(idx, q, user_starts[idx] if user_starts is not None else (), now)
+            elif kind == 2:
+                assert req is not None
+                self.router.prefilled(req.decision)
+            else:
+                assert req is not None
+                self.finish(req, now)
+
+    def _push(self, t: float, kind: int, req: _Req) -> None:
+        self.order += 1
+        heapq.heappush(self.events, (t, self.order, kind, req))
+
+    def _lcps(self, name: str, q: bytes) -> tuple[dict[int, int], dict[int, int]]:
         slot_lcp: dict[int, int] = {}
         ram_lcp: dict[int, int] = {}
-        for (b, kind, idx), got in truth_tree.match(q).held.items():  # type: ignore[misc]
+        for (b, kind, idx), got in self.truth_tree.match(q).held.items():  # type: ignore[misc]
             if b == name:
                 if kind == SLOT:
                     slot_lcp[idx] = got
@@ -182,118 +235,95 @@ def simulate(
                     ram_lcp[idx] = got
         return slot_lcp, ram_lcp
 
-    def try_start(srv: _Server, req: _Req, now: float) -> bool:
-        nonlocal order, prompt_tokens, reused, held_tokens
-        cache = srv.cache
-        slot = req.slot
-        if slot is not None and cache.slots[slot].busy:
+    def arrive(self, idx: int, q: bytes, users: tuple[int, ...], now: float) -> None:
+        """A request arrives: the router decides, it is held by the proxy (queued there) or
+        sent, and waits in the server's queue when it cannot start."""
+        d = self.router.decide(q, now=now, launch=Launch(users))  # int32 token bytes
+        if not isinstance(d, Routed):
+            self.rejected += 1
+            return
+        n = len(q) // 4
+        req = _Req(idx, now, q, n, self.trace[idx].output_length, d, d.slot, users,
+                   held=min(self.truth_tree.match(q).matched, n - 1))
+        if d.queued and not self.server_queues:
+            self.held[d.request_id] = req  # the proxy holds it until its Handoff
+            return
+        self._send(self.servers[d.backend], req, now)
+
+    def _send(self, srv: _Server, req: _Req, now: float) -> None:
+        if srv.waiting or not self._try_start(srv, req, now):
+            srv.waiting.append(req)
+
+    def _try_start(self, srv: _Server, req: _Req, now: float) -> bool:
+        cache, be = srv.cache, self.be
+        if req.slot is not None and cache.slots[req.slot].busy:
             return False
-        slot_lcp, ram_lcp = lcps(cache.cap.name, req.prompt)
-        p = cache.start(slot, req.prompt, slot_lcp, ram_lcp, req.n,
+        slot_lcp, ram_lcp = self._lcps(cache.cap.name, req.prompt)
+        p = cache.start(req.slot, req.prompt, slot_lcp, ram_lcp, req.n,
                         launch=Launch(req.user_starts))
         if p is None:
             return False
         req.slot, req.reuse = p.slot, p.reuse
-        req.prefill_s = prefill.seconds(p.reuse, req.n)
+        req.prefill_s = self.prefill.seconds(p.reuse, req.n) * self.noise[req.idx]
         load = be.ram_load_s_per_token * p.reuse if p.tier == "ram" else 0.0
-        begin = max(now, srv.compute_free)
-        srv.compute_free = begin + req.prefill_s + load
+        srv.compute_free = max(now, srv.compute_free) + req.prefill_s + load
         first = srv.compute_free
-        ttfts.append(first - req.arrival)
-        starts.append((req.idx, req.decision.backend, p.slot, p.reuse, first - req.arrival))
+        self.ttfts.append(first - req.arrival)
+        self.starts.append((req.idx, req.decision.backend, p.slot, p.reuse,
+                            first - req.arrival))
         decode = req.out / be.decode_tps
         srv.busy_s += req.prefill_s + load + decode
         srv.served += 1
-        prompt_tokens += req.n
-        reused += p.reuse
-        held_tokens += req.held
-        order += 1
-        heapq.heappush(events, (first, order, 2, req))  # its first token: prefilled
-        order += 1
-        heapq.heappush(events, (first + decode, order, 1, req))
+        self.prompt_tokens += req.n
+        self.reused += p.reuse
+        self.held_tokens += req.held
+        self._push(first, 2, req)  # its first token: prefilled
+        self._push(first + decode, 1, req)
         return True
 
-    held: dict[int, _Req] = {}  # queued decisions, by request id
-    starts: list[tuple[int, str, int, int, float]] = []
-    wall0 = time.perf_counter()
-    cpu0 = time.process_time()
-    # NOTE: the replay allocates millions of small containers but makes no reference
-    # cycles (tree nodes are unlinked by hand), so the cyclic GC only re-scans the
-    # ever larger trees: ~5% of the replay's CPU. Paused for the loop only.
-    gc_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        while events:
-            now, idx, kind, req = heapq.heappop(events)
-            if kind == 0:
-                r = trace[idx]
-                q = blocks.prompt(r) if prompts is None else prompts[idx]
-                users = user_starts[idx] if user_starts is not None else ()
-                d = router.decide(q, now=now, launch=Launch(users))  # int32 token bytes
-                if not isinstance(d, Routed):
-                    rejected += 1
-                    continue
-                n = len(q) // 4
-                req = _Req(idx, now, q, n, r.output_length, d, d.slot, users,
-                           held=min(truth_tree.match(q).matched, n - 1))
-                if d.queued and not server_queues:
-                    held[d.request_id] = req  # the proxy holds it until its Handoff
-                    continue
-                srv = servers[d.backend]
-                if srv.waiting or not try_start(srv, req, now):
-                    srv.waiting.append(req)
-                continue
-            assert req is not None and req.slot is not None
-            if kind == 2:
-                router.prefilled(req.decision)
-                continue
-            srv = servers[req.decision.backend]
-            out = filler[: 4 * req.out]
-            srv.cache.finish_generated(req.slot, out)
-            handoffs = router.complete(req.decision, Report(output_tokens=out,
-                                                            reported_cached=req.reuse,
-                                                            prompt_ms=req.prefill_s * 1000.0,
-                                                            prompt_n=req.n - req.reuse,
-                                                            reported_slot=req.slot), now=now)
-            # the server retries its deferred tasks in order when a slot frees
-            if srv.waiting:
-                srv.waiting = deque(w for w in srv.waiting if not try_start(srv, w, now))
-            # then the proxy sends the requests it held, pinned to the slots handed them
-            for h in handoffs:
-                if server_queues:
-                    continue  # (sent already: it waits in the server's queue)
-                w = held.pop(h.request_id)
-                w.slot = h.slot  # (its record's prediction says so too)
-                hsrv = servers[h.backend]
-                if hsrv.waiting or not try_start(hsrv, w, now):
-                    hsrv.waiting.append(w)
-    finally:
-        if gc_enabled:
-            gc.enable()
-    wall = time.perf_counter() - wall0
-    cpu = time.process_time() - cpu0
+    def finish(self, req: _Req, now: float) -> None:
+        """A request ends: the truth and the router learn it, the server retries its
+        queue, then the proxy sends the requests handed the slots that freed."""
+        assert req.slot is not None
+        srv = self.servers[req.decision.backend]
+        out = self.filler[: 4 * req.out]
+        srv.cache.finish_generated(req.slot, out)
+        handoffs = self.router.complete(req.decision, Report(
+            output_tokens=out, reported_cached=req.reuse, prompt_ms=req.prefill_s * 1000.0,
+            prompt_n=req.n - req.reuse, reported_slot=req.slot), now=now)
+        # the server retries its deferred tasks in order when a slot frees
+        if srv.waiting:
+            srv.waiting = deque(w for w in srv.waiting if not self._try_start(srv, w, now))
+        # then the proxy sends the requests it held, pinned to the slots handed them
+        for h in handoffs:
+            if self.server_queues:
+                continue  # (sent already: it waits in the server's queue)
+            w = self.held.pop(h.request_id)
+            w.slot = h.slot  # (its record's prediction says so too)
+            self._send(self.servers[h.backend], w, now)
 
-    busy = [srv.busy_s for srv in servers.values()]
-    served = [srv.served for srv in servers.values()]
-    ttfts.sort()
-    done = len(ttfts)
-    return SimResult(
-        policy=policy,
-        n_backends=n_backends,
-        requests=done,
-        rejected=rejected,
-        prompt_tokens=prompt_tokens,
-        reused_tokens=reused,
-        held_tokens=held_tokens,
-        ttft_mean=sum(ttfts) / done if done else math.nan,
-        ttft_p90=ttfts[min(done - 1, int(0.9 * done))] if done else math.nan,
-        imbalance=max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0,
-        req_imbalance=max(served) / (sum(served) / len(served)) if sum(served) else 1.0,
-        wall_s=wall,
-        mispredicted=router.mispredictions / max(1, router.completed),
-        cpu_s=cpu,
-        starts=tuple(starts),
-    )
+    def result(self, policy: str, wall: float, cpu: float) -> SimResult:
+        busy = [srv.busy_s for srv in self.servers.values()]
+        served = [srv.served for srv in self.servers.values()]
+        ttfts = sorted(self.ttfts)
+        done = len(ttfts)
+        return SimResult(
+            policy=policy,
+            n_backends=len(self.servers),
+            requests=done,
+            rejected=self.rejected,
+            prompt_tokens=self.prompt_tokens,
+            reused_tokens=self.reused,
+            held_tokens=self.held_tokens,
+            ttft_mean=sum(ttfts) / done if done else math.nan,
+            ttft_p90=ttfts[min(done - 1, int(0.9 * done))] if done else math.nan,
+            imbalance=max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0,
+            req_imbalance=max(served) / (sum(served) / len(served)) if sum(served) else 1.0,
+            wall_s=wall,
+            mispredicted=self.router.mispredictions / max(1, self.router.completed),
+            cpu_s=cpu,
+            starts=tuple(self.starts),
+        )
 
 
 def plan_capacity(

@@ -12,7 +12,7 @@ import pytest
 
 from loadtest.__main__ import DEFAULT_TRACE, main
 from loadtest.bounds import oracle_hit_ratio
-from loadtest.simulate import SimBackend, plan_capacity, simulate
+from loadtest.simulate import SimBackend, SimResult, plan_capacity, simulate
 from loadtest.trace import (
     BlockPrompts,
     TraceRequest,
@@ -173,3 +173,24 @@ def test_held_at_arrival_splits_eviction_from_routing(n_slots: int, ram: int,
     r = simulate(trace, "prefix", 1, be)
     assert r.held_tokens == held
     assert r.hit_ratio <= r.held_ratio <= oracle_hit_ratio(trace)
+
+
+def test_prefill_noise_scatters_each_requests_time() -> None:
+    """Noisy prefill times: a replay repeats with its seed, another seed draws other
+    times; a policy blind to time (round robin) sends each request where it sent it
+    with exact times; the router's predictions stay exact."""
+    trace = conversations()
+    exact = SimBackend(n_slots=2, ram_cache_tokens=20_000, prefill_tps=5_000.0)
+    noisy = dataclasses.replace(exact, prefill_noise=0.3)
+    a, b = (simulate(trace, "round_robin", 3, noisy, seed=4) for _ in range(2))
+    assert a == dataclasses.replace(b, wall_s=a.wall_s, cpu_s=a.cpu_s)
+    base = simulate(trace, "round_robin", 3, exact, seed=4)
+    assert sorted(s[:2] for s in a.starts) == sorted(s[:2] for s in base.starts)
+
+    def ttfts(r: SimResult) -> list[float]:
+        return [t for *_, t in sorted(r.starts)]
+
+    assert ttfts(a) != pytest.approx(ttfts(base), rel=0.01)
+    other = simulate(trace, "round_robin", 3, noisy, seed=5)
+    assert ttfts(other) != pytest.approx(ttfts(a), rel=0.01)
+    assert simulate(trace, "prefix", 3, noisy, seed=4).mispredicted == 0.0
