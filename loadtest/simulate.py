@@ -148,10 +148,8 @@ def simulate(
         from loadtest.smg_like import register
 
         register()
-    replay = _Replay(trace, Router(policy, settings=s, seed=seed), n_backends, be, seed)
-    for i, r in enumerate(trace):
-        replay.events.append((r.timestamp_ms / 1000.0 / time_scale, i, 0, None))
-    heapq.heapify(replay.events)
+    replay = _Replay(trace, Router(policy, settings=s, seed=seed), n_backends, be, seed,
+                     time_scale)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     # NOTE: the replay allocates millions of small containers but makes no reference
     # cycles (tree nodes are unlinked by hand), so the cyclic GC only re-scans the
@@ -172,7 +170,7 @@ class _Replay:
     tallies."""
 
     def __init__(self, trace: Sequence[TraceRequest], router: Router, n_backends: int,
-                 be: SimBackend, seed: int) -> None:
+                 be: SimBackend, seed: int, time_scale: float) -> None:
         self.trace, self.router, self.be = trace, router, be
         kvb = be.kv_bytes_per_token
         self.prefill = PrefillCost(1.0 / be.prefill_tps, be.prefill_s_per_position)
@@ -198,7 +196,9 @@ class _Replay:
                       for _ in trace]
         self.blocks = BlockPrompts()
         self.filler = bytes(4 * max((r.output_length for r in trace), default=0))  # token 0
-        self.events: list[tuple[float, int, int, _Req | None]] = []
+        self.events: list[tuple[float, int, int, _Req | None]] = [
+            (r.timestamp_ms / 1000.0 / time_scale, i, 0, None) for i, r in enumerate(trace)]
+        heapq.heapify(self.events)
         self.order = len(trace)
         self.held: dict[int, _Req] = {}  # queued decisions, by request id
         self.ttfts: list[float] = []

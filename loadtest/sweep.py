@@ -11,7 +11,7 @@ live matrix; with these, the simulated mean TTFT of the 12 live cells is within 
 the live one for smg, rms, and 17% for kvroute, with exact times), and 1,150 for a
 slower machine. Each request's prefill takes that time times a log-normal factor of
 sigma 0.25 (on those logs, the logarithm of time over fit has an interquartile range of
-0.25, as a normal of sigma 0.19 has, and heavier tails: sigma 0.37), so a setting that
+0.25, as a normal of sigma 0.19 has, and heavier tails: its sd is 0.37), so a setting that
 only works with exact timings shows. Each cell is judged on the live matrix's targets,
 so a setting is chosen by how many cells it meets.
 """
