@@ -71,6 +71,7 @@ class Attempt:
         # the answer is streamed from the backend: its head tells the server launched it
         self.streams = False
         self.heard = False  # the answer's first bytes came
+        self.written = False  # the request reached the backend's socket
 
     async def run(self) -> web.StreamResponse:
         self.routed = await self.decide()
@@ -248,6 +249,7 @@ class Attempt:
     # ExchangeEvents: what `send` tells of the exchange
     def sent(self) -> None:
         # the request is written: the model's bookkeeping runs while the backend works
+        self.written = True
         self.routed.placed()
         if self.streams:
             self.routed.sending()  # (an answer that comes whole cannot show its launch)
@@ -305,12 +307,11 @@ class Attempt:
         self.fw.waits.posted(self.routed)  # (ended or failed: nothing waits for it)
         if outcome.complete and 0 < outcome.status < 400 and whole:
             self._complete(outcome, check=not self.no_reuse)
-        elif whole and outcome.cancelled and outcome.status == 200 \
-                and outcome.first_token_at is None and decision.slot is not None \
+        elif whole and self._left_during_prefill() and decision.slot is not None \
                 and self.info.dialect.has_slots:
-            # the client left during the prefill, which llama-server goes on with
-            # (it notices only when it writes the first token): the slot is busy until
-            # then, and holds what was prefilled
+            # llama-server goes on with a prefill its client left (it notices only when
+            # it writes the first token, or after a second with no result): the slot is
+            # busy until then, and holds what was prefilled
             self.fw.waits.free_when_idle(self.routed, self.info)
         else:
             # a client that leaves once output flows (an interrupted agent turn)
@@ -318,6 +319,14 @@ class Attempt:
             prefilled = whole and outcome.first_token_at is not None
             self.fw.waits.hand_off(self.routed.abort(now=time.monotonic(),
                                                      prefilled=prefilled))
+
+    def _left_during_prefill(self) -> bool:
+        """The client left once the request was written and before the first token: the
+        answer's head came (the slot launched), or none came yet (the server may still be
+        tokenizing or queueing it; the slot's state then tells what it did)."""
+        outcome = self.outcome
+        return outcome.cancelled and outcome.first_token_at is None \
+            and (outcome.status == 200 or (outcome.status == 0 and self.written))
 
     def _complete(self, outcome: Outcome, *, check: bool = True) -> None:
         """Feed a whole answer back; `check`: compare its reuse with the prediction."""

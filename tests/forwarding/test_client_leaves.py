@@ -59,6 +59,28 @@ async def test_client_leaving_during_the_prefill_leaves_its_prompt_in_a_busy_slo
         assert predicted == reported >= 2047, (predicted, reported, held)
 
 
+async def test_client_leaving_before_the_slot_launched_keeps_it_busy(
+        demo_model: Path, tmp_path: Path) -> None:
+    """A client can leave after its request is written and before the answer's head
+    (the server still tokenizing or queueing it: a slow machine). The server goes on with
+    it as with a launched one; freed in the model at once, the slot took the next
+    request while the server still prefilled there. Busy until /slots says idle."""
+    async with fake_behind_proxy(tmp_path, demo_model, "stall") as (fake, client):
+        router = client.server.app[ROUTER]
+        fake.busy_slots = 1  # the server took the request: its slot is processing
+        req = asyncio.create_task(client.post(
+            "/v1/chat/completions", json={**chat_body(230), "stream": True}))
+        await until(lambda: fake.hits >= 1, 5, 0.02)
+        req.cancel()  # no head came: the client left before the slot launched
+        with contextlib.suppress(asyncio.CancelledError):
+            await req
+        await asyncio.sleep(0.3)
+        assert router.snapshot()["backends"]["f"]["slots"][0]["busy"]
+        fake.busy_slots = 0  # the server noticed and ended the prefill
+        await until(lambda: not router.snapshot()["backends"]["f"]["slots"][0]["busy"], 10)
+        assert router.snapshot()["inflight"] == 0
+
+
 async def test_client_leaving_right_after_the_last_event_still_completes(
         demo_model: Path, tmp_path: Path) -> None:
     """A client that closes its connection as soon as it has a stream's last event (as
@@ -86,7 +108,9 @@ async def test_client_leaving_before_the_backend_answers_is_counted_cancelled(
     async with fake_behind_proxy(tmp_path, demo_model, "stall") as (fake, client):
         req = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(210)))
         await until(lambda: fake.hits >= 1, 5, 0.02)
-        await _cancel(req, client.server.app)
+        req.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await req
         async with client.get("/metrics") as m:
             text = await m.text()
     statuses = re.findall(r'kvroute_requests_total\{[^}]*status="(\w+)"\} 1\.0', text)
