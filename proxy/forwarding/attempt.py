@@ -249,7 +249,7 @@ class Attempt:
     # ExchangeEvents: what `send` tells of the exchange
     def sent(self) -> None:
         # the request is written: the model's bookkeeping runs while the backend works
-        self.written = True
+        self.written, self.outcome.sent_at = True, time.perf_counter()
         self.routed.placed()
         if self.streams:
             self.routed.sending()  # (an answer that comes whole cannot show its launch)

@@ -19,7 +19,8 @@ from typing import Any
 class Outcome:
     """Everything the proxy learnt from one upstream exchange."""
 
-    started: float                      # perf_counter() when the request was sent
+    started: float                      # perf_counter() when the request came
+    sent_at: float | None = None        # perf_counter() when it was written to the backend
     status: int = 0                     # upstream HTTP status (0: never answered)
     reported_cached: int | None = None  # prompt tokens the backend reused
     prompt_n: int | None = None         # prompt tokens it evaluated (uncached part)

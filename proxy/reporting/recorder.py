@@ -80,7 +80,8 @@ class Recorder:
             prompt_tokens=decision.prompt_tokens, predicted_cached=decision.predicted_cached,
             reported_cached=outcome.reported_cached, prompt_n=outcome.prompt_n,
             ttft_ms=None if ttft is None else round(ttft * 1000, 2),
-            latency_ms=round(latency * 1000, 2), why=reasons.get("why"), head_tokens=head)
+            latency_ms=round(latency * 1000, 2), sent_ms=_ms(outcome.sent_at, started),
+            why=reasons.get("why"), head_tokens=head, matched=reasons.get("matched"))
         self.log.debug("routed.reasons", request_id=decision.request_id, reasons=reasons)
         if self.recent is not None:
             self._remember(endpoint, decision, outcome, status, stream, latency)
@@ -105,3 +106,7 @@ class Recorder:
                 "head_tokens": reasons.get("head"), "matched": reasons.get("matched")})
         except Exception:  # called from a `finally`: the page's loss, never the request's
             self.log.exception("recent.failed", request_id=decision.request_id)
+
+
+def _ms(at: float | None, since: float) -> float | None:
+    return None if at is None else round((at - since) * 1000, 2)
