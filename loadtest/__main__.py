@@ -91,7 +91,8 @@ def _simulate_one(spec: str, trace: Sequence[TraceRequest], be: SimBackend,
 
 def _simulate(args: argparse.Namespace) -> int:
     from loadtest.bounds import oracle_hit_ratio
-    from loadtest.simulate import SimBackend, format_table, plan_capacity
+    from loadtest.capacity import plan_capacity
+    from loadtest.simulate import SimBackend, format_table
     from loadtest.trace import load_mooncake
 
     prompts = starts = None

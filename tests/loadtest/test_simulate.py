@@ -12,7 +12,8 @@ import pytest
 
 from loadtest.__main__ import DEFAULT_TRACE, main
 from loadtest.bounds import oracle_hit_ratio
-from loadtest.simulate import SimBackend, SimResult, plan_capacity, simulate
+from loadtest.capacity import plan_capacity
+from loadtest.simulate import SimBackend, SimResult, simulate
 from loadtest.trace import (
     BlockPrompts,
     TraceRequest,
