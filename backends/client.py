@@ -194,25 +194,27 @@ class BackendClient:
             return BadResponse(self.url, 200, str(data)[:500])
 
     async def slot_when_idle(self, slot: int, limit_s: float, poll_s: float = 1.5
-                             ) -> SlotState | None:
+                             ) -> tuple[SlotState | None, bool]:
         """`slot` once it is not processing, asked every `poll_s` (None: not within
-        `limit_s`, no such slot, or no /slots).
+        `limit_s`, no such slot, or no /slots), and whether an answer showed it processing.
 
         NOTE: `poll_s` must stay over a second: a request's HTTP thread checks whether its
         client left only after a second in which no result at all reached the server's
         queues (server_response_reader::next), and each /slots answer is one: polling
         faster keeps an abandoned prefill running to its first token."""
         deadline = time.monotonic() + limit_s
+        seen = False
         await asyncio.sleep(poll_s)  # (the server is still at it: it just lost its client)
         while time.monotonic() < deadline:
             got = await self.slots()
             if not isinstance(got, list):
-                return None
+                return None, seen
             state = next((s for s in got if s.id == slot), None)
             if state is None or not state.is_processing:
-                return state
+                return state, seen
+            seen = True
             await asyncio.sleep(poll_s)
-        return None
+        return None, seen
 
     async def tokenize(self, content: str | Sequence[Any], add_special: bool = True,
                        parse_special: bool = True, with_pieces: bool = False

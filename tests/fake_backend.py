@@ -68,6 +68,7 @@ class FakeBackend:
         self.answer: bytes | None = None  # the non-streamed answer's body (None: ANSWER)
         self.answer_status, self.answer_type = 200, "application/json"  # ... and its head
         self.busy_slots = 0  # slots /slots says are processing
+        self.slot_tokens = 0  # the prompt tokens /slots says each slot holds
         self.release = asyncio.Event()
         self.requests: list[tuple[str, dict[str, str], bytes]] = []  # completions only
         self.url = ""
@@ -117,7 +118,8 @@ class FakeBackend:
         if self.mode in ("hang", "wedged", "wedged-mid"):
             await self.release.wait()
         return web.json_response([{"id": i, "n_ctx": self.n_ctx,
-                                   "is_processing": i < self.busy_slots}
+                                   "is_processing": i < self.busy_slots,
+                                   "n_prompt_tokens": self.slot_tokens}
                                   for i in range(self.slots)])
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:

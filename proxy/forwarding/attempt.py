@@ -312,7 +312,7 @@ class Attempt:
             # llama-server goes on with a prefill its client left (it notices only when
             # it writes the first token, or after a second with no result): the slot is
             # busy until then, and holds what was prefilled
-            self.fw.waits.free_when_idle(self.routed, self.info)
+            self.fw.waits.free_when_idle(self.routed, self.info, self.outcome.status == 200)
         else:
             # a client that leaves once output flows (an interrupted agent turn)
             # leaves its prompt in the slot
@@ -323,7 +323,7 @@ class Attempt:
     def _left_during_prefill(self) -> bool:
         """The client left once the request was written and before the first token: the
         answer's head came (the slot launched), or none came yet (the server may still be
-        tokenizing or queueing it; the slot's state then tells what it did)."""
+        tokenizing or queueing it, or refuse it: see SlotWaits.free_when_idle)."""
         outcome = self.outcome
         return outcome.cancelled and outcome.first_token_at is None \
             and (outcome.status == 200 or (outcome.status == 0 and self.written))

@@ -127,9 +127,12 @@ class SlotWaits:
             if fut is not None and not fut.done():
                 fut.set_result(h)
 
-    def free_when_idle(self, routed: Routed, info: BackendInfo) -> None:
+    def free_when_idle(self, routed: Routed, info: BackendInfo, launched: bool) -> None:
         """Free `routed`'s slot once its backend is done with it, holding what /slots
-        says it does (unknown, as on any abort, when it cannot tell in time)."""
+        says it does (unknown, as on any abort, when it cannot tell in time). Not known
+        `launched` (no answer's head came) and never seen processing, the request may
+        not have run there: the count /slots gives is then the slot's earlier task's,
+        not a prefix of this prompt, and what the slot holds is unknown."""
         decision = routed.prediction
         assert decision.slot is not None
         prefill = self.router.prefill_s(info.name, decision.predicted_cached,
@@ -144,8 +147,9 @@ class SlotWaits:
             try:
                 if self.session is not None:
                     client = BackendClient(self.session, info.url, info.api_key)
-                    state = await client.slot_when_idle(slot, limit)
-                    held = None if state is None else state.n_prompt_tokens
+                    state, seen = await client.slot_when_idle(slot, limit)
+                    ran = launched or seen
+                    held = state.n_prompt_tokens if state is not None and ran else None
             finally:
                 self.recorder.log.debug("freed_when_idle", request_id=decision.request_id,
                                         backend=info.name, slot=slot, held=held)

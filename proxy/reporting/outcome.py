@@ -19,7 +19,7 @@ from typing import Any
 class Outcome:
     """Everything the proxy learnt from one upstream exchange."""
 
-    started: float                      # perf_counter() when the request came
+    started: float                      # perf_counter() when send() began
     sent_at: float | None = None        # perf_counter() when it was written to the backend
     status: int = 0                     # upstream HTTP status (0: never answered)
     reported_cached: int | None = None  # prompt tokens the backend reused

@@ -63,22 +63,44 @@ async def test_client_leaving_before_the_slot_launched_keeps_it_busy(
         demo_model: Path, tmp_path: Path) -> None:
     """A client can leave after its request is written and before the answer's head
     (the server still tokenizing or queueing it: a slow machine). The server goes on with
-    it as with a launched one; freed in the model at once, the slot took the next
-    request while the server still prefilled there. Busy until /slots says idle."""
+    it as with a launched one: the slot is busy until /slots says idle (freed at once,
+    it took the next request while the server still prefilled there), then holds what
+    /slots says, the request's prompt so far."""
     async with fake_behind_proxy(tmp_path, demo_model, "stall") as (fake, client):
         router = client.server.app[ROUTER]
-        fake.busy_slots = 1  # the server took the request: its slot is processing
-        req = asyncio.create_task(client.post(
-            "/v1/chat/completions", json={**chat_body(230), "stream": True}))
-        await until(lambda: fake.hits >= 1, 5, 0.02)
-        req.cancel()  # no head came: the client left before the slot launched
-        with contextlib.suppress(asyncio.CancelledError):
-            await req
-        await asyncio.sleep(0.3)
+        fake.busy_slots, fake.slot_tokens = 1, 40  # the server took it: processing
+        await _leave_before_the_head(fake, client, chat_body(230, n_words=300))
+        await asyncio.sleep(2.0)  # past the first /slots poll, which sees it processing
         assert router.snapshot()["backends"]["f"]["slots"][0]["busy"]
         fake.busy_slots = 0  # the server noticed and ended the prefill
         await until(lambda: not router.snapshot()["backends"]["f"]["slots"][0]["busy"], 10)
+        assert router.snapshot()["backends"]["f"]["slots"][0]["tokens"] == 40
         assert router.snapshot()["inflight"] == 0
+
+
+async def test_client_leaving_a_request_the_server_never_ran_claims_nothing(
+        demo_model: Path, tmp_path: Path) -> None:
+    """Left before the head, and /slots never shows the slot processing: the server may
+    have refused the request or dropped it queued. The count /slots gives is then the
+    slot's earlier task's, not a prefix of this prompt: what the slot holds is unknown
+    (recorded as this prompt's first tokens, the next request was predicted a reuse
+    the server does not have)."""
+    async with fake_behind_proxy(tmp_path, demo_model, "stall") as (fake, client):
+        router = client.server.app[ROUTER]
+        fake.slot_tokens = 200  # another conversation's tokens; the slot is idle
+        await _leave_before_the_head(fake, client, chat_body(231, n_words=300))
+        await until(lambda: not router.snapshot()["backends"]["f"]["slots"][0]["busy"], 10)
+        assert router.snapshot()["backends"]["f"]["slots"][0]["tokens"] == 0
+
+
+async def _leave_before_the_head(fake: Any, client: Any, body: dict[str, Any]) -> None:
+    """Send a streamed `body`; cancel it once the (stalled) backend has it."""
+    req = asyncio.create_task(client.post("/v1/chat/completions",
+                                          json={**body, "stream": True}))
+    await until(lambda: fake.hits >= 1, 5, 0.02)
+    req.cancel()  # no head came: the client left before the slot launched
+    with contextlib.suppress(asyncio.CancelledError):
+        await req
 
 
 async def test_client_leaving_right_after_the_last_event_still_completes(
