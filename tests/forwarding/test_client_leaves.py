@@ -64,8 +64,8 @@ async def test_client_leaving_before_the_slot_launched_keeps_it_busy(
     """A client can leave after its request is written and before the answer's head
     (the server still tokenizing or queueing it: a slow machine). The server goes on with
     it as with a launched one: the slot is busy until /slots says idle (freed at once,
-    it took the next request while the server still prefilled there), then holds what
-    /slots says, the request's prompt so far."""
+    it would take the next request while the server still prefills there), then holds
+    what /slots says, the request's prompt so far."""
     async with fake_behind_proxy(tmp_path, demo_model, "stall") as (fake, client):
         router = client.server.app[ROUTER]
         fake.busy_slots, fake.slot_tokens = 1, 40  # the server took it: processing
@@ -83,7 +83,7 @@ async def test_client_leaving_a_request_the_server_never_ran_claims_nothing(
     """Left before the head, and /slots never shows the slot processing: the server may
     have refused the request or dropped it queued. The count /slots gives is then the
     slot's earlier task's, not a prefix of this prompt: what the slot holds is unknown
-    (recorded as this prompt's first tokens, the next request was predicted a reuse
+    (recorded as this prompt's first tokens, it would predict the next request a reuse
     the server does not have)."""
     async with fake_behind_proxy(tmp_path, demo_model, "stall") as (fake, client):
         router = client.server.app[ROUTER]
