@@ -71,7 +71,6 @@ class Attempt:
         # the answer is streamed from the backend: its head tells the server launched it
         self.streams = False
         self.heard = False  # the answer's first bytes came
-        self.written = False  # the request reached the backend's socket
 
     async def run(self) -> web.StreamResponse:
         self.routed = await self.decide()
@@ -249,7 +248,7 @@ class Attempt:
     # ExchangeEvents: what `send` tells of the exchange
     def sent(self) -> None:
         # the request is written: the model's bookkeeping runs while the backend works
-        self.written, self.outcome.sent_at = True, time.perf_counter()
+        self.outcome.sent_at = time.perf_counter()
         self.routed.placed()
         if self.streams:
             self.routed.sending()  # (an answer that comes whole cannot show its launch)
@@ -326,7 +325,7 @@ class Attempt:
         tokenizing or queueing it, or refuse it: see SlotWaits.free_when_idle)."""
         outcome = self.outcome
         return outcome.cancelled and outcome.first_token_at is None \
-            and (outcome.status == 200 or (outcome.status == 0 and self.written))
+            and (outcome.status == 200 or (outcome.status == 0 and outcome.sent_at is not None))
 
     def _complete(self, outcome: Outcome, *, check: bool = True) -> None:
         """Feed a whole answer back; `check`: compare its reuse with the prediction."""
