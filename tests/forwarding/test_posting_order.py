@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +39,16 @@ async def ask(client: Any, text: str, **extra: Any) -> tuple[int, int, str]:
     usage = [json.loads(line[6:]) for line in body.splitlines()
              if line.startswith("data: {")][-1]["usage"]
     return predicted, usage["prompt_tokens_details"]["cached_tokens"], tier
+
+
+def launched_after_an_end(log: Path) -> bool:
+    """Whether the server's last launch came after another slot's end: its log's slot
+    events (a launch, an end) finish with end, launch, that launch's end."""
+    events = re.findall(r"id +(\d+) \| task +\d+ \| (processing task|stop processing)",
+                        log.read_text(errors="replace"))
+    (_, first), (slot, second), (last_slot, last) = events[-3:]
+    return (first, second, last) == ("stop processing", "processing task",
+                                     "stop processing") and last_slot == slot
 
 
 async def test_a_load_of_what_a_long_start_saves_waits_for_its_posting(
@@ -80,7 +92,9 @@ async def test_a_start_posted_after_another_slot_ended_saved_that_slot(
     was busy. CONV's next turn then runs in its slot, and a fork of CONV (a side
     question on the same history) takes LONG's slot, loading CONV from RAM: predicted so
     only if the model made that save too (LONG's turn was not launched, its answer's
-    head had not come, when CONV's end came)."""
+    head had not come, when CONV's end came). On a loaded machine the server may launch
+    LONG's turn before CONV's end (its log says which): then nothing saved CONV, and
+    the fork waits for CONV's slot instead."""
     sup = await backend_pool(n=1, slots=2, ctx_per_slot=16384, cache_ram_mib=256,
                              fresh=True)
     conv = words(1000, 12)
@@ -100,6 +114,7 @@ async def test_a_start_posted_after_another_slot_ended_saved_that_slot(
                     later = asyncio.create_task(ask(client, "", **long(14)))
         assert later is not None
         await later
+        saved = launched_after_an_end(sup.config.log_dir / f"{sup.ready()[0].name}.log")
         turn = asyncio.create_task(ask(client, conv + " " + words(20, 14),
                                        max_tokens=200, ignore_eos=True))
         await until(lambda: client.server.app[ROUTER].snapshot()["inflight"] == 1, 30,
@@ -107,5 +122,5 @@ async def test_a_start_posted_after_another_slot_ended_saved_that_slot(
         fork = await ask(client, conv + " " + words(20, 15))
         await turn
     predicted, reported, tier = fork
-    assert tier == "ram" and predicted >= 1000, fork
+    assert (tier == "ram") == saved and predicted >= 1000, (fork, saved)
     assert reported == predicted, fork
