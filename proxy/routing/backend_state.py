@@ -13,6 +13,7 @@ from sortedcontainers import SortedList
 from proxy.routing.cache.lora import Lora
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.prefill import PrefillCost
+from proxy.routing.service_order import priority, start_after
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.waiters import WaiterTree
 
@@ -24,6 +25,8 @@ class Queued(NamedTuple):
     prompt: bytes  # int32 token bytes (the head, when decided on its head)
     session: str | None = None  # the client's session hint
     lora: Lora | None = None  # the adapters it names (None: no `lora` field)
+    cost: float = 0.0  # its expected prefill seconds once handed a slot
+    since: float = 0.0  # when it was queued
 
 
 @dataclass
@@ -38,7 +41,9 @@ class BackendState:
     # what every expected time is made of (see proxy/routing/prefill.py)
     prefill: PrefillCost = field(init=False)
     rate_learned: bool = False
-    busy_until: float = 0.0  # virtual finish time of the modelled prefill queue
+    # virtual finish time of the prefills sent to the server (the requests the router
+    # holds add theirs once handed a slot: see ``queue_start``)
+    busy_until: float = 0.0
     work: int = 0  # in-flight work, tokens
     inflight: int = 0  # in-flight requests
     service_s: float = 0.0  # EWMA of request durations (0 = not learned)
@@ -80,10 +85,11 @@ class BackendState:
 
     def enqueue(self, rid: int, n: int, prompt: bytes, slot: int | None, *,
                 session: str | None = None, leader: int | None = None,
-                lora: Lora | None = None) -> None:
+                lora: Lora | None = None, cost: float = 0.0, now: float = 0.0) -> None:
         """``rid`` waits for a slot: ``slot`` once it frees, or any (None), or, with
-        ``leader``, the one that waiter is handed."""
-        self.queued[rid] = Queued(n, prompt, session, lora)
+        ``leader``, the one that waiter is handed. ``cost``: its expected prefill
+        seconds there."""
+        self.queued[rid] = Queued(n, prompt, session, lora, cost, now)
         if leader is not None:
             self.leader_of[rid] = leader
             self.followers.setdefault(leader, []).append(rid)
@@ -114,12 +120,13 @@ class BackendState:
                 self.targets[rid] = slot
         return behind
 
-    def requeue(self, rid: int, n: int, prompt: bytes) -> None:
-        """Queued ``rid``'s whole prompt is known: ``prompt`` of ``n`` tokens."""
+    def requeue(self, rid: int, n: int, prompt: bytes, cost: float) -> None:
+        """Queued ``rid``'s whole prompt is known: ``prompt`` of ``n`` tokens, ``cost``
+        seconds of prefill."""
         old = self.queued.get(rid)
         if old is None:
             return
-        self.queued[rid] = old._replace(n=n, prompt=prompt)  # (a key keeps its place)
+        self.queued[rid] = old._replace(n=n, prompt=prompt, cost=cost)  # (keeps its place)
         if self.waits_any(rid):
             self.waiting.add(rid, prompt)
             self.waiting_bytes += self.cache.save_bytes(n) - self.cache.save_bytes(old.n)
@@ -149,6 +156,35 @@ class BackendState:
         for rid in reversed(self.queued):
             if self.waits_any(rid):
                 yield self.queued[rid]
+
+    def after_s(self, s: RouterSettings) -> float:
+        """Seconds a request keeps its slot after its prefill (decoding): as requests here
+        did, or, until that is learned, a whole request's time."""
+        return self.after_prefill_s or self.service_s or s.default_service_s
+
+    def queue_start(self, cost: float, now: float, s: RouterSettings) -> float:
+        """When a request of ``cost`` seconds of prefill, queued now for any slot, is
+        expected to start its prefill: after the busy slots' requests, the waiters for
+        given slots, and the waiters the queue serves before it (of lower
+        ``priority``; their followers after them), each taking the slot that frees
+        first (proxy/routing/service_order.py)."""
+        after = self.after_s(s)
+        # a busy slot frees no sooner than one of them does on average: one past its
+        # expected end is still busy
+        soon = now + (self.service_s or s.default_service_s) / len(self.cache.slots)
+        free = [max(self.slot_free_at.get(i, now), soon) if sl.busy else now
+                for i, sl in enumerate(self.cache.slots)]
+        compute = max(now, self.busy_until)
+        for rid, slot in self.targets.items():
+            free[slot] = max(free[slot], now) + self.queued[rid].cost + after
+            compute += self.queued[rid].cost
+        ranked = sorted((k, q.since, rid) for rid, q in self.queued.items()
+                        if self.waits_any(rid)
+                        and (k := priority(q.cost, now - q.since,
+                                           len(self.followers.get(rid, ())), s)) <= cost)
+        ahead = [(self.queued[r].cost, after) for _, _, rid in ranked
+                 for r in (rid, *self.followers.get(rid, ()))]
+        return start_after(now, compute, free, ahead)
 
     def prefill_s(self, reuse: int, n: int) -> float:
         """Expected prefill time of a prompt's positions ``[reuse, n)`` here."""

@@ -130,16 +130,15 @@ class Booking:
             # choice.slot: it waits for that busy slot (see SlotQueue.drain); follows:
             # for the slot that waiter is handed
             st.enqueue(rid, n, q, choice.slot, session=session, leader=choice.follows,
-                       lora=r.lora)
+                       lora=r.lora, cost=st.prefill_s(pq.reuse, n), now=now)
             reuse, tier, slot = pq.reuse, pq.tier, None
         else:
             reuse, tier, slot = placed.reuse, placed.tier, placed.slot
+            st.busy_until = max(st.busy_until, now) + st.prefill_s(reuse, n)
+            st.expect_free(slot, now)
         work = n - reuse + self.settings.request_overhead_tokens
         st.work += work
         st.inflight += 1
-        st.busy_until = max(st.busy_until, now) + st.prefill_s(reuse, n)
-        if slot is not None:
-            st.expect_free(slot, now)
         f = self._ledger.add(rid, Inflight(choice.backend, slot, q, n, work, now, beyond,
                                            session, user_starts=r.user_starts, lora=r.lora))
         if placed is not None:

@@ -116,7 +116,7 @@ def best_options(c: Candidate, n: int, s: RouterSettings, now: float, session: s
     backlog = max(0.0, c.state.busy_until - now)
     cap = _WAITERS_PER_SLOT_MOST if none_idle else _WAITERS_PER_SLOT_IDLE
     return (_plain_option(c, n, s, now, backlog),
-            _wait_option(c, n, s, now, session, backlog, cap), _follow(c, n, s, session, backlog))
+            _wait_option(c, n, s, now, session, backlog, cap), _follow(c, n, s, session, now))
 
 
 # A prompt sharing fewer tokens with a backend's slots and RAM entries (a chat template's
@@ -175,14 +175,13 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
             best = (key, p, opt)
     if best is not None:
         return Option(best[0][0], best[0][1], best[1], best[2], False)
-    # queued on the server: it gets the slot that frees, whose content it may share
+    # queued: it gets the slot that frees when its turn in the queue's order comes
+    # (``slot``: the busy one whose content it shares, predicted to be the one it gets)
     p, slot = c.predict_queued(n, s.wait_min_tokens)
-    if slot is None:
-        service = st.service_s or s.default_service_s
-        wait_s = backlog + service / cache.cap.n_slots
-    else:
-        wait_s = max(backlog, st.slot_free_at.get(slot, now) - now)
-    ttft = _ttft(wait_s, p, n, cost, s)
+    start = st.queue_start(cost.seconds(p.reuse, n), now, s)
+    if slot is not None:
+        start = max(start, st.slot_free_at.get(slot, now))
+    ttft = _ttft(start - now, p, n, cost, s)
     return Option(ttft + _penalty(p, s, cost), ttft, p, slot, True)
 
 
@@ -276,7 +275,7 @@ def _turns_s(st: BackendState, slot: int, queue: list[Queued], s: RouterSettings
     per waiter would price a burst of turns over one long document (each reusing it
     whole) like as many fresh prefills of it."""
     cost = st.prefill
-    after = st.after_prefill_s or st.service_s or s.default_service_s
+    after = st.after_s(s)
     before = st.cache.slots[slot].prompt or b""
     total = 0.0
     for q in queue:
@@ -289,27 +288,28 @@ def _turns_s(st: BackendState, slot: int, queue: list[Queued], s: RouterSettings
 FOLLOWS = -1
 
 
-def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlog: float
+def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, now: float
             ) -> Option | None:
     """Following the waiter of ``c`` that shares the most of the prompt, at least
-    ``wait_min_tokens`` (None: none does): the request waits for the slot that waiter
-    is handed, and is handed it once that waiter and the followers before it end.
+    ``wait_min_tokens`` (None: none does): the request waits for the slot that waiter is
+    handed, and is handed it once that waiter and the followers before it end.
 
-    A conversation's next turn, or an agent's side call over its history, sent while
-    the previous request still waits here: that request is in no slot, so no holder
-    shows the history, and landing elsewhere would prefill it a second time (and keep
-    two copies of it). Expected ttft: the queue's expected wait (as for the server's
-    queue), one service time for the leader and one for each follower already behind
-    it, then the rest of the prompt. It finds the prompt of the last of those in the
-    slot (the leader's, none following it yet): what it shares with that one is what it
-    reuses, and that one's prompt beyond the shared part is truncated then (charged as
-    destroyed, as for ``_behind_waiter``). Whether it beats an idle slot elsewhere is the
-    choice's to say, by score: the prefill it saves is charged its queue cost over there.
-    A request naming its session never follows another named session's request (the
-    leader or a follower ahead), whose history it would truncate; one naming none
-    follows any: nothing tells it from that conversation's next turn (from a client
-    that names no session), and sharing more with the waiter than any holder has, it
-    most likely is one. (Other replicas' waiters wait for a given slot: no leaders.)"""
+    A conversation's next turn, or an agent's side call over its history, sent while the
+    previous request still waits here: that request is in no slot, so no holder shows
+    the history, and landing elsewhere would prefill it a second time (and keep two
+    copies of it). Expected ttft: the leader's start in the queue's order
+    (``BackendState.queue_start``), its time in the slot after, one service time for
+    each follower already behind it, then the rest of the prompt. It finds the prompt of
+    the last of those in the slot (the leader's, none following it yet): what it shares
+    with that one is what it reuses, and that one's prompt beyond the shared part is
+    truncated then (charged as destroyed, as for ``_behind_waiter``). Whether it beats
+    an idle slot elsewhere is the choice's to say, by score: the prefill it saves is
+    charged its queue cost over there. A request naming its session never follows
+    another named session's request (the leader or a follower ahead), whose history it
+    would truncate; one naming none follows any: nothing tells it from that
+    conversation's next turn (from a client that names no session), and sharing more
+    with the waiter than any holder has, it most likely is one. (Other replicas' waiters
+    wait for a given slot: no leaders.)"""
     st = c.state
     # the top sharer only: it reuses the most, and any other shares a part of its prompt
     # at most: when it is another named session's, that part is a prompt sessions share
@@ -330,8 +330,10 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, backlo
     # would be another's: every one named must be this session)
     if session is not None and any((q.session or session) != session for q in queue):
         return None
+    # the leader's turn in the queue's order, its slot time, then each follower's
     service = st.service_s or s.default_service_s
-    wait = backlog + service / len(st.cache.slots) + (1 + len(behind)) * service
+    wait = (st.queue_start(st.queued[leader].cost, now, s) - now + st.after_s(s)
+            + len(behind) * service)
     p = Placement(FOLLOWS, shared, "slot", None, 0, False, max(0, ahead.n - shared),
                   held=ahead.n)
     ttft = _ttft(wait, p, n, st.prefill, s)

@@ -61,11 +61,11 @@ class RequestEnds:
         if f.slot is not None:
             most = st.cache.extend_prompt(f.slot, q, user_starts)
             reuse = reuse if most is None else min(reuse, most)
+            st.busy_until += st.prefill_s(reuse, n) - st.prefill_s(d.predicted_cached, f.n)
         else:
-            st.requeue(d.request_id, n, q)
+            st.requeue(d.request_id, n, q, st.prefill_s(reuse, n))
         work = n - reuse + self._settings.request_overhead_tokens
         st.work += work - f.work
-        st.busy_until += st.prefill_s(reuse, n) - st.prefill_s(d.predicted_cached, f.n)
         f.prompt, f.n, f.work, f.beyond = q, n, work, None
         f.user_starts = user_starts
         f.prediction = replace(d, prompt_tokens=n, predicted_cached=reuse, claims=claims)

@@ -21,6 +21,7 @@ from proxy.routing.observed import PeerRequests
 from proxy.routing.policies import Policy
 from proxy.routing.posting import Unposted
 from proxy.routing.routed import Ledger
+from proxy.routing.service_order import priority
 from proxy.routing.settings import RouterSettings
 from proxy.routing.tree.radix import RadixTree
 from proxy.routing.tree.waiters import most_reuse
@@ -62,15 +63,11 @@ class SlotQueue:
         return out
 
     def _next_waiter(self, st: BackendState, now: float) -> int:
-        """The waiter an idle slot goes to (see ``drain``): the one of shortest expected
-        prefill there (its prompt less what its unpinned start, as ``hand`` makes it,
-        reuses from a slot or from RAM), each one's divided by 1 + ``wait_ageing`` x the
-        seconds it has waited, and by 1 + its followers (their shared prefix is prefilled
-        once, by it); one that has waited ``wait_starve_s`` goes first (the oldest of
-        those first). Near saturation the order decides the mean wait: the shortest
-        first lowers it, as in any queue; the ageing and the bound keep a long prompt
-        from waiting without end behind short ones (or behind followed ones). The
-        baseline policies keep the server's order.
+        """The waiter an idle slot goes to (see ``drain``): the one of lowest
+        ``service_order.priority``, of its expected prefill there (its prompt less what
+        its unpinned start, as ``hand`` makes it, reuses from a slot or from RAM); the
+        oldest of those that have waited ``wait_starve_s`` first. The baseline policies
+        keep the server's order.
 
         A short queue is scanned. A long one is searched among the waiters that can
         win: the oldest, the shortest prompts, and the one reusing most there (at least
@@ -92,10 +89,8 @@ class SlotQueue:
             if reuse < 0:
                 continue
             started = self._ledger[rid].started
-            waited = now - started
-            k = (-1.0 if waited >= s.wait_starve_s
-                 else st.prefill_s(reuse, queued[rid].n) / (1.0 + s.wait_ageing * waited)
-                 / (1 + len(followers.get(rid, ()))), started)
+            k = (priority(st.prefill_s(reuse, queued[rid].n), now - started,
+                          len(followers.get(rid, ())), s), started)
             if k < key:
                 best, key = rid, k
         return best
@@ -163,6 +158,7 @@ class SlotQueue:
         st.follow_to(rid, p.slot)  # handed it pinned when rid ends: see drain
         st.occupy(p.slot, f.session)
         f.started = max(f.started, now)  # its duration counts from here, not its wait
+        st.busy_until = max(st.busy_until, now) + st.prefill_s(p.reuse, f.n)
         st.expect_free(p.slot, now)
         kept = p.reuse if p.tier == "slot" else 0
         file = restore[0] if restore is not None else None

@@ -42,7 +42,7 @@ class RouterSettings:
     # per_waiter x the mean, over the candidate backends, of the requests waiting for a
     # slot (see policy.py)
     queue_cost_weight: float = 2.0
-    queue_cost_per_waiter: float = 1.0
+    queue_cost_per_waiter: float = 2.0
     # a slot saved to disk is restored into the chosen idle slot when it holds at least
     # this many more of the prompt than the slot would reuse (reading KV from disk costs
     # a small fraction of computing it, but a round trip and the server's loop)

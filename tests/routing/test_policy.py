@@ -235,7 +235,8 @@ def test_prefill_is_priced_by_the_positions_it_covers(
     ("waiting0", "waiting1", "per_waiter", "want"),
     [
         # b0 holds DOC behind 10 s of backlog; b1's two slots are busy: queued there,
-        # 2.5 s (a service time over its slots) + 3.1 s of prefill, plus 3.1 s charged
+        # 2.5 s (a service time over its slots) + 3.1 s of prefill, plus 3.1 s charged;
+        # the waiters there are longer: served after it, they add no wait
         (0, 0, 0.5, "b1"),  # 8.7 s against b0's 10.2 s: b1
         (0, 4, 0.0, "b1"),
         (0, 4, 0.5, "b0"),  # 2 waiting per backend (past the knee): 2 x 3.1 s charged
@@ -261,8 +262,9 @@ def test_queue_cost_grows_with_the_requests_waiting_in_the_fleet(
         cands[0].state.cache.start(1, to_token_bytes(list(range(350_000, 350_500))), {}, {}, 500)
     for i, (st, k) in enumerate(((cands[0].state, waiting0), (b1, waiting1))):
         for rid in range(k):
-            first = 400_000 + 10_000 * i + 1_000 * rid
-            st.enqueue(100 * i + rid, 400, to_token_bytes(list(range(first, first + 400))), None)
+            first = 400_000 + 10_000 * i + 5_000 * rid
+            st.enqueue(100 * i + rid, 4_000, to_token_bytes(list(range(first, first + 4_000))),
+                       None, cost=st.prefill_s(0, 4_000))
     got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
     assert got.backend == want, got.reasons
 
