@@ -83,18 +83,16 @@ class BackendState:
         else:
             self.slot_session[slot] = session
 
-    def enqueue(self, rid: int, n: int, prompt: bytes, slot: int | None, *,
-                session: str | None = None, leader: int | None = None,
-                lora: Lora | None = None, cost: float = 0.0, now: float = 0.0) -> None:
+    def enqueue(self, rid: int, q: Queued, slot: int | None, leader: int | None = None
+                ) -> None:
         """``rid`` waits for a slot: ``slot`` once it frees, or any (None), or, with
-        ``leader``, the one that waiter is handed. ``cost``: its expected prefill
-        seconds there."""
-        self.queued[rid] = Queued(n, prompt, session, lora, cost, now)
+        ``leader``, the one that waiter is handed."""
+        self.queued[rid] = q
         if leader is not None:
             self.leader_of[rid] = leader
             self.followers.setdefault(leader, []).append(rid)
         elif slot is None:
-            self._wait_any(rid, n, prompt)
+            self._wait_any(rid, q.n, q.prompt)
         else:
             self.targets[rid] = slot
 

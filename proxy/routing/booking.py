@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, NamedTuple
 
-from proxy.routing.backend_state import BackendState
+from proxy.routing.backend_state import BackendState, Queued
 from proxy.routing.cache.lora import Lora
 from proxy.routing.cache.values import CONTINUATION_SLACK, RAM, SLOT, Launch, Placement, from_disk
 from proxy.routing.decision import Decision, NeedWholePrompt, NoBackend
@@ -129,8 +129,8 @@ class Booking:
             pq = choice.queued or cand.predict_queued(n, None)[0]
             # choice.slot: it waits for that busy slot (see SlotQueue.drain); follows:
             # for the slot that waiter is handed
-            st.enqueue(rid, n, q, choice.slot, session=session, leader=choice.follows,
-                       lora=r.lora, cost=st.prefill_s(pq.reuse, n), now=now)
+            st.enqueue(rid, Queued(n, q, session, r.lora, st.prefill_s(pq.reuse, n), now),
+                       choice.slot, choice.follows)
             reuse, tier, slot = pq.reuse, pq.tier, None
         else:
             reuse, tier, slot = placed.reuse, placed.tier, placed.slot

@@ -19,19 +19,24 @@
   ``prompt_n`` / ``prompt_ms`` after the reused tokens the backend reports, recent
   prefills weighing most (``rate_ewma_alpha``; proxy/routing/prefill.py). Until it
   reports one, its peers' mean terms, or ``default_prefill_tps`` at every position.
-- ``backlog(b)`` is the modelled prefill queue: each decision adds its prefill time to
-  a per-backend virtual finish time. ``rate(b)``, below, is the mean tokens/s of its
+- ``backlog(b)`` is the server's modelled prefill queue: each request sent there
+  (placed in a slot, or handed one from the proxy's queue) adds its prefill time to a
+  per-backend virtual finish time. ``rate(b)``, below, is the mean tokens/s of its
   recent prefills (EWMA), for bounds counted in tokens.
 - ``slot_wait(b)``: when no slot is idle the request is not pinned (a pinned request to a
-  busy slot would disturb it) and queues on the server; it waits about one mean service
-  time (EWMA of observed durations, ``default_service_s`` until learned) / n_slots. Its
-  reuse is what the server will give it in the slot it gets when one frees
+  busy slot would disturb it); the proxy holds it and hands a freed slot to the waiter
+  of shortest expected prefill there, with ageing (proxy/routing/queue.py). Its wait is
+  priced in that order (proxy/routing/service_order.py): each waiter served before it
+  takes the slot that frees first (a busy slot at its expected end, and no sooner than
+  one mean service time / n_slots from now), their prefills taking the server's
+  compute in turn, then its own. So a turn with little left to prefill starts when a
+  slot frees, however many long prompts wait there, and a long prompt is priced behind
+  every shorter one. Its reuse is what the server will give it in the slot it gets
   (``BackendCache.predict_queued``): a queued request sharing a system prompt with the
-  running ones reuses it, so queueing there is priced (and predicted) as such. The
-  proxy holds queued requests and hands a freed slot to the one of shortest expected
-  prefill there, with ageing (proxy/routing/queue.py): one that would reuse at least
-  ``wait_min_tokens`` here is priced as the next one served: its RAM entry is then loaded
-  before the starts of the requests queued ahead of it save their slots and evict it.
+  running ones reuses it, so queueing there is priced (and predicted) as such. One that
+  would reuse at least ``wait_min_tokens`` here is predicted as the next one served:
+  its RAM entry is then loaded before the starts of the requests queued ahead of it
+  save their slots and evict it.
 - Waiting for a busy slot: a slot running a request that holds at least
   ``wait_min_tokens`` of this prompt is an option too (an agent's summary sent with its
   session's next turn, a turn sent before the previous answer ended). The request is
@@ -67,12 +72,12 @@
   servers' knee a worse one. The fleet's mean, not the backend's own count: the choice
   spreads load, so a prefill added where none waits yet delays as many soon; counted
   per backend, a turn's history on a queued backend looks dear to reuse and the turn
-  moves off it, recomputing it. (The chat replays of BENCHMARKS.md, simulated at
-  700-1,500 prefill tokens/s, 5 seeds: 2 and 1 beside 1 and 0 raise reuse on the
-  conversation trace by 2-8% on average and lower mean ttft; a burst of new sessions
-  over one prefix still spreads: a constant weight of 2.5 or more herds it. The same
-  replays at 750 and 850 tokens/s, 20 seeds: the fleet's mean puts reuse and TTFT
-  ahead of smg's in as many runs as the backend's own count or more.)
+  moves off it, recomputing it. (The chat replays of BENCHMARKS.md, simulated: a
+  weight of 2 raises reuse on the conversation trace over 1 and lowers mean ttft; a
+  burst of new sessions over one prefix still spreads: a constant weight of 2.5 or
+  more herds it. With the queue's order priced, 2 per waiter beside 1: higher reuse
+  in both traces and both RAM sizes at 1,150-1,300 tokens/s, 20 seeds; as high at
+  900-1,000, 10 seeds.)
 - Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
   in-flight request (only the latter once its first token came: it then only decodes,
   see ``Router.prefilled``). A backend is eligible only if its work after taking the request

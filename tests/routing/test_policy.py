@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from proxy.routing.backend_state import BackendState
+from proxy.routing.backend_state import BackendState, Queued
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.decision import Report
@@ -263,8 +263,8 @@ def test_queue_cost_grows_with_the_requests_waiting_in_the_fleet(
     for i, (st, k) in enumerate(((cands[0].state, waiting0), (b1, waiting1))):
         for rid in range(k):
             first = 400_000 + 10_000 * i + 5_000 * rid
-            st.enqueue(100 * i + rid, 4_000, to_token_bytes(list(range(first, first + 4_000))),
-                       None, cost=st.prefill_s(0, 4_000))
+            prompt = to_token_bytes(list(range(first, first + 4_000)))
+            st.enqueue(100 * i + rid, Queued(4_000, prompt, cost=st.prefill_s(0, 4_000)), None)
     got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
     assert got.backend == want, got.reasons
 

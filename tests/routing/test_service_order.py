@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.routing.backend_state import BackendState
+from proxy.routing.backend_state import BackendState, Queued
 from proxy.routing.cache.model import BackendCache
 from proxy.routing.cache.values import BackendCapacity
 from proxy.routing.decision import Report
@@ -82,9 +82,9 @@ def busy_backend(waiters: list[int], s: RouterSettings) -> BackendState:
                         {}, {}, 500)
         st_.slot_free_at[slot] = 1.0 + slot
     for rid, n in enumerate(waiters):
-        st_.enqueue(rid, n, to_token_bytes(list(range(10_000 * (rid + 1), 10_000 * (rid + 1)
-                                                      + n))), None,
-                    cost=st_.prefill_s(0, n))
+        first = 10_000 * (rid + 1)
+        prompt = to_token_bytes(list(range(first, first + n)))
+        st_.enqueue(rid, Queued(n, prompt, cost=st_.prefill_s(0, n)), None)
     return st_
 
 
