@@ -25,7 +25,7 @@ class Queued(NamedTuple):
     prompt: bytes  # int32 token bytes (the head, when decided on its head)
     session: str | None = None  # the client's session hint
     lora: Lora | None = None  # the adapters it names (None: no `lora` field)
-    cost: float = 0.0  # its expected prefill seconds once handed a slot
+    reuse: int = 0  # what its start is expected to reuse, tokens
     since: float = 0.0  # when it was queued
 
 
@@ -118,13 +118,13 @@ class BackendState:
                 self.targets[rid] = slot
         return behind
 
-    def requeue(self, rid: int, n: int, prompt: bytes, cost: float) -> None:
-        """Queued ``rid``'s whole prompt is known: ``prompt`` of ``n`` tokens, ``cost``
-        seconds of prefill."""
+    def requeue(self, rid: int, n: int, prompt: bytes, reuse: int) -> None:
+        """Queued ``rid``'s whole prompt is known: ``prompt`` of ``n`` tokens, ``reuse``
+        of them expected reused."""
         old = self.queued.get(rid)
         if old is None:
             return
-        self.queued[rid] = old._replace(n=n, prompt=prompt, cost=cost)  # (keeps its place)
+        self.queued[rid] = old._replace(n=n, prompt=prompt, reuse=reuse)  # (keeps its place)
         if self.waits_any(rid):
             self.waiting.add(rid, prompt)
             self.waiting_bytes += self.cache.save_bytes(n) - self.cache.save_bytes(old.n)
@@ -160,29 +160,57 @@ class BackendState:
         did, or, until that is learned, a whole request's time."""
         return self.after_prefill_s or self.service_s or s.default_service_s
 
-    def queue_start(self, cost: float, now: float, s: RouterSettings) -> float:
+    def queue_start(self, cost: float, now: float, s: RouterSettings,
+                    leader: int | None = None) -> float:
         """When a request of ``cost`` seconds of prefill, queued now for any slot, is
         expected to start its prefill: after the busy slots' requests, the waiters for
         given slots, and the waiters the queue serves before it (of lower
-        ``priority``; their followers after them), each taking the slot that frees
-        first (proxy/routing/service_order.py)."""
+        ``priority``), each taking the slot that frees first, its followers after it
+        in that slot (proxy/routing/service_order.py). With ``leader``, that waiter's
+        own start instead (its rank is its priority; it is not ahead of itself)."""
         after = self.after_s(s)
-        # a busy slot frees no sooner than one of them does on average: one past its
-        # expected end is still busy
+        free, compute = self._slot_ends(now, s)
+        rank = cost
+        if leader is not None:
+            q = self.queued[leader]
+            rank = priority(self._cost(q), now - q.since, len(self.followers.get(leader, ())), s)
+        ranked = sorted((k, q.since, rid) for rid, q in self.queued.items()
+                        if rid != leader and self.waits_any(rid)
+                        and (k := priority(self._cost(q), now - q.since,
+                                           len(self.followers.get(rid, ())), s)) <= rank)
+        ahead = [(self._cost(self.queued[rid]), after + self.followers_s(rid, s))
+                 for _, _, rid in ranked]
+        return start_after(now, compute, free, ahead)
+
+    def slot_start(self, slot: int, now: float, s: RouterSettings) -> float:
+        """When a request queued now for busy ``slot`` (after its other waiters) is
+        expected to start its prefill."""
+        free, compute = self._slot_ends(now, s)
+        return max(free[slot], compute)
+
+    def followers_s(self, rid: int, s: RouterSettings) -> float:
+        """Seconds the followers of waiter ``rid`` keep its slot after it, one after
+        another."""
+        after = self.after_s(s)
+        return sum(self._cost(self.queued[f]) + after for f in self.followers.get(rid, ()))
+
+    def _slot_ends(self, now: float, s: RouterSettings) -> tuple[list[float], float]:
+        """Each slot's expected end once its waiters (``targets``) had it, and when the
+        prefills sent to the server and theirs end. A busy slot frees no sooner than
+        one of them does on average: one past its expected end is still busy."""
+        after = self.after_s(s)
         soon = now + (self.service_s or s.default_service_s) / len(self.cache.slots)
         free = [max(self.slot_free_at.get(i, now), soon) if sl.busy else now
                 for i, sl in enumerate(self.cache.slots)]
         compute = max(now, self.busy_until)
         for rid, slot in self.targets.items():
-            free[slot] = max(free[slot], now) + self.queued[rid].cost + after
-            compute += self.queued[rid].cost
-        ranked = sorted((k, q.since, rid) for rid, q in self.queued.items()
-                        if self.waits_any(rid)
-                        and (k := priority(q.cost, now - q.since,
-                                           len(self.followers.get(rid, ())), s)) <= cost)
-        ahead = [(self.queued[r].cost, after) for _, _, rid in ranked
-                 for r in (rid, *self.followers.get(rid, ()))]
-        return start_after(now, compute, free, ahead)
+            cost = self._cost(self.queued[rid])
+            free[slot] = max(free[slot], now) + cost + after
+            compute += cost
+        return free, compute
+
+    def _cost(self, q: Queued) -> float:
+        return self.prefill_s(q.reuse, q.n)
 
     def prefill_s(self, reuse: int, n: int) -> float:
         """Expected prefill time of a prompt's positions ``[reuse, n)`` here."""

@@ -80,7 +80,7 @@ class Booking:
     def land(self, r: Prompt, choice: Choice, cand: Candidate, defer: bool,
              restore: tuple[str, bytes, int] | None
              ) -> tuple[Placement | None, bytes | None]:
-        """The slot model's landing of the chosen placement (None: queued on the server),
+        """The slot model's landing of the chosen placement (None: queued),
         now or, with ``defer``, at ``Router.place``; and, decided on a head, what the holder it
         reuses has beyond that head."""
         rid, q, n, user_starts, lora = r.rid, r.q, r.n, r.user_starts, r.lora
@@ -124,13 +124,13 @@ class Booking:
         st = cand.state
         queued = placed is None
         if placed is None:
-            # queued on the server (unpinned): predict what it gets when a slot frees,
+            # queued (unpinned): predict what it gets when a slot frees,
             # before recording it (it would share its whole prompt with itself)
             pq = choice.queued or cand.predict_queued(n, None)[0]
             # choice.slot: it waits for that busy slot (see SlotQueue.drain); follows:
             # for the slot that waiter is handed
-            st.enqueue(rid, Queued(n, q, session, r.lora, st.prefill_s(pq.reuse, n), now),
-                       choice.slot, choice.follows)
+            st.enqueue(rid, Queued(n, q, session, r.lora, pq.reuse, now), choice.slot,
+                       choice.follows)
             reuse, tier, slot = pq.reuse, pq.tier, None
         else:
             reuse, tier, slot = placed.reuse, placed.tier, placed.slot
@@ -149,7 +149,7 @@ class Booking:
         if r.head:
             reasons["head"] = len(q) // 4  # routed on these tokens (see extend)
         if queued:
-            reasons["queued"] = len(st.queued)  # position in the server's deferred queue
+            reasons["queued"] = len(st.queued)  # requests waiting there
             if choice.slot is not None:
                 reasons["waits_for_slot"] = choice.slot
         f.prediction = Decision(

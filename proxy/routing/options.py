@@ -99,13 +99,13 @@ class Option(NamedTuple):
     ttft: float  # expected time to first token
     placement: Placement | None
     pin: int | None  # the slot to pin, or the busy slot to wait for (None: the server's)
-    queued: bool  # it waits (for a busy slot, or in the server's queue)
+    queued: bool  # it waits (for a busy slot, or for any)
     leader: int | None = None  # the waiter it follows (see _follow)
 
 
 def best_options(c: Candidate, n: int, s: RouterSettings, now: float, session: str | None,
                  *, none_idle: bool) -> tuple[Option, Option | None, Option | None]:
-    """Cheapest way to run on backend ``c`` now or in the server's queue, cheapest
+    """Cheapest way to run on backend ``c`` now or queued for any slot, cheapest
     way waiting for one of its busy slots (None: no such slot), and following the
     waiter that shares most of the prompt (None: none worth it, see ``_follow``).
     ``none_idle``: every candidate backend has work (see ``_WAITERS_PER_SLOT_IDLE``).
@@ -162,7 +162,7 @@ def _idle_options(c: Candidate) -> list[int | None]:
 
 def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
                   backlog: float) -> Option:
-    """The cheapest idle slot of ``c``, or, none being idle, the server's queue."""
+    """The cheapest idle slot of ``c``, or, none being idle, waiting for one."""
     st = c.state
     cache, cost = st.cache, st.prefill
     best: tuple[tuple[float, float, int], Placement, int | None] | None = None
@@ -178,9 +178,8 @@ def _plain_option(c: Candidate, n: int, s: RouterSettings, now: float,
     # queued: it gets the slot that frees when its turn in the queue's order comes
     # (``slot``: the busy one whose content it shares, predicted to be the one it gets)
     p, slot = c.predict_queued(n, s.wait_min_tokens)
-    start = st.queue_start(cost.seconds(p.reuse, n), now, s)
-    if slot is not None:
-        start = max(start, st.slot_free_at.get(slot, now))
+    start = (st.queue_start(cost.seconds(p.reuse, n), now, s) if slot is None
+             else st.slot_start(slot, now, s))
     ttft = _ttft(start - now, p, n, cost, s)
     return Option(ttft + _penalty(p, s, cost), ttft, p, slot, True)
 
@@ -330,10 +329,14 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, now: f
     # would be another's: every one named must be this session)
     if session is not None and any((q.session or session) != session for q in queue):
         return None
-    # the leader's turn in the queue's order, its slot time, then each follower's
-    service = st.service_s or s.default_service_s
-    wait = (st.queue_start(st.queued[leader].cost, now, s) - now + st.after_s(s)
-            + len(behind) * service)
+    # the leader's start (in the queue's order, or when its slot frees), its prefill
+    # and its time in the slot after, then each follower's
+    lead = st.queued[leader]
+    slot = st.targets.get(leader)
+    start = (st.queue_start(0.0, now, s, leader) if slot is None
+             else st.slot_start(slot, now, s))
+    wait = (start - now + st.prefill_s(lead.reuse, lead.n) + st.after_s(s)
+            + st.followers_s(leader, s))
     p = Placement(FOLLOWS, shared, "slot", None, 0, False, max(0, ahead.n - shared),
                   held=ahead.n)
     ttft = _ttft(wait, p, n, st.prefill, s)

@@ -63,7 +63,7 @@ class RequestEnds:
             reuse = reuse if most is None else min(reuse, most)
             st.busy_until += st.prefill_s(reuse, n) - st.prefill_s(d.predicted_cached, f.n)
         else:
-            st.requeue(d.request_id, n, q, st.prefill_s(reuse, n))
+            st.requeue(d.request_id, n, q, reuse)
         work = n - reuse + self._settings.request_overhead_tokens
         st.work += work - f.work
         f.prompt, f.n, f.work, f.beyond = q, n, work, None

@@ -4,9 +4,9 @@ and the start that order gives a request queued now.
 The queue hands a freed slot to the waiter of shortest expected prefill, aged (see
 ``SlotQueue.drain``), not to the oldest. A request with little left to prefill (a turn
 whose history the backend holds) then starts as soon as a slot frees, however many
-long prompts wait there; one with much to prefill waits for every shorter one. Pricing
-a queued option at the backend's whole backlog (its arrival order) would send the
-first kind away from its history and promise the second a start it does not get.
+long prompts wait there; one with much to prefill waits for every shorter one. Its
+price says so: the backend's whole backlog would keep the first kind from its history
+and promise the second a start it does not get.
 """
 
 from __future__ import annotations

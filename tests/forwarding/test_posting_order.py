@@ -41,14 +41,25 @@ async def ask(client: Any, text: str, **extra: Any) -> tuple[int, int, str]:
     return predicted, usage["prompt_tokens_details"]["cached_tokens"], tier
 
 
-def launched_after_an_end(log: Path) -> bool:
-    """Whether the server's last launch came after another slot's end: its log's slot
-    events (a launch, an end) finish with end, launch, that launch's end."""
-    events = re.findall(r"id +(\d+) \| task +\d+ \| (processing task|stop processing)",
-                        log.read_text(errors="replace"))
-    (_, first), (slot, second), (last_slot, last) = events[-3:]
-    return (first, second, last) == ("stop processing", "processing task",
-                                     "stop processing") and last_slot == slot
+def slot_events(log: Path) -> list[tuple[str, str]]:
+    """(slot, event) of the server's log: each launch and each end, in order."""
+    return re.findall(r"id +(\d+) \| task +\d+ \| (processing task|stop processing)",
+                      log.read_text(errors="replace"))
+
+
+def all_ended(log: Path) -> list[tuple[str, str]]:
+    """The log's slot events once each launch in it has its end logged, else []."""
+    events = slot_events(log)
+    ends = sum(1 for _, e in events if e == "stop processing")
+    return events if events and 2 * ends == len(events) else []
+
+
+def launched_after_an_end(events: list[tuple[str, str]]) -> bool:
+    """Whether the last launch came after another slot's end: the events finish with
+    an end, then a launch in another slot, then that launch's end."""
+    (first_slot, first), (slot, second), (last_slot, last) = events[-3:]
+    return ((first, second, last) == ("stop processing", "processing task", "stop processing")
+            and first_slot != slot == last_slot)
 
 
 async def test_a_load_of_what_a_long_start_saves_waits_for_its_posting(
@@ -114,7 +125,9 @@ async def test_a_start_posted_after_another_slot_ended_saved_that_slot(
                     later = asyncio.create_task(ask(client, "", **long(14)))
         assert later is not None
         await later
-        saved = launched_after_an_end(sup.config.log_dir / f"{sup.ready()[0].name}.log")
+        log = sup.config.log_dir / f"{sup.ready()[0].name}.log"
+        # (the server writes its log from another thread: wait for every launch's end)
+        saved = launched_after_an_end(await until(lambda: all_ended(log), 10))
         turn = asyncio.create_task(ask(client, conv + " " + words(20, 14),
                                        max_tokens=200, ignore_eos=True))
         await until(lambda: client.server.app[ROUTER].snapshot()["inflight"] == 1, 30,

@@ -262,9 +262,9 @@ def test_queue_cost_grows_with_the_requests_waiting_in_the_fleet(
         cands[0].state.cache.start(1, to_token_bytes(list(range(350_000, 350_500))), {}, {}, 500)
     for i, (st, k) in enumerate(((cands[0].state, waiting0), (b1, waiting1))):
         for rid in range(k):
-            first = 400_000 + 10_000 * i + 5_000 * rid
+            first = 400_000 + 100_000 * i + 5_000 * rid
             prompt = to_token_bytes(list(range(first, first + 4_000)))
-            st.enqueue(100 * i + rid, Queued(4_000, prompt, cost=st.prefill_s(0, 4_000)), None)
+            st.enqueue(100 * i + rid, Queued(4_000, prompt), None)
     got = choose_prefix(cands, len(DOC) + 100, s, 0.0, None)
     assert got.backend == want, got.reasons
 

@@ -84,7 +84,7 @@ def busy_backend(waiters: list[int], s: RouterSettings) -> BackendState:
     for rid, n in enumerate(waiters):
         first = 10_000 * (rid + 1)
         prompt = to_token_bytes(list(range(first, first + n)))
-        st_.enqueue(rid, Queued(n, prompt, cost=st_.prefill_s(0, n)), None)
+        st_.enqueue(rid, Queued(n, prompt), None)
     return st_
 
 
@@ -118,8 +118,8 @@ def test_a_turn_waits_for_its_history_behind_long_queued_prompts() -> None:
     """a runs the conversation's previous turn (3,000 tokens) and another request;
     three 8,000-token prompts wait there for a slot; b's slots run short requests. The
     next turn, sent now, waits for its history's slot: it prefills 100 tokens once that
-    frees, before any of the long prompts (the queue serves the shortest first). Priced
-    at a's whole backlog (24,000 tokens queued), it went to b and prefilled 3,100."""
+    frees, before any of the long prompts (the queue serves the shortest first), where
+    b would give it a slot as soon and 3,100 tokens to prefill."""
     r = Router()
     for name in ("a", "b"):
         r.add_backend(BackendCapacity(name, 2, 16_384, 1 << 30, 8192))
