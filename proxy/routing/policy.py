@@ -75,9 +75,9 @@
   moves off it, recomputing it. (The chat replays of BENCHMARKS.md, simulated: a
   weight of 2 raises reuse on the conversation trace over 1 and lowers mean ttft; a
   burst of new sessions over one prefix still spreads: a constant weight of 2.5 or
-  more herds it. With the queue's order priced, 2 per waiter beside 1: higher reuse
-  in both traces and both RAM sizes at 1,150-1,300 tokens/s, 20 seeds; as high at
-  900-1,000, 10 seeds.)
+  more herds it. With the queue's order priced, 2 per waiter beside 1, 1,150-1,300
+  tokens/s, 20 seeds: higher reuse on the conversation trace and fewer cells below
+  smg_like's (lowest 0.95x against 0.88x), slightly lower on the synthetic one.)
 - Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
   in-flight request (only the latter once its first token came: it then only decodes,
   see ``Router.prefilled``). A backend is eligible only if its work after taking the request
