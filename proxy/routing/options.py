@@ -297,8 +297,8 @@ def _follow(c: Candidate, n: int, s: RouterSettings, session: str | None, now: f
     previous request still waits here: that request is in no slot, so no holder shows
     the history, and landing elsewhere would prefill it a second time (and keep two
     copies of it). Expected ttft: the leader's start in the queue's order
-    (``BackendState.queue_start``), its time in the slot after, one service time for
-    each follower already behind it, then the rest of the prompt. It finds the prompt of
+    (``BackendState.queue_start``), its prefill and its time in the slot, each follower
+    already behind it likewise, then the rest of the prompt. It finds the prompt of
     the last of those in the slot (the leader's, none following it yet): what it shares
     with that one is what it reuses, and that one's prompt beyond the shared part is
     truncated then (charged as destroyed, as for ``_behind_waiter``). Whether it beats

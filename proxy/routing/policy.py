@@ -72,12 +72,15 @@
   servers' knee a worse one. The fleet's mean, not the backend's own count: the choice
   spreads load, so a prefill added where none waits yet delays as many soon; counted
   per backend, a turn's history on a queued backend looks dear to reuse and the turn
-  moves off it, recomputing it. (The chat replays of BENCHMARKS.md, simulated: a
-  weight of 2 raises reuse on the conversation trace over 1 and lowers mean ttft; a
-  burst of new sessions over one prefix still spreads: a constant weight of 2.5 or
-  more herds it. With the queue's order priced, 2 per waiter beside 1, 1,150-1,300
-  tokens/s, 20 seeds: higher reuse on the conversation trace and fewer cells below
-  smg_like's (lowest 0.95x against 0.88x), slightly lower on the synthetic one.)
+  moves off it, recomputing it. (The chat replays of BENCHMARKS.md, simulated at
+  700-1,500 prefill tokens/s, 5 seeds: 2 and 1 beside 1 and 0 raise reuse on the
+  conversation trace by 2-8% on average and lower mean ttft; a burst of new sessions
+  over one prefix still spreads: a constant weight of 2.5 or more herds it. The same
+  replays at 750 and 850 tokens/s, 20 seeds: the fleet's mean puts reuse and TTFT
+  ahead of smg's in as many runs as the backend's own count or more. With the queue's
+  order priced, 2 per waiter beside 1, 1,150-1,300 tokens/s, 20 seeds: higher reuse on
+  the conversation trace and fewer cells below smg_like's (lowest 0.95x against
+  0.88x), slightly lower on the synthetic one.)
 - Bounded load: ``work(b)`` = uncached prompt tokens + ``request_overhead_tokens`` of each
   in-flight request (only the latter once its first token came: it then only decodes,
   see ``Router.prefilled``). A backend is eligible only if its work after taking the request

@@ -88,9 +88,9 @@ class SlotQueue:
             reuse = landed[rid] if rid in landed else self._reuse(st, rid)
             if reuse < 0:
                 continue
-            started = self._ledger[rid].started
-            k = (priority(st.prefill_s(reuse, queued[rid].n), now - started,
-                          len(followers.get(rid, ())), s), started)
+            q = queued[rid]
+            k = (priority(st.prefill_s(reuse, q.n), now - q.since,
+                          len(followers.get(rid, ())), s), q.since)
             if k < key:
                 best, key = rid, k
         return best
