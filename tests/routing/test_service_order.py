@@ -71,7 +71,7 @@ def test_priority_ages_and_starves() -> None:
     assert priority(100.0, 30.0, 0, s) == -1.0  # waited too long: first
 
 
-def busy_backend(waiters: list[int], s: RouterSettings) -> BackendState:
+def busy_backend(waiters: list[int]) -> BackendState:
     """A backend of two busy slots (expected to free at 1 and 2 s) and requests of
     ``waiters`` tokens waiting for any slot, queued at 0."""
     st_ = BackendState(BackendCache(BackendCapacity("b", 2, 65_536, 0, 8192), RadixTree()),
@@ -90,7 +90,7 @@ def busy_backend(waiters: list[int], s: RouterSettings) -> BackendState:
 
 def test_a_short_request_starts_when_a_slot_frees_however_many_long_ones_wait() -> None:
     s = RouterSettings()
-    st_ = busy_backend([8000, 8000, 8000], s)
+    st_ = busy_backend([8000, 8000, 8000])
     assert st_.queue_start(0.1, 0.0, s) == pytest.approx(1.0)
     # a longer one than all of them waits for their prefills, one after another
     assert st_.queue_start(20.0, 0.0, s) > 3 * st_.prefill_s(0, 8000)
@@ -98,7 +98,7 @@ def test_a_short_request_starts_when_a_slot_frees_however_many_long_ones_wait() 
 
 def test_a_long_waiter_aged_enough_goes_first() -> None:
     s = RouterSettings(wait_ageing=0.5, wait_starve_s=30.0)
-    st_ = busy_backend([8000], s)
+    st_ = busy_backend([8000])
     fresh = st_.queue_start(1.0, 0.0, s)
     assert fresh == pytest.approx(1.0)
     assert st_.queue_start(1.0, 31.0, s) > 31.0 + st_.prefill_s(0, 8000)
